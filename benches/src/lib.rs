@@ -1,0 +1,2 @@
+//! Criterion benchmarks of GdsLLM (in `benches/`): GB/s per layer for each I/O backend and
+//! tokens per second. This crate holds no library code of its own.

@@ -1,0 +1,8 @@
+//! Getting models into the GdsLLM format.
+//!
+//! This crate is for: converting GGUF files and Hugging Face safetensors directories into the
+//! format of `weights-format`, building `tokenizer.json` from GGUF metadata, writing synthetic
+//! models of a given shape, and the local model store (`gdsllm pull`, `-m NAME`).
+//!
+//! It is not for: reading models at inference time (that is `weights-format` and `residency`).
+//! It is shared by the `gdsllm` binary and `cargo xtask` so that both convert with the same code.

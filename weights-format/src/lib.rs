@@ -1,0 +1,59 @@
+//! The GdsLLM on-disk model format.
+//!
+//! This crate is for: the types of `metadata.json` (format version, model config, blobs and
+//! their tensors), the dtypes and their block layouts, a validating reader and a streaming
+//! writer that never leaves a half-written directory that looks valid. The format is specified
+//! in `FORMAT.md` beside this crate.
+//!
+//! It is not for: converting from other formats (`gdsllm-convert`), deciding what to keep in
+//! memory (`residency`), or doing arithmetic on the weights (`llama`).
+
+mod dtype;
+mod metadata;
+pub mod quant;
+
+pub use dtype::DType;
+pub use metadata::{
+    BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig, RopeScaling, TensorMeta,
+};
+
+/// Every tensor offset inside a blob, and every blob file length, is a multiple of this.
+pub const ALIGNMENT: u64 = 4096;
+
+/// Canonical tensor names inside each blob. One convention everywhere: Hugging Face row order
+/// for Q/K (no llama.cpp RoPE permutation), row-major `[out_features, in_features]` matrices.
+pub mod names {
+    /// In `embed.bin`: `[vocab, dim]`. Also the LM head when `tie_word_embeddings`.
+    pub const TOKEN_EMBD: &str = "token_embd";
+    /// In `output.bin`: `[dim]`, the final RMSNorm weight.
+    pub const OUTPUT_NORM: &str = "output_norm";
+    /// In `output.bin` when not tied: `[vocab, dim]`.
+    pub const OUTPUT: &str = "output";
+    /// In `layer_NNN.bin`: `[dim]`.
+    pub const ATTN_NORM: &str = "attn_norm";
+    /// `[n_heads * head_dim, dim]`.
+    pub const ATTN_Q: &str = "attn_q";
+    /// `[n_kv_heads * head_dim, dim]`.
+    pub const ATTN_K: &str = "attn_k";
+    /// `[n_kv_heads * head_dim, dim]`.
+    pub const ATTN_V: &str = "attn_v";
+    /// `[dim, n_heads * head_dim]`.
+    pub const ATTN_OUTPUT: &str = "attn_output";
+    /// `[dim]`.
+    pub const FFN_NORM: &str = "ffn_norm";
+    /// `[ffn_dim, dim]`.
+    pub const FFN_GATE: &str = "ffn_gate";
+    /// `[ffn_dim, dim]`.
+    pub const FFN_UP: &str = "ffn_up";
+    /// `[dim, ffn_dim]`.
+    pub const FFN_DOWN: &str = "ffn_down";
+
+    /// File name of layer `i`'s blob.
+    pub fn layer_blob(i: usize) -> String {
+        format!("layer_{i:03}.bin")
+    }
+    /// File name of the embedding blob.
+    pub const EMBED_BLOB: &str = "embed.bin";
+    /// File name of the output blob (final norm, and LM head when not tied).
+    pub const OUTPUT_BLOB: &str = "output.bin";
+}

@@ -1,0 +1,3 @@
+//! `cargo xtask`: developer tasks (convert, fetch, bindgen, ci).
+
+fn main() {}
