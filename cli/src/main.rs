@@ -1,3 +1,42 @@
 //! `gdsllm`: run, chat, convert, verify, synth, pull, plan, bench, doctor and serve.
+//!
+//! Results go to stdout (text, or one JSON object with `--json`); logs go to stderr through
+//! `tracing`, filtered by `RUST_LOG` (default `info`).
 
-fn main() {}
+mod cmd;
+mod progress;
+
+use clap::{Parser, Subcommand};
+
+/// GdsLLM: LLM inference that treats GPU memory as a cache and NVMe as the base of the memory
+/// hierarchy.
+#[derive(Parser)]
+#[command(name = "gdsllm", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    // Each subcommand lives in `cmd/<name>.rs` with its own `Args` and `run`.
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let result: anyhow::Result<()> = match cli.command {};
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
