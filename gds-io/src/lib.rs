@@ -8,3 +8,9 @@
 //!
 //! It is not for: deciding *what* to read or keep (that is `residency`), nor for knowing
 //! anything about model formats.
+
+pub mod aligned;
+pub mod host;
+
+pub use aligned::{AlignedBuf, AllocError, IO_ALIGN};
+pub use host::{DirectFile, HostIoError, ParallelRead, ReadRecord};
