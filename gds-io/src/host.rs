@@ -175,7 +175,10 @@ impl DirectFile {
     fn check_aligned(&self, offset: u64, buf: &[u8]) -> Result<(), HostIoError> {
         let addr = buf.as_ptr() as usize;
         let align = IO_ALIGN as u64;
-        if offset % align != 0 || buf.len() % IO_ALIGN != 0 || addr % IO_ALIGN != 0 {
+        if !offset.is_multiple_of(align)
+            || !buf.len().is_multiple_of(IO_ALIGN)
+            || !addr.is_multiple_of(IO_ALIGN)
+        {
             return Err(HostIoError::Unaligned {
                 path: self.path.clone(),
                 offset,
@@ -218,7 +221,7 @@ impl DirectFile {
             }
             done += n;
             // A short read that is not block-aligned can only be the end of the file.
-            if done % IO_ALIGN != 0 {
+            if !done.is_multiple_of(IO_ALIGN) {
                 break;
             }
         }
