@@ -1,0 +1,281 @@
+//! Building a Hugging Face `tokenizer.json` from GGUF tokenizer metadata, and finding chat
+//! templates.
+//!
+//! The JSON is assembled with `serde_json` (whose maps are sorted, so the output is
+//! deterministic); it is checked by loading it with the `tokenizers` crate in the tests.
+
+use serde_json::{Map, Value, json};
+
+use crate::gguf::{GgufError, GgufFile};
+
+/// GGUF `tokenizer.ggml.token_type` values that become special added tokens.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
+
+/// The regex llama.cpp calls `llama-bpe` (Llama 3's pre-tokenizer).
+const LLAMA3_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{path}: tokenizer.ggml.model {model:?} is not supported (supported: gpt2, llama)")]
+    UnsupportedModel { path: String, model: String },
+    #[error(
+        "{path}: tokenizer.ggml.pre {pre:?} is not supported (supported: smollm, gpt2, default, llama-bpe, llama3)"
+    )]
+    UnsupportedPreTokenizer { path: String, pre: String },
+    #[error("{path}: {key} has {found} entries but tokenizer.ggml.tokens has {tokens}")]
+    LengthMismatch {
+        path: String,
+        key: &'static str,
+        found: usize,
+        tokens: usize,
+    },
+    #[error(
+        "{path}: token {token:?} appears twice in tokenizer.ggml.tokens (ids {first} and {second})"
+    )]
+    DuplicateToken {
+        path: String,
+        token: String,
+        first: usize,
+        second: usize,
+    },
+}
+
+/// Builds the text of a `tokenizer.json` equivalent to the GGUF's embedded tokenizer.
+///
+/// BOS is never added by the post-processor: whether to prepend it is recorded in the model
+/// config (`add_bos_token`), so that a prompt never gets it twice.
+pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerError> {
+    let path = gguf.path().display().to_string();
+    let model = gguf.require_str("tokenizer.ggml.model")?;
+    let tokens = gguf
+        .opt_str_array("tokenizer.ggml.tokens")?
+        .ok_or_else(|| GgufError::MissingKey {
+            path: gguf.path().to_path_buf(),
+            key: "tokenizer.ggml.tokens".into(),
+        })?;
+    let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
+    if let Some(types) = &token_types
+        && types.len() != tokens.len()
+    {
+        return Err(TokenizerError::LengthMismatch {
+            path,
+            key: "tokenizer.ggml.token_type",
+            found: types.len(),
+            tokens: tokens.len(),
+        });
+    }
+    let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
+
+    let mut vocab = Map::new();
+    for (id, token) in tokens.iter().enumerate() {
+        if let Some(first) = vocab.insert(token.to_string(), json!(id)) {
+            // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only
+            // map a string to one id, so keep the first like Hugging Face does.
+            let first = first.as_u64().unwrap_or(0) as usize;
+            if type_of(id) == 1 && type_of(first) == 1 {
+                return Err(TokenizerError::DuplicateToken {
+                    path,
+                    token: token.to_string(),
+                    first,
+                    second: id,
+                });
+            }
+            vocab.insert(token.to_string(), json!(first));
+        }
+    }
+
+    let added_tokens: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .filter(|&(id, _)| matches!(type_of(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+        .map(|(id, content)| {
+            json!({
+                "id": id,
+                "content": content,
+                "single_word": false,
+                "lstrip": false,
+                "rstrip": false,
+                "normalized": false,
+                "special": true,
+            })
+        })
+        .collect();
+
+    let (pre_tokenizer, decoder, model_json) = match model {
+        "gpt2" => {
+            let merges = gguf
+                .opt_str_array("tokenizer.ggml.merges")?
+                .ok_or_else(|| GgufError::MissingKey {
+                    path: gguf.path().to_path_buf(),
+                    key: "tokenizer.ggml.merges".into(),
+                })?;
+            let pre = gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
+            let byte_level = |use_regex: bool| {
+                json!({
+                    "type": "ByteLevel",
+                    "add_prefix_space": false,
+                    "trim_offsets": true,
+                    "use_regex": use_regex,
+                })
+            };
+            let pre_tokenizer = match pre {
+                "smollm" => json!({
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {"type": "Digits", "individual_digits": true},
+                        byte_level(true),
+                    ],
+                }),
+                "gpt2" | "default" => byte_level(true),
+                "llama-bpe" | "llama3" => json!({
+                    "type": "Sequence",
+                    "pretokenizers": [
+                        {
+                            "type": "Split",
+                            "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
+                            "behavior": "Isolated",
+                            "invert": false,
+                        },
+                        byte_level(false),
+                    ],
+                }),
+                other => {
+                    return Err(TokenizerError::UnsupportedPreTokenizer {
+                        path,
+                        pre: other.to_string(),
+                    });
+                }
+            };
+            let decoder = json!({
+                "type": "ByteLevel",
+                "add_prefix_space": true,
+                "trim_offsets": true,
+                "use_regex": true,
+            });
+            let model_json = json!({
+                "type": "BPE",
+                "dropout": null,
+                "unk_token": null,
+                "continuing_subword_prefix": null,
+                "end_of_word_suffix": null,
+                "fuse_unk": false,
+                "byte_fallback": false,
+                "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges,
+            });
+            (pre_tokenizer, decoder, model_json)
+        }
+        "llama" => {
+            let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
+            if let Some(s) = &scores
+                && s.len() != tokens.len()
+            {
+                return Err(TokenizerError::LengthMismatch {
+                    path,
+                    key: "tokenizer.ggml.scores",
+                    found: s.len(),
+                    tokens: tokens.len(),
+                });
+            }
+            let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
+            let merges = merges_from_scores(&tokens, &scores, &vocab);
+            let unk = (0..tokens.len())
+                .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
+                .or(gguf
+                    .opt_u32("tokenizer.ggml.unknown_token_id")?
+                    .map(|u| u as usize))
+                .and_then(|id| tokens.get(id))
+                .map(|t| t.to_string());
+            let pre_tokenizer = json!({
+                "type": "Metaspace",
+                "replacement": "\u{2581}",
+                "prepend_scheme": "first",
+                "split": false,
+            });
+            let decoder = json!({
+                "type": "Sequence",
+                "decoders": [
+                    {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                    {"type": "ByteFallback"},
+                    {"type": "Fuse"},
+                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                ],
+            });
+            let model_json = json!({
+                "type": "BPE",
+                "dropout": null,
+                "unk_token": unk,
+                "continuing_subword_prefix": null,
+                "end_of_word_suffix": null,
+                "fuse_unk": true,
+                "byte_fallback": true,
+                "ignore_merges": false,
+                "vocab": vocab,
+                "merges": merges,
+            });
+            (pre_tokenizer, decoder, model_json)
+        }
+        other => {
+            return Err(TokenizerError::UnsupportedModel {
+                path,
+                model: other.to_string(),
+            });
+        }
+    };
+
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added_tokens,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": decoder,
+        "model": model_json,
+    });
+    Ok(serde_json::to_string(&tokenizer).expect("a serde_json::Value always serialises"))
+}
+
+/// SentencePiece BPE has no merge list, only a score per piece. The merges are every split of
+/// a piece into two pieces that are both in the vocabulary, ranked by the score of the merged
+/// piece (higher first), ties broken by the ids of the parts: the rule Hugging Face's
+/// `SentencePieceExtractor` uses, so the result matches their converted tokenizers.
+fn merges_from_scores(tokens: &[&str], scores: &[f32], vocab: &Map<String, Value>) -> Vec<Value> {
+    let id_of = |s: &str| vocab.get(s).and_then(Value::as_u64);
+    let mut merges: Vec<(f32, u64, u64, String, String)> = Vec::new();
+    for (token, &score) in tokens.iter().zip(scores) {
+        let boundaries: Vec<usize> = token.char_indices().map(|(i, _)| i).skip(1).collect();
+        for cut in boundaries {
+            let (left, right) = token.split_at(cut);
+            if let (Some(l), Some(r)) = (id_of(left), id_of(right)) {
+                merges.push((score, l, r, left.to_string(), right.to_string()));
+            }
+        }
+    }
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    merges
+        .into_iter()
+        .map(|(_, _, _, l, r)| json!([l, r]))
+        .collect()
+}
+
+/// The chat template of a `tokenizer_config.json`: either a string, or a list of
+/// `{name, template}` from which the one named "default" is taken.
+pub fn chat_template_from_tokenizer_config(config: &Value) -> Option<String> {
+    match config.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    }
+}
