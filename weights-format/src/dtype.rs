@@ -78,7 +78,7 @@ impl DType {
     pub fn byte_len(self, shape: &[u64]) -> Option<u64> {
         let inner = *shape.last().unwrap_or(&1);
         let block = self.block_len() as u64;
-        if inner % block != 0 {
+        if !inner.is_multiple_of(block) {
             return None;
         }
         let mut blocks: u64 = inner / block;

@@ -9,13 +9,20 @@
 //! memory (`residency`), or doing arithmetic on the weights (`llama`).
 
 mod dtype;
+mod error;
+pub mod layout;
 mod metadata;
+mod model;
 pub mod quant;
+mod writer;
 
 pub use dtype::DType;
+pub use error::FormatError;
 pub use metadata::{
     BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig, RopeScaling, TensorMeta,
 };
+pub use model::{Model, VerifyProgress, VerifyReport};
+pub use writer::{BlobWriter, ModelWriter, TensorWriter};
 
 /// Every tensor offset inside a blob, and every blob file length, is a multiple of this.
 pub const ALIGNMENT: u64 = 4096;

@@ -26,7 +26,7 @@ pub enum QuantError {
 
 fn check(dtype: DType, values: usize, bytes: usize) -> Result<(), QuantError> {
     let block = dtype.block_len();
-    if values % block != 0 {
+    if !values.is_multiple_of(block) {
         return Err(QuantError::PartialBlock {
             dtype,
             values,
@@ -105,7 +105,7 @@ pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<(), Quant
 /// quantizers (`quantize_row_*_ref`), so re-quantizing their output is stable.
 pub fn quantize(dtype: DType, src: &[f32], dst: &mut Vec<u8>) -> Result<(), QuantError> {
     let block = dtype.block_len();
-    if src.len() % block != 0 {
+    if !src.len().is_multiple_of(block) {
         return Err(QuantError::PartialBlock {
             dtype,
             values: src.len(),

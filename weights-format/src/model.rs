@@ -1,0 +1,671 @@
+//! The validating reader. `Model::open` checks everything that can be checked without reading
+//! the weights (it stats the blobs, never reads them), so it is cheap enough to run on every
+//! load; `Model::verify` re-reads every byte and compares checksums.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::layout::{self, BlobKind, TensorRole};
+use crate::{ALIGNMENT, BlobMeta, FORMAT_VERSION, FormatError, Metadata, ModelConfig, TensorMeta};
+
+/// metadata.json of an 80-layer model is ~100 KB; anything near this limit is not ours.
+const MAX_METADATA_BYTES: u64 = 64 << 20;
+/// Large sequential reads keep `verify` at disk speed; three buffers let reading and hashing
+/// overlap.
+const VERIFY_CHUNK: usize = 8 << 20;
+const VERIFY_BUFFERS: usize = 3;
+
+/// An opened, validated model directory.
+#[derive(Debug, Clone)]
+pub struct Model {
+    dir: PathBuf,
+    metadata: Metadata,
+}
+
+/// What [`Model::verify_with`] reports while it runs.
+#[derive(Debug)]
+pub enum VerifyProgress<'a> {
+    /// This many more bytes were read and hashed.
+    Bytes(u64),
+    /// A blob is done; `result` is `Ok` when its checksum and length match.
+    BlobDone {
+        index: usize,
+        file: &'a str,
+        bytes: u64,
+        result: &'a Result<(), FormatError>,
+    },
+}
+
+/// Summary of a successful [`Model::verify`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct VerifyReport {
+    pub blobs: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+impl VerifyReport {
+    pub fn gb_per_s(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.bytes as f64 / self.seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Model {
+    /// Opens `dir` and validates everything but the checksums: format version, config
+    /// consistency, blob list, file sizes, tensor bounds, alignment, overlaps, dtype × shape
+    /// = length, the tensors and shapes the config implies, tokenizer and chat template files.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Model, FormatError> {
+        let dir = dir.as_ref().to_path_buf();
+        let metadata = read_metadata(&dir)?;
+        validate(&dir, &metadata)?;
+        Ok(Model { dir, metadata })
+    }
+
+    pub(crate) fn moved_to(self, dir: PathBuf) -> Model {
+        Model { dir, ..self }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.metadata.config
+    }
+
+    /// Number of blobs (`n_layers + 2`).
+    pub fn blob_count(&self) -> usize {
+        self.metadata.blobs.len()
+    }
+
+    /// The blob at `index` of `metadata().blobs`.
+    ///
+    /// # Panics
+    /// If `index >= blob_count()`.
+    pub fn blob(&self, index: usize) -> &BlobMeta {
+        &self.metadata.blobs[index]
+    }
+
+    /// Path of the blob at `index` of `metadata().blobs`.
+    ///
+    /// # Panics
+    /// If `index >= blob_count()`.
+    pub fn blob_path(&self, index: usize) -> PathBuf {
+        self.dir.join(&self.metadata.blobs[index].file)
+    }
+
+    pub fn embed_blob(&self) -> usize {
+        0
+    }
+
+    /// # Panics
+    /// If `layer >= n_layers`.
+    pub fn layer_blob(&self, layer: usize) -> usize {
+        assert!(
+            layer < self.metadata.config.n_layers as usize,
+            "layer {layer} out of range (model has {})",
+            self.metadata.config.n_layers
+        );
+        1 + layer
+    }
+
+    pub fn output_blob(&self) -> usize {
+        self.metadata.config.n_layers as usize + 1
+    }
+
+    /// The blob that holds the LM head: `output_blob()`, or `embed_blob()` when tied.
+    pub fn lm_head_blob(&self) -> (usize, &'static str) {
+        if self.metadata.config.tie_word_embeddings {
+            (self.embed_blob(), crate::names::TOKEN_EMBD)
+        } else {
+            (self.output_blob(), crate::names::OUTPUT)
+        }
+    }
+
+    /// A tensor of the blob at `blob`, by canonical name.
+    pub fn tensor(&self, blob: usize, name: &str) -> Option<&TensorMeta> {
+        self.metadata.blobs.get(blob)?.tensor(name)
+    }
+
+    /// Total bytes of all blob files.
+    pub fn total_bytes(&self) -> u64 {
+        self.metadata.blobs.iter().map(|b| b.length).sum()
+    }
+
+    /// Reads one tensor's bytes (a plain positioned read; for tools and tests, not the hot path).
+    pub fn read_tensor(&self, blob: usize, name: &str) -> Result<Vec<u8>, FormatError> {
+        let meta = self
+            .metadata
+            .blobs
+            .get(blob)
+            .ok_or_else(|| FormatError::Writer {
+                reason: format!(
+                    "blob index {blob} out of range ({} blobs)",
+                    self.blob_count()
+                ),
+            })?;
+        let t = meta
+            .tensor(name)
+            .ok_or_else(|| FormatError::MissingTensor {
+                blob: meta.file.clone(),
+                tensor: name.to_string(),
+            })?;
+        let path = self.blob_path(blob);
+        let mut f = File::open(&path).map_err(|e| FormatError::io(&path, e))?;
+        f.seek(SeekFrom::Start(t.offset))
+            .map_err(|e| FormatError::io(&path, e))?;
+        let len = usize::try_from(t.length).map_err(|_| FormatError::Writer {
+            reason: format!("{}: tensor {name} does not fit in memory", meta.file),
+        })?;
+        let mut buf = vec![0u8; len];
+        f.read_exact(&mut buf)
+            .map_err(|e| FormatError::io(&path, e))?;
+        Ok(buf)
+    }
+
+    /// Re-reads the blob at `index` sequentially and checks its length and checksum.
+    pub fn verify_blob(&self, index: usize) -> Result<(), FormatError> {
+        self.verify_one(index, &mut |_| {})
+    }
+
+    /// Re-reads every blob and checks its checksum. Fails with
+    /// [`FormatError::VerifyFailed`] listing every bad blob, not just the first.
+    pub fn verify(&self) -> Result<VerifyReport, FormatError> {
+        self.verify_with(|_| {})
+    }
+
+    /// [`Model::verify`] with a callback for progress bars and per-blob status lines.
+    pub fn verify_with(
+        &self,
+        mut progress: impl FnMut(VerifyProgress<'_>),
+    ) -> Result<VerifyReport, FormatError> {
+        let start = Instant::now();
+        let mut errors = Vec::new();
+        let mut bytes = 0;
+        for (index, blob) in self.metadata.blobs.iter().enumerate() {
+            let mut read = 0u64;
+            let result = self.verify_one(index, &mut |n| {
+                read += n;
+                progress(VerifyProgress::Bytes(n));
+            });
+            bytes += read;
+            progress(VerifyProgress::BlobDone {
+                index,
+                file: &blob.file,
+                bytes: read,
+                result: &result,
+            });
+            if let Err(e) = result {
+                errors.push(e);
+            }
+        }
+        if !errors.is_empty() {
+            return Err(FormatError::VerifyFailed {
+                total: self.metadata.blobs.len(),
+                errors,
+            });
+        }
+        Ok(VerifyReport {
+            blobs: self.metadata.blobs.len(),
+            bytes,
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn verify_one(&self, index: usize, on_bytes: &mut dyn FnMut(u64)) -> Result<(), FormatError> {
+        let blob = &self.metadata.blobs[index];
+        let path = self.blob_path(index);
+        let (digest, read) = hash_file(&path, on_bytes).map_err(|e| FormatError::io(&path, e))?;
+        if read != blob.length {
+            return Err(FormatError::ShortRead {
+                blob: blob.file.clone(),
+                read,
+                expected: blob.length,
+            });
+        }
+        let actual = format!("xxh3:{digest:016x}");
+        if actual != blob.checksum {
+            return Err(FormatError::BadChecksum {
+                blob: blob.file.clone(),
+                expected: blob.checksum.clone(),
+                actual,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// XXH3-64 of a whole file and its length. One thread reads big chunks while another hashes,
+/// so the slower of the two (normally the disk) sets the pace.
+fn hash_file(path: &Path, on_bytes: &mut dyn FnMut(u64)) -> std::io::Result<(u64, u64)> {
+    let mut file = File::open(path)?;
+    let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(VERIFY_BUFFERS);
+    let (empty_tx, empty_rx) = mpsc::channel::<Vec<u8>>();
+    for _ in 0..VERIFY_BUFFERS {
+        empty_tx
+            .send(vec![0u8; VERIFY_CHUNK])
+            .expect("receiver is alive");
+    }
+    std::thread::scope(|s| {
+        let hasher = s.spawn(move || {
+            let mut h = Xxh3::new();
+            for (buf, n) in full_rx {
+                h.update(&buf[..n]);
+                // The reader may have stopped on an error; then nobody wants the buffer back.
+                let _ = empty_tx.send(buf);
+            }
+            h.digest()
+        });
+        let mut total = 0u64;
+        let read_result = (|| {
+            while let Ok(mut buf) = empty_rx.recv() {
+                let n = fill(&mut file, &mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                total += n as u64;
+                on_bytes(n as u64);
+                if full_tx.send((buf, n)).is_err() || n < VERIFY_CHUNK {
+                    break;
+                }
+            }
+            Ok::<(), std::io::Error>(())
+        })();
+        drop(full_tx);
+        let digest = hasher
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        read_result.map(|()| (digest, total))
+    })
+}
+
+/// Reads until `buf` is full or the file ends.
+fn fill(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
+    let path = dir.join("metadata.json");
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(FormatError::MissingFile {
+                path,
+                what: "metadata.json (is this a GdsLLM model directory?)".into(),
+            });
+        }
+        Err(e) => return Err(FormatError::io(&path, e)),
+    };
+    let mut bytes = Vec::new();
+    file.take(MAX_METADATA_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| FormatError::io(&path, e))?;
+    if bytes.len() as u64 > MAX_METADATA_BYTES {
+        return Err(FormatError::Json {
+            path,
+            line: 0,
+            column: 0,
+            message: format!("larger than the {MAX_METADATA_BYTES}-byte limit"),
+        });
+    }
+    let json_error = |e: serde_json::Error| FormatError::Json {
+        path: path.clone(),
+        line: e.line(),
+        column: e.column(),
+        message: e.to_string(),
+    };
+    // Look at the version first, so a newer file is reported as such rather than as a schema
+    // error about whatever field it added.
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(json_error)?;
+    match value
+        .get("format_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) => {
+            return Err(FormatError::UnsupportedVersion {
+                path,
+                found: u32::try_from(v).unwrap_or(u32::MAX),
+                supported: FORMAT_VERSION,
+            });
+        }
+        None => {} // the typed parse below reports it with a position
+    }
+    serde_json::from_slice(&bytes).map_err(json_error)
+}
+
+/// A name that stays inside the model directory: one path component, not `.`/`..`.
+pub(crate) fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\\', '\0'])
+        && Path::new(name).components().count() == 1
+}
+
+fn config_error(key: &str, reason: impl Into<String>) -> FormatError {
+    FormatError::Config {
+        key: key.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn validate_config(c: &ModelConfig) -> Result<(), FormatError> {
+    if c.architecture != "llama" {
+        return Err(config_error(
+            "architecture",
+            format!("{:?} is not supported (only \"llama\")", c.architecture),
+        ));
+    }
+    for (key, v) in [
+        ("n_layers", c.n_layers),
+        ("hidden_size", c.hidden_size),
+        ("n_heads", c.n_heads),
+        ("n_kv_heads", c.n_kv_heads),
+        ("head_dim", c.head_dim),
+        ("ffn_dim", c.ffn_dim),
+        ("vocab_size", c.vocab_size),
+        ("context_length", c.context_length),
+    ] {
+        if v == 0 {
+            return Err(config_error(key, "must not be 0"));
+        }
+    }
+    if !c.n_heads.is_multiple_of(c.n_kv_heads) {
+        return Err(config_error(
+            "n_kv_heads",
+            format!("{} does not divide n_heads {}", c.n_kv_heads, c.n_heads),
+        ));
+    }
+    if !c.head_dim.is_multiple_of(2) {
+        return Err(config_error(
+            "head_dim",
+            format!("{} is odd; RoPE rotates pairs", c.head_dim),
+        ));
+    }
+    for (key, v) in [
+        ("rope_theta", c.rope_theta),
+        ("rms_norm_eps", c.rms_norm_eps),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(config_error(
+                key,
+                format!("{v} is not a finite positive number"),
+            ));
+        }
+    }
+    if let Some(s) = &c.rope_scaling {
+        match s.rope_type.as_str() {
+            "linear" => {}
+            "llama3" => {
+                for (key, present) in [
+                    ("low_freq_factor", s.low_freq_factor.is_some()),
+                    ("high_freq_factor", s.high_freq_factor.is_some()),
+                    (
+                        "original_max_position_embeddings",
+                        s.original_max_position_embeddings.is_some(),
+                    ),
+                ] {
+                    if !present {
+                        return Err(config_error(
+                            &format!("rope_scaling.{key}"),
+                            "required for rope_type \"llama3\"",
+                        ));
+                    }
+                }
+            }
+            other => {
+                return Err(config_error(
+                    "rope_scaling.rope_type",
+                    format!("{other:?} is not supported (\"linear\" or \"llama3\")"),
+                ));
+            }
+        }
+        for (key, v) in [
+            ("factor", Some(s.factor)),
+            ("low_freq_factor", s.low_freq_factor),
+            ("high_freq_factor", s.high_freq_factor),
+        ] {
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(config_error(
+                    &format!("rope_scaling.{key}"),
+                    format!("{v} is not a finite positive number"),
+                ));
+            }
+        }
+    }
+    if let Some(bos) = c.bos_token_id
+        && bos >= c.vocab_size
+    {
+        return Err(config_error(
+            "bos_token_id",
+            format!("{bos} is not below vocab_size {}", c.vocab_size),
+        ));
+    }
+    if let Some(&eos) = c.eos_token_ids.iter().find(|&&e| e >= c.vocab_size) {
+        return Err(config_error(
+            "eos_token_ids",
+            format!("{eos} is not below vocab_size {}", c.vocab_size),
+        ));
+    }
+    Ok(())
+}
+
+fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
+    validate_config(&m.config)?;
+    let n_layers = m.config.n_layers;
+
+    for (field, name) in std::iter::once(("tokenizer", &m.tokenizer)).chain(
+        m.chat_template
+            .iter()
+            .map(|t| ("chat_template.file", &t.file)),
+    ) {
+        if !is_plain_file_name(name) {
+            return Err(FormatError::BadFileName {
+                field: field.to_string(),
+                name: name.clone(),
+            });
+        }
+        let path = dir.join(name);
+        if !path.is_file() {
+            return Err(FormatError::MissingFile {
+                path,
+                what: format!("{field} file named in metadata.json"),
+            });
+        }
+    }
+
+    let expected_files = layout::blob_files(n_layers);
+    if m.blobs.len() != expected_files.len() {
+        return Err(FormatError::BlobCount {
+            found: m.blobs.len(),
+            expected: expected_files.len(),
+            n_layers,
+        });
+    }
+    for (index, (blob, expected)) in m.blobs.iter().zip(&expected_files).enumerate() {
+        if &blob.file != expected {
+            return Err(FormatError::BlobOrder {
+                index,
+                expected: expected.clone(),
+                found: blob.file.clone(),
+            });
+        }
+    }
+
+    for blob in &m.blobs {
+        validate_blob(dir, &m.config, blob)?;
+    }
+    Ok(())
+}
+
+fn validate_blob(dir: &Path, config: &ModelConfig, blob: &BlobMeta) -> Result<(), FormatError> {
+    let file = &blob.file;
+    let blob_err = || file.clone();
+    let hex = blob.checksum.strip_prefix("xxh3:").unwrap_or("");
+    if hex.len() != 16 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(FormatError::ChecksumSyntax {
+            blob: blob_err(),
+            value: blob.checksum.clone(),
+        });
+    }
+    if !blob.length.is_multiple_of(ALIGNMENT) {
+        return Err(FormatError::BlobUnaligned {
+            blob: blob_err(),
+            length: blob.length,
+            alignment: ALIGNMENT,
+        });
+    }
+
+    let kind = layout::blob_kind(file).expect("blob names were checked against the layout");
+    let mut seen = HashSet::new();
+    for t in &blob.tensors {
+        if !seen.insert(t.name.as_str()) {
+            return Err(FormatError::DuplicateTensor {
+                blob: blob_err(),
+                tensor: t.name.clone(),
+            });
+        }
+        validate_tensor_bounds(blob, t)?;
+    }
+    let mut by_offset: Vec<&TensorMeta> = blob.tensors.iter().collect();
+    by_offset.sort_by_key(|t| t.offset);
+    for pair in by_offset.windows(2) {
+        // Bounds were checked, so this sum cannot overflow.
+        if pair[0].offset + pair[0].length > pair[1].offset {
+            return Err(FormatError::Overlap {
+                blob: blob_err(),
+                tensor: pair[0].name.clone(),
+                other: pair[1].name.clone(),
+            });
+        }
+    }
+
+    validate_expected_tensors(config, kind, blob)?;
+
+    let path = dir.join(file);
+    let actual = match std::fs::metadata(&path) {
+        Ok(md) if md.is_file() => md.len(),
+        Ok(_) => {
+            return Err(FormatError::MissingFile {
+                path,
+                what: "blob (not a regular file)".into(),
+            });
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(FormatError::MissingFile {
+                path,
+                what: "blob listed in metadata.json".into(),
+            });
+        }
+        Err(e) => return Err(FormatError::io(&path, e)),
+    };
+    if actual != blob.length {
+        return Err(FormatError::BlobSize {
+            blob: blob_err(),
+            expected: blob.length,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+fn validate_tensor_bounds(blob: &BlobMeta, t: &TensorMeta) -> Result<(), FormatError> {
+    if !t.offset.is_multiple_of(ALIGNMENT) {
+        return Err(FormatError::Misaligned {
+            blob: blob.file.clone(),
+            tensor: t.name.clone(),
+            offset: t.offset,
+            alignment: ALIGNMENT,
+        });
+    }
+    let expected = t.dtype.byte_len(&t.shape);
+    if expected != Some(t.length) {
+        return Err(FormatError::SizeMismatch {
+            blob: blob.file.clone(),
+            tensor: t.name.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            length: t.length,
+            expected,
+        });
+    }
+    match t.offset.checked_add(t.length) {
+        Some(end) if end <= blob.length => Ok(()),
+        _ => Err(FormatError::TensorOutOfBounds {
+            blob: blob.file.clone(),
+            tensor: t.name.clone(),
+            offset: t.offset,
+            length: t.length,
+            blob_length: blob.length,
+        }),
+    }
+}
+
+fn validate_expected_tensors(
+    config: &ModelConfig,
+    kind: BlobKind,
+    blob: &BlobMeta,
+) -> Result<(), FormatError> {
+    let specs = layout::blob_tensors(config, kind);
+    for spec in &specs {
+        let t = blob
+            .tensor(spec.name)
+            .ok_or_else(|| FormatError::MissingTensor {
+                blob: blob.file.clone(),
+                tensor: spec.name.to_string(),
+            })?;
+        if t.shape != spec.shape {
+            return Err(FormatError::WrongShape {
+                blob: blob.file.clone(),
+                tensor: t.name.clone(),
+                expected: spec.shape.clone(),
+                found: t.shape.clone(),
+            });
+        }
+        if spec.role == TensorRole::Norm && t.dtype.is_quantized() {
+            return Err(FormatError::DTypeNotAllowed {
+                blob: blob.file.clone(),
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                reason: "norm weights must be f32, f16 or bf16",
+            });
+        }
+    }
+    if let Some(extra) = blob
+        .tensors
+        .iter()
+        .find(|t| !specs.iter().any(|s| s.name == t.name))
+    {
+        return Err(FormatError::UnexpectedTensor {
+            blob: blob.file.clone(),
+            tensor: extra.name.clone(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,437 @@
+//! The streaming writer. Bytes go straight to the blob file as they arrive and are hashed on
+//! the way, so memory use is bounded by what the caller hands over. Everything is written into
+//! a hidden sibling directory that is renamed to the output only after metadata.json has been
+//! written, validated and synced: a crash or an error never leaves a directory at `out`.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::layout::{self, BlobKind};
+use crate::model::{Model, is_plain_file_name};
+use crate::{
+    ALIGNMENT, BlobMeta, ChatTemplateRef, DType, FORMAT_VERSION, FormatError, Metadata,
+    ModelConfig, TensorMeta,
+};
+
+const METADATA_FILE: &str = "metadata.json";
+static ZEROS: [u8; ALIGNMENT as usize] = [0; ALIGNMENT as usize];
+
+/// Writes a model directory. See the module docs for the crash-safety guarantee.
+#[derive(Debug)]
+pub struct ModelWriter {
+    out: PathBuf,
+    temp: PathBuf,
+    blobs: Vec<BlobMeta>,
+    files: Vec<String>,
+    finished: bool,
+}
+
+impl ModelWriter {
+    /// Starts a model at `out`, which must not exist yet (callers decide about overwriting).
+    /// The work happens in `.<name>.partial-<pid>` next to `out`.
+    pub fn create(out: impl AsRef<Path>) -> Result<ModelWriter, FormatError> {
+        let out = out.as_ref().to_path_buf();
+        if out.symlink_metadata().is_ok() {
+            return Err(FormatError::OutputExists { path: out });
+        }
+        let name = out
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| FormatError::Writer {
+                reason: format!(
+                    "{}: output needs a UTF-8 final path component",
+                    out.display()
+                ),
+            })?;
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let temp = parent.join(format!(".{name}.partial-{}", std::process::id()));
+        // Only a previous run with our pid can have left this; it is garbage by construction.
+        if temp.symlink_metadata().is_ok() {
+            std::fs::remove_dir_all(&temp).map_err(|e| FormatError::io(&temp, e))?;
+        }
+        std::fs::create_dir(&temp).map_err(|e| FormatError::io(&temp, e))?;
+        Ok(ModelWriter {
+            out,
+            temp,
+            blobs: Vec::new(),
+            files: Vec::new(),
+            finished: false,
+        })
+    }
+
+    /// The final directory, which exists only after [`ModelWriter::finish`].
+    pub fn out(&self) -> &Path {
+        &self.out
+    }
+
+    /// The hidden directory being written.
+    pub fn temp_dir(&self) -> &Path {
+        &self.temp
+    }
+
+    /// Opens blob `file` (a canonical name: `embed.bin`, `layer_NNN.bin`, `output.bin`).
+    /// Blobs may be written in any order; `finish` lists them in streaming order.
+    pub fn begin_blob(&mut self, file: &str) -> Result<BlobWriter<'_>, FormatError> {
+        if layout::blob_kind(file).is_none() {
+            return Err(FormatError::Writer {
+                reason: format!(
+                    "{file:?} is not a blob name (embed.bin, layer_NNN.bin or output.bin)"
+                ),
+            });
+        }
+        self.claim_name(file)?;
+        let path = self.temp.join(file);
+        let handle = File::create_new(&path).map_err(|e| FormatError::io(&path, e))?;
+        Ok(BlobWriter {
+            model: self,
+            file: file.to_string(),
+            path,
+            handle,
+            hasher: Xxh3::new(),
+            pos: 0,
+            tensors: Vec::new(),
+            poisoned: None,
+            done: false,
+        })
+    }
+
+    /// Writes a small side file such as `tokenizer.json` or `chat_template.jinja`.
+    pub fn add_file(&mut self, name: &str, bytes: &[u8]) -> Result<(), FormatError> {
+        if !is_plain_file_name(name) || name == METADATA_FILE || layout::blob_kind(name).is_some() {
+            return Err(FormatError::Writer {
+                reason: format!(
+                    "{name:?} cannot be added: not a plain file name, or reserved for metadata.json/blobs"
+                ),
+            });
+        }
+        self.claim_name(name)?;
+        let path = self.temp.join(name);
+        let mut f = File::create_new(&path).map_err(|e| FormatError::io(&path, e))?;
+        f.write_all(bytes).map_err(|e| FormatError::io(&path, e))?;
+        Ok(())
+    }
+
+    fn claim_name(&mut self, name: &str) -> Result<(), FormatError> {
+        if self.files.iter().any(|f| f == name) {
+            return Err(FormatError::Writer {
+                reason: format!("{name} was already written"),
+            });
+        }
+        self.files.push(name.to_string());
+        Ok(())
+    }
+
+    /// Writes metadata.json, validates the directory as [`Model::open`] would, syncs every file
+    /// and the directory, and renames it to `out`. On error nothing appears at `out`.
+    pub fn finish(
+        mut self,
+        config: ModelConfig,
+        tokenizer: &str,
+        chat_template: Option<ChatTemplateRef>,
+        source: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Model, FormatError> {
+        let n_layers = config.n_layers;
+        let mut blobs = std::mem::take(&mut self.blobs);
+        blobs.sort_by_key(|b| layout::blob_kind(&b.file).map(|k| blob_sort_key(k, n_layers)));
+        let metadata = Metadata {
+            format_version: FORMAT_VERSION,
+            config,
+            blobs,
+            tokenizer: tokenizer.to_string(),
+            chat_template,
+            source,
+        };
+        let mut json =
+            serde_json::to_string_pretty(&metadata).map_err(|e| FormatError::Writer {
+                reason: format!("cannot serialize metadata.json: {e}"),
+            })?;
+        json.push('\n');
+        let meta_path = self.temp.join(METADATA_FILE);
+        std::fs::write(&meta_path, json).map_err(|e| FormatError::io(&meta_path, e))?;
+
+        let staged = Model::open(&self.temp)?;
+
+        for name in self.files.iter().map(String::as_str).chain([METADATA_FILE]) {
+            let path = self.temp.join(name);
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| FormatError::io(&path, e))?;
+        }
+        sync_dir(&self.temp)?;
+        // rename(2) silently replaces an empty directory; refuse that as `create` did.
+        if self.out.symlink_metadata().is_ok() {
+            return Err(FormatError::OutputExists {
+                path: self.out.clone(),
+            });
+        }
+        std::fs::rename(&self.temp, &self.out).map_err(|e| FormatError::io(&self.out, e))?;
+        self.finished = true;
+        let parent = self.temp.parent().unwrap_or(Path::new("."));
+        sync_dir(parent)?;
+        Ok(staged.moved_to(self.out.clone()))
+    }
+}
+
+fn blob_sort_key(kind: BlobKind, n_layers: u32) -> (u8, usize) {
+    match kind {
+        BlobKind::Embed => (0, 0),
+        BlobKind::Layer(i) => (1, i),
+        BlobKind::Output => (2, n_layers as usize),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), FormatError> {
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| FormatError::io(dir, e))
+}
+
+impl Drop for ModelWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_dir_all(&self.temp);
+        }
+    }
+}
+
+/// Writes one blob file. Each tensor starts at the next multiple of [`ALIGNMENT`]; the file is
+/// zero-padded to a multiple of it. Dropped without [`BlobWriter::finish`], the file is removed
+/// and the blob is not recorded.
+pub struct BlobWriter<'m> {
+    model: &'m mut ModelWriter,
+    file: String,
+    path: PathBuf,
+    handle: File,
+    hasher: Xxh3,
+    pos: u64,
+    tensors: Vec<TensorMeta>,
+    /// Set once a tensor went wrong; the blob can then only be dropped.
+    poisoned: Option<String>,
+    done: bool,
+}
+
+impl<'m> BlobWriter<'m> {
+    /// The blob's file name.
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// Bytes written so far, padding included.
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
+
+    /// Writes a whole tensor. `data` must be exactly `dtype.byte_len(shape)` bytes.
+    pub fn write_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+        data: &[u8],
+    ) -> Result<(), FormatError> {
+        let mut t = self.begin_tensor(name, dtype, shape)?;
+        t.write_bytes(data)?;
+        t.finish()
+    }
+
+    /// Starts a tensor whose bytes are then handed over in pieces with
+    /// [`TensorWriter::write_bytes`]; [`TensorWriter::finish`] checks that exactly
+    /// `dtype.byte_len(shape)` bytes arrived.
+    pub fn begin_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<TensorWriter<'_, 'm>, FormatError> {
+        self.check_usable()?;
+        if self.tensors.iter().any(|t| t.name == name) {
+            return Err(self.tensor_error(name, "written twice".into()));
+        }
+        let length = dtype.byte_len(shape).ok_or_else(|| {
+            self.tensor_error(
+                name,
+                format!("shape {shape:?} is not a whole number of {dtype} blocks, or too large"),
+            )
+        })?;
+        self.pad_to_alignment()?;
+        Ok(TensorWriter {
+            offset: self.pos,
+            blob: self,
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            length,
+            written: 0,
+            finished: false,
+        })
+    }
+
+    /// Pads the file, records the blob (length, checksum, tensors) in the model being written.
+    pub fn finish(mut self) -> Result<(), FormatError> {
+        self.check_usable()?;
+        self.pad_to_alignment()?;
+        let checksum = format!("xxh3:{:016x}", self.hasher.digest());
+        self.model.blobs.push(BlobMeta {
+            file: self.file.clone(),
+            length: self.pos,
+            checksum,
+            tensors: std::mem::take(&mut self.tensors),
+        });
+        self.done = true;
+        Ok(())
+    }
+
+    fn check_usable(&self) -> Result<(), FormatError> {
+        match &self.poisoned {
+            Some(why) => Err(FormatError::Writer {
+                reason: format!("{}: unusable after an earlier error: {why}", self.file),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn tensor_error(&self, tensor: &str, reason: String) -> FormatError {
+        FormatError::TensorWrite {
+            blob: self.file.clone(),
+            tensor: tensor.to_string(),
+            reason,
+        }
+    }
+
+    fn write_raw(&mut self, data: &[u8]) -> Result<(), FormatError> {
+        if let Err(e) = self.handle.write_all(data) {
+            self.poisoned = Some(format!("write failed: {e}"));
+            return Err(FormatError::io(&self.path, e));
+        }
+        self.hasher.update(data);
+        self.pos += data.len() as u64;
+        Ok(())
+    }
+
+    fn pad_to_alignment(&mut self) -> Result<(), FormatError> {
+        let rem = self.pos % ALIGNMENT;
+        if rem != 0 {
+            self.write_raw(&ZEROS[..(ALIGNMENT - rem) as usize])?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for BlobWriter<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(&self.path);
+            // The name may be reused by a retry.
+            self.model.files.retain(|f| *f != self.file);
+        }
+    }
+}
+
+/// One tensor being streamed into a blob. Also an [`std::io::Write`], so `std::io::copy` from a
+/// reader works. Dropped without [`TensorWriter::finish`], it makes the blob unusable.
+pub struct TensorWriter<'b, 'm> {
+    blob: &'b mut BlobWriter<'m>,
+    name: String,
+    dtype: DType,
+    shape: Vec<u64>,
+    offset: u64,
+    length: u64,
+    written: u64,
+    finished: bool,
+}
+
+impl TensorWriter<'_, '_> {
+    /// Bytes this tensor still expects.
+    pub fn remaining(&self) -> u64 {
+        self.length - self.written
+    }
+
+    /// Appends bytes; more than the tensor's length is an error.
+    pub fn write_bytes(&mut self, data: &[u8]) -> Result<(), FormatError> {
+        if data.len() as u64 > self.remaining() {
+            let reason = format!(
+                "{} bytes would exceed its length {} ({} already written)",
+                data.len(),
+                self.length,
+                self.written
+            );
+            self.blob.poisoned = Some(format!("tensor {}: {reason}", self.name));
+            return Err(self.blob.tensor_error(&self.name, reason));
+        }
+        self.blob.write_raw(data)?;
+        self.written += data.len() as u64;
+        Ok(())
+    }
+
+    /// Checks the byte count and records the tensor in the blob.
+    pub fn finish(mut self) -> Result<(), FormatError> {
+        self.finished = true;
+        if self.written != self.length {
+            let reason = format!(
+                "got {} bytes, {} {:?} needs {}",
+                self.written, self.dtype, self.shape, self.length
+            );
+            self.blob.poisoned = Some(format!("tensor {}: {reason}", self.name));
+            return Err(self.blob.tensor_error(&self.name, reason));
+        }
+        self.blob.tensors.push(TensorMeta {
+            name: std::mem::take(&mut self.name),
+            dtype: self.dtype,
+            shape: std::mem::take(&mut self.shape),
+            offset: self.offset,
+            length: self.length,
+        });
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for BlobWriter<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobWriter")
+            .field("file", &self.file)
+            .field("pos", &self.pos)
+            .field("tensors", &self.tensors)
+            .field("poisoned", &self.poisoned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for TensorWriter<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorWriter")
+            .field("blob", &self.blob.file)
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("offset", &self.offset)
+            .field("length", &self.length)
+            .field("written", &self.written)
+            .finish()
+    }
+}
+
+impl Write for TensorWriter<'_, '_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_bytes(buf)
+            .map(|()| buf.len())
+            .map_err(std::io::Error::other)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for TensorWriter<'_, '_> {
+    fn drop(&mut self) {
+        if !self.finished && self.blob.poisoned.is_none() {
+            self.blob.poisoned = Some(format!("tensor {} was not finished", self.name));
+        }
+    }
+}

@@ -1,0 +1,250 @@
+mod common;
+
+use common::{tensor_bytes, tiny_config, write_tiny};
+use weights_format::layout::{self, TensorRole};
+use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
+
+#[test]
+fn round_trip_every_dtype_bit_exact() {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        for tied in [false, true] {
+            let tmp = tempfile::tempdir().unwrap();
+            let out = tmp.path().join("m");
+            let written = write_tiny(&out, dtype, tied);
+            assert_eq!(written.dir(), out);
+            let model = Model::open(&out).unwrap();
+            assert_eq!(model.metadata(), written.metadata());
+            assert_eq!(model.blob_count(), 4);
+            let config = tiny_config(tied);
+            for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
+                assert_eq!(&model.blob(i).file, file);
+                assert_eq!(model.blob(i).length % ALIGNMENT, 0);
+                let kind = layout::blob_kind(file).unwrap();
+                for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
+                    let dt = if spec.role == TensorRole::Norm {
+                        DType::F32
+                    } else {
+                        dtype
+                    };
+                    let expected = tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64);
+                    let got = model.read_tensor(i, spec.name).unwrap();
+                    assert!(got == expected, "{file}/{} differs ({dtype})", spec.name);
+                    let t = model.tensor(i, spec.name).unwrap();
+                    assert_eq!(t.offset % ALIGNMENT, 0);
+                    assert_eq!(t.dtype, dt);
+                }
+            }
+            assert_eq!(
+                model.lm_head_blob().1,
+                if tied {
+                    names::TOKEN_EMBD
+                } else {
+                    names::OUTPUT
+                }
+            );
+            let report = model.verify().unwrap();
+            assert_eq!(report.blobs, 4);
+            assert_eq!(report.bytes, model.total_bytes());
+            // No temp directory is left beside the output.
+            let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert_eq!(leftovers, vec![std::ffi::OsString::from("m")]);
+        }
+    }
+}
+
+#[test]
+fn writer_is_deterministic() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_tiny(&tmp.path().join("a"), DType::Q4_1, false);
+    write_tiny(&tmp.path().join("b"), DType::Q4_1, false);
+    let mut names: Vec<_> = std::fs::read_dir(tmp.path().join("a"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 7, "{names:?}");
+    for n in names {
+        let a = std::fs::read(tmp.path().join("a").join(&n)).unwrap();
+        let b = std::fs::read(tmp.path().join("b").join(&n)).unwrap();
+        assert!(a == b, "{n:?} differs between two identical writes");
+    }
+}
+
+#[test]
+fn chunked_tensor_equals_whole_tensor_and_blobs_sort() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tiny_config(true);
+    let whole = write_tiny(&tmp.path().join("whole"), DType::Q8_0, true);
+    let out = tmp.path().join("chunked");
+    let mut w = ModelWriter::create(&out).unwrap();
+    // Reverse order: the writer must list blobs in streaming order anyway.
+    let files = layout::blob_files(config.n_layers);
+    for (i, file) in files.iter().enumerate().rev() {
+        let kind = layout::blob_kind(file).unwrap();
+        let mut blob = w.begin_blob(file).unwrap();
+        for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
+            let dt = if spec.role == TensorRole::Norm {
+                DType::F32
+            } else {
+                DType::Q8_0
+            };
+            let data = tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64);
+            let mut t = blob.begin_tensor(spec.name, dt, &spec.shape).unwrap();
+            for piece in data.chunks(1000) {
+                t.write_bytes(piece).unwrap();
+            }
+            assert_eq!(t.remaining(), 0);
+            t.finish().unwrap();
+        }
+        blob.finish().unwrap();
+    }
+    w.add_file("tokenizer.json", b"{}").unwrap();
+    w.add_file("chat_template.jinja", b"{{ messages }}")
+        .unwrap();
+    let mut source = serde_json::Map::new();
+    source.insert("test".into(), "tiny".into());
+    let chunked = w
+        .finish(
+            config,
+            "tokenizer.json",
+            whole.metadata().chat_template.clone(),
+            source,
+        )
+        .unwrap();
+    assert_eq!(chunked.metadata(), whole.metadata());
+}
+
+#[test]
+fn tensor_byte_count_is_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = ModelWriter::create(tmp.path().join("m")).unwrap();
+    let mut blob = w.begin_blob(names::EMBED_BLOB).unwrap();
+    let mut t = blob
+        .begin_tensor(names::TOKEN_EMBD, DType::F32, &[4, 4])
+        .unwrap();
+    t.write_bytes(&[0u8; 60]).unwrap();
+    let err = t.finish().unwrap_err();
+    assert!(
+        matches!(&err, FormatError::TensorWrite { blob, tensor, .. } if blob == "embed.bin" && tensor == "token_embd"),
+        "{err}"
+    );
+    // The blob refuses further use after a bad tensor.
+    assert!(blob.write_tensor("x", DType::F32, &[1], &[0; 4]).is_err());
+    assert!(blob.finish().is_err());
+
+    let mut blob = w.begin_blob(names::EMBED_BLOB).unwrap();
+    let mut t = blob
+        .begin_tensor(names::TOKEN_EMBD, DType::F32, &[4])
+        .unwrap();
+    let err = t.write_bytes(&[0u8; 17]).unwrap_err();
+    assert!(err.to_string().contains("exceed"), "{err}");
+    drop(t);
+    let err = blob.begin_tensor("y", DType::Q4_0, &[33]).unwrap_err();
+    assert!(err.to_string().contains("unusable"), "{err}");
+    drop(blob);
+    let mut blob = w.begin_blob(names::EMBED_BLOB).unwrap();
+    let err = blob.write_tensor("z", DType::Q4_0, &[33], &[]).unwrap_err();
+    assert!(err.to_string().contains("whole number"), "{err}");
+}
+
+#[test]
+fn writer_rejects_bad_names_and_existing_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let existing = tmp.path().join("exists");
+    std::fs::create_dir(&existing).unwrap();
+    assert!(matches!(
+        ModelWriter::create(&existing),
+        Err(FormatError::OutputExists { .. })
+    ));
+    let mut w = ModelWriter::create(tmp.path().join("m")).unwrap();
+    assert!(w.begin_blob("layer_7.bin").is_err());
+    assert!(w.begin_blob("../embed.bin").is_err());
+    assert!(w.add_file("../tokenizer.json", b"").is_err());
+    assert!(w.add_file("metadata.json", b"").is_err());
+    assert!(w.add_file("output.bin", b"").is_err());
+    w.add_file("tokenizer.json", b"{}").unwrap();
+    assert!(w.add_file("tokenizer.json", b"{}").is_err());
+}
+
+#[test]
+fn incomplete_model_is_refused_at_finish_and_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let config = tiny_config(true);
+    let mut w = ModelWriter::create(&out).unwrap();
+    let data = tensor_bytes(DType::F32, &[128, 64], 0);
+    let mut blob = w.begin_blob(names::EMBED_BLOB).unwrap();
+    blob.write_tensor(names::TOKEN_EMBD, DType::F32, &[128, 64], &data)
+        .unwrap();
+    blob.finish().unwrap();
+    w.add_file("tokenizer.json", b"{}").unwrap();
+    let err = w
+        .finish(config, "tokenizer.json", None, Default::default())
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FormatError::BlobCount {
+                found: 1,
+                expected: 4,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn interrupted_writer_leaves_nothing_openable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let config = tiny_config(false);
+    {
+        let mut w = ModelWriter::create(&out).unwrap();
+        let temp = w.temp_dir().to_path_buf();
+        assert!(
+            temp.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with(".m.partial-")
+        );
+        for file in layout::blob_files(config.n_layers) {
+            let kind = layout::blob_kind(&file).unwrap();
+            let mut blob = w.begin_blob(&file).unwrap();
+            for spec in layout::blob_tensors(&config, kind) {
+                let data = tensor_bytes(DType::F16, &spec.shape, 1);
+                blob.write_tensor(spec.name, DType::F16, &spec.shape, &data)
+                    .unwrap();
+            }
+            blob.finish().unwrap();
+        }
+        // Everything but finish(): the writer is dropped here, as on a crash or an error path.
+        assert!(temp.is_dir());
+        assert!(
+            Model::open(&temp).is_err(),
+            "no metadata.json yet, so not a model"
+        );
+    }
+    assert!(!out.exists());
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "temp dir removed"
+    );
+    assert!(matches!(
+        Model::open(&out),
+        Err(FormatError::MissingFile { .. })
+    ));
+}
