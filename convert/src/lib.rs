@@ -7,6 +7,9 @@
 //! It is not for: reading models at inference time (that is `weights-format` and `residency`).
 //! It is shared by the `gdsllm` binary and `cargo xtask` so that both convert with the same code.
 
+pub mod convert;
 pub mod gguf;
+pub mod gguf_map;
 pub mod gguf_writer;
+pub mod hf;
 pub mod tokenizer;

@@ -1,0 +1,504 @@
+//! The conversion driver shared by every source format: a source is first turned into a
+//! [`SourceModel`] (config, tokenizer, and for every output tensor where its bytes lie in which
+//! input file), which is then streamed into a [`ModelWriter`] one tensor at a time.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter, quant};
+
+use crate::gguf::GgufError;
+use crate::tokenizer::TokenizerError;
+
+/// File name of the tokenizer inside a converted model.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+/// File name of the chat template inside a converted model.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
+/// What to store the 2-D weight matrices as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TargetDType {
+    /// Every tensor bit for bit as in the source (apart from the Q/K row order of GGUF).
+    #[default]
+    Keep,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_1,
+}
+
+impl TargetDType {
+    pub fn from_name(name: &str) -> Option<TargetDType> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "keep" => TargetDType::Keep,
+            "f16" => TargetDType::F16,
+            "bf16" => TargetDType::Bf16,
+            "q8_0" => TargetDType::Q8_0,
+            "q4_1" => TargetDType::Q4_1,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TargetDType::Keep => "keep",
+            TargetDType::F16 => "f16",
+            TargetDType::Bf16 => "bf16",
+            TargetDType::Q8_0 => "q8_0",
+            TargetDType::Q4_1 => "q4_1",
+        }
+    }
+
+    fn dtype(self) -> Option<DType> {
+        match self {
+            TargetDType::Keep => None,
+            TargetDType::F16 => Some(DType::F16),
+            TargetDType::Bf16 => Some(DType::Bf16),
+            TargetDType::Q8_0 => Some(DType::Q8_0),
+            TargetDType::Q4_1 => Some(DType::Q4_1),
+        }
+    }
+}
+
+impl std::fmt::Display for TargetDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Options of [`convert`].
+#[derive(Debug, Clone, Default)]
+pub struct ConvertOptions {
+    pub dtype: TargetDType,
+    /// Replace an existing output directory, once the new one is complete.
+    pub force: bool,
+}
+
+/// Progress reporting hooks; the library never prints, callers plug in a progress bar.
+/// Byte counts are of the source data read.
+pub trait Progress {
+    fn start(&self, _total_bytes: u64) {}
+    fn advance(&self, _bytes: u64) {}
+    fn finish(&self) {}
+}
+
+/// A [`Progress`] that reports nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConvertError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: neither a .gguf file nor a Hugging Face directory with config.json")]
+    UnknownInput { path: PathBuf },
+    #[error("{path}: missing config key {key}")]
+    MissingKey { path: PathBuf, key: String },
+    #[error("{path}: config key {key}: {reason}")]
+    BadKey {
+        path: PathBuf,
+        key: String,
+        reason: String,
+    },
+    #[error("{path}: missing tensor {tensor}")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor {tensor}: {reason}")]
+    BadTensor {
+        path: PathBuf,
+        tensor: String,
+        reason: String,
+    },
+    #[error("{path}: {reason}")]
+    BadInput { path: PathBuf, reason: String },
+    #[error("{path}: output exists (use --force to replace it)")]
+    OutputExists { path: PathBuf },
+}
+
+impl ConvertError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> ConvertError {
+        ConvertError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// Where one output tensor's bytes come from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedTensor {
+    /// Canonical name in the blob (`weights_format::names`).
+    pub name: String,
+    /// Name in the source, for messages.
+    pub source_name: String,
+    pub dtype: DType,
+    /// Row-major shape.
+    pub shape: Vec<u64>,
+    /// Index into [`SourceModel::files`].
+    pub file: usize,
+    /// Absolute byte offset in that file.
+    pub offset: u64,
+    pub length: u64,
+    /// Some(n_heads) when the rows are in llama.cpp's interleaved RoPE order and must be put
+    /// back into Hugging Face order with `n_heads` heads.
+    pub unpermute_heads: Option<u32>,
+}
+
+/// One output blob and its tensors in writing order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedBlob {
+    pub file: String,
+    pub tensors: Vec<PlannedTensor>,
+}
+
+/// A source model ready to be written: everything but the tensor bytes is in memory.
+#[derive(Debug)]
+pub struct SourceModel {
+    pub config: ModelConfig,
+    pub tokenizer_json: Vec<u8>,
+    pub chat_template: Option<String>,
+    /// Provenance written into `metadata.json`; contains no absolute paths or times so that
+    /// converting twice gives identical bytes.
+    pub source: Map<String, Value>,
+    pub blobs: Vec<PlannedBlob>,
+    /// Input files the tensors are read from, with their paths.
+    pub files: Vec<(PathBuf, File)>,
+}
+
+impl SourceModel {
+    /// Bytes of tensor data read from the source.
+    pub fn total_bytes(&self) -> u64 {
+        self.blobs
+            .iter()
+            .flat_map(|b| &b.tensors)
+            .map(|t| t.length)
+            .sum()
+    }
+}
+
+/// Opens a source: a `.gguf` file or a Hugging Face directory, told apart by what `input` is.
+pub fn open_source(input: &Path) -> Result<SourceModel, ConvertError> {
+    let meta = std::fs::metadata(input).map_err(|e| ConvertError::io(input, e))?;
+    if meta.is_dir() {
+        if input.join("config.json").is_file() {
+            return crate::hf::open_hf_dir(input);
+        }
+        return Err(ConvertError::UnknownInput {
+            path: input.to_path_buf(),
+        });
+    }
+    crate::gguf_map::open_gguf(input)
+}
+
+/// What [`convert`] did.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub out: PathBuf,
+    pub tensors: usize,
+    pub blobs: usize,
+    /// Bytes read from the source.
+    pub source_bytes: u64,
+    /// Bytes of blob files written (padding included).
+    pub written_bytes: u64,
+}
+
+/// Converts `input` (GGUF file or Hugging Face directory) into a model directory at `out`.
+/// Nothing appears at `out` unless the whole conversion succeeded; with `force`, an existing
+/// `out` is replaced only after the new model is complete.
+pub fn convert(
+    input: &Path,
+    out: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, ConvertError> {
+    let exists = out.symlink_metadata().is_ok();
+    if exists && !options.force {
+        return Err(ConvertError::OutputExists {
+            path: out.to_path_buf(),
+        });
+    }
+    let source = open_source(input)?;
+    if !exists {
+        return write_model(&source, out, options.dtype, progress);
+    }
+    let name = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| ConvertError::BadInput {
+            path: out.to_path_buf(),
+            reason: "the output needs a UTF-8 final path component".into(),
+        })?;
+    let pid = std::process::id();
+    let fresh = out.with_file_name(format!(".{name}.new-{pid}"));
+    let old = out.with_file_name(format!(".{name}.old-{pid}"));
+    let mut report = write_model(&source, &fresh, options.dtype, progress)?;
+    std::fs::rename(out, &old).map_err(|e| ConvertError::io(out, e))?;
+    if let Err(e) = std::fs::rename(&fresh, out) {
+        // Put the old model back rather than leave nothing at `out`.
+        let _ = std::fs::rename(&old, out);
+        let _ = std::fs::remove_dir_all(&fresh);
+        return Err(ConvertError::io(out, e));
+    }
+    remove_path(&old).map_err(|e| ConvertError::io(&old, e))?;
+    report.out = out.to_path_buf();
+    Ok(report)
+}
+
+fn remove_path(path: &Path) -> std::io::Result<()> {
+    if path.symlink_metadata()?.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    }
+}
+
+/// Streams `source` into a new model directory at `out` (which must not exist).
+pub fn write_model(
+    source: &SourceModel,
+    out: &Path,
+    dtype: TargetDType,
+    progress: &dyn Progress,
+) -> Result<ConvertReport, ConvertError> {
+    let mut writer = ModelWriter::create(out)?;
+    progress.start(source.total_bytes());
+    let mut raw = Vec::new();
+    let mut converted = Vec::new();
+    let mut tensors = 0;
+    for blob in &source.blobs {
+        let mut blob_writer = writer.begin_blob(&blob.file)?;
+        for t in &blob.tensors {
+            let (path, file) = &source.files[t.file];
+            raw.resize(t.length as usize, 0);
+            file.read_exact_at(&mut raw, t.offset)
+                .map_err(|e| ConvertError::io(path, e))?;
+            let mut data: &[u8] = &raw;
+            if let Some(n_heads) = t.unpermute_heads {
+                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
+                    ConvertError::BadTensor {
+                        path: path.clone(),
+                        tensor: t.source_name.clone(),
+                        reason,
+                    }
+                })?;
+                std::mem::swap(&mut raw, &mut converted);
+                data = &raw;
+            }
+            let target = match dtype.dtype() {
+                // Norms and other vectors stay f32 whatever the matrices become.
+                Some(_) if t.shape.len() == 1 => DType::F32,
+                Some(d) => d,
+                None => t.dtype,
+            };
+            if target != t.dtype {
+                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
+                    ConvertError::BadTensor {
+                        path: path.clone(),
+                        tensor: t.source_name.clone(),
+                        reason,
+                    }
+                })?;
+                data = &converted;
+            }
+            blob_writer.write_tensor(&t.name, target, &t.shape, data)?;
+            tensors += 1;
+            progress.advance(t.length);
+        }
+        blob_writer.finish()?;
+    }
+    writer.add_file(TOKENIZER_FILE, &source.tokenizer_json)?;
+    let chat_template = match &source.chat_template {
+        Some(template) => {
+            writer.add_file(CHAT_TEMPLATE_FILE, template.as_bytes())?;
+            Some(ChatTemplateRef {
+                file: CHAT_TEMPLATE_FILE.to_string(),
+            })
+        }
+        None => None,
+    };
+    let mut provenance = source.source.clone();
+    provenance.insert("dtype".into(), Value::String(dtype.name().into()));
+    let model: Model = writer.finish(
+        source.config.clone(),
+        TOKENIZER_FILE,
+        chat_template,
+        provenance,
+    )?;
+    progress.finish();
+    Ok(ConvertReport {
+        out: out.to_path_buf(),
+        tensors,
+        blobs: model.metadata().blobs.len(),
+        source_bytes: source.total_bytes(),
+        written_bytes: model.metadata().blobs.iter().map(|b| b.length).sum(),
+    })
+}
+
+/// Undoes llama.cpp's Q/K row permutation. llama.cpp stored HF row `h*hd + j*hd/2 + i` at
+/// `h*hd + 2*i + j` (per head `h`, rotary half `j`, index `i`); this moves each row back.
+/// Rows move whole, so quantized blocks are untouched.
+pub fn unpermute_rows(
+    data: &[u8],
+    shape: &[u64],
+    n_heads: u32,
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let rows = shape.first().copied().unwrap_or(0) as usize;
+    let n_heads = n_heads as usize;
+    if rows == 0 || n_heads == 0 || rows % (2 * n_heads) != 0 || data.len() % rows != 0 {
+        return Err(format!(
+            "{rows} rows cannot be split into {n_heads} heads of two rotary halves"
+        ));
+    }
+    let row_bytes = data.len() / rows;
+    let head_rows = rows / n_heads;
+    let half = head_rows / 2;
+    out.clear();
+    out.resize(data.len(), 0);
+    for h in 0..n_heads {
+        for j in 0..2 {
+            for i in 0..half {
+                let hf = h * head_rows + j * half + i;
+                let gguf = h * head_rows + 2 * i + j;
+                out[hf * row_bytes..(hf + 1) * row_bytes]
+                    .copy_from_slice(&data[gguf * row_bytes..(gguf + 1) * row_bytes]);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Re-encodes a tensor row by row (dequantize to f32, quantize), so memory stays at one
+/// source tensor plus one output tensor.
+fn reencode(
+    data: &[u8],
+    from: DType,
+    to: DType,
+    shape: &[u64],
+    out: &mut Vec<u8>,
+) -> Result<(), String> {
+    let cols = shape.last().copied().unwrap_or(1) as usize;
+    if cols % to.block_len() != 0 {
+        return Err(format!(
+            "rows of {cols} values cannot be stored as {to} ({}-value blocks)",
+            to.block_len()
+        ));
+    }
+    let row_bytes = from
+        .byte_len(&[cols as u64])
+        .ok_or_else(|| format!("rows of {cols} values are not whole {from} blocks"))?
+        as usize;
+    out.clear();
+    let mut row = vec![0f32; cols];
+    for src in data.chunks_exact(row_bytes) {
+        quant::dequantize(from, src, &mut row).map_err(|e| e.to_string())?;
+        quant::quantize(to, &row, out).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The shapes a LLaMA model's tensors must have, for checking sources against their config.
+pub(crate) fn expected_shape(config: &ModelConfig, name: &str) -> Vec<u64> {
+    use weights_format::names::*;
+    let dim = config.hidden_size as u64;
+    let q = (config.n_heads * config.head_dim) as u64;
+    let kv = (config.n_kv_heads * config.head_dim) as u64;
+    let ffn = config.ffn_dim as u64;
+    let vocab = config.vocab_size as u64;
+    match name {
+        TOKEN_EMBD | OUTPUT => vec![vocab, dim],
+        OUTPUT_NORM | ATTN_NORM | FFN_NORM => vec![dim],
+        ATTN_Q => vec![q, dim],
+        ATTN_K | ATTN_V => vec![kv, dim],
+        ATTN_OUTPUT => vec![dim, q],
+        FFN_GATE | FFN_UP => vec![ffn, dim],
+        FFN_DOWN => vec![dim, ffn],
+        _ => unreachable!("expected_shape called with non-canonical name {name}"),
+    }
+}
+
+/// Which of our tensors a LLaMA layer has, in writing order.
+pub(crate) const LAYER_TENSORS: [&str; 9] = {
+    use weights_format::names::*;
+    [
+        ATTN_NORM,
+        ATTN_Q,
+        ATTN_K,
+        ATTN_V,
+        ATTN_OUTPUT,
+        FFN_NORM,
+        FFN_GATE,
+        FFN_UP,
+        FFN_DOWN,
+    ]
+};
+
+/// Arranges found tensors into the canonical blobs, checking each shape against the config.
+/// `find(our_name, layer)` returns the planned tensor for that slot, or None if absent.
+pub(crate) fn plan_blobs(
+    config: &ModelConfig,
+    path: &Path,
+    mut find: impl FnMut(&str, Option<u32>) -> Result<Option<PlannedTensor>, ConvertError>,
+) -> Result<Vec<PlannedBlob>, ConvertError> {
+    use weights_format::names::*;
+    let mut require = |name: &str, layer: Option<u32>| -> Result<PlannedTensor, ConvertError> {
+        let t = find(name, layer)?.ok_or_else(|| ConvertError::MissingTensor {
+            path: path.to_path_buf(),
+            tensor: match layer {
+                Some(l) => format!("{name} of layer {l}"),
+                None => name.to_string(),
+            },
+        })?;
+        check_shape(config, path, &t)?;
+        Ok(t)
+    };
+    let mut blobs = vec![PlannedBlob {
+        file: EMBED_BLOB.to_string(),
+        tensors: vec![require(TOKEN_EMBD, None)?],
+    }];
+    for layer in 0..config.n_layers {
+        let tensors = LAYER_TENSORS
+            .iter()
+            .map(|name| require(name, Some(layer)))
+            .collect::<Result<Vec<_>, _>>()?;
+        blobs.push(PlannedBlob {
+            file: layer_blob(layer as usize),
+            tensors,
+        });
+    }
+    let mut output = vec![require(OUTPUT_NORM, None)?];
+    if !config.tie_word_embeddings {
+        output.push(require(OUTPUT, None)?);
+    }
+    blobs.push(PlannedBlob {
+        file: OUTPUT_BLOB.to_string(),
+        tensors: output,
+    });
+    Ok(blobs)
+}
+
+fn check_shape(config: &ModelConfig, path: &Path, t: &PlannedTensor) -> Result<(), ConvertError> {
+    let expected = expected_shape(config, &t.name);
+    if t.shape != expected {
+        return Err(ConvertError::BadTensor {
+            path: path.to_path_buf(),
+            tensor: t.source_name.clone(),
+            reason: format!(
+                "shape {:?} does not match the config (expected {expected:?})",
+                t.shape
+            ),
+        });
+    }
+    Ok(())
+}
