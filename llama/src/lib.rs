@@ -2,7 +2,19 @@
 //!
 //! This crate is for: the model config, tokenizer and chat template, sampling, the KV cache and
 //! the forward pass over a narrow `Backend` trait, with a CPU implementation always built and a
-//! CUDA one behind the `cuda` feature.
+//! CUDA one behind the `cuda` feature (to come).
 //!
 //! It is not for: deciding where weights live or when they are read (that is `residency`), nor
 //! HTTP (that is `server`).
+
+pub mod backend;
+pub mod config;
+mod error;
+pub mod model;
+pub mod weights;
+
+pub use backend::{Backend, CpuBackend, ReferenceBackend, WeightView};
+pub use config::LlamaConfig;
+pub use error::LlamaError;
+pub use model::Llama;
+pub use weights::{BlobLayout, InMemoryWeights, WeightSource};

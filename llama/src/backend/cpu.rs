@@ -1,0 +1,221 @@
+//! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
+//! the vectorised inner loops of [`super::kernels`], f32 activations and accumulation.
+
+use rayon::prelude::*;
+use weights_format::DType;
+
+use super::kernels::{self, QK};
+use super::{AttentionShape, Backend, WeightView};
+
+/// Multi-threaded CPU backend on the global rayon pool.
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend {
+    _private: (),
+}
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend { _private: () }
+    }
+}
+
+/// Weight rows per rayon task: about four tasks per thread so that uneven cores even out, but
+/// never so few rows that scheduling costs more than the work.
+fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
+    const MIN_WORK_PER_TASK: usize = 16 * 1024;
+    let threads = rayon::current_num_threads().max(1);
+    let by_balance = out_rows.div_ceil(4 * threads);
+    let by_work = MIN_WORK_PER_TASK.div_ceil(work_per_row.max(1));
+    by_balance.max(by_work).max(1)
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn read(&self, buf: &Vec<f32>, out: &mut [f32]) {
+        out.copy_from_slice(&buf[..out.len()]);
+    }
+
+    fn embed_rows(&self, table: WeightView<'_>, ids: &[u32], out: &mut Vec<f32>) {
+        let dim = table.cols;
+        for (o, &id) in out.chunks_exact_mut(dim).zip(ids) {
+            kernels::dequantize_row(table.dtype, table.row(id as usize), o);
+        }
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
+        let dim = weight.cols;
+        let mut w = vec![0f32; dim];
+        kernels::dequantize_row(weight.dtype, weight.bytes, &mut w);
+        for (xr, or) in x[..rows * dim]
+            .chunks_exact(dim)
+            .zip(out[..rows * dim].chunks_exact_mut(dim))
+        {
+            let ss = kernels::dot(xr, xr);
+            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+            for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
+                *o = xv * scale * wv;
+            }
+        }
+    }
+
+    fn matmul(&self, x: &Vec<f32>, rows: usize, w: WeightView<'_>, out: &mut Vec<f32>) {
+        let (m, k) = (w.rows, w.cols);
+        let row_bytes = w.row_bytes();
+        let x = &x[..rows * k];
+        let needs_sums =
+            matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && rows < kernels::DECODE_ONCE_MIN_ROWS;
+        let mut xsums = Vec::new();
+        if needs_sums {
+            let mut one = Vec::new();
+            for xr in x.chunks_exact(k) {
+                kernels::block_sums(xr, &mut one);
+                xsums.extend_from_slice(&one);
+            }
+        }
+        debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
+        let chunk = rows_per_task(m, k * rows);
+        let task = |(ci, o): (usize, &mut [f32])| {
+            let first = ci * chunk;
+            let n_rows = o.len() / rows;
+            let wb = &w.bytes[first * row_bytes..(first + n_rows) * row_bytes];
+            kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, rows, o);
+        };
+        if rows == 1 {
+            out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
+        } else {
+            // Each task owns whole weight rows, so it writes a transposed [m, rows] block.
+            let mut out_t = vec![0f32; m * rows];
+            out_t
+                .par_chunks_mut(chunk * rows)
+                .enumerate()
+                .for_each(task);
+            for (i, col) in out_t.chunks_exact(rows).enumerate() {
+                for (r, v) in col.iter().enumerate() {
+                    out[r * m + i] = *v;
+                }
+            }
+        }
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        inv_freq: &[f32],
+    ) {
+        let half = head_dim / 2;
+        let width = n_heads * head_dim;
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (r, xr) in x[..rows * width].chunks_exact_mut(width).enumerate() {
+            let pos = (pos0 + r) as f32;
+            for i in 0..half {
+                let angle = pos * inv_freq[i];
+                cos[i] = angle.cos();
+                sin[i] = angle.sin();
+            }
+            for head in xr.chunks_exact_mut(head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
+            }
+        }
+    }
+
+    fn copy_rows(
+        &self,
+        src: &Vec<f32>,
+        src_row: usize,
+        dst: &mut Vec<f32>,
+        dst_row: usize,
+        rows: usize,
+        row_len: usize,
+    ) {
+        dst[dst_row * row_len..(dst_row + rows) * row_len]
+            .copy_from_slice(&src[src_row * row_len..(src_row + rows) * row_len]);
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        rows: usize,
+        k_cache: &Vec<f32>,
+        v_cache: &Vec<f32>,
+        pos0: usize,
+        shape: AttentionShape,
+        out: &mut Vec<f32>,
+    ) {
+        let AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } = shape;
+        let group = n_heads / n_kv_heads;
+        let kv_width = n_kv_heads * head_dim;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        out[..rows * n_heads * head_dim]
+            .par_chunks_mut(head_dim)
+            .enumerate()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+                let (r, h) = (idx / n_heads, idx % n_heads);
+                let kv_off = (h / group) * head_dim;
+                let qh = &q[idx * head_dim..(idx + 1) * head_dim];
+                let len = pos0 + r + 1;
+                scores.clear();
+                scores.extend((0..len).map(|t| {
+                    let kt = &k_cache[t * kv_width + kv_off..t * kv_width + kv_off + head_dim];
+                    kernels::dot(qh, kt) * scale
+                }));
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                o.fill(0.0);
+                let inv = 1.0 / sum;
+                for (t, s) in scores.iter().enumerate() {
+                    let vt = &v_cache[t * kv_width + kv_off..t * kv_width + kv_off + head_dim];
+                    kernels::axpy(s * inv, vt, o);
+                }
+            });
+    }
+
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
+        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
+            *g = silu(*g) * u;
+        }
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
+        for (a, b) in x[..len].iter_mut().zip(&y[..len]) {
+            *a += b;
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The inner loops of the CPU backend: dot products of f32 activations with weight rows in each
+//! storage type, read straight from the blocks.
+//!
+//! They are written so that LLVM vectorises them without `unsafe`: fixed-size array
+//! accumulators, `chunks_exact` with array conversions (so the inner loops carry no bounds
+//! checks), and per-block sums of `x` precomputed once per activation row so that the q4_1 `m`
+//! and q4_0 `-8` terms cost one multiply per block. [`matmul_rows`] is compiled several times by
+//! `multiversion` (AVX-512, AVX2+FMA, baseline) and the best clone is picked at run time.
+
+use multiversion::multiversion;
+use multiversion::target::target_cfg_f;
+use weights_format::DType;
+
+/// Values per quantization block (q8_0, q4_0, q4_1).
+pub const QK: usize = 32;
+
+/// f16 bits to f32, branch-light so it vectorises. Normal and subnormal halves are exact:
+/// shifting the exponent and mantissa into f32 position and multiplying by 2^112 rebiases the
+/// exponent (and normalises subnormals); infinities and NaNs are patched afterwards.
+#[inline(always)]
+pub fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp_mant = (h & 0x7fff) as u32;
+    let magnitude = f32::from_bits(exp_mant << 13) * f32::from_bits(0x7780_0000);
+    let magnitude = if exp_mant >= 0x7c00 {
+        f32::from_bits((exp_mant << 13) | 0x7f80_0000)
+    } else {
+        magnitude
+    };
+    f32::from_bits(magnitude.to_bits() | sign)
+}
+
+#[inline(always)]
+fn bf16_bits_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+#[inline(always)]
+fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+#[inline(always)]
+fn sum16(acc: &[f32; 16]) -> f32 {
+    let mut s8 = [0f32; 8];
+    for i in 0..8 {
+        s8[i] = acc[i] + acc[i + 8];
+    }
+    let mut s4 = [0f32; 4];
+    for i in 0..4 {
+        s4[i] = s8[i] + s8[i + 4];
+    }
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
+/// Sum of each 32-value block of `x` (whole blocks only).
+pub fn block_sums(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(x.chunks_exact(QK).map(|b| b.iter().sum::<f32>()));
+}
+
+#[inline(always)]
+fn dot_f32<const FMA: bool>(w: &[f32], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let wc = w.chunks_exact(16);
+    let xc = x.chunks_exact(16);
+    let tail: f32 = wc
+        .remainder()
+        .iter()
+        .zip(xc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (wb, xb) in wc.zip(xc) {
+        let wb: &[f32; 16] = wb.try_into().unwrap();
+        let xb: &[f32; 16] = xb.try_into().unwrap();
+        for j in 0..16 {
+            acc[j] = fmadd::<FMA>(wb[j], xb[j], acc[j]);
+        }
+    }
+    sum16(&acc) + tail
+}
+
+#[inline(always)]
+fn dot_f32_bytes<const FMA: bool>(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (wb, xb) in row.chunks_exact(64).zip(x.chunks_exact(16)) {
+        let wb: &[u8; 64] = wb.try_into().unwrap();
+        let xb: &[f32; 16] = xb.try_into().unwrap();
+        for j in 0..16 {
+            let w = f32::from_le_bytes([wb[4 * j], wb[4 * j + 1], wb[4 * j + 2], wb[4 * j + 3]]);
+            acc[j] = fmadd::<FMA>(w, xb[j], acc[j]);
+        }
+    }
+    let done = row.len() / 64 * 16;
+    let tail: f32 = row[done * 4..]
+        .chunks_exact(4)
+        .zip(&x[done..])
+        .map(|(c, xv)| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * xv)
+        .sum();
+    sum16(&acc) + tail
+}
+
+#[inline(always)]
+fn dot_half_bytes<const FMA: bool, const BF16: bool>(row: &[u8], x: &[f32]) -> f32 {
+    let conv = |lo: u8, hi: u8| {
+        let h = u16::from_le_bytes([lo, hi]);
+        if BF16 {
+            bf16_bits_to_f32(h)
+        } else {
+            f16_bits_to_f32(h)
+        }
+    };
+    let mut acc = [0f32; 16];
+    for (wb, xb) in row.chunks_exact(32).zip(x.chunks_exact(16)) {
+        let wb: &[u8; 32] = wb.try_into().unwrap();
+        let xb: &[f32; 16] = xb.try_into().unwrap();
+        for j in 0..16 {
+            acc[j] = fmadd::<FMA>(conv(wb[2 * j], wb[2 * j + 1]), xb[j], acc[j]);
+        }
+    }
+    let done = row.len() / 32 * 16;
+    let tail: f32 = row[done * 2..]
+        .chunks_exact(2)
+        .zip(&x[done..])
+        .map(|(c, xv)| conv(c[0], c[1]) * xv)
+        .sum();
+    sum16(&acc) + tail
+}
+
+/// q8_0: `Σ d·q·x`, accumulated per lane as `d·(q·x)`.
+#[inline(always)]
+fn dot_q8_0<const FMA: bool>(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (b, xb) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
+        let b: &[u8; 34] = b.try_into().unwrap();
+        let xb: &[f32; 32] = xb.try_into().unwrap();
+        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        let mut p = [0f32; 16];
+        for j in 0..16 {
+            let q0 = b[2 + j] as i8 as f32;
+            let q1 = b[18 + j] as i8 as f32;
+            p[j] = fmadd::<FMA>(q1, xb[16 + j], q0 * xb[j]);
+        }
+        for j in 0..16 {
+            acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
+        }
+    }
+    sum16(&acc)
+}
+
+/// q4_0: `Σ d·(q−8)·x = d·Σ q·x − 8·d·Σx`, with `Σx` per block precomputed.
+#[inline(always)]
+fn dot_q4_0<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut offset = 0f32;
+    for ((b, xb), s) in row.chunks_exact(18).zip(x.chunks_exact(QK)).zip(xsum) {
+        let b: &[u8; 18] = b.try_into().unwrap();
+        let xb: &[f32; 32] = xb.try_into().unwrap();
+        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        let mut p = [0f32; 16];
+        for j in 0..16 {
+            let q = b[2 + j];
+            p[j] = fmadd::<FMA>((q >> 4) as f32, xb[16 + j], (q & 0xF) as f32 * xb[j]);
+        }
+        for j in 0..16 {
+            acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
+        }
+        offset = fmadd::<FMA>(d, *s, offset);
+    }
+    sum16(&acc) - 8.0 * offset
+}
+
+/// q4_1: `Σ (d·q + m)·x = d·Σ q·x + m·Σx`, with `Σx` per block precomputed.
+#[inline(always)]
+fn dot_q4_1<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut offset = 0f32;
+    for ((b, xb), s) in row.chunks_exact(20).zip(x.chunks_exact(QK)).zip(xsum) {
+        let b: &[u8; 20] = b.try_into().unwrap();
+        let xb: &[f32; 32] = xb.try_into().unwrap();
+        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        let m = f16_bits_to_f32(u16::from_le_bytes([b[2], b[3]]));
+        let mut p = [0f32; 16];
+        for j in 0..16 {
+            let q = b[4 + j];
+            p[j] = fmadd::<FMA>((q >> 4) as f32, xb[16 + j], (q & 0xF) as f32 * xb[j]);
+        }
+        for j in 0..16 {
+            acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
+        }
+        offset = fmadd::<FMA>(m, *s, offset);
+    }
+    sum16(&acc) + offset
+}
+
+/// Decodes one weight row into `out` (a row is whole blocks, so no partial block is handled).
+#[inline(always)]
+fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        DType::Bf16 => {
+            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+        DType::Q8_0 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(34)) {
+                let b: &[u8; 34] = b.try_into().unwrap();
+                let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                for j in 0..QK {
+                    o[j] = b[2 + j] as i8 as f32 * d;
+                }
+            }
+        }
+        DType::Q4_0 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(18)) {
+                let b: &[u8; 18] = b.try_into().unwrap();
+                let o: &mut [f32; 32] = o.try_into().unwrap();
+                let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                for j in 0..16 {
+                    let q = b[2 + j];
+                    o[j] = ((q & 0xF) as f32 - 8.0) * d;
+                    o[j + 16] = ((q >> 4) as f32 - 8.0) * d;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(20)) {
+                let b: &[u8; 20] = b.try_into().unwrap();
+                let o: &mut [f32; 32] = o.try_into().unwrap();
+                let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                let m = f16_bits_to_f32(u16::from_le_bytes([b[2], b[3]]));
+                for j in 0..16 {
+                    let q = b[4 + j];
+                    o[j] = (q & 0xF) as f32 * d + m;
+                    o[j + 16] = (q >> 4) as f32 * d + m;
+                }
+            }
+        }
+    }
+}
+
+/// Below this many activation rows each weight row is dotted straight from its blocks; from
+/// here on a weight row is decoded once into a small buffer and reused for every activation row.
+pub const DECODE_ONCE_MIN_ROWS: usize = 4;
+
+#[inline(always)]
+fn matmul_rows_impl<const FMA: bool>(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    cols: usize,
+    x: &[f32],
+    xsums: &[f32],
+    n: usize,
+    out_t: &mut [f32],
+) {
+    let blocks = cols / dtype.block_len();
+    if n >= DECODE_ONCE_MIN_ROWS {
+        let mut tmp = vec![0f32; cols];
+        for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
+            dequant_row(dtype, row, &mut tmp);
+            for (o, xr) in out.iter_mut().zip(x.chunks_exact(cols)) {
+                *o = dot_f32::<FMA>(&tmp, xr);
+            }
+        }
+        return;
+    }
+    for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
+        for (r, o) in out.iter_mut().enumerate() {
+            let xr = &x[r * cols..(r + 1) * cols];
+            let xs = if xsums.is_empty() {
+                xsums
+            } else {
+                &xsums[r * blocks..(r + 1) * blocks]
+            };
+            *o = match dtype {
+                DType::F32 => dot_f32_bytes::<FMA>(row, xr),
+                DType::F16 => dot_half_bytes::<FMA, false>(row, xr),
+                DType::Bf16 => dot_half_bytes::<FMA, true>(row, xr),
+                DType::Q8_0 => dot_q8_0::<FMA>(row, xr),
+                DType::Q4_0 => dot_q4_0::<FMA>(row, xr, xs),
+                DType::Q4_1 => dot_q4_1::<FMA>(row, xr, xs),
+            };
+        }
+    }
+}
+
+/// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
+/// `row_bytes` long, `cols` values) and the `n` activation rows of `x`. `xsums` holds the
+/// per-block sums of each activation row (needed by q4_0 and q4_1 when `n` is small; may be
+/// empty otherwise). The output is transposed (weight row major) so that each task of the
+/// caller owns a contiguous slice.
+#[allow(clippy::too_many_arguments)]
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "x86_64+avx+fma",
+    "aarch64+neon"
+))]
+pub fn matmul_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    cols: usize,
+    x: &[f32],
+    xsums: &[f32],
+    n: usize,
+    out_t: &mut [f32],
+) {
+    if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
+        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+    } else {
+        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+    }
+}
+
+/// Dot product of two f32 slices (attention scores), vectorised like the matmul.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
+        dot_f32::<true>(a, b)
+    } else {
+        dot_f32::<false>(a, b)
+    }
+}
+
+/// `y += a·x` (attention's weighted sum of values).
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yv, xv) in y.iter_mut().zip(x) {
+        *yv += a * xv;
+    }
+}
+
+/// Decodes one whole row (embedding lookup).
+pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    dequant_row(dtype, row, out)
+}

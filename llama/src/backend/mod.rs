@@ -1,0 +1,160 @@
+//! The narrow set of operations the forward pass needs, and the backends that implement them.
+//!
+//! The forward pass ([`crate::model`]) is written once against [`Backend`]; a backend owns its
+//! activation buffers ([`Backend::Buf`]) and reads weights from the blob bytes that residency
+//! hands out ([`WeightView`]). Shapes are checked when a weight is looked up
+//! ([`crate::weights`]), so the ops themselves take them as given.
+
+pub mod cpu;
+pub(crate) mod kernels;
+pub mod reference;
+
+use weights_format::DType;
+
+pub use cpu::CpuBackend;
+pub use reference::ReferenceBackend;
+
+/// A weight tensor as stored in a blob: row-major `[rows, cols]` (a vector has `rows == 1`),
+/// `cols` a whole number of `dtype` blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightView<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: &'a [u8],
+}
+
+impl<'a> WeightView<'a> {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols / self.dtype.block_len() * self.dtype.block_bytes()
+    }
+
+    /// Row `i` as bytes.
+    pub fn row(&self, i: usize) -> &'a [u8] {
+        let rb = self.row_bytes();
+        &self.bytes[i * rb..(i + 1) * rb]
+    }
+}
+
+/// Head layout of grouped-query attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    /// Each KV head serves `n_heads / n_kv_heads` consecutive query heads (HF `repeat_kv`).
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// The operations of one forward pass. Every activation is f32 and row-major; `rows` is the
+/// number of token positions processed together (the whole prompt during prefill, 1 while
+/// decoding) and only the first `rows · width` values of a buffer are read or written.
+pub trait Backend: Send + Sync {
+    /// An activation buffer (host memory for the CPU backend).
+    type Buf: Send;
+
+    /// Short name for logs and `--json` (`"cpu"`).
+    fn name(&self) -> &'static str;
+
+    /// A zeroed buffer of `len` values.
+    fn alloc(&self, len: usize) -> Self::Buf;
+
+    /// Copies the first `out.len()` values of `buf` to host memory.
+    fn read(&self, buf: &Self::Buf, out: &mut [f32]);
+
+    /// `out[r, :] = table[ids[r], :]` for `table: [vocab, dim]`.
+    fn embed_rows(&self, table: WeightView<'_>, ids: &[u32], out: &mut Self::Buf);
+
+    /// `out[r, :] = x[r, :] / sqrt(mean(x[r, :]²) + eps) · weight` for `weight: [dim]`.
+    fn rmsnorm(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
+
+    /// `out[r, i] = Σ_c x[r, c] · w[i, c]` for `w: [out_dim, in_dim]` (x·Wᵀ, as `nn.Linear`).
+    fn matmul(&self, x: &Self::Buf, rows: usize, w: WeightView<'_>, out: &mut Self::Buf);
+
+    /// Rotary embedding, Hugging Face `rotate_half` convention: in each head the pair is
+    /// `(i, i + head_dim/2)` rotated by `(pos0 + r) · inv_freq[i]`. `x: [rows, n_heads·head_dim]`.
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        inv_freq: &[f32],
+    );
+
+    /// Copies rows `src_row .. src_row+rows` of `src` to rows `dst_row ..` of `dst`, each
+    /// `row_len` values (filling the KV cache, picking the last position).
+    fn copy_rows(
+        &self,
+        src: &Self::Buf,
+        src_row: usize,
+        dst: &mut Self::Buf,
+        dst_row: usize,
+        rows: usize,
+        row_len: usize,
+    );
+
+    /// Causal grouped-query attention for query rows at positions `pos0 .. pos0+rows`, against
+    /// the first `pos0 + rows` cached positions. `q, out: [rows, n_heads·head_dim]`;
+    /// `k_cache, v_cache: [ctx, n_kv_heads·head_dim]`. Scores are scaled by `1/sqrt(head_dim)`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: &Self::Buf,
+        rows: usize,
+        k_cache: &Self::Buf,
+        v_cache: &Self::Buf,
+        pos0: usize,
+        shape: AttentionShape,
+        out: &mut Self::Buf,
+    );
+
+    /// SiLU-gated FFN activation: `gate = silu(gate) · up` over `len` values.
+    fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
+
+    /// `x += y` over `len` values (residual connections).
+    fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
+}
+
+/// Inverse RoPE frequencies `theta^(-2i/head_dim)`, `i < head_dim/2`, with Llama-3 style
+/// scaling applied when configured (as in Hugging Face `_compute_llama3_parameters`).
+pub fn rope_inv_freq(
+    head_dim: usize,
+    theta: f32,
+    scaling: Option<&weights_format::RopeScaling>,
+) -> Vec<f32> {
+    let mut inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    if let Some(s) = scaling {
+        match s.rope_type.as_str() {
+            "linear" => inv.iter_mut().for_each(|f| *f /= s.factor),
+            "llama3" => {
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let old_ctx = s.original_max_position_embeddings.unwrap_or(8192) as f32;
+                let low_wavelen = old_ctx / low;
+                let high_wavelen = old_ctx / high;
+                for f in inv.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= s.factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old_ctx / wavelen - low) / (high - low);
+                        *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    inv
+}

@@ -1,0 +1,59 @@
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum LlamaError {
+    #[error("model config: {setting}: {message}")]
+    Config {
+        setting: &'static str,
+        message: String,
+    },
+    #[error("{blob}: tensor `{name}` is missing")]
+    MissingTensor { blob: String, name: String },
+    #[error("{blob}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        blob: String,
+        name: String,
+        found: Vec<u64>,
+        expected: Vec<u64>,
+    },
+    #[error(
+        "{blob}: tensor `{name}` (offset {offset}, {length} bytes of {dtype}) does not fit the \
+         {blob_len}-byte blob or its shape"
+    )]
+    TensorBounds {
+        blob: String,
+        name: String,
+        dtype: weights_format::DType,
+        offset: u64,
+        length: u64,
+        blob_len: usize,
+    },
+    #[error("blob `{file}` (expected in metadata.json) is missing")]
+    MissingBlob { file: String },
+    #[error("reading weights of blob {blob}: {message}")]
+    Weights { blob: String, message: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("the prompt has {prompt} tokens but the context holds {context} (use a larger -c)")]
+    ContextOverflow { prompt: usize, context: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+    #[error("chat template {path}: {message}")]
+    ChatTemplate { path: PathBuf, message: String },
+    #[error("the model has no chat template (metadata.json `chat_template` is null)")]
+    NoChatTemplate,
+    #[error("sampling setting {setting} = {value}: {message}")]
+    Sampling {
+        setting: &'static str,
+        value: f64,
+        message: &'static str,
+    },
+}
