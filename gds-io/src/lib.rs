@@ -8,9 +8,47 @@
 //!
 //! It is not for: deciding *what* to read or keep (that is `residency`), nor for knowing
 //! anything about model formats.
+//!
+//! ```no_run
+//! use gds_io::{DeviceIo, IoChoice};
+//!
+//! # fn main() -> Result<(), gds_io::GdsError> {
+//! // GPU 0; `cufile` where GDS DMA works, else the bounce ring (GDSLLM_IO / --io override).
+//! let mut io = DeviceIo::open(0, IoChoice::Auto)?;
+//! let file = io.open_file("model/layer_000.bin")?;
+//! let buffer = io.alloc(file.len() as usize)?;
+//! let record = io.read(&file, 0, file.len() as usize, &buffer, 0)?;
+//! println!("{} bytes via {} at {:.2} GB/s", record.bytes, record.backend, record.gbps());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Without a GPU, [`DirectFile`] (the `host` backend) reads into [`AlignedBuf`] host memory.
 
 pub mod aligned;
 pub mod host;
 
+pub mod backend;
+pub mod bounce;
+pub mod cufile_backend;
+pub mod device_io;
+pub mod driver;
+pub mod error;
+pub mod file;
+pub mod gpu;
+pub mod staged;
+
 pub use aligned::{AlignedBuf, AllocError, IO_ALIGN};
+pub use backend::{
+    BackendKind, Capabilities, DEVICE_READ_ALIGN, DeviceReader, IO_ENV, IoChoice, IoStats,
+    IoTotals, ReadSpan, ReadTicket, choose_backend, io_choice_from_env, resolve_io_choice,
+};
+pub use bounce::{BounceBackend, BounceConfig};
+pub use cufile_backend::{CufileBackend, CufileConfig};
+pub use device_io::{DeviceIo, build_reader};
+pub use driver::{Driver, DriverProperties, UdevCheck, UdevStatus};
+pub use error::GdsError;
+pub use file::GdsFile;
+pub use gpu::{GdsBuffer, Gpu, cuda_driver_present};
 pub use host::{DirectFile, HostIoError, ParallelRead, ReadRecord};
+pub use staged::{HostStagedBackend, HostStagedConfig};

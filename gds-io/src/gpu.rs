@@ -1,0 +1,278 @@
+//! The GPU side: a context handle, device buffers that cuFile may register, pinned host memory.
+//!
+//! Device memory is allocated with plain `cuMemAlloc` rather than cudarc's stream-ordered
+//! allocator: cuFile registers and DMAs into ordinary device allocations, and a buffer that
+//! outlives streams is what a residency slot needs.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result, sys};
+
+use crate::driver::Driver;
+use crate::error::{GdsError, check};
+
+/// Whether the CUDA driver library (libcuda.so) can be loaded at all. Checked before any
+/// cudarc call, because cudarc panics when the library is missing.
+pub fn cuda_driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; no other preconditions.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A CUDA device's primary context. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`, or explains why there is none (no libcuda, no device, driver error).
+    pub fn open(ordinal: usize) -> Result<Gpu, GdsError> {
+        if !cuda_driver_present() {
+            return Err(GdsError::NoGpu {
+                reason: format!(
+                    "the CUDA driver library (libcuda.so.1) is not loadable (LD_LIBRARY_PATH={})",
+                    std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "<unset>".into())
+                ),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|err| GdsError::NoGpu {
+            reason: format!("cannot open CUDA device {ordinal}: {err}"),
+        })?;
+        Ok(Gpu { ctx })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Device name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> Result<String, GdsError> {
+        self.ctx.name().map_err(GdsError::cuda("cuDeviceGetName"))
+    }
+
+    /// A new non-blocking stream on this GPU.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, GdsError> {
+        self.ctx
+            .new_stream()
+            .map_err(GdsError::cuda("cuStreamCreate"))
+    }
+
+    pub(crate) fn bind(&self) -> Result<(), GdsError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(GdsError::cuda("cuCtxSetCurrent"))
+    }
+
+    pub(crate) fn new_event(&self) -> Result<CudaEvent, GdsError> {
+        self.ctx
+            .new_event(None)
+            .map_err(GdsError::cuda("cuEventCreate"))
+    }
+}
+
+/// A block of device memory that reads land in. Optionally registered with cuFile
+/// ([`GdsBuffer::register`]); registration is undone before the memory is freed, and the
+/// memory is not freed while an asynchronous read into it is still pending.
+pub struct GdsBuffer {
+    gpu: Gpu,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    registered_with: Option<Arc<Driver>>,
+    /// Completion of the last asynchronous write into this buffer.
+    pub(crate) pending: Mutex<Option<CudaEvent>>,
+}
+
+impl std::fmt::Debug for GdsBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GdsBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("registered", &self.registered_with.is_some())
+            .finish()
+    }
+}
+
+impl GdsBuffer {
+    /// Allocates `len` bytes of device memory (contents undefined until read into).
+    pub fn alloc(gpu: &Gpu, len: usize) -> Result<GdsBuffer, GdsError> {
+        if len == 0 {
+            return Err(GdsError::EmptyAllocation);
+        }
+        gpu.bind()?;
+        // SAFETY: the context is current on this thread; the pointer is owned by the returned
+        // value and freed exactly once in Drop.
+        let ptr = unsafe { result::malloc_sync(len) }.map_err(GdsError::cuda("cuMemAlloc"))?;
+        Ok(GdsBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+            registered_with: None,
+            pending: Mutex::new(None),
+        })
+    }
+
+    /// Allocates and registers with cuFile; registration failure is logged and the buffer is
+    /// returned unregistered (cuFile then stages through its own internal buffers).
+    pub fn alloc_registered(
+        gpu: &Gpu,
+        driver: &Arc<Driver>,
+        len: usize,
+    ) -> Result<GdsBuffer, GdsError> {
+        let mut buffer = GdsBuffer::alloc(gpu, len)?;
+        if let Err(err) = buffer.register(driver) {
+            tracing::warn!("{err}; reads into this buffer go through cuFile's bounce buffers");
+        }
+        Ok(buffer)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The raw device address, for kernels and copies.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    pub fn is_registered(&self) -> bool {
+        self.registered_with.is_some()
+    }
+
+    /// Registers the whole buffer (`len` bytes) with cuFile for direct DMA. Idempotent.
+    pub fn register(&mut self, driver: &Arc<Driver>) -> Result<(), GdsError> {
+        if self.registered_with.is_some() {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // SAFETY: `ptr` is a live device allocation of exactly `len` bytes owned by self; it
+        // stays allocated until Drop, which deregisters first.
+        let status =
+            unsafe { (driver.api().buf_register)(self.ptr as *const libc::c_void, self.len, 0) };
+        check("cuFileBufRegister", status)?;
+        self.registered_with = Some(driver.clone());
+        Ok(())
+    }
+
+    /// Waits until every asynchronous read into this buffer has landed.
+    pub fn wait_pending(&self) -> Result<(), GdsError> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(event) = pending {
+            event
+                .synchronize()
+                .map_err(GdsError::cuda("cuEventSynchronize"))?;
+        }
+        Ok(())
+    }
+
+    /// Copies `range` of the buffer back to host memory (after pending reads land).
+    pub fn copy_to_host(&self, range: std::ops::Range<usize>) -> Result<Vec<u8>, GdsError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(GdsError::RangeOutsideBuffer {
+                start: range.start,
+                end: range.end,
+                buffer_len: self.len,
+            });
+        }
+        self.wait_pending()?;
+        self.gpu.bind()?;
+        let mut host = vec![0u8; range.len()];
+        // SAFETY: the source range lies inside this live allocation and `host` has room for it.
+        unsafe { result::memcpy_dtoh_sync(&mut host, self.ptr + range.start as u64) }
+            .map_err(GdsError::cuda("cuMemcpyDtoH"))?;
+        Ok(host)
+    }
+
+    pub(crate) fn set_pending(&self, event: CudaEvent) {
+        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(event);
+    }
+}
+
+impl Drop for GdsBuffer {
+    fn drop(&mut self) {
+        if let Err(err) = self.wait_pending() {
+            tracing::error!("pending read into a device buffer failed at drop: {err}");
+        }
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        if let Some(driver) = self.registered_with.take() {
+            // SAFETY: `ptr` was registered by `register` and is still allocated.
+            let status = unsafe { (driver.api().buf_deregister)(self.ptr as *const libc::c_void) };
+            if let Err(err) = check("cuFileBufDeregister", status) {
+                tracing::warn!("{err}");
+            }
+        }
+        // SAFETY: allocated by cuMemAlloc in `alloc`, no pending work (waited above), no longer
+        // registered, freed once.
+        if let Err(err) = unsafe { result::free_sync(self.ptr) } {
+            tracing::warn!("cuMemFree failed: {err}");
+        }
+    }
+}
+
+// SAFETY: the buffer is a device address plus owned bookkeeping; CUDA allows any thread with
+// the context current to use it, and every method binds the context first.
+unsafe impl Send for GdsBuffer {}
+// SAFETY: `&GdsBuffer` methods only read the address or go through the Mutex.
+unsafe impl Sync for GdsBuffer {}
+
+/// Page-locked host memory (page aligned, so usable for O_DIRECT) for async host→device copies.
+pub(crate) struct PinnedBuf {
+    gpu: Gpu,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl PinnedBuf {
+    pub(crate) fn alloc(gpu: &Gpu, len: usize) -> Result<PinnedBuf, GdsError> {
+        gpu.bind()?;
+        // SAFETY: context is current; the pointer is owned and freed once in Drop.
+        let ptr =
+            unsafe { result::malloc_host(len, 0) }.map_err(GdsError::cuda("cuMemHostAlloc"))?;
+        Ok(PinnedBuf {
+            gpu: gpu.clone(),
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `len` bytes owned by self; `&mut self` makes access exclusive.
+        // cuMemHostAlloc memory may hold garbage but any byte pattern is a valid u8.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: as above, shared access.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuf {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc in `alloc`; callers synchronise the copies
+            // reading from it before dropping (the bounce ring waits on its slot events).
+            if let Err(err) = unsafe { result::free_host(self.ptr.cast()) } {
+                tracing::warn!("cuMemFreeHost failed: {err}");
+            }
+        }
+    }
+}
+
+// SAFETY: owned, exclusively accessed memory (like Vec<u8>).
+unsafe impl Send for PinnedBuf {}
+// SAFETY: shared access is read-only.
+unsafe impl Sync for PinnedBuf {}

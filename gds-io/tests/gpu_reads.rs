@@ -1,0 +1,250 @@
+//! GPU checks (opt-in): every backend's bytes in device memory equal the file's bytes.
+//!
+//! Run with `GDSLLM_GPU_TESTS=1`; without it each test prints that it skipped. With it, a
+//! machine without a working GPU FAILS. `GDSLLM_GPU_TEST_DIR` picks where the test file is
+//! written (default: the system temp dir; use a disk-backed directory so O_DIRECT and cuFile
+//! work), `GDSLLM_GPU_TEST_MIB` its size in MiB (default 256; the file gets an unaligned tail).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gds_io::{
+    BackendKind, BounceBackend, BounceConfig, CufileBackend, CufileConfig, DeviceIo, DeviceReader,
+    Driver, GdsBuffer, GdsError, GdsFile, Gpu, HostStagedBackend, HostStagedConfig, IoChoice,
+    UdevCheck, UdevStatus,
+};
+
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("{test}: skipped (set GDSLLM_GPU_TESTS=1 to run GPU tests)");
+        return None;
+    }
+    match Gpu::open(0) {
+        Ok(gpu) => Some(gpu),
+        Err(err) => panic!("GDSLLM_GPU_TESTS=1 but no GPU works: {err}"),
+    }
+}
+
+struct TestFile {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+fn test_file(tail: usize) -> TestFile {
+    let base = std::env::var_os("GDSLLM_GPU_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let mib: usize = std::env::var("GDSLLM_GPU_TEST_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let dir = tempfile::tempdir_in(&base).expect("cannot create test dir");
+    let len = (mib << 20) + tail;
+    let mut state = 0x1234_5678_9abc_def1u64 ^ len as u64;
+    let mut bytes = vec![0u8; len];
+    for chunk in bytes.chunks_mut(8) {
+        let word = xorshift(&mut state).to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+    let path = dir.path().join("weights.bin");
+    let mut out = std::fs::File::create(&path).unwrap();
+    out.write_all(&bytes).unwrap();
+    out.sync_all().unwrap();
+    eprintln!("test file {} of {} bytes", path.display(), len);
+    TestFile {
+        _dir: dir,
+        path,
+        bytes,
+    }
+}
+
+/// Reads the whole file, then random regions (aligned starts, any length) at random aligned
+/// destination offsets, and compares the device bytes with the file's.
+fn check_backend(reader: &dyn DeviceReader, gpu: &Gpu, file: &GdsFile, bytes: &[u8]) {
+    let kind = reader.kind();
+    let buffer = GdsBuffer::alloc(gpu, bytes.len() + (1 << 20)).unwrap();
+    let record = reader.read(file, 0, bytes.len(), &buffer, 0).unwrap();
+    assert_eq!(record.bytes, bytes.len() as u64);
+    assert_eq!(record.backend, kind.name());
+    let back = buffer.copy_to_host(0..bytes.len()).unwrap();
+    let first_diff = back.iter().zip(bytes).position(|(a, b)| a != b);
+    assert_eq!(
+        first_diff, None,
+        "{kind}: whole-file read differs at byte {first_diff:?}"
+    );
+    eprintln!(
+        "{kind}: whole file {} bytes in {} requests, {:.2} GB/s, via host memory: {}",
+        record.bytes,
+        record.requests,
+        record.gbps(),
+        record.via_host_memory
+    );
+
+    let mut state = 42u64;
+    let pages = bytes.len() / 4096;
+    for round in 0..24 {
+        let start_page = (xorshift(&mut state) as usize) % pages;
+        let offset = start_page * 4096;
+        let max_len = bytes.len() - offset;
+        let len = match round % 3 {
+            0 => (xorshift(&mut state) as usize % max_len.min(64 << 20)).max(1),
+            1 => (xorshift(&mut state) as usize % 4096).max(1).min(max_len),
+            _ => max_len, // runs to the unaligned end of the file
+        };
+        let dst_offset = (xorshift(&mut state) as usize % 256) * 4096;
+        reader
+            .read(file, offset as u64, len, &buffer, dst_offset)
+            .unwrap();
+        let back = buffer.copy_to_host(dst_offset..dst_offset + len).unwrap();
+        assert!(
+            back == bytes[offset..offset + len],
+            "{kind}: region {offset}+{len} (dst {dst_offset}) differs"
+        );
+    }
+    let totals = reader.stats();
+    assert_eq!(totals.reads, 25);
+}
+
+#[test]
+fn bounce_reads_equal_file_bytes() {
+    let Some(gpu) = gpu_or_skip("bounce_reads_equal_file_bytes") else {
+        return;
+    };
+    let tf = test_file(1234);
+    let file = GdsFile::open(&tf.path).unwrap();
+    // Small slots so that even small reads split across the ring and threads.
+    let small = BounceBackend::new(
+        &gpu,
+        BounceConfig {
+            slot_bytes: 1 << 20,
+            slots: 5,
+            threads: 3,
+        },
+    )
+    .unwrap();
+    check_backend(&small, &gpu, &file, &tf.bytes);
+    let default = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
+    check_backend(&default, &gpu, &file, &tf.bytes);
+}
+
+#[test]
+fn host_staged_reads_equal_file_bytes() {
+    let Some(gpu) = gpu_or_skip("host_staged_reads_equal_file_bytes") else {
+        return;
+    };
+    let tf = test_file(4095);
+    let file = GdsFile::open(&tf.path).unwrap();
+    let reader = HostStagedBackend::new(
+        &gpu,
+        HostStagedConfig {
+            window_bytes: 3 << 20,
+            ..Default::default()
+        },
+    );
+    check_backend(&reader, &gpu, &file, &tf.bytes);
+}
+
+#[test]
+fn cufile_reads_equal_file_bytes_or_registration_is_explained() {
+    let Some(gpu) = gpu_or_skip("cufile_reads_equal_file_bytes_or_registration_is_explained")
+    else {
+        return;
+    };
+    let driver =
+        Driver::open().expect("libcufile must load and its driver open on the GPU machine");
+    eprintln!("cuFile properties: {:?}", driver.properties());
+    let tf = test_file(1);
+    let mut file = GdsFile::open(&tf.path).unwrap();
+    match file.register(&driver) {
+        Ok(()) => {}
+        Err(err @ GdsError::Register { .. }) => {
+            let udev = UdevCheck::for_path(&tf.path).unwrap();
+            eprintln!("registration failed: {err}");
+            assert_ne!(
+                udev.status,
+                UdevStatus::Ok,
+                "registration failed although the udev record is fine: {err}"
+            );
+            assert!(
+                err.to_string().contains("ID_FS_USAGE") || udev.status == UdevStatus::NoBlockDevice
+            );
+            return;
+        }
+        Err(other) => panic!("unexpected registration error: {other}"),
+    }
+    assert!(file.is_registered());
+    let reader = CufileBackend::new(
+        &gpu,
+        &driver,
+        CufileConfig {
+            request_bytes: 3 << 20,
+            threads: 6,
+        },
+    );
+    check_backend(&reader, &gpu, &file, &tf.bytes);
+    // A registered destination buffer, too; registration is undone on drop.
+    let mut registered = GdsBuffer::alloc(&gpu, tf.bytes.len()).unwrap();
+    registered.register(&driver).unwrap();
+    assert!(registered.is_registered());
+    reader
+        .read(&file, 0, tf.bytes.len(), &registered, 0)
+        .unwrap();
+    assert!(registered.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes);
+    drop(registered);
+    drop(file);
+}
+
+#[test]
+fn async_bounce_read_is_ordered_on_the_stream() {
+    let Some(gpu) = gpu_or_skip("async_bounce_read_is_ordered_on_the_stream") else {
+        return;
+    };
+    let tf = test_file(777);
+    let file = GdsFile::open(&tf.path).unwrap();
+    let reader = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
+    let stream: Arc<_> = gpu.new_stream().unwrap();
+    let buffer = GdsBuffer::alloc(&gpu, tf.bytes.len()).unwrap();
+    let ticket = reader
+        .read_async(&file, 0, tf.bytes.len(), &buffer, 0, &stream)
+        .unwrap();
+    let record = ticket.wait().unwrap();
+    assert_eq!(record.bytes, tf.bytes.len() as u64);
+    assert!(buffer.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes);
+}
+
+#[test]
+fn device_io_auto_choice_reads_correctly() {
+    let Some(_gpu) = gpu_or_skip("device_io_auto_choice_reads_correctly") else {
+        return;
+    };
+    let tf = test_file(100);
+    for choice in [
+        IoChoice::Auto,
+        IoChoice::Force(BackendKind::Cufile),
+        IoChoice::Force(BackendKind::Bounce),
+        IoChoice::Force(BackendKind::Host),
+    ] {
+        let mut io = DeviceIo::open(0, choice).unwrap();
+        let file = io.open_file(&tf.path).unwrap();
+        eprintln!(
+            "{choice:?}: backend {} (capabilities {:?})",
+            io.kind(),
+            io.capabilities()
+        );
+        let buffer = io.alloc(tf.bytes.len()).unwrap();
+        io.read(&file, 0, tf.bytes.len(), &buffer, 0).unwrap();
+        assert!(
+            buffer.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes,
+            "{choice:?}"
+        );
+    }
+}
