@@ -36,6 +36,7 @@ pub mod driver;
 pub mod error;
 pub mod file;
 pub mod gpu;
+pub mod probe;
 pub mod staged;
 
 pub use aligned::{AlignedBuf, AllocError, IO_ALIGN};
