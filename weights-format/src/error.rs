@@ -93,7 +93,7 @@ pub enum FormatError {
         expected: u64,
     },
 
-    #[error("{} of {total} blobs failed verification: {}", errors.len(), list(errors))]
+    #[error("{} of {total} files (metadata.json and blobs) failed verification: {}", errors.len(), list(errors))]
     VerifyFailed {
         total: usize,
         errors: Vec<FormatError>,

@@ -27,6 +27,12 @@ pub use writer::{BlobWriter, ModelWriter, TensorWriter};
 /// Every tensor offset inside a blob, and every blob file length, is a multiple of this.
 pub const ALIGNMENT: u64 = 4096;
 
+/// The model description inside a model directory.
+pub const METADATA_FILE: &str = "metadata.json";
+/// `xxh3:<hex16>` of metadata.json's bytes. A file cannot hold its own hash, so it sits
+/// beside it; `Model::verify` checks it, `Model::open` does not (hand edits stay possible).
+pub const METADATA_CHECKSUM_FILE: &str = "metadata.json.xxh3";
+
 /// Canonical tensor names inside each blob. One convention everywhere: Hugging Face row order
 /// for Q/K (no llama.cpp RoPE permutation), row-major `[out_features, in_features]` matrices.
 pub mod names {

@@ -12,7 +12,10 @@ use std::time::Instant;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::layout::{self, BlobKind, TensorRole};
-use crate::{ALIGNMENT, BlobMeta, FORMAT_VERSION, FormatError, Metadata, ModelConfig, TensorMeta};
+use crate::{
+    ALIGNMENT, BlobMeta, FORMAT_VERSION, FormatError, METADATA_CHECKSUM_FILE, METADATA_FILE,
+    Metadata, ModelConfig, TensorMeta,
+};
 
 /// metadata.json of an 80-layer model is ~100 KB; anything near this limit is not ours.
 const MAX_METADATA_BYTES: u64 = 64 << 20;
@@ -182,8 +185,9 @@ impl Model {
         self.verify_one(index, &mut |_| {})
     }
 
-    /// Re-reads every blob and checks its checksum. Fails with
-    /// [`FormatError::VerifyFailed`] listing every bad blob, not just the first.
+    /// Checks metadata.json against `metadata.json.xxh3`, then re-reads every blob and checks
+    /// its length and checksum. Fails with [`FormatError::VerifyFailed`] listing every bad
+    /// file, not just the first.
     pub fn verify(&self) -> Result<VerifyReport, FormatError> {
         self.verify_with(|_| {})
     }
@@ -195,6 +199,9 @@ impl Model {
     ) -> Result<VerifyReport, FormatError> {
         let start = Instant::now();
         let mut errors = Vec::new();
+        if let Err(e) = self.verify_metadata_checksum() {
+            errors.push(e);
+        }
         let mut bytes = 0;
         for (index, blob) in self.metadata.blobs.iter().enumerate() {
             let mut read = 0u64;
@@ -215,7 +222,7 @@ impl Model {
         }
         if !errors.is_empty() {
             return Err(FormatError::VerifyFailed {
-                total: self.metadata.blobs.len(),
+                total: self.metadata.blobs.len() + 1,
                 errors,
             });
         }
@@ -226,10 +233,37 @@ impl Model {
         })
     }
 
+    /// Checks metadata.json's bytes against `metadata.json.xxh3`.
+    pub fn verify_metadata_checksum(&self) -> Result<(), FormatError> {
+        let meta_path = self.dir.join(METADATA_FILE);
+        let sum_path = self.dir.join(METADATA_CHECKSUM_FILE);
+        let bytes = std::fs::read(&meta_path).map_err(|e| FormatError::io(&meta_path, e))?;
+        let expected = match std::fs::read_to_string(&sum_path) {
+            Ok(s) => s.trim_end().to_string(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(FormatError::MissingFile {
+                    path: sum_path,
+                    what: "checksum of metadata.json".into(),
+                });
+            }
+            Err(e) => return Err(FormatError::io(&sum_path, e)),
+        };
+        let actual = format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        if actual != expected {
+            return Err(FormatError::BadChecksum {
+                blob: METADATA_FILE.to_string(),
+                expected,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
     fn verify_one(&self, index: usize, on_bytes: &mut dyn FnMut(u64)) -> Result<(), FormatError> {
         let blob = &self.metadata.blobs[index];
         let path = self.blob_path(index);
-        let (digest, read) = hash_file(&path, on_bytes).map_err(|e| FormatError::io(&path, e))?;
+        let (digest, read) =
+            hash_file(&path, blob.length, on_bytes).map_err(|e| FormatError::io(&path, e))?;
         if read != blob.length {
             return Err(FormatError::ShortRead {
                 blob: blob.file.clone(),
@@ -251,14 +285,20 @@ impl Model {
 
 /// XXH3-64 of a whole file and its length. One thread reads big chunks while another hashes,
 /// so the slower of the two (normally the disk) sets the pace.
-fn hash_file(path: &Path, on_bytes: &mut dyn FnMut(u64)) -> std::io::Result<(u64, u64)> {
+fn hash_file(
+    path: &Path,
+    expected_len: u64,
+    on_bytes: &mut dyn FnMut(u64),
+) -> std::io::Result<(u64, u64)> {
     let mut file = File::open(path)?;
+    // Small blobs get small buffers; one spare byte lets a file that grew be noticed.
+    let chunk = usize::try_from(expected_len.saturating_add(1))
+        .unwrap_or(VERIFY_CHUNK)
+        .clamp(64 << 10, VERIFY_CHUNK);
     let (full_tx, full_rx) = mpsc::sync_channel::<(Vec<u8>, usize)>(VERIFY_BUFFERS);
     let (empty_tx, empty_rx) = mpsc::channel::<Vec<u8>>();
     for _ in 0..VERIFY_BUFFERS {
-        empty_tx
-            .send(vec![0u8; VERIFY_CHUNK])
-            .expect("receiver is alive");
+        empty_tx.send(vec![0u8; chunk]).expect("receiver is alive");
     }
     std::thread::scope(|s| {
         let hasher = s.spawn(move || {
@@ -279,7 +319,7 @@ fn hash_file(path: &Path, on_bytes: &mut dyn FnMut(u64)) -> std::io::Result<(u64
                 }
                 total += n as u64;
                 on_bytes(n as u64);
-                if full_tx.send((buf, n)).is_err() || n < VERIFY_CHUNK {
+                if full_tx.send((buf, n)).is_err() || n < chunk {
                     break;
                 }
             }
@@ -308,7 +348,7 @@ fn fill(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
-    let path = dir.join("metadata.json");
+    let path = dir.join(METADATA_FILE);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -668,4 +708,27 @@ fn validate_expected_tensors(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipelined_hash_equals_one_shot_hash() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        let len = 2 * VERIFY_CHUNK + 12_345;
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let expected = xxhash_rust::xxh3::xxh3_64(&bytes);
+        // The buffer size follows the expected length; the result must not depend on it.
+        for expected_len in [0, 100, len as u64, 10 * len as u64] {
+            let mut seen = 0;
+            let (digest, read) = hash_file(&path, expected_len, &mut |n| seen += n).unwrap();
+            assert_eq!(digest, expected, "expected_len {expected_len}");
+            assert_eq!(read, len as u64);
+            assert_eq!(seen, len as u64);
+        }
+    }
 }

@@ -12,11 +12,10 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::layout::{self, BlobKind};
 use crate::model::{Model, is_plain_file_name};
 use crate::{
-    ALIGNMENT, BlobMeta, ChatTemplateRef, DType, FORMAT_VERSION, FormatError, Metadata,
-    ModelConfig, TensorMeta,
+    ALIGNMENT, BlobMeta, ChatTemplateRef, DType, FORMAT_VERSION, FormatError,
+    METADATA_CHECKSUM_FILE, METADATA_FILE, Metadata, ModelConfig, TensorMeta,
 };
 
-const METADATA_FILE: &str = "metadata.json";
 static ZEROS: [u8; ALIGNMENT as usize] = [0; ALIGNMENT as usize];
 
 /// Writes a model directory. See the module docs for the crash-safety guarantee.
@@ -103,7 +102,11 @@ impl ModelWriter {
 
     /// Writes a small side file such as `tokenizer.json` or `chat_template.jinja`.
     pub fn add_file(&mut self, name: &str, bytes: &[u8]) -> Result<(), FormatError> {
-        if !is_plain_file_name(name) || name == METADATA_FILE || layout::blob_kind(name).is_some() {
+        if !is_plain_file_name(name)
+            || name == METADATA_FILE
+            || name == METADATA_CHECKSUM_FILE
+            || layout::blob_kind(name).is_some()
+        {
             return Err(FormatError::Writer {
                 reason: format!(
                     "{name:?} cannot be added: not a plain file name, or reserved for metadata.json/blobs"
@@ -153,11 +156,22 @@ impl ModelWriter {
             })?;
         json.push('\n');
         let meta_path = self.temp.join(METADATA_FILE);
-        std::fs::write(&meta_path, json).map_err(|e| FormatError::io(&meta_path, e))?;
+        std::fs::write(&meta_path, &json).map_err(|e| FormatError::io(&meta_path, e))?;
+        let sum_path = self.temp.join(METADATA_CHECKSUM_FILE);
+        let sum = format!(
+            "xxh3:{:016x}\n",
+            xxhash_rust::xxh3::xxh3_64(json.as_bytes())
+        );
+        std::fs::write(&sum_path, sum).map_err(|e| FormatError::io(&sum_path, e))?;
 
         let staged = Model::open(&self.temp)?;
 
-        for name in self.files.iter().map(String::as_str).chain([METADATA_FILE]) {
+        for name in self
+            .files
+            .iter()
+            .map(String::as_str)
+            .chain([METADATA_FILE, METADATA_CHECKSUM_FILE])
+        {
             let path = self.temp.join(name);
             File::open(&path)
                 .and_then(|f| f.sync_all())

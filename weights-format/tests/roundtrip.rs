@@ -72,7 +72,7 @@ fn writer_is_deterministic() {
         .map(|e| e.unwrap().file_name())
         .collect();
     names.sort();
-    assert_eq!(names.len(), 7, "{names:?}");
+    assert_eq!(names.len(), 8, "{names:?}");
     for n in names {
         let a = std::fs::read(tmp.path().join("a").join(&n)).unwrap();
         let b = std::fs::read(tmp.path().join("b").join(&n)).unwrap();
