@@ -6,3 +6,31 @@
 //!
 //! It is not for: doing the reads themselves (that is `gds-io`) or interpreting tensors
 //! (that is `llama`).
+//!
+//! Layers: [`plan`] decides (pure), [`engine`] schedules reads and counts (pure state machine,
+//! driven with event times), [`Residency`] runs it with buffers from a [`DeviceMemory`], a
+//! reader thread over a [`BlobSource`] and a [`Clock`]; [`sim`] drives the same engine on a
+//! virtual clock for deterministic checks and predictions.
+
+pub mod clock;
+pub mod engine;
+mod error;
+pub mod memory;
+mod options;
+pub mod plan;
+mod runtime;
+pub mod sim;
+pub mod source;
+mod stats;
+
+pub use clock::{Clock, SystemClock, VirtualClock};
+pub use error::ResidencyError;
+pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory};
+pub use options::{
+    AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
+    mem_available, parse_bytes,
+};
+pub use plan::{BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob};
+pub use runtime::{BlobGuard, Residency};
+pub use source::{BlobSource, HostFileSource, PatternSource};
+pub use stats::{MAX_KEPT_PASSES, PassStats, ResidencyStats};

@@ -1,0 +1,174 @@
+//! Device memory as the residency cache needs it: slots of N bytes within a budget.
+//!
+//! Narrow on purpose: allocate, fill from a source or from the host tier, and a completion
+//! token. On CPU "device" memory is aligned host memory and fills are synchronous; the CUDA
+//! backend implements the same traits with device buffers and turns [`Completion`] into an
+//! event the compute stream waits on.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gds_io::AlignedBuf;
+
+use crate::error::ResidencyError;
+use crate::source::BlobSource;
+
+/// Marks a finished fill. CPU fills complete before they return, so this carries nothing yet.
+#[derive(Debug)]
+#[must_use]
+pub struct Completion(());
+
+impl Completion {
+    pub fn done() -> Completion {
+        Completion(())
+    }
+    /// Blocks until the fill is visible to compute (immediate on CPU).
+    pub fn wait(self) {}
+}
+
+/// A budgeted allocator of device buffers.
+pub trait DeviceMemory: Send + Sync {
+    /// Bytes this memory may hand out in total.
+    fn budget(&self) -> u64;
+    /// A buffer of at least `bytes` bytes; fails (without exceeding the budget) when the
+    /// budget or the device cannot provide it.
+    fn alloc(&self, bytes: u64, what: &str) -> Result<Box<dyn DeviceBuffer>, ResidencyError>;
+    /// Bytes currently allocated.
+    fn used(&self) -> u64;
+    /// Highest `used` seen.
+    fn peak(&self) -> u64;
+}
+
+/// One buffer (a ring slot or a resident blob).
+pub trait DeviceBuffer: Send + Sync {
+    fn capacity(&self) -> u64;
+    /// Reads blob `blob` (`len` bytes) from `source` into the buffer.
+    fn fill_from_source(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<Completion, ResidencyError>;
+    /// Copies `bytes` from the host tier into the start of the buffer.
+    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
+    /// The bytes, for compute on the CPU backend.
+    fn host_view(&self) -> &[u8];
+}
+
+/// Host memory standing in for device memory on the CPU backend.
+#[derive(Debug)]
+pub struct CpuMemory {
+    budget: u64,
+    /// Simulates a device that has less memory than the budget claims (another process took
+    /// some): allocations beyond it fail.
+    physical_limit: Option<u64>,
+    used: Arc<AtomicU64>,
+    peak: AtomicU64,
+}
+
+impl CpuMemory {
+    pub fn new(budget: u64) -> CpuMemory {
+        CpuMemory {
+            budget,
+            physical_limit: None,
+            used: Arc::new(AtomicU64::new(0)),
+            peak: AtomicU64::new(0),
+        }
+    }
+
+    /// Allocations beyond `limit` bytes in total fail although the budget would allow them:
+    /// the memory-pressure case.
+    pub fn with_physical_limit(budget: u64, limit: u64) -> CpuMemory {
+        CpuMemory {
+            physical_limit: Some(limit),
+            ..CpuMemory::new(budget)
+        }
+    }
+}
+
+impl DeviceMemory for CpuMemory {
+    fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    fn alloc(&self, bytes: u64, what: &str) -> Result<Box<dyn DeviceBuffer>, ResidencyError> {
+        let capacity = gds_io::aligned::align_up(bytes);
+        let limit = self.physical_limit.unwrap_or(u64::MAX).min(self.budget);
+        let fail = || ResidencyError::Alloc {
+            bytes: capacity,
+            what: what.to_string(),
+        };
+        let mut current = self.used.load(Ordering::Acquire);
+        loop {
+            let next = current.checked_add(capacity).ok_or_else(fail)?;
+            if next > limit {
+                return Err(fail());
+            }
+            match self
+                .used
+                .compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    break;
+                }
+                Err(actual) => current = actual,
+            }
+        }
+        match AlignedBuf::zeroed(capacity as usize) {
+            Ok(buf) => Ok(Box::new(CpuBuffer {
+                buf,
+                used: Arc::clone(&self.used),
+            })),
+            Err(_) => {
+                self.used.fetch_sub(capacity, Ordering::AcqRel);
+                Err(fail())
+            }
+        }
+    }
+
+    fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+}
+
+struct CpuBuffer {
+    buf: AlignedBuf,
+    used: Arc<AtomicU64>,
+}
+
+impl Drop for CpuBuffer {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.buf.len() as u64, Ordering::AcqRel);
+    }
+}
+
+impl DeviceBuffer for CpuBuffer {
+    fn capacity(&self) -> u64 {
+        self.buf.len() as u64
+    }
+
+    fn fill_from_source(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<Completion, ResidencyError> {
+        let aligned = gds_io::aligned::align_up(len) as usize;
+        source.read_blob(blob, &mut self.buf[..aligned])?;
+        Ok(Completion::done())
+    }
+
+    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
+        self.buf[..bytes.len()].copy_from_slice(bytes);
+        Ok(Completion::done())
+    }
+
+    fn host_view(&self) -> &[u8] {
+        &self.buf
+    }
+}

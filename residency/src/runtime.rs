@@ -1,0 +1,450 @@
+//! The running cache: buffers, the reader thread, and the `acquire` API the forward pass uses.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use gds_io::{AlignedBuf, ParallelRead};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
+use weights_format::Model;
+
+use crate::clock::{Clock, SystemClock};
+use crate::engine::{Engine, Job, Location, LocationState, Lookup, Outcome, ReadFrom};
+use crate::error::ResidencyError;
+use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory};
+use crate::options::{
+    AUTO_RAM_SHARE, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
+};
+use crate::plan::{ModelLayout, Plan, PlanInputs};
+use crate::source::{BlobSource, HostFileSource};
+use crate::stats::ResidencyStats;
+
+type Buffer = RwLock<Box<dyn DeviceBuffer>>;
+
+struct Shared {
+    engine: Mutex<Engine>,
+    changed: Condvar,
+    slots: Vec<Buffer>,
+    resident: Vec<Option<Buffer>>,
+    host_tier: Vec<RwLock<Option<AlignedBuf>>>,
+    host_tier_bytes: AtomicU64,
+    names: Vec<String>,
+    source: Arc<dyn BlobSource>,
+    memory: Arc<dyn DeviceMemory>,
+    clock: Arc<dyn Clock>,
+    jobs: Mutex<mpsc::Sender<Option<Job>>>,
+    stopping: AtomicBool,
+    reader_stopped: AtomicBool,
+}
+
+/// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
+/// calls [`Residency::acquire`] in plan order.
+pub struct Residency {
+    shared: Arc<Shared>,
+    plan: Plan,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// A blob in device memory; derefs to exactly the blob's bytes. Dropping it releases the
+/// staging slot so the next read in plan order can start.
+pub struct BlobGuard<'a> {
+    owner: &'a Residency,
+    location: Location,
+    len: usize,
+    buffer: Option<RwLockReadGuard<'a, Box<dyn DeviceBuffer>>>,
+}
+
+impl std::ops::Deref for BlobGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        let buffer = self.buffer.as_ref().expect("present until drop");
+        &buffer.host_view()[..self.len]
+    }
+}
+
+impl Drop for BlobGuard<'_> {
+    fn drop(&mut self) {
+        // Unlock the buffer before the engine may hand the slot to the reader.
+        self.buffer.take();
+        self.owner.release(self.location);
+    }
+}
+
+impl Residency {
+    /// CPU: "device" memory is host memory; reads go through `gds_io::host` (O_DIRECT).
+    pub fn open_host(model: &Model, opts: &ResidencyOptions) -> Result<Residency, ResidencyError> {
+        let meta = model.metadata();
+        let layout = ModelLayout::from_metadata(meta)?;
+        let source = HostFileSource::open(model.dir(), meta, ParallelRead::default())?;
+        if !source.all_direct() {
+            tracing::info!(dir = %model.dir().display(), "model blobs are read through the page cache (no O_DIRECT on this filesystem)");
+        }
+        let budget = match opts.device_budget {
+            Budget::Bytes(b) => b,
+            Budget::Auto => auto_ram_share("--vram-budget auto")?,
+        };
+        Residency::open_with(
+            layout,
+            Arc::new(source),
+            Arc::new(CpuMemory::new(budget)),
+            Arc::new(SystemClock::new()),
+            opts,
+        )
+    }
+
+    /// Opens over any source, memory and clock. The device budget is the smaller of
+    /// `opts.device_budget` and `memory.budget()`.
+    pub fn open_with(
+        layout: ModelLayout,
+        source: Arc<dyn BlobSource>,
+        memory: Arc<dyn DeviceMemory>,
+        clock: Arc<dyn Clock>,
+        opts: &ResidencyOptions,
+    ) -> Result<Residency, ResidencyError> {
+        if source.blob_count() != layout.blobs.len() {
+            return Err(ResidencyError::Layout {
+                file: "metadata.json".into(),
+                reason: format!(
+                    "the source has {} blobs, the layout {}",
+                    source.blob_count(),
+                    layout.blobs.len()
+                ),
+            });
+        }
+        let device_budget = match opts.device_budget {
+            Budget::Bytes(b) => b.min(memory.budget()),
+            Budget::Auto => memory.budget(),
+        };
+        let host_budget = match opts.host_cache {
+            HostCache::Off => 0,
+            HostCache::Bytes(b) => b,
+            // On CPU the device tier is RAM too, so it comes off the same share.
+            HostCache::Auto => auto_ram_share("--host-cache auto")?.saturating_sub(device_budget),
+        };
+        let mut inputs = PlanInputs {
+            device_budget,
+            reserved_bytes: opts.reserved_bytes,
+            host_budget,
+            ring_slots: opts.prefetch + 1,
+            resident_layers: opts.resident_layers,
+            policy: opts.policy,
+        };
+        let (plan, slots, resident) = loop {
+            let plan = Plan::compute(&layout, &inputs)?;
+            match allocate(&plan, memory.as_ref()) {
+                Ok((slots, resident)) => break (plan, slots, resident),
+                Err(allocated) => {
+                    // Shrink to what the device actually gave us, so the next plan keeps
+                    // fewer blobs resident; Plan::compute says so if even the ring is lost.
+                    let shrunk = (inputs.reserved_bytes + allocated).min(inputs.device_budget - 1);
+                    tracing::warn!(
+                        budget = inputs.device_budget,
+                        allocated,
+                        resident_bytes = plan.resident_bytes,
+                        "device allocation failed under memory pressure; shrinking the budget \
+                         from {} to {} and the resident set with it",
+                        human_bytes(inputs.device_budget),
+                        human_bytes(shrunk),
+                    );
+                    inputs.device_budget = shrunk;
+                }
+            }
+        };
+        tracing::info!(
+            resident_bytes = plan.resident_bytes,
+            resident_layers = plan.resident_layers,
+            ring_slots = plan.ring_slots,
+            slot_bytes = plan.slot_bytes,
+            disk_bytes_per_pass = plan.disk_bytes_per_pass,
+            host_bytes_per_pass = plan.host_bytes_per_pass,
+            "residency plan"
+        );
+        let (sender, receiver) = mpsc::channel();
+        let mut engine = Engine::new(&plan);
+        engine.start(clock.now());
+        let first_jobs = engine.take_jobs();
+        let shared = Arc::new(Shared {
+            engine: Mutex::new(engine),
+            changed: Condvar::new(),
+            slots,
+            resident,
+            host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
+            host_tier_bytes: AtomicU64::new(0),
+            names: layout.blobs.iter().map(|b| b.file.clone()).collect(),
+            source,
+            memory,
+            clock,
+            jobs: Mutex::new(sender),
+            stopping: AtomicBool::new(false),
+            reader_stopped: AtomicBool::new(false),
+        });
+        let reader_shared = Arc::clone(&shared);
+        let reader = std::thread::Builder::new()
+            .name("residency-reader".into())
+            .spawn(move || reader_loop(&reader_shared, receiver))
+            .map_err(|e| ResidencyError::ReadFailed {
+                file: "(reader thread)".into(),
+                message: e.to_string(),
+            })?;
+        shared.send(first_jobs);
+        Ok(Residency {
+            shared,
+            plan,
+            reader: Some(reader),
+        })
+    }
+
+    /// Returns when blob `blob` is fully in memory; waits only if its read is not finished.
+    pub fn acquire(&self, blob: usize) -> Result<BlobGuard<'_>, ResidencyError> {
+        let _span = tracing::trace_span!("acquire", blob).entered();
+        let shared = &self.shared;
+        let mut engine = shared.engine.lock();
+        let (location, ready) = loop {
+            match engine.request(blob, shared.clock.now())? {
+                Lookup::Got { location, ready } => break (location, ready),
+                Lookup::Retry => {
+                    shared.send(engine.take_jobs());
+                    shared.wait(&mut engine)?;
+                }
+            }
+        };
+        shared.send(engine.take_jobs());
+        if !ready {
+            let waited_from = shared.clock.now();
+            loop {
+                match engine.state(location) {
+                    LocationState::Ready => break,
+                    LocationState::Loading => {
+                        if let Err(err) = shared.wait(&mut engine) {
+                            engine.release(location, shared.clock.now());
+                            return Err(err);
+                        }
+                    }
+                    LocationState::Failed(message) => {
+                        engine.release(location, shared.clock.now());
+                        shared.send(engine.take_jobs());
+                        return Err(ResidencyError::ReadFailed {
+                            file: shared.names[blob].clone(),
+                            message,
+                        });
+                    }
+                }
+            }
+            engine.add_compute_wait(shared.clock.now().saturating_sub(waited_from));
+        }
+        drop(engine);
+        let buffer = shared.buffer(location).read();
+        Ok(BlobGuard {
+            owner: self,
+            location,
+            len: self.plan.blobs[blob].length as usize,
+            buffer: Some(buffer),
+        })
+    }
+
+    /// On-demand read of part of a blob (embedding rows of an untied model) without staging it.
+    pub fn read_range(
+        &self,
+        blob: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, ResidencyError> {
+        let info = self
+            .plan
+            .blobs
+            .get(blob)
+            .ok_or(ResidencyError::UnknownBlob {
+                blob,
+                count: self.plan.blobs.len(),
+            })?;
+        let end = offset.checked_add(len).filter(|&e| e <= info.length);
+        if end.is_none() {
+            return Err(ResidencyError::RangeOutOfBounds {
+                file: info.file.clone(),
+                offset,
+                end: offset.saturating_add(len),
+                length: info.length,
+            });
+        }
+        let mut out = vec![0u8; len as usize];
+        self.shared.source.read_range(blob, offset, &mut out)?;
+        self.shared.engine.lock().add_on_demand(len);
+        Ok(out)
+    }
+
+    /// Marks the end of one forward pass (a token or a prefill batch).
+    pub fn end_pass(&self) {
+        let pass = self.shared.engine.lock().end_pass(self.shared.clock.now());
+        tracing::debug!(
+            disk_bytes = pass.disk_bytes,
+            host_copy_bytes = pass.host_copy_bytes,
+            device_hits = pass.device_hits,
+            device_misses = pass.device_misses,
+            compute_wait_s = pass.compute_wait_s,
+            slot_wait_s = pass.slot_wait_s,
+            overlap = pass.overlap_fraction(),
+            effective_gbps = pass.effective_gbps(),
+            "residency pass"
+        );
+    }
+
+    pub fn stats(&self) -> ResidencyStats {
+        let mut stats = self.shared.engine.lock().stats(self.shared.clock.now());
+        stats.peak_device_bytes = self.shared.memory.peak();
+        stats.device_budget = self.plan.device_budget;
+        stats.host_tier_bytes = self.shared.host_tier_bytes.load(Ordering::Relaxed);
+        stats
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn release(&self, location: Location) {
+        let mut engine = self.shared.engine.lock();
+        engine.release(location, self.shared.clock.now());
+        self.shared.send(engine.take_jobs());
+    }
+}
+
+impl Drop for Residency {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let _ = self.shared.jobs.lock().send(None);
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+impl Shared {
+    fn send(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let sender = self.jobs.lock();
+        for job in jobs {
+            // A closed channel means the reader stopped; waiters notice through the flag.
+            let _ = sender.send(Some(job));
+        }
+    }
+
+    fn wait(&self, engine: &mut parking_lot::MutexGuard<'_, Engine>) -> Result<(), ResidencyError> {
+        if self.reader_stopped.load(Ordering::Acquire) {
+            return Err(ResidencyError::ReaderStopped);
+        }
+        // The timeout only guards against a reader that died without notifying.
+        self.changed.wait_for(engine, Duration::from_millis(500));
+        Ok(())
+    }
+
+    fn buffer(&self, location: Location) -> &Buffer {
+        match location {
+            Location::Slot(i) => &self.slots[i],
+            Location::Resident(b) => self.resident[b]
+                .as_ref()
+                .expect("resident buffer allocated at open"),
+        }
+    }
+
+    fn perform(&self, job: &Job) -> Result<bool, ResidencyError> {
+        let _span = tracing::debug_span!("residency_read", blob = job.blob, bytes = job.bytes, from = ?job.from).entered();
+        let mut buffer = self.buffer(job.into).write();
+        match job.from {
+            ReadFrom::HostTier => {
+                let host = self.host_tier[job.blob].read();
+                match host.as_ref() {
+                    Some(bytes) => buffer.fill_from_host(&bytes[..job.bytes as usize])?.wait(),
+                    None => buffer
+                        .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
+                        .wait(),
+                }
+                Ok(false)
+            }
+            ReadFrom::Disk if job.keep_in_host => match AlignedBuf::zeroed(job.bytes as usize) {
+                Ok(mut host) => {
+                    self.source.read_blob(job.blob, &mut host)?;
+                    buffer.fill_from_host(&host[..job.bytes as usize])?.wait();
+                    self.host_tier_bytes
+                        .fetch_add(host.len() as u64, Ordering::Relaxed);
+                    *self.host_tier[job.blob].write() = Some(host);
+                    Ok(true)
+                }
+                Err(err) => {
+                    tracing::warn!(file = %self.names[job.blob], "host tier: {err}; this blob keeps streaming from disk");
+                    buffer
+                        .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
+                        .wait();
+                    Ok(false)
+                }
+            },
+            ReadFrom::Disk => {
+                buffer
+                    .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
+                    .wait();
+                Ok(false)
+            }
+        }
+    }
+}
+
+fn reader_loop(shared: &Shared, jobs: mpsc::Receiver<Option<Job>>) {
+    while let Ok(Some(job)) = jobs.recv() {
+        if shared.stopping.load(Ordering::Acquire) {
+            break;
+        }
+        let outcome = match shared.perform(&job) {
+            Ok(stored_in_host) => Outcome::Done { stored_in_host },
+            Err(err) => {
+                tracing::warn!(file = %shared.names[job.blob], "read failed: {err}");
+                Outcome::Failed(err.to_string())
+            }
+        };
+        let mut engine = shared.engine.lock();
+        engine.complete(&job, outcome, shared.clock.now());
+        shared.send(engine.take_jobs());
+        drop(engine);
+        shared.changed.notify_all();
+    }
+    shared.reader_stopped.store(true, Ordering::Release);
+    shared.changed.notify_all();
+}
+
+/// Allocates the ring, then the resident buffers in plan order. On failure returns how many
+/// bytes had been allocated (everything is freed again).
+#[allow(clippy::type_complexity)]
+fn allocate(
+    plan: &Plan,
+    memory: &dyn DeviceMemory,
+) -> Result<(Vec<Buffer>, Vec<Option<Buffer>>), u64> {
+    let mut allocated = 0u64;
+    let mut slots = Vec::with_capacity(plan.ring_slots);
+    for i in 0..plan.ring_slots {
+        let buf = memory
+            .alloc(plan.slot_bytes, &format!("staging slot {i}"))
+            .map_err(|_| allocated)?;
+        allocated += buf.capacity();
+        slots.push(RwLock::new(buf));
+    }
+    let mut resident: Vec<Option<Buffer>> = plan.blobs.iter().map(|_| None).collect();
+    for &b in &plan.order {
+        if plan.is_resident(b) {
+            let buf = memory
+                .alloc(plan.blobs[b].length, &plan.blobs[b].file)
+                .map_err(|_| allocated)?;
+            allocated += buf.capacity();
+            resident[b] = Some(RwLock::new(buf));
+        }
+    }
+    Ok((slots, resident))
+}
+
+fn auto_ram_share(setting: &'static str) -> Result<u64, ResidencyError> {
+    let available = mem_available().ok_or_else(|| ResidencyError::InvalidOption {
+        setting,
+        reason: "MemAvailable could not be read from /proc/meminfo; give a size instead".into(),
+    })?;
+    Ok((available as f64 * AUTO_RAM_SHARE) as u64)
+}

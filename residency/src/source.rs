@@ -1,0 +1,163 @@
+//! Where blob bytes come from: the model's files (through `gds_io::host`), or a pattern
+//! generator for tests and benches.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gds_io::{DirectFile, ParallelRead};
+use weights_format::Metadata;
+
+use crate::error::ResidencyError;
+
+/// Reads blob `i`, or a byte range of it, into a destination buffer.
+pub trait BlobSource: Send + Sync {
+    /// Number of blobs.
+    fn blob_count(&self) -> usize;
+    /// File name (or another human name) of the blob, for messages.
+    fn blob_name(&self, blob: usize) -> String;
+    /// Fills `dst` from the start of the blob. `dst` is 4096-aligned in address and length
+    /// and at least the blob's length rounded up to 4096; bytes past the blob's end are
+    /// unspecified.
+    fn read_blob(&self, blob: usize, dst: &mut [u8]) -> Result<(), ResidencyError>;
+    /// Reads `dst.len()` bytes at `offset` inside the blob (no alignment required).
+    fn read_range(&self, blob: usize, offset: u64, dst: &mut [u8]) -> Result<(), ResidencyError>;
+}
+
+/// The model's blob files, read with O_DIRECT (where the filesystem allows it) by a few
+/// threads per blob.
+#[derive(Debug)]
+pub struct HostFileSource {
+    files: Vec<DirectFile>,
+    names: Vec<String>,
+    how: ParallelRead,
+}
+
+impl HostFileSource {
+    /// Opens every blob file of the model in `dir` and checks its length against the metadata.
+    pub fn open(dir: &Path, meta: &Metadata, how: ParallelRead) -> Result<Self, ResidencyError> {
+        let mut files = Vec::with_capacity(meta.blobs.len());
+        for blob in &meta.blobs {
+            let path = dir.join(&blob.file);
+            let file = DirectFile::open(&path)?;
+            if file.len() != blob.length {
+                return Err(ResidencyError::BlobLength {
+                    path,
+                    expected: blob.length,
+                    actual: file.len(),
+                });
+            }
+            files.push(file);
+        }
+        Ok(HostFileSource {
+            files,
+            names: meta.blobs.iter().map(|b| b.file.clone()).collect(),
+            how,
+        })
+    }
+
+    /// Whether every file reads with O_DIRECT.
+    pub fn all_direct(&self) -> bool {
+        self.files.iter().all(|f| f.is_direct())
+    }
+}
+
+impl BlobSource for HostFileSource {
+    fn blob_count(&self) -> usize {
+        self.files.len()
+    }
+
+    fn blob_name(&self, blob: usize) -> String {
+        self.names[blob].clone()
+    }
+
+    fn read_blob(&self, blob: usize, dst: &mut [u8]) -> Result<(), ResidencyError> {
+        let file = &self.files[blob];
+        let len = gds_io::aligned::align_up(file.len()) as usize;
+        let record = file.read_into_parallel(0, &mut dst[..len], self.how)?;
+        tracing::trace!(
+            blob,
+            bytes = record.bytes,
+            direct = record.direct,
+            gbps = record.gbps(),
+            "blob read"
+        );
+        Ok(())
+    }
+
+    fn read_range(&self, blob: usize, offset: u64, dst: &mut [u8]) -> Result<(), ResidencyError> {
+        self.files[blob].read_span(offset, dst)?;
+        Ok(())
+    }
+}
+
+/// A source whose byte at `offset` of blob `b` is [`PatternSource::byte`]`(b, offset)`; counts
+/// its reads. For tests and benches that need no files.
+#[derive(Debug)]
+pub struct PatternSource {
+    lengths: Vec<u64>,
+    blob_reads: Vec<AtomicU64>,
+    bytes_read: AtomicU64,
+}
+
+impl PatternSource {
+    pub fn new(lengths: Vec<u64>) -> PatternSource {
+        PatternSource {
+            blob_reads: lengths.iter().map(|_| AtomicU64::new(0)).collect(),
+            lengths,
+            bytes_read: AtomicU64::new(0),
+        }
+    }
+
+    /// The content of every blob: distinct per blob and per position.
+    pub fn byte(blob: usize, offset: u64) -> u8 {
+        let x = (offset / 4).wrapping_mul(0x9E37_79B9) ^ (blob as u64).wrapping_mul(0x85EB_CA6B);
+        (x ^ (x >> 13) ^ (offset & 3) << 5) as u8
+    }
+
+    /// Whether `bytes` are exactly blob `blob`'s first `bytes.len()` bytes.
+    pub fn check(blob: usize, bytes: &[u8]) -> bool {
+        bytes
+            .iter()
+            .enumerate()
+            .all(|(i, &b)| b == Self::byte(blob, i as u64))
+    }
+
+    /// Whole-blob reads so far, per blob.
+    pub fn blob_reads(&self) -> Vec<u64> {
+        self.blob_reads
+            .iter()
+            .map(|r| r.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+}
+
+impl BlobSource for PatternSource {
+    fn blob_count(&self) -> usize {
+        self.lengths.len()
+    }
+
+    fn blob_name(&self, blob: usize) -> String {
+        format!("pattern blob {blob}")
+    }
+
+    fn read_blob(&self, blob: usize, dst: &mut [u8]) -> Result<(), ResidencyError> {
+        let len = self.lengths[blob] as usize;
+        for (i, b) in dst[..len].iter_mut().enumerate() {
+            *b = Self::byte(blob, i as u64);
+        }
+        self.blob_reads[blob].fetch_add(1, Ordering::Relaxed);
+        self.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn read_range(&self, blob: usize, offset: u64, dst: &mut [u8]) -> Result<(), ResidencyError> {
+        for (i, b) in dst.iter_mut().enumerate() {
+            *b = Self::byte(blob, offset + i as u64);
+        }
+        Ok(())
+    }
+}
