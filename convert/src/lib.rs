@@ -12,4 +12,14 @@ pub mod gguf;
 pub mod gguf_map;
 pub mod gguf_writer;
 pub mod hf;
+pub mod pull;
+pub mod store;
+pub mod synth;
+pub mod testing;
 pub mod tokenizer;
+
+pub use convert::{
+    ConvertError, ConvertOptions, ConvertReport, NoProgress, Progress, TargetDType, convert,
+};
+pub use pull::{PullError, PullOptions, Pulled, ensure_default_model, pull};
+pub use store::{StoreError, resolve_model};

@@ -1,0 +1,326 @@
+//! Test support: a tiny random LLaMA that can be written both as a Hugging Face directory
+//! (safetensors + config.json) and as a GGUF laid out the way llama.cpp's converter lays it
+//! out (Q/K rows permuted), so tests can check that both convert to the same model.
+
+use std::path::Path;
+
+use serde_json::json;
+use weights_format::{DType, quant};
+
+use crate::gguf::{GgufValue, GgufValueType};
+use crate::gguf_writer::{GgufBuilder, permute_rows_like_llama_cpp};
+
+/// A small LLaMA with deterministic pseudo-random f32 weights, named as in Hugging Face.
+#[derive(Debug, Clone)]
+pub struct TinyLlama {
+    pub hidden_size: u32,
+    pub n_layers: u32,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub ffn_dim: u32,
+    pub vocab_size: u32,
+    pub tied: bool,
+    /// (Hugging Face name, row-major shape, values)
+    pub tensors: Vec<(String, Vec<u64>, Vec<f32>)>,
+}
+
+impl TinyLlama {
+    /// dim 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 96, vocab 48.
+    pub fn new(seed: u64, tied: bool) -> TinyLlama {
+        let (dim, layers, heads, kv_heads, ffn, vocab) = (64u64, 2u32, 4u64, 2u64, 96u64, 48u64);
+        let head_dim = dim / heads;
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
+            let n: u64 = shape.iter().product();
+            (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+                })
+                .collect()
+        };
+        let mut tensors = Vec::new();
+        let mut add = |name: String, shape: Vec<u64>, scale: f32, offset: f32| {
+            let values = random(&shape, scale)
+                .into_iter()
+                .map(|v| v + offset)
+                .collect();
+            tensors.push((name, shape, values));
+        };
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![vocab, dim],
+            1.0,
+            0.0,
+        );
+        for l in 0..layers {
+            let p = format!("model.layers.{l}");
+            add(format!("{p}.input_layernorm.weight"), vec![dim], 0.2, 1.0);
+            add(
+                format!("{p}.self_attn.q_proj.weight"),
+                vec![heads * head_dim, dim],
+                0.25,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.k_proj.weight"),
+                vec![kv_heads * head_dim, dim],
+                0.25,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.v_proj.weight"),
+                vec![kv_heads * head_dim, dim],
+                0.25,
+                0.0,
+            );
+            add(
+                format!("{p}.self_attn.o_proj.weight"),
+                vec![dim, heads * head_dim],
+                0.25,
+                0.0,
+            );
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![dim],
+                0.2,
+                1.0,
+            );
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![ffn, dim],
+                0.25,
+                0.0,
+            );
+            add(format!("{p}.mlp.up_proj.weight"), vec![ffn, dim], 0.25, 0.0);
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                vec![dim, ffn],
+                0.25,
+                0.0,
+            );
+        }
+        add("model.norm.weight".into(), vec![dim], 0.2, 1.0);
+        if !tied {
+            add("lm_head.weight".into(), vec![vocab, dim], 1.0, 0.0);
+        }
+        TinyLlama {
+            hidden_size: dim as u32,
+            n_layers: layers,
+            n_heads: heads as u32,
+            n_kv_heads: kv_heads as u32,
+            ffn_dim: ffn as u32,
+            vocab_size: vocab as u32,
+            tied,
+            tensors,
+        }
+    }
+
+    /// The vocabulary both tokenizers use: `<unk>`, `<s>`, `</s>`, then plain pieces.
+    pub fn tokens(&self) -> Vec<String> {
+        let mut tokens = vec!["<unk>".to_string(), "<s>".into(), "</s>".into()];
+        tokens.extend((3..self.vocab_size).map(|i| format!("w{i}")));
+        tokens
+    }
+
+    pub fn chat_template(&self) -> &'static str {
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    }
+
+    /// Writes config.json, tokenizer.json, tokenizer_config.json and the weights as F32
+    /// safetensors, split into `shards` files with an index when `shards > 1`.
+    pub fn write_hf(&self, dir: &Path, shards: usize) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let config = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 256,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tied,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": "float32",
+        });
+        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config)?)?;
+        let vocab: serde_json::Map<String, serde_json::Value> = self
+            .tokens()
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| (t, json!(i)))
+            .collect();
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+            "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+        });
+        std::fs::write(dir.join("tokenizer.json"), serde_json::to_vec(&tokenizer)?)?;
+        let tokenizer_config = json!({
+            "add_bos_token": false,
+            "chat_template": [{"name": "default", "template": self.chat_template()}],
+        });
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::to_vec(&tokenizer_config)?,
+        )?;
+
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .tensors
+            .iter()
+            .map(|(name, shape, values)| {
+                let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (
+                    name.clone(),
+                    shape.iter().map(|&d| d as usize).collect(),
+                    data,
+                )
+            })
+            .collect();
+        let shards = shards.max(1);
+        let per_shard = bytes.len().div_ceil(shards);
+        let mut weight_map = serde_json::Map::new();
+        for (i, chunk) in bytes.chunks(per_shard).enumerate() {
+            let file = if shards == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{shards:05}.safetensors", i + 1)
+            };
+            let views = chunk.iter().map(|(name, shape, data)| {
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    data,
+                )
+                .expect("shape matches data");
+                weight_map.insert(name.clone(), json!(file));
+                (name.clone(), view)
+            });
+            let views: Vec<_> = views.collect();
+            safetensors::serialize_to_file(views, None, &dir.join(&file))
+                .map_err(std::io::Error::other)?;
+        }
+        if shards > 1 {
+            let index = json!({"metadata": {}, "weight_map": weight_map});
+            std::fs::write(
+                dir.join("model.safetensors.index.json"),
+                serde_json::to_vec_pretty(&index)?,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The same model as llama.cpp would write it: GGUF names, Q/K rows permuted, 2-D
+    /// matrices stored as `matrix_dtype` (norms f32).
+    pub fn gguf(&self, matrix_dtype: DType) -> GgufBuilder {
+        let mut b = GgufBuilder::new();
+        let string = |s: &str| GgufValue::String(s.to_string());
+        b.kv("general.architecture", string("llama"))
+            .kv("general.name", string("tiny"))
+            .kv("llama.block_count", GgufValue::U32(self.n_layers))
+            .kv("llama.context_length", GgufValue::U32(256))
+            .kv("llama.embedding_length", GgufValue::U32(self.hidden_size))
+            .kv("llama.feed_forward_length", GgufValue::U32(self.ffn_dim))
+            .kv("llama.attention.head_count", GgufValue::U32(self.n_heads))
+            .kv(
+                "llama.attention.head_count_kv",
+                GgufValue::U32(self.n_kv_heads),
+            )
+            .kv("llama.rope.freq_base", GgufValue::F32(10000.0))
+            .kv(
+                "llama.attention.layer_norm_rms_epsilon",
+                GgufValue::F32(1e-5),
+            )
+            .kv("llama.vocab_size", GgufValue::U32(self.vocab_size))
+            .kv(
+                "llama.rope.dimension_count",
+                GgufValue::U32(self.hidden_size / self.n_heads),
+            )
+            .kv("tokenizer.ggml.model", string("gpt2"))
+            .kv("tokenizer.ggml.pre", string("default"))
+            .kv(
+                "tokenizer.ggml.tokens",
+                GgufValue::Array(
+                    GgufValueType::String,
+                    self.tokens().iter().map(|t| string(t)).collect(),
+                ),
+            )
+            .kv(
+                "tokenizer.ggml.token_type",
+                GgufValue::Array(
+                    GgufValueType::I32,
+                    (0..self.vocab_size)
+                        .map(|i| GgufValue::I32(if i < 3 { 3 } else { 1 }))
+                        .collect(),
+                ),
+            )
+            .kv(
+                "tokenizer.ggml.merges",
+                GgufValue::Array(GgufValueType::String, Vec::new()),
+            )
+            .kv("tokenizer.ggml.bos_token_id", GgufValue::U32(1))
+            .kv("tokenizer.ggml.eos_token_id", GgufValue::U32(2))
+            .kv("tokenizer.ggml.add_bos_token", GgufValue::Bool(false))
+            .kv("tokenizer.chat_template", string(self.chat_template()));
+        for (hf_name, shape, values) in &self.tensors {
+            let name = gguf_name_of(hf_name);
+            let mut f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let heads = if hf_name.ends_with("q_proj.weight") {
+                Some(self.n_heads)
+            } else if hf_name.ends_with("k_proj.weight") {
+                Some(self.n_kv_heads)
+            } else {
+                None
+            };
+            if let Some(h) = heads {
+                let row_bytes = shape[1] as usize * 4;
+                f32_bytes = permute_rows_like_llama_cpp(&f32_bytes, h as usize, row_bytes);
+            }
+            let dtype = if shape.len() == 2 {
+                matrix_dtype
+            } else {
+                DType::F32
+            };
+            let mut data = Vec::new();
+            let permuted: Vec<f32> = f32_bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            quant::quantize(dtype, &permuted, &mut data).expect("rows are whole blocks");
+            b.tensor(&name, dtype, shape, data);
+        }
+        b
+    }
+}
+
+/// llama.cpp's name for a Hugging Face LLaMA tensor name.
+fn gguf_name_of(hf: &str) -> String {
+    match hf {
+        "model.embed_tokens.weight" => return "token_embd.weight".into(),
+        "model.norm.weight" => return "output_norm.weight".into(),
+        "lm_head.weight" => return "output.weight".into(),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.").expect("a layer tensor");
+    let (layer, what) = rest.split_once('.').expect("layer.name");
+    let ours = match what {
+        "input_layernorm.weight" => "attn_norm",
+        "self_attn.q_proj.weight" => "attn_q",
+        "self_attn.k_proj.weight" => "attn_k",
+        "self_attn.v_proj.weight" => "attn_v",
+        "self_attn.o_proj.weight" => "attn_output",
+        "post_attention_layernorm.weight" => "ffn_norm",
+        "mlp.gate_proj.weight" => "ffn_gate",
+        "mlp.up_proj.weight" => "ffn_up",
+        "mlp.down_proj.weight" => "ffn_down",
+        other => panic!("no GGUF name for {other}"),
+    };
+    format!("blk.{layer}.{ours}.weight")
+}

@@ -1,0 +1,179 @@
+//! A tiny LLaMA written by the test as Hugging Face safetensors and as a llama.cpp-style GGUF
+//! converts to the same tensors, with the same config, whichever way it arrives.
+
+use std::path::Path;
+
+use gdsllm_convert::convert::{ConvertOptions, NoProgress, TargetDType, convert};
+use gdsllm_convert::testing::TinyLlama;
+use weights_format::{DType, Model, quant};
+
+/// Every tensor of two models, compared byte for byte; returns the number compared.
+fn assert_same_tensors(a: &Model, b: &Model) -> usize {
+    assert_eq!(a.blob_count(), b.blob_count());
+    let mut compared = 0;
+    for i in 0..a.blob_count() {
+        let (ba, bb) = (a.blob(i), b.blob(i));
+        assert_eq!(ba.file, bb.file);
+        assert_eq!(ba.tensors.len(), bb.tensors.len(), "{}", ba.file);
+        for (ta, tb) in ba.tensors.iter().zip(&bb.tensors) {
+            assert_eq!(
+                (&ta.name, ta.dtype, &ta.shape),
+                (&tb.name, tb.dtype, &tb.shape)
+            );
+            let (xa, xb) = (
+                a.read_tensor(i, &ta.name).unwrap(),
+                b.read_tensor(i, &tb.name).unwrap(),
+            );
+            assert!(xa == xb, "{} {} differs", ba.file, ta.name);
+            compared += 1;
+        }
+    }
+    compared
+}
+
+fn convert_both(
+    tiny: &TinyLlama,
+    gguf_dtype: DType,
+    target: TargetDType,
+    root: &Path,
+) -> (Model, Model) {
+    let hf_dir = root.join("hf");
+    if !hf_dir.exists() {
+        tiny.write_hf(&hf_dir, 2).unwrap();
+    }
+    let gguf_path = root.join(format!("tiny-{gguf_dtype}.gguf"));
+    tiny.gguf(gguf_dtype).write_to(&gguf_path).unwrap();
+    let options = ConvertOptions {
+        dtype: target,
+        force: false,
+    };
+    let from_hf = root.join(format!("from-hf-{target}"));
+    let from_gguf = root.join(format!("from-gguf-{gguf_dtype}-{target}"));
+    convert(&hf_dir, &from_hf, &options, &NoProgress).unwrap();
+    convert(&gguf_path, &from_gguf, &options, &NoProgress).unwrap();
+    (
+        Model::open(&from_hf).unwrap(),
+        Model::open(&from_gguf).unwrap(),
+    )
+}
+
+#[test]
+fn hf_and_gguf_of_the_same_weights_convert_identically() {
+    for tied in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        let tiny = TinyLlama::new(7, tied);
+        let (hf, gguf) = convert_both(&tiny, DType::F32, TargetDType::Keep, tmp.path());
+        assert_eq!(hf.config(), gguf.config(), "tied={tied}");
+        assert_eq!(hf.config().tie_word_embeddings, tied);
+        let n = assert_same_tensors(&hf, &gguf);
+        assert_eq!(n, 1 + 2 * 9 + 1 + usize::from(!tied));
+        // The values themselves are the test's weights, Q/K in Hugging Face order.
+        let q = hf.read_tensor(hf.layer_blob(1), "attn_q").unwrap();
+        let expected = &tiny
+            .tensors
+            .iter()
+            .find(|t| t.0 == "model.layers.1.self_attn.q_proj.weight")
+            .unwrap()
+            .2;
+        let got: Vec<f32> = q
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert!(&got == expected);
+        // Both carry the chat template (GGUF key / tokenizer_config list entry "default").
+        for m in [&hf, &gguf] {
+            let t = std::fs::read_to_string(m.dir().join("chat_template.jinja")).unwrap();
+            assert_eq!(t, tiny.chat_template());
+        }
+
+        // Re-encoding gives the same bytes from both sources, and those are the reference
+        // quantizer's output of the original weights.
+        let (hf8, gguf8) = convert_both(&tiny, DType::F32, TargetDType::Q8_0, tmp.path());
+        assert_same_tensors(&hf8, &gguf8);
+        let k = hf8.read_tensor(hf8.layer_blob(0), "attn_k").unwrap();
+        let original = &tiny
+            .tensors
+            .iter()
+            .find(|t| t.0 == "model.layers.0.self_attn.k_proj.weight")
+            .unwrap()
+            .2;
+        let mut reference = Vec::new();
+        quant::quantize(DType::Q8_0, original, &mut reference).unwrap();
+        assert!(k == reference);
+        assert_eq!(
+            hf8.tensor(hf8.layer_blob(0), "attn_norm").unwrap().dtype,
+            DType::F32
+        );
+    }
+}
+
+#[test]
+fn quantized_gguf_rows_move_without_requantizing() {
+    // A Q8_0 / Q4_1 GGUF: after un-permuting, Q and K equal the reference quantization of
+    // the Hugging Face rows (quantization is per row, so row moves commute with it).
+    for dtype in [DType::Q8_0, DType::Q4_1] {
+        let tmp = tempfile::tempdir().unwrap();
+        let tiny = TinyLlama::new(11, true);
+        let path = tmp.path().join("q.gguf");
+        tiny.gguf(dtype).write_to(&path).unwrap();
+        let out = tmp.path().join("out");
+        convert(&path, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+        let model = Model::open(&out).unwrap();
+        for (name, hf) in [
+            ("attn_q", "model.layers.1.self_attn.q_proj.weight"),
+            ("attn_k", "model.layers.1.self_attn.k_proj.weight"),
+            ("ffn_down", "model.layers.1.mlp.down_proj.weight"),
+        ] {
+            let ours = model.read_tensor(model.layer_blob(1), name).unwrap();
+            let values = &tiny.tensors.iter().find(|t| t.0 == hf).unwrap().2;
+            let mut reference = Vec::new();
+            quant::quantize(dtype, values, &mut reference).unwrap();
+            assert!(ours == reference, "{dtype} {name}");
+        }
+    }
+}
+
+#[test]
+fn dtype_conversions_from_hf_have_bounded_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tiny = TinyLlama::new(3, false);
+    let hf = tmp.path().join("hf");
+    tiny.write_hf(&hf, 1).unwrap();
+    for (target, dtype, tol) in [
+        (TargetDType::F16, DType::F16, 2e-4f32),
+        (TargetDType::Bf16, DType::Bf16, 2e-3),
+        (TargetDType::Q8_0, DType::Q8_0, 4e-3),
+        (TargetDType::Q4_1, DType::Q4_1, 4e-2),
+    ] {
+        let out = tmp.path().join(target.name());
+        convert(
+            &hf,
+            &out,
+            &ConvertOptions {
+                dtype: target,
+                force: false,
+            },
+            &NoProgress,
+        )
+        .unwrap();
+        let model = Model::open(&out).unwrap();
+        let t = model.tensor(model.layer_blob(0), "ffn_up").unwrap();
+        assert_eq!(t.dtype, dtype);
+        let bytes = model.read_tensor(model.layer_blob(0), "ffn_up").unwrap();
+        let mut got = vec![0f32; 96 * 64];
+        quant::dequantize(dtype, &bytes, &mut got).unwrap();
+        let original = &tiny
+            .tensors
+            .iter()
+            .find(|t| t.0 == "model.layers.0.mlp.up_proj.weight")
+            .unwrap()
+            .2;
+        let max = original
+            .iter()
+            .zip(&got)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        println!("{target}: max |w - deq(w)| = {max:.6} (tolerance {tol}, |w| <= 0.125)");
+        assert!(max <= tol, "{target}: {max} > {tol}");
+    }
+}
