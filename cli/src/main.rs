@@ -20,6 +20,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     // Each subcommand lives in `cmd/<name>.rs` with its own `Args` and `run`.
+    /// Convert a GGUF file or a Hugging Face directory into the GdsLLM format.
+    Convert(cmd::convert::Args),
+    /// Download a known model into the local model store and print its directory.
+    Pull(cmd::pull::Args),
+    /// Check GPU, CUDA libraries, cuFile/GDS, udev and the model store; measure read speed.
+    Doctor(cmd::doctor::Args),
+    /// Read every blob of a model with each I/O backend; GB/s against raw O_DIRECT.
+    BenchIo(cmd::bench_io::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -31,7 +39,12 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    let result: anyhow::Result<()> = match cli.command {};
+    let result: anyhow::Result<()> = match cli.command {
+        Command::Convert(args) => cmd::convert::run(args),
+        Command::Pull(args) => cmd::pull::run(args),
+        Command::Doctor(args) => cmd::doctor::run(args),
+        Command::BenchIo(args) => cmd::bench_io::run(args),
+    };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {

@@ -83,6 +83,20 @@ pub fn o_direct_supported(dir: &Path) -> std::io::Result<bool> {
     direct.map_err(std::io::Error::other)
 }
 
+/// Asks the kernel to drop the cached pages of `path`, so that a buffered read of it goes to
+/// the disk (used for fair `cp`-like reference reads).
+pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path)?;
+    // SAFETY: an advisory call on a descriptor we hold open; no memory is passed.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::from_raw_os_error(rc))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,1 +1,5 @@
 //! One module per subcommand; each has `Args` (clap) and `run(args) -> anyhow::Result<()>`.
+pub mod convert;
+pub mod pull;
+pub mod bench_io;
+pub mod doctor;

@@ -1,0 +1,352 @@
+//! `gdsllm bench-io`: reads every blob of a model with each available I/O backend and compares
+//! with a raw multi-threaded O_DIRECT read and a `cp`-like buffered read of the same files,
+//! measured in the same run.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use gds_io::{
+    BackendKind, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IoChoice, ParallelRead,
+};
+use serde::Serialize;
+
+/// Measure read throughput of a model's blobs per backend (GB/s = 10^9 bytes/s).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Model directory (with metadata.json; without it every *.bin file in it is read).
+    #[arg(short, long)]
+    pub model: PathBuf,
+    /// Backend to measure: cufile, bounce, host or auto (auto = every available one).
+    /// Overrides $GDSLLM_IO.
+    #[arg(long)]
+    pub io: Option<String>,
+    /// Threads and request size of the raw O_DIRECT reference read.
+    #[arg(long, default_value_t = 8)]
+    pub raw_threads: usize,
+    #[arg(long, default_value_t = 16)]
+    pub raw_request_mib: usize,
+    /// Skip the buffered (`cp`-like) reference read.
+    #[arg(long)]
+    pub no_buffered: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: PathBuf,
+    files: usize,
+    bytes: u64,
+    /// Raw multi-threaded O_DIRECT read into host memory.
+    raw_gbps: f64,
+    /// Buffered read with the page cache dropped for the files first (like `cp`).
+    buffered_gbps: Option<f64>,
+    /// Which path cuFile took: "gds" (DMA), "compat" or null when not loaded.
+    cufile_path: Option<&'static str>,
+    backends: Vec<BackendResult>,
+}
+
+#[derive(Serialize)]
+struct BackendResult {
+    name: &'static str,
+    gbps: Option<f64>,
+    /// gbps / raw_gbps.
+    ratio: Option<f64>,
+    via_host_memory: Option<bool>,
+    error: Option<String>,
+    per_blob: Vec<BlobResult>,
+}
+
+#[derive(Serialize)]
+struct BlobResult {
+    file: String,
+    bytes: u64,
+    gbps: f64,
+}
+
+struct Blob {
+    name: String,
+    path: PathBuf,
+    len: u64,
+}
+
+fn gbps(bytes: u64, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+fn list_blobs(dir: &Path) -> anyhow::Result<Vec<Blob>> {
+    if !dir.is_dir() {
+        bail!("{} is not a model directory", dir.display());
+    }
+    let blobs = if dir.join("metadata.json").exists() {
+        let model = weights_format::Model::open(dir)
+            .with_context(|| format!("cannot open model {}", dir.display()))?;
+        (0..model.metadata().blobs.len())
+            .map(|i| Blob {
+                name: model.metadata().blobs[i].file.clone(),
+                path: model.blob_path(i),
+                len: model.metadata().blobs[i].length,
+            })
+            .collect()
+    } else {
+        let mut blobs = Vec::new();
+        for entry in
+            std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "bin") {
+                blobs.push(Blob {
+                    name: path
+                        .file_name()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .into_owned(),
+                    len: std::fs::metadata(&path)?.len(),
+                    path,
+                });
+            }
+        }
+        blobs.sort_by(|a, b| a.name.cmp(&b.name));
+        blobs
+    };
+    let blobs: Vec<Blob> = blobs.into_iter().filter(|b| b.len > 0).collect();
+    if blobs.is_empty() {
+        bail!("{} holds no blobs (*.bin) to read", dir.display());
+    }
+    Ok(blobs)
+}
+
+fn buffered_read(blobs: &[Blob]) -> anyhow::Result<f64> {
+    for blob in blobs {
+        if let Err(err) = gds_io::probe::drop_page_cache(&blob.path) {
+            tracing::warn!("cannot drop cached pages of {}: {err}", blob.path.display());
+        }
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    let start = Instant::now();
+    let mut total = 0u64;
+    for blob in blobs {
+        let mut file = std::fs::File::open(&blob.path)?;
+        loop {
+            let n = file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+    }
+    Ok(gbps(total, start.elapsed()))
+}
+
+fn raw_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<f64> {
+    let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0);
+    let mut buf = gds_io::AlignedBuf::zeroed(largest as usize)?;
+    let start = Instant::now();
+    let mut total = 0u64;
+    for blob in blobs {
+        let file = DirectFile::open(&blob.path)?;
+        let aligned = (blob.len as usize).next_multiple_of(gds_io::IO_ALIGN);
+        let record = file.read_into_parallel(0, &mut buf[..aligned], how)?;
+        total += record.bytes;
+    }
+    Ok(gbps(total, start.elapsed()))
+}
+
+fn device_backend(
+    kind: BackendKind,
+    gpu: &Gpu,
+    driver: Option<&std::sync::Arc<Driver>>,
+    blobs: &[Blob],
+    buffer: &GdsBuffer,
+) -> Result<(f64, bool, Vec<BlobResult>), gds_io::GdsError> {
+    let reader: Box<dyn DeviceReader> = gds_io::build_reader(kind, gpu, driver)?;
+    let mut files = Vec::with_capacity(blobs.len());
+    for blob in blobs {
+        let mut file = GdsFile::open(&blob.path)?;
+        if kind == BackendKind::Cufile {
+            let driver = driver.ok_or_else(|| gds_io::GdsError::BackendUnavailable {
+                backend: "cufile",
+                reason: "libcufile could not be loaded or opened".into(),
+            })?;
+            file.register(driver)?;
+        }
+        files.push(file);
+    }
+    let mut per_blob = Vec::with_capacity(blobs.len());
+    let mut via_host = false;
+    let start = Instant::now();
+    for (blob, file) in blobs.iter().zip(&files) {
+        let record = reader.read(file, 0, blob.len as usize, buffer, 0)?;
+        via_host |= record.via_host_memory;
+        per_blob.push(BlobResult {
+            file: blob.name.clone(),
+            bytes: record.bytes,
+            gbps: record.gbps(),
+        });
+    }
+    let total: u64 = blobs.iter().map(|b| b.len).sum();
+    Ok((gbps(total, start.elapsed()), via_host, per_blob))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let choice = gds_io::io_choice_from_env(args.io.as_deref())?;
+    let blobs = list_blobs(&args.model)?;
+    let bytes: u64 = blobs.iter().map(|b| b.len).sum();
+    tracing::info!(
+        files = blobs.len(),
+        bytes,
+        "reading {}",
+        args.model.display()
+    );
+
+    let buffered_gbps = if args.no_buffered {
+        None
+    } else {
+        Some(buffered_read(&blobs)?)
+    };
+    let raw_how = ParallelRead {
+        request_bytes: args.raw_request_mib.max(1) << 20,
+        threads: args.raw_threads.max(1),
+    };
+    let raw_gbps = raw_read(&blobs, raw_how)?;
+
+    let gpu = Gpu::open(0);
+    let driver = gpu.as_ref().ok().and_then(|_| Driver::open().ok());
+    let cufile_path = driver.as_ref().map(|d| {
+        if d.properties().gds_dma() {
+            "gds"
+        } else {
+            "compat"
+        }
+    });
+    let kinds: Vec<BackendKind> = match choice {
+        IoChoice::Force(kind) => vec![kind],
+        IoChoice::Auto => BackendKind::ALL.to_vec(),
+    };
+    let mut backends = Vec::new();
+    match &gpu {
+        Err(err) => {
+            // No GPU: the host backend into host memory is what the CPU backend uses.
+            tracing::warn!("{err}; measuring the host backend into host memory only");
+            let start = Instant::now();
+            let mut per_blob = Vec::new();
+            let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0);
+            let mut buf = gds_io::AlignedBuf::zeroed(largest as usize)?;
+            for blob in &blobs {
+                let file = DirectFile::open(&blob.path)?;
+                let aligned = (blob.len as usize).next_multiple_of(gds_io::IO_ALIGN);
+                let record =
+                    file.read_into_parallel(0, &mut buf[..aligned], ParallelRead::default())?;
+                per_blob.push(BlobResult {
+                    file: blob.name.clone(),
+                    bytes: record.bytes,
+                    gbps: record.gbps(),
+                });
+            }
+            let g = gbps(bytes, start.elapsed());
+            backends.push(BackendResult {
+                name: "host",
+                gbps: Some(g),
+                ratio: Some(g / raw_gbps),
+                via_host_memory: Some(true),
+                error: None,
+                per_blob,
+            });
+        }
+        Ok(gpu) => {
+            let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0) as usize;
+            let buffer = GdsBuffer::alloc(gpu, largest)?;
+            for kind in kinds {
+                let outcome = device_backend(kind, gpu, driver.as_ref(), &blobs, &buffer);
+                backends.push(match outcome {
+                    Ok((g, via_host, per_blob)) => BackendResult {
+                        name: kind.name(),
+                        gbps: Some(g),
+                        ratio: Some(g / raw_gbps),
+                        via_host_memory: Some(via_host),
+                        error: None,
+                        per_blob,
+                    },
+                    Err(err) => BackendResult {
+                        name: kind.name(),
+                        gbps: None,
+                        ratio: None,
+                        via_host_memory: None,
+                        error: Some(err.to_string()),
+                        per_blob: Vec::new(),
+                    },
+                });
+            }
+        }
+    }
+
+    let report = Report {
+        model: args.model.clone(),
+        files: blobs.len(),
+        bytes,
+        raw_gbps,
+        buffered_gbps,
+        cufile_path,
+        backends,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn print_table(report: &Report) {
+    println!(
+        "{}: {} files, {:.2} GB; cuFile path: {}",
+        report.model.display(),
+        report.files,
+        report.bytes as f64 / 1e9,
+        report.cufile_path.unwrap_or("not loaded")
+    );
+    println!("{:<22} {:>8} {:>8}", "read", "GB/s", "× raw");
+    println!(
+        "{:<22} {:>8.2} {:>8.2}",
+        "raw O_DIRECT (ref)", report.raw_gbps, 1.0
+    );
+    if let Some(b) = report.buffered_gbps {
+        println!(
+            "{:<22} {:>8.2} {:>8.2}",
+            "buffered, cp-like",
+            b,
+            b / report.raw_gbps
+        );
+    }
+    for backend in &report.backends {
+        match (backend.gbps, backend.ratio) {
+            (Some(g), Some(r)) => println!("{:<22} {g:>8.2} {r:>8.2}", backend.name),
+            _ => println!(
+                "{:<22} unavailable: {}",
+                backend.name,
+                backend.error.as_deref().unwrap_or("?")
+            ),
+        }
+    }
+    for backend in &report.backends {
+        if backend.per_blob.is_empty() {
+            continue;
+        }
+        let speeds: Vec<f64> = backend.per_blob.iter().map(|b| b.gbps).collect();
+        let min = speeds.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = speeds.iter().copied().fold(0.0, f64::max);
+        println!(
+            "{}: per blob {min:.2}–{max:.2} GB/s over {} blobs",
+            backend.name,
+            speeds.len()
+        );
+    }
+}
