@@ -1,0 +1,303 @@
+//! Bad input gives an error naming the file and the offset or key, never a panic, and leaves
+//! nothing at the output path.
+
+use std::path::Path;
+
+use gdsllm_convert::convert::{ConvertError, ConvertOptions, NoProgress, convert};
+use gdsllm_convert::gguf::{GgufFile, GgufValue, GgufValueType};
+use gdsllm_convert::gguf_writer::GgufBuilder;
+use gdsllm_convert::testing::TinyLlama;
+use weights_format::DType;
+
+fn convert_err(input: &Path, out: &Path) -> String {
+    let err = convert(input, out, &ConvertOptions::default(), &NoProgress)
+        .expect_err("conversion should fail");
+    assert!(
+        !out.exists(),
+        "{} was left behind after: {err}",
+        out.display()
+    );
+    // No hidden partial directories either.
+    let parent = out.parent().unwrap();
+    let leftovers: Vec<_> = std::fs::read_dir(parent)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().into_string().unwrap())
+        .filter(|n| n.starts_with(".out"))
+        .collect();
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
+    err.to_string()
+}
+
+#[test]
+fn truncated_gguf_names_file_and_offset_at_every_cut() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = TinyLlama::new(1, true).gguf(DType::Q8_0).to_bytes();
+    let path = tmp.path().join("cut.gguf");
+    let out = tmp.path().join("out");
+    let data_start = {
+        std::fs::write(&path, &bytes).unwrap();
+        GgufFile::open(&path).unwrap().data_offset() as usize
+    };
+    // Every cut inside the header, then a few inside the tensor data.
+    let cuts = (0..data_start).chain((data_start..bytes.len()).step_by(997));
+    let mut checked = 0;
+    for cut in cuts {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let msg = convert_err(&path, &out);
+        assert!(msg.contains(path.to_str().unwrap()), "cut {cut}: {msg}");
+        assert!(
+            msg.contains("offset") || msg.contains("lies outside the file"),
+            "cut {cut}: {msg}"
+        );
+        checked += 1;
+    }
+    std::fs::write(&path, &bytes[..100]).unwrap();
+    println!(
+        "{checked} truncations rejected; e.g.: {}",
+        convert_err(&path, &out)
+    );
+}
+
+#[test]
+fn wrong_magic_and_version_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bytes = TinyLlama::new(1, true).gguf(DType::F32).to_bytes();
+    let path = tmp.path().join("bad.gguf");
+    let out = tmp.path().join("out");
+    bytes[..4].copy_from_slice(b"GGML");
+    std::fs::write(&path, &bytes).unwrap();
+    let msg = convert_err(&path, &out);
+    assert!(
+        msg.contains("bad.gguf") && msg.contains("magic") && msg.contains("offset 0"),
+        "{msg}"
+    );
+    bytes[..4].copy_from_slice(b"GGUF");
+    bytes[4..8].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let msg = convert_err(&path, &out);
+    assert!(
+        msg.contains("version 1") && msg.contains("offset 4"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn absurd_counts_and_lengths_are_refused_before_allocating() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("absurd.gguf");
+    let header = |tensors: u64, kvs: u64| {
+        let mut b = b"GGUF".to_vec();
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&tensors.to_le_bytes());
+        b.extend_from_slice(&kvs.to_le_bytes());
+        b
+    };
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (header(0, 1 << 60), "offset 16"),
+        (header(1 << 61, 0), "offset 8"),
+        (
+            {
+                // A key whose length field claims 2^62 bytes.
+                let mut b = header(0, 1);
+                b.extend_from_slice(&(1u64 << 62).to_le_bytes());
+                b.extend_from_slice(&[0; 64]);
+                b
+            },
+            "offset 32",
+        ),
+        (
+            {
+                // An array of 2^59 u32 values.
+                let mut b = header(0, 1);
+                b.extend_from_slice(&1u64.to_le_bytes());
+                b.push(b'k');
+                b.extend_from_slice(&9u32.to_le_bytes());
+                b.extend_from_slice(&4u32.to_le_bytes());
+                b.extend_from_slice(&(1u64 << 59).to_le_bytes());
+                b.extend_from_slice(&[0; 64]);
+                b
+            },
+            "metadata key k",
+        ),
+        (
+            {
+                // A KV value type outside 0-12.
+                let mut b = header(0, 1);
+                b.extend_from_slice(&1u64.to_le_bytes());
+                b.push(b'k');
+                b.extend_from_slice(&13u32.to_le_bytes());
+                b.extend_from_slice(&[0; 64]);
+                b
+            },
+            "value type 13",
+        ),
+    ];
+    for (bytes, expected) in cases {
+        std::fs::write(&path, &bytes).unwrap();
+        let err = GgufFile::open(&path)
+            .expect_err("must be rejected")
+            .to_string();
+        assert!(
+            err.contains("absurd.gguf") && err.contains(expected),
+            "expected {expected:?} in: {err}"
+        );
+    }
+}
+
+#[test]
+fn every_kv_type_round_trips_including_nested_arrays() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("kv.gguf");
+    let values = vec![
+        GgufValue::U8(200),
+        GgufValue::I8(-100),
+        GgufValue::U16(60000),
+        GgufValue::I16(-30000),
+        GgufValue::U32(4_000_000_000),
+        GgufValue::I32(-2_000_000_000),
+        GgufValue::F32(1.5),
+        GgufValue::Bool(true),
+        GgufValue::String("héllo".into()),
+        GgufValue::Array(
+            GgufValueType::Array,
+            vec![
+                GgufValue::Array(
+                    GgufValueType::I16,
+                    vec![GgufValue::I16(1), GgufValue::I16(-2)],
+                ),
+                GgufValue::Array(GgufValueType::I16, vec![]),
+            ],
+        ),
+        GgufValue::U64(u64::MAX),
+        GgufValue::I64(i64::MIN),
+        GgufValue::F64(-2.25),
+    ];
+    let mut b = GgufBuilder::new();
+    for (i, v) in values.iter().enumerate() {
+        b.kv(&format!("k{i}"), v.clone());
+    }
+    b.kv("general.alignment", GgufValue::U32(64));
+    b.tensor("t", DType::F32, &[2, 3], vec![0; 24]);
+    b.write_to(&path).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(f.get(&format!("k{i}")), Some(v));
+    }
+    assert_eq!(f.alignment(), 64);
+    assert_eq!(f.data_offset() % 64, 0);
+    assert_eq!(f.tensor("t").unwrap().shape, vec![2, 3]);
+    assert_eq!(f.tensor("t").unwrap().file_offset, f.data_offset());
+}
+
+#[test]
+fn unsupported_tensor_type_names_tensor_and_type() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut b = TinyLlama::new(1, true).gguf(DType::F32);
+    b.tensor_raw("blk.0.extra.weight", 12, &[64, 256], vec![0; 144 * 64]);
+    let path = tmp.path().join("q4k.gguf");
+    b.write_to(&path).unwrap();
+    let msg = convert_err(&path, &tmp.path().join("out"));
+    assert!(
+        msg.contains("q4k.gguf")
+            && msg.contains("blk.0.extra.weight")
+            && msg.contains("12")
+            && msg.contains("Q4_K"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn missing_keys_and_tensors_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    // GGUF without llama.block_count.
+    let bytes = TinyLlama::new(1, true).gguf(DType::F32).to_bytes();
+    let path = tmp.path().join("nokey.gguf");
+    let needle = b"llama.block_count";
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap();
+    let mut renamed = bytes.clone();
+    renamed[at..at + needle.len()].copy_from_slice(b"llama.block_c0unt");
+    std::fs::write(&path, &renamed).unwrap();
+    let msg = convert_err(&path, &out);
+    assert!(
+        msg.contains("nokey.gguf") && msg.contains("missing metadata key llama.block_count"),
+        "{msg}"
+    );
+
+    // HF config without hidden_size.
+    let hf = tmp.path().join("hf");
+    TinyLlama::new(1, true).write_hf(&hf, 1).unwrap();
+    let config_path = hf.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("hidden_size");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let msg = convert_err(&hf, &out);
+    assert!(
+        msg.contains("config.json") && msg.contains("missing config key hidden_size"),
+        "{msg}"
+    );
+
+    // HF directory missing a layer tensor (a shard rewritten without it).
+    let hf2 = tmp.path().join("hf2");
+    let mut tiny = TinyLlama::new(1, true);
+    tiny.tensors
+        .retain(|t| t.0 != "model.layers.1.mlp.up_proj.weight");
+    tiny.write_hf(&hf2, 1).unwrap();
+    let msg = convert_err(&hf2, &out);
+    assert!(msg.contains("ffn_up of layer 1"), "{msg}");
+
+    // A truncated safetensors shard.
+    let hf3 = tmp.path().join("hf3");
+    TinyLlama::new(1, true).write_hf(&hf3, 1).unwrap();
+    let st = hf3.join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&st)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
+    let msg = convert_err(&hf3, &out);
+    assert!(msg.contains("model.safetensors"), "{msg}");
+}
+
+#[test]
+fn unwritable_output_is_named_and_existing_output_is_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("tiny.gguf");
+    TinyLlama::new(1, true)
+        .gguf(DType::F32)
+        .write_to(&path)
+        .unwrap();
+    // The parent of the output is a regular file: not writable even for root.
+    let blocker = tmp.path().join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let out = blocker.join("out");
+    let err = convert(&path, &out, &ConvertOptions::default(), &NoProgress).unwrap_err();
+    assert!(err.to_string().contains("not-a-dir"), "{err}");
+    assert!(!out.exists());
+
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let err = convert(&path, &out, &ConvertOptions::default(), &NoProgress).unwrap_err();
+    assert!(matches!(err, ConvertError::OutputExists { .. }), "{err}");
+    assert!(out.join("keep.txt").exists());
+    // --force replaces it with a complete model.
+    let forced = ConvertOptions {
+        force: true,
+        ..Default::default()
+    };
+    convert(&path, &out, &forced, &NoProgress).unwrap();
+    assert!(!out.join("keep.txt").exists());
+    weights_format::Model::open(&out).unwrap();
+    // A failing forced conversion leaves the old model in place.
+    std::fs::write(&path, b"GGUF").unwrap();
+    convert(&path, &out, &forced, &NoProgress).unwrap_err();
+    weights_format::Model::open(&out).unwrap();
+}
