@@ -1,5 +1,24 @@
 //! An OpenAI-compatible HTTP API over the `llama` crate, used by `gdsllm serve`.
 //!
-//! This crate is for: the axum routes, request validation, streaming responses and metrics.
+//! This crate is for: the axum routes, request validation, streaming responses, the request
+//! queue in front of the model's worker thread, auth and metrics. It talks to the model only
+//! through the narrow [`Engine`] trait; [`llama_engine`] adapts the `llama` crate to it.
 //!
-//! It is not for: model execution or scheduling policy, which live in `llama`.
+//! It is not for: model execution or sampling (those live in `llama`), nor deciding where
+//! weights live (that is `residency`).
+
+pub mod engine;
+mod error;
+pub mod metrics;
+pub mod params;
+mod routes;
+pub mod scheduler;
+mod server;
+pub mod stop;
+
+pub use engine::{
+    CancelToken, ChatMessage, Engine, EngineError, EngineFinish, EngineStats, GeneratedToken,
+    GenerationRequest, SamplingParams, TokenLogprob,
+};
+pub use error::{ApiError, ServerError};
+pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};

@@ -1,0 +1,178 @@
+//! The narrow interface the HTTP layer needs from a model, so that routes, validation,
+//! streaming and the queue are tested against a small fake and the real model plugs in through
+//! one adapter ([`crate::llama_engine`]).
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// One chat message after validation (content parts already joined into text).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// How the next token is chosen. `temperature == 0` means greedy (argmax) and ignores the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// Nucleus sampling; 1 keeps every token.
+    pub top_p: f32,
+    /// 0 keeps every token.
+    pub top_k: usize,
+    /// Drops tokens whose probability is below `min_p` times the top token's; 0 keeps all.
+    pub min_p: f32,
+    /// A fixed seed makes sampling repeatable; `None` seeds from the clock.
+    pub seed: Option<u64>,
+    /// OpenAI semantics: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// OpenAI semantics: subtracted per occurrence from the logit of generated tokens.
+    pub frequency_penalty: f32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+        }
+    }
+}
+
+/// One sequence to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    /// Prompt token ids, already checked to fit the context.
+    pub prompt: Vec<u32>,
+    /// Generation stops after this many tokens (or when the context is full).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// `Some(k)`: report the chosen token's log-probability and the `k` most likely
+    /// alternatives (log-softmax of the model's raw logits) with every token.
+    pub logprobs: Option<usize>,
+}
+
+/// A token with its log-probability.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    /// The token's own text (lossy UTF-8 of `bytes`).
+    pub text: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// One generated token as the engine hands it to the server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    pub id: u32,
+    /// Text this token completes. Empty while a multi-byte character is still incomplete; the
+    /// bytes then appear in a later token's `text`.
+    pub text: String,
+    /// Present when the request asked for log-probabilities.
+    pub logprob: Option<TokenLogprob>,
+    /// The most likely alternatives, most likely first (`logprobs` of the request long).
+    pub top_logprobs: Vec<TokenLogprob>,
+}
+
+/// Why an engine stopped generating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineFinish {
+    /// The model produced an end-of-sequence token (not reported as a token).
+    EndOfSequence,
+    /// `max_tokens` reached.
+    MaxTokens,
+    /// The context is full.
+    ContextFull,
+    /// The sink returned `Break` or the cancel token fired.
+    Stopped,
+}
+
+/// Set from any thread to stop a sequence; the engine checks it between tokens.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> CancelToken {
+        CancelToken::default()
+    }
+
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Counters of the weight streaming underneath the model, exported on `/metrics`. All are
+/// totals since the engine was loaded.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Bytes brought to the compute device per tier (`"disk"`, `"host"`, `"on_demand"`).
+    pub bytes_by_tier: Vec<(&'static str, u64)>,
+    /// Bytes brought into device memory per second of wall time, GB/s.
+    pub io_gbps: f64,
+    /// Weight acquisitions served from device memory (or a prefetch already in flight).
+    pub residency_hits: u64,
+    /// Weight acquisitions that had to start a read on demand.
+    pub residency_misses: u64,
+    /// Seconds the compute side waited for weights.
+    pub compute_stall_seconds: f64,
+    /// Forward passes completed.
+    pub passes: u64,
+}
+
+/// What an engine can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request cannot be served as given (reported to the client as 400).
+    #[error("{0}")]
+    InvalidInput(String),
+    /// The model failed (reported as 500).
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// A loaded model as the server sees it. Every method takes `&self`: the server calls
+/// `generate` and `embed` from one worker thread only, and the rest from request handlers.
+pub trait Engine: Send + Sync + 'static {
+    /// The model's name in `/v1/models` and responses.
+    fn model_id(&self) -> &str;
+
+    /// Positions one sequence may hold (prompt + generated).
+    fn context_length(&self) -> usize;
+
+    /// Token ids of `text`; special-token text (`<|im_start|>`) becomes its special token.
+    /// `add_bos` prepends the model's BOS token when the model's config asks for one.
+    fn tokenize(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError>;
+
+    /// The model's chat template applied to `messages`, ending with the assistant's turn
+    /// opening (`add_generation_prompt`).
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+
+    /// Generates until EOS, `max_tokens`, a full context, `cancel`, or `on_token` returning
+    /// `Break`; each token goes to `on_token` as soon as it is sampled.
+    fn generate(
+        &self,
+        request: &GenerationRequest,
+        cancel: &CancelToken,
+        on_token: &mut dyn FnMut(GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<EngineFinish, EngineError>;
+
+    /// The mean over positions of the model's final (normed) hidden state for `tokens`,
+    /// L2-normalised.
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError>;
+
+    /// Weight-streaming counters for `/metrics`.
+    fn stats(&self) -> EngineStats {
+        EngineStats::default()
+    }
+}

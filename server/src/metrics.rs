@@ -1,0 +1,163 @@
+//! `/metrics` in Prometheus text format. The recorder is owned by the server (not installed
+//! globally) so several servers in one process, as in tests, keep separate counts.
+
+use metrics::{counter, gauge, histogram, with_local_recorder};
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
+
+use crate::engine::EngineStats;
+
+pub const REQUESTS: &str = "gdsllm_requests_total";
+pub const CANCELLED: &str = "gdsllm_requests_cancelled_total";
+pub const PROMPT_TOKENS: &str = "gdsllm_prompt_tokens_total";
+pub const GENERATED_TOKENS: &str = "gdsllm_generation_tokens_total";
+pub const TTFT: &str = "gdsllm_time_to_first_token_seconds";
+pub const INTER_TOKEN: &str = "gdsllm_inter_token_latency_seconds";
+pub const QUEUE_TIME: &str = "gdsllm_queue_time_seconds";
+pub const RUNNING: &str = "gdsllm_requests_running";
+pub const WAITING: &str = "gdsllm_requests_waiting";
+pub const WEIGHT_BYTES: &str = "gdsllm_weight_bytes_total";
+pub const IO_GBPS: &str = "gdsllm_io_gbps";
+pub const RESIDENCY_HITS: &str = "gdsllm_residency_hits_total";
+pub const RESIDENCY_MISSES: &str = "gdsllm_residency_misses_total";
+pub const COMPUTE_STALL: &str = "gdsllm_compute_stall_seconds";
+pub const PASSES: &str = "gdsllm_forward_passes_total";
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+pub struct Metrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let builder = [TTFT, INTER_TOKEN, QUEUE_TIME].into_iter().fold(
+            PrometheusBuilder::new(),
+            |b, name| {
+                b.set_buckets_for_metric(Matcher::Full(name.to_string()), LATENCY_BUCKETS)
+                    .expect("bucket list is a non-empty constant")
+            },
+        );
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        let m = Metrics { recorder, handle };
+        m.with(|| {
+            use metrics::{describe_counter, describe_gauge, describe_histogram};
+            describe_counter!(REQUESTS, "HTTP requests by endpoint and status code");
+            describe_counter!(CANCELLED, "Sequences cancelled (client gone or shutdown)");
+            describe_counter!(PROMPT_TOKENS, "Prompt tokens processed");
+            describe_counter!(GENERATED_TOKENS, "Tokens generated");
+            describe_histogram!(
+                TTFT,
+                metrics::Unit::Seconds,
+                "Queueing + prefill until the first token"
+            );
+            describe_histogram!(
+                INTER_TOKEN,
+                metrics::Unit::Seconds,
+                "Time between tokens of a sequence"
+            );
+            describe_histogram!(
+                QUEUE_TIME,
+                metrics::Unit::Seconds,
+                "Time a request waited for the model"
+            );
+            describe_gauge!(RUNNING, "Sequences being generated");
+            describe_gauge!(WAITING, "Requests queued for the model");
+            describe_counter!(
+                WEIGHT_BYTES,
+                "Weight bytes brought to the compute device, by tier"
+            );
+            describe_gauge!(
+                IO_GBPS,
+                "Weight bytes per second of wall time since load, GB/s"
+            );
+            describe_counter!(
+                RESIDENCY_HITS,
+                "Weight acquisitions served from device memory"
+            );
+            describe_counter!(RESIDENCY_MISSES, "Weight acquisitions that read on demand");
+            describe_gauge!(
+                COMPUTE_STALL,
+                "Seconds compute waited for weights since load"
+            );
+            describe_counter!(PASSES, "Forward passes over the weights");
+            gauge!(RUNNING).set(0.0);
+            gauge!(WAITING).set(0.0);
+            counter!(CANCELLED).absolute(0);
+            counter!(PROMPT_TOKENS).absolute(0);
+            counter!(GENERATED_TOKENS).absolute(0);
+        });
+        m
+    }
+
+    fn with<T>(&self, f: impl FnOnce() -> T) -> T {
+        with_local_recorder(&self.recorder, f)
+    }
+
+    pub fn request(&self, endpoint: String, status: u16) {
+        self.with(|| {
+            counter!(REQUESTS, "endpoint" => endpoint, "status" => status.to_string()).increment(1)
+        });
+    }
+
+    pub fn cancelled(&self) {
+        self.with(|| counter!(CANCELLED).increment(1));
+    }
+
+    pub fn prompt_tokens(&self, n: usize) {
+        self.with(|| counter!(PROMPT_TOKENS).increment(n as u64));
+    }
+
+    pub fn generated_token(&self) {
+        self.with(|| counter!(GENERATED_TOKENS).increment(1));
+    }
+
+    pub fn time_to_first_token(&self, seconds: f64) {
+        self.with(|| histogram!(TTFT).record(seconds));
+    }
+
+    pub fn inter_token(&self, seconds: f64) {
+        self.with(|| histogram!(INTER_TOKEN).record(seconds));
+    }
+
+    pub fn queue_time(&self, seconds: f64) {
+        self.with(|| histogram!(QUEUE_TIME).record(seconds));
+    }
+
+    pub fn set_running(&self, n: usize) {
+        self.with(|| gauge!(RUNNING).set(n as f64));
+    }
+
+    pub fn set_waiting(&self, n: usize) {
+        self.with(|| gauge!(WAITING).set(n as f64));
+    }
+
+    /// The text exposition, with the engine's counters brought up to date first.
+    pub fn render(&self, engine: Option<&EngineStats>) -> String {
+        if let Some(s) = engine {
+            self.with(|| {
+                for &(tier, bytes) in &s.bytes_by_tier {
+                    counter!(WEIGHT_BYTES, "tier" => tier).absolute(bytes);
+                }
+                gauge!(IO_GBPS).set(s.io_gbps);
+                counter!(RESIDENCY_HITS).absolute(s.residency_hits);
+                counter!(RESIDENCY_MISSES).absolute(s.residency_misses);
+                // A total, but fractional: Prometheus counters here are integers.
+                gauge!(COMPUTE_STALL).set(s.compute_stall_seconds);
+                counter!(PASSES).absolute(s.passes);
+            });
+        }
+        self.handle.render()
+    }
+}

@@ -1,0 +1,305 @@
+//! The server: configuration, shared state, the router with its auth / metrics / body-limit
+//! layers, and serving with graceful shutdown.
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use parking_lot::RwLock;
+
+use crate::engine::Engine;
+use crate::error::{ApiError, ServerError};
+use crate::metrics::Metrics;
+use crate::routes;
+use crate::scheduler::Scheduler;
+
+/// Settings of one server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// With any key here, `/v1/*` needs `Authorization: Bearer <key>`.
+    pub api_keys: Vec<String>,
+    /// Extra names the model answers to (the first is listed first in `/v1/models`).
+    pub aliases: Vec<String>,
+    /// Inserted as the first message of a chat that has no system message.
+    pub system_prompt: Option<String>,
+    /// The most sequences decoded together once batching exists (issue 7); today sequences run
+    /// one at a time in arrival order.
+    pub max_batch: usize,
+    /// Largest request body in bytes (413 above it).
+    pub body_limit: usize,
+    /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are
+    /// cancelled.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_keys: Vec::new(),
+            aliases: Vec::new(),
+            system_prompt: None,
+            max_batch: 1,
+            body_limit: 4 << 20,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Reads API keys from `path`: one per line; blank lines and `#` comments are skipped.
+pub fn load_api_key_file(path: &Path) -> Result<Vec<String>, ServerError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ServerError::KeyFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let keys: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    if keys.is_empty() {
+        return Err(ServerError::EmptyKeyFile {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(keys)
+}
+
+pub(crate) enum ModelSlot {
+    Loading,
+    Ready {
+        engine: Arc<dyn Engine>,
+        scheduler: Arc<Scheduler>,
+    },
+    Failed(String),
+}
+
+pub(crate) struct AppState {
+    pub config: ServerConfig,
+    pub metrics: Arc<Metrics>,
+    pub slot: RwLock<ModelSlot>,
+    pub shutting_down: AtomicBool,
+    pub started: u64,
+}
+
+impl AppState {
+    /// The engine and its queue, or 503 while loading / after a failed load / in shutdown.
+    pub fn ready(&self) -> Result<(Arc<dyn Engine>, Arc<Scheduler>), ApiError> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        match &*self.slot.read() {
+            ModelSlot::Loading => Err(ApiError::unavailable("the model is loading")),
+            ModelSlot::Failed(m) => Err(ApiError::unavailable(format!(
+                "the model failed to load: {m}"
+            ))),
+            ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
+        }
+    }
+
+    /// Names the model answers to: its id, then the aliases.
+    pub fn model_names(&self, engine: &dyn Engine) -> Vec<String> {
+        let mut names = vec![engine.model_id().to_string()];
+        names.extend(self.config.aliases.iter().cloned());
+        names
+    }
+}
+
+/// An OpenAI-compatible server. Create it, start serving, and hand it the model when loaded:
+/// `/health` answers 503 until then.
+#[derive(Clone)]
+pub struct Server {
+    state: Arc<AppState>,
+}
+
+impl Server {
+    pub fn new(config: ServerConfig) -> Server {
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Server {
+            state: Arc::new(AppState {
+                config,
+                metrics: Arc::new(Metrics::new()),
+                slot: RwLock::new(ModelSlot::Loading),
+                shutting_down: AtomicBool::new(false),
+                started,
+            }),
+        }
+    }
+
+    /// Makes the model available and starts its worker thread.
+    pub fn set_engine(&self, engine: Arc<dyn Engine>) {
+        let scheduler = Arc::new(Scheduler::start(
+            engine.clone(),
+            self.state.metrics.clone(),
+            self.state.config.max_batch,
+        ));
+        tracing::info!(
+            model = engine.model_id(),
+            context = engine.context_length(),
+            "model ready"
+        );
+        *self.state.slot.write() = ModelSlot::Ready { engine, scheduler };
+    }
+
+    /// Records that loading failed; requests get 503 with `message`.
+    pub fn set_load_failed(&self, message: impl Into<String>) {
+        *self.state.slot.write() = ModelSlot::Failed(message.into());
+    }
+
+    /// The routes with all layers.
+    pub fn router(&self) -> Router {
+        let state = self.state.clone();
+        let v1 = Router::new()
+            .route("/v1/models", get(routes::models))
+            .route("/v1/models/{id}", get(routes::model))
+            .route("/v1/chat/completions", post(routes::chat_completions))
+            .route("/v1/completions", post(routes::completions))
+            .route("/v1/embeddings", post(routes::embeddings))
+            .route_layer(middleware::from_fn_with_state(
+                state.clone(),
+                require_api_key,
+            ));
+        Router::new()
+            .route("/health", get(routes::health))
+            .route("/metrics", get(routes::metrics))
+            .merge(v1)
+            .fallback(routes::fallback)
+            .layer(DefaultBodyLimit::max(state.config.body_limit))
+            .layer(middleware::from_fn_with_state(state.clone(), observe))
+            .with_state(state)
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; then refuses new work, lets in-flight
+    /// requests finish for `shutdown_grace`, cancels what is left, and stops the worker.
+    pub async fn serve(
+        &self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let state = self.state.clone();
+        let on_shutdown = async move {
+            shutdown.await;
+            tracing::info!("shutting down: refusing new requests, finishing in-flight ones");
+            state.shutting_down.store(true, Ordering::SeqCst);
+            if let ModelSlot::Ready { scheduler, .. } = &*state.slot.read() {
+                scheduler.close();
+                let scheduler = scheduler.clone();
+                let grace = state.config.shutdown_grace;
+                tokio::spawn(async move {
+                    tokio::time::sleep(grace).await;
+                    tracing::warn!("shutdown grace period over: cancelling in-flight requests");
+                    scheduler.cancel_all();
+                });
+            }
+        };
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(on_shutdown)
+            .await
+            .map_err(ServerError::Serve)?;
+        let scheduler = match &*self.state.slot.read() {
+            ModelSlot::Ready { scheduler, .. } => Some(scheduler.clone()),
+            _ => None,
+        };
+        if let Some(scheduler) = scheduler {
+            scheduler.cancel_all();
+            scheduler.close();
+            let _ = tokio::task::spawn_blocking(move || scheduler.join()).await;
+        }
+        tracing::info!("server stopped");
+        Ok(())
+    }
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(err) => {
+                tracing::warn!("cannot listen for SIGTERM: {err}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => tracing::info!("SIGINT received"),
+        _ = term => tracing::info!("SIGTERM received"),
+    }
+}
+
+/// Equal-length keys are compared without an early exit, so timing does not reveal a prefix.
+fn key_matches(given: &str, expected: &str) -> bool {
+    let (a, b) = (given.as_bytes(), expected.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let keys = &state.config.api_keys;
+    if keys.is_empty() {
+        return next.run(request).await;
+    }
+    let given = request
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    match given {
+        None => ApiError::unauthorized(
+            "missing API key: send `Authorization: Bearer <key>` (this server was started with --api-key)",
+        )
+        .into_response(),
+        Some(key) if keys.iter().any(|k| key_matches(key, k)) => next.run(request).await,
+        // The key itself never goes into the message or the log.
+        Some(_) => ApiError::unauthorized("incorrect API key provided").into_response(),
+    }
+}
+
+/// Counts every request by endpoint and status and logs it (path and status only: headers
+/// carry keys).
+async fn observe(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let endpoint = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "other".to_string());
+    let method = request.method().clone();
+    let start = Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16();
+    state.metrics.request(endpoint.clone(), status);
+    tracing::info!(
+        %method,
+        endpoint,
+        status,
+        ms = start.elapsed().as_millis() as u64,
+        "request"
+    );
+    response
+}
