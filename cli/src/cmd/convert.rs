@@ -1,0 +1,103 @@
+//! `gdsllm convert IN OUT`: GGUF file or Hugging Face directory → GdsLLM model directory.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
+use indicatif::ProgressBar;
+
+/// Convert a GGUF file or a Hugging Face LLaMA directory into the GdsLLM format.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A `.gguf` file, or a Hugging Face directory (config.json, model.safetensors or
+    /// model.safetensors.index.json with shards, tokenizer.json, tokenizer_config.json).
+    pub input: PathBuf,
+    /// The model directory to create. It must not exist, unless --force is given.
+    pub output: PathBuf,
+    /// Storage type of the 2-D weight matrices: `keep` stores every tensor bit for bit as in
+    /// the source; f16, bf16, q8_0 and q4_1 re-encode the matrices (norms stay f32).
+    #[arg(long, default_value = "keep", value_parser = parse_dtype)]
+    pub dtype: TargetDType,
+    /// Replace OUTPUT if it exists; the old directory is removed only after the new one is
+    /// complete.
+    #[arg(long)]
+    pub force: bool,
+    /// Print the result as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<TargetDType, String> {
+    TargetDType::from_name(s)
+        .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
+}
+
+/// Feeds the converter's progress hooks into an indicatif bar on stderr.
+pub(crate) struct BarProgress {
+    bar: ProgressBar,
+}
+
+impl BarProgress {
+    pub(crate) fn new(what: &str) -> BarProgress {
+        BarProgress {
+            bar: crate::progress::bytes_bar(0, what),
+        }
+    }
+}
+
+impl Progress for BarProgress {
+    fn start(&self, total_bytes: u64) {
+        self.bar.set_length(total_bytes);
+        self.bar.set_position(0);
+        self.bar.reset_eta();
+    }
+    fn advance(&self, bytes: u64) {
+        self.bar.inc(bytes);
+    }
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let options = ConvertOptions {
+        dtype: args.dtype,
+        force: args.force,
+    };
+    let progress = BarProgress::new("convert");
+    let started = Instant::now();
+    let report = gdsllm_convert::convert(&args.input, &args.output, &options, &progress)
+        .with_context(|| {
+            format!(
+                "converting {} into {}",
+                args.input.display(),
+                args.output.display()
+            )
+        })?;
+    let seconds = started.elapsed().as_secs_f64();
+    let mb_per_s = report.source_bytes as f64 / 1e6 / seconds.max(1e-9);
+    if args.json {
+        let json = serde_json::json!({
+            "input": args.input,
+            "output": report.out,
+            "dtype": args.dtype.name(),
+            "tensors": report.tensors,
+            "blobs": report.blobs,
+            "source_bytes": report.source_bytes,
+            "written_bytes": report.written_bytes,
+            "seconds": seconds,
+            "source_mb_per_s": mb_per_s,
+        });
+        println!("{json}");
+    } else {
+        tracing::info!(
+            "{} tensors in {} blobs, {:.1} MB read in {seconds:.2} s ({mb_per_s:.0} MB/s)",
+            report.tensors,
+            report.blobs,
+            report.source_bytes as f64 / 1e6
+        );
+        println!("{}", report.out.display());
+    }
+    Ok(())
+}
