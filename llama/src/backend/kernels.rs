@@ -40,17 +40,12 @@ fn fmadd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA { a.mul_add(b, c) } else { a * b + c }
 }
 
+/// Horizontal sum of the lanes. Written as a plain sequential sum on purpose: LLVM's SLP
+/// vectoriser recognises it as a reduction of the whole 16-lane accumulator and then keeps the
+/// loop body 8/16 wide; a hand-written pairwise tree made it pick 2-wide vectors instead.
 #[inline(always)]
 fn sum16(acc: &[f32; 16]) -> f32 {
-    let mut s8 = [0f32; 8];
-    for i in 0..8 {
-        s8[i] = acc[i] + acc[i + 8];
-    }
-    let mut s4 = [0f32; 4];
-    for i in 0..4 {
-        s4[i] = s8[i] + s8[i + 4];
-    }
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
+    acc.iter().sum()
 }
 
 /// Sum of each 32-value block of `x` (whole blocks only).
@@ -127,70 +122,94 @@ fn dot_half_bytes<const FMA: bool, const BF16: bool>(row: &[u8], x: &[f32]) -> f
     sum16(&acc) + tail
 }
 
-/// q8_0: `Σ d·q·x`, accumulated per lane as `d·(q·x)`.
+/// q8_0: `Σ d·(q·x)` per block, 32 lanes like the 4-bit kernels.
 #[inline(always)]
 fn dot_q8_0<const FMA: bool>(row: &[u8], x: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
+    let mut acc = [0f32; 32];
     for (b, xb) in row.chunks_exact(34).zip(x.chunks_exact(QK)) {
         let b: &[u8; 34] = b.try_into().unwrap();
         let xb: &[f32; 32] = xb.try_into().unwrap();
         let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        let mut p = [0f32; 16];
-        for j in 0..16 {
-            let q0 = b[2 + j] as i8 as f32;
-            let q1 = b[18 + j] as i8 as f32;
-            p[j] = fmadd::<FMA>(q1, xb[16 + j], q0 * xb[j]);
+        let mut p = [0f32; 32];
+        for j in 0..32 {
+            p[j] = (b[2 + j] as i8) as f32 * xb[j];
         }
-        for j in 0..16 {
+        for j in 0..32 {
             acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
         }
     }
-    sum16(&acc)
+    sum32(&acc)
 }
 
-/// q4_0: `Σ d·(q−8)·x = d·Σ q·x − 8·d·Σx`, with `Σx` per block precomputed.
+#[inline(always)]
+fn sum32(acc: &[f32; 32]) -> f32 {
+    acc.iter().sum()
+}
+
+/// q4_0: `Σ d·(q−8)·x = Σ d·(q·x) − 8·Σ d·Σx`, with `Σx` per block precomputed. The nibbles are
+/// widened into a 32-lane array first: that shape is what LLVM vectorises cleanly (measured
+/// 2–3× faster than pairing low and high nibbles in 16 lanes).
 #[inline(always)]
 fn dot_q4_0<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut offset = 0f32;
-    for ((b, xb), s) in row.chunks_exact(18).zip(x.chunks_exact(QK)).zip(xsum) {
+    let mut acc = [0f32; 32];
+    let mut offsets = [0f32; 4];
+    for (i, ((b, xb), s)) in row
+        .chunks_exact(18)
+        .zip(x.chunks_exact(QK))
+        .zip(xsum)
+        .enumerate()
+    {
         let b: &[u8; 18] = b.try_into().unwrap();
         let xb: &[f32; 32] = xb.try_into().unwrap();
         let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        let mut p = [0f32; 16];
+        let mut q = [0f32; 32];
         for j in 0..16 {
-            let q = b[2 + j];
-            p[j] = fmadd::<FMA>((q >> 4) as f32, xb[16 + j], (q & 0xF) as f32 * xb[j]);
+            q[j] = (b[2 + j] & 0xF) as f32;
+            q[j + 16] = (b[2 + j] >> 4) as f32;
         }
-        for j in 0..16 {
+        let mut p = [0f32; 32];
+        for j in 0..32 {
+            p[j] = q[j] * xb[j];
+        }
+        for j in 0..32 {
             acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
         }
-        offset = fmadd::<FMA>(d, *s, offset);
+        offsets[i & 3] = fmadd::<FMA>(d, *s, offsets[i & 3]);
     }
-    sum16(&acc) - 8.0 * offset
+    sum32(&acc) - 8.0 * offsets.iter().sum::<f32>()
 }
 
-/// q4_1: `Σ (d·q + m)·x = d·Σ q·x + m·Σx`, with `Σx` per block precomputed.
+/// q4_1: `Σ (d·q + m)·x = Σ d·(q·x) + Σ m·Σx`, with `Σx` per block precomputed (same shape as
+/// [`dot_q4_0`]).
 #[inline(always)]
 fn dot_q4_1<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut offset = 0f32;
-    for ((b, xb), s) in row.chunks_exact(20).zip(x.chunks_exact(QK)).zip(xsum) {
+    let mut acc = [0f32; 32];
+    let mut offsets = [0f32; 4];
+    for (i, ((b, xb), s)) in row
+        .chunks_exact(20)
+        .zip(x.chunks_exact(QK))
+        .zip(xsum)
+        .enumerate()
+    {
         let b: &[u8; 20] = b.try_into().unwrap();
         let xb: &[f32; 32] = xb.try_into().unwrap();
         let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
         let m = f16_bits_to_f32(u16::from_le_bytes([b[2], b[3]]));
-        let mut p = [0f32; 16];
+        let mut q = [0f32; 32];
         for j in 0..16 {
-            let q = b[4 + j];
-            p[j] = fmadd::<FMA>((q >> 4) as f32, xb[16 + j], (q & 0xF) as f32 * xb[j]);
+            q[j] = (b[4 + j] & 0xF) as f32;
+            q[j + 16] = (b[4 + j] >> 4) as f32;
         }
-        for j in 0..16 {
+        let mut p = [0f32; 32];
+        for j in 0..32 {
+            p[j] = q[j] * xb[j];
+        }
+        for j in 0..32 {
             acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
         }
-        offset = fmadd::<FMA>(m, *s, offset);
+        offsets[i & 3] = fmadd::<FMA>(m, *s, offsets[i & 3]);
     }
-    sum16(&acc) + offset
+    sum32(&acc) + offsets.iter().sum::<f32>()
 }
 
 /// Decodes one weight row into `out` (a row is whole blocks, so no partial block is handled).

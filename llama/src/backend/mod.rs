@@ -12,6 +12,7 @@ pub mod reference;
 use weights_format::DType;
 
 pub use cpu::CpuBackend;
+pub use kernels::f16_bits_to_f32;
 pub use reference::ReferenceBackend;
 
 /// A weight tensor as stored in a blob: row-major `[rows, cols]` (a vector has `rows == 1`),

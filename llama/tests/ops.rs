@@ -1,0 +1,183 @@
+//! Every fast CPU op against its slow reference on random inputs and random quantized blocks,
+//! with the max difference printed and a stated tolerance.
+
+use llama::backend::{AttentionShape, rope_inv_freq};
+use llama::{Backend, CpuBackend, ReferenceBackend, WeightView};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use weights_format::DType;
+use weights_format::quant::quantize;
+
+const ALL: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
+
+fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Random weights stored as `dtype` (for quantized types: random blocks, built by the
+/// reference quantizer so every layout detail is that of `weights_format::quant`).
+fn weights(rng: &mut StdRng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    quantize(dtype, &random(rng, rows * cols), &mut bytes).unwrap();
+    bytes
+}
+
+/// Max |a-b| relative to the largest |b| (so the tolerance reads as a fraction of the scale).
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
+
+/// f32 accumulation in a different order than the f64 reference: a few ulps of the scale.
+const TOL: f32 = 2e-5;
+
+#[test]
+fn matmul_matches_reference_for_every_dtype_and_row_count() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for dtype in ALL {
+        // Odd row counts, a column count that is not a multiple of 64, and both the decode (1
+        // row) and the decode-once (>= 4 rows) paths.
+        for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
+            let w = weights(&mut rng, dtype, m, k);
+            let view = WeightView {
+                dtype,
+                rows: m,
+                cols: k,
+                bytes: &w,
+            };
+            for rows in [1, 2, 5, 17] {
+                let x = random(&mut rng, rows * k);
+                let (mut fast, mut slow) = (vec![0f32; rows * m], vec![0f32; rows * m]);
+                CpuBackend::new().matmul(&x, rows, view, &mut fast);
+                ReferenceBackend.matmul(&x, rows, view, &mut slow);
+                let d = max_rel_diff(&fast, &slow);
+                println!(
+                    "matmul {dtype} [{m}x{k}] rows {rows}: max rel diff {d:.2e} (tol {TOL:.0e})"
+                );
+                assert!(d <= TOL, "{dtype} [{m}x{k}] rows {rows}: {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn embed_rows_and_rmsnorm_match_reference() {
+    let mut rng = StdRng::seed_from_u64(2);
+    for dtype in ALL {
+        let (vocab, dim) = (50, 128);
+        let t = weights(&mut rng, dtype, vocab, dim);
+        let table = WeightView {
+            dtype,
+            rows: vocab,
+            cols: dim,
+            bytes: &t,
+        };
+        let ids = [3u32, 49, 0, 3, 17];
+        let (mut fast, mut slow) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
+        CpuBackend::new().embed_rows(table, &ids, &mut fast);
+        ReferenceBackend.embed_rows(table, &ids, &mut slow);
+        let d = max_rel_diff(&fast, &slow);
+        println!("embed_rows {dtype}: max rel diff {d:.2e} (tol 0: both decode exactly)");
+        assert_eq!(d, 0.0);
+
+        let nw = weights(&mut rng, dtype, 1, dim);
+        let norm = WeightView {
+            dtype,
+            rows: 1,
+            cols: dim,
+            bytes: &nw,
+        };
+        let (mut a, mut b) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
+        CpuBackend::new().rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a);
+        ReferenceBackend.rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b);
+        let d = max_rel_diff(&a, &b);
+        println!("rmsnorm {dtype}: max rel diff {d:.2e} (tol {TOL:.0e})");
+        assert!(d <= TOL);
+    }
+}
+
+#[test]
+fn rope_attention_swiglu_add_match_reference() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let shape = AttentionShape {
+        n_heads: 6,
+        n_kv_heads: 2,
+        head_dim: 32,
+    };
+    let inv = rope_inv_freq(shape.head_dim, 10000.0, None);
+    let (ctx, pos0, rows) = (40, 11, 7);
+    let q_w = shape.n_heads * shape.head_dim;
+    let kv_w = shape.n_kv_heads * shape.head_dim;
+    let cpu = CpuBackend::new();
+
+    let q0 = random(&mut rng, rows * q_w);
+    let (mut qf, mut qs) = (q0.clone(), q0.clone());
+    cpu.rope(&mut qf, rows, shape.n_heads, shape.head_dim, pos0, &inv);
+    ReferenceBackend.rope(&mut qs, rows, shape.n_heads, shape.head_dim, pos0, &inv);
+    let d = max_rel_diff(&qf, &qs);
+    println!(
+        "rope: max rel diff {d:.2e} (tol 1e-5: f32 vs f64 sin/cos of angles up to {})",
+        pos0 + rows
+    );
+    assert!(d <= 1e-5);
+
+    let k = random(&mut rng, ctx * kv_w);
+    let v = random(&mut rng, ctx * kv_w);
+    let (mut of, mut os) = (vec![0f32; rows * q_w], vec![0f32; rows * q_w]);
+    cpu.attention(&qs, rows, &k, &v, pos0, shape, &mut of);
+    ReferenceBackend.attention(&qs, rows, &k, &v, pos0, shape, &mut os);
+    let d = max_rel_diff(&of, &os);
+    println!("attention: max rel diff {d:.2e} (tol {TOL:.0e})");
+    assert!(d <= TOL);
+
+    let mut kc = vec![0f32; ctx * kv_w];
+    cpu.copy_rows(&k, 2, &mut kc, 5, 3, kv_w);
+    assert_eq!(&kc[5 * kv_w..8 * kv_w], &k[2 * kv_w..5 * kv_w]);
+    assert!(
+        kc[..5 * kv_w]
+            .iter()
+            .chain(&kc[8 * kv_w..])
+            .all(|&x| x == 0.0)
+    );
+
+    let g = random(&mut rng, 1000);
+    let u = random(&mut rng, 1000);
+    let (mut gf, mut gs) = (g.clone(), g.clone());
+    cpu.swiglu(&mut gf, &u, 1000);
+    ReferenceBackend.swiglu(&mut gs, &u, 1000);
+    let d = max_rel_diff(&gf, &gs);
+    println!("swiglu: max rel diff {d:.2e} (tol {TOL:.0e})");
+    assert!(d <= TOL);
+
+    let (mut af, mut as_) = (g.clone(), g.clone());
+    cpu.add(&mut af, &u, 1000);
+    ReferenceBackend.add(&mut as_, &u, 1000);
+    assert_eq!(af, as_);
+}
+
+#[test]
+fn f16_bit_conversion_is_exact_for_every_half() {
+    let mut worst = 0u32;
+    for h in 0..=u16::MAX {
+        let want = half::f16::from_bits(h).to_f32();
+        let got = llama::backend::f16_bits_to_f32(h);
+        if want.is_nan() {
+            assert!(got.is_nan(), "{h:#06x}");
+        } else if got.to_bits() != want.to_bits() {
+            worst += 1;
+        }
+    }
+    println!("f16 -> f32: {worst} of 65536 bit patterns differ from `half` (tol 0)");
+    assert_eq!(worst, 0);
+}
