@@ -28,6 +28,10 @@ enum Command {
     Doctor(cmd::doctor::Args),
     /// Read every blob of a model with each I/O backend; GB/s against raw O_DIRECT.
     BenchIo(cmd::bench_io::Args),
+    /// Write a model of a given shape with random weights (for benchmarks).
+    Synth(cmd::synth::Args),
+    /// Validate a model and re-read every blob against its checksum.
+    Verify(cmd::verify::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -44,6 +48,8 @@ fn main() -> std::process::ExitCode {
         Command::Pull(args) => cmd::pull::run(args),
         Command::Doctor(args) => cmd::doctor::run(args),
         Command::BenchIo(args) => cmd::bench_io::run(args),
+        Command::Synth(args) => cmd::synth::run(args),
+        Command::Verify(args) => cmd::verify::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

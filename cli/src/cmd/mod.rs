@@ -3,3 +3,5 @@ pub mod convert;
 pub mod pull;
 pub mod bench_io;
 pub mod doctor;
+pub mod synth;
+pub mod verify;
