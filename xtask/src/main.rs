@@ -1,3 +1,28 @@
 //! `cargo xtask`: developer tasks (convert, fetch, bindgen, ci).
 
-fn main() {}
+mod bindgen;
+mod ci;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "GdsLLM developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Regenerate cufile-sys/src/bindings.rs from NVIDIA's cufile.h (needs libclang).
+    Bindgen(bindgen::Args),
+    /// The whole test suite as CI runs it: build, pull the default model, test everything.
+    Ci(ci::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Bindgen(args) => bindgen::run(args),
+        Command::Ci(args) => ci::run(args),
+    }
+}
