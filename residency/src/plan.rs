@@ -234,11 +234,9 @@ impl Plan {
             Policy::Planned => choose_resident(layout, inputs, available)?,
             Policy::Lru => {
                 let largest = largest_in(layout, &layout.order);
-                let slots = if largest.1 == 0 {
-                    layout.order.len()
-                } else {
-                    ((available / largest.1) as usize).min(layout.order.len())
-                };
+                let slots = available
+                    .checked_div(largest.1)
+                    .map_or(layout.order.len(), |s| (s as usize).min(layout.order.len()));
                 if slots == 0 {
                     return Err(too_small(inputs, available, 1, largest));
                 }

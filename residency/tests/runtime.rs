@@ -1,0 +1,321 @@
+//! The threaded runtime: real files through the host backend, pattern sources under random
+//! budgets and access sequences, memory pressure.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use residency::{
+    Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource, Placement, Policy,
+    Residency, ResidencyError, ResidencyOptions, SystemClock,
+};
+use weights_format::layout::{self, TensorRole};
+use weights_format::{DType, Model, ModelConfig, ModelWriter};
+
+fn config(n_layers: u32, tied: bool) -> ModelConfig {
+    ModelConfig {
+        architecture: "llama".into(),
+        n_layers,
+        hidden_size: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        ffn_dim: 96,
+        vocab_size: 256,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-5,
+        context_length: 256,
+        tie_word_embeddings: tied,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        add_bos_token: false,
+    }
+}
+
+fn noise(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Finite f32 values: keep the exponent byte away from 0xFF.
+            (x >> 24) as u8 & 0xBF
+        })
+        .collect()
+}
+
+fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
+    let config = config(n_layers, tied);
+    let mut w = ModelWriter::create(out).unwrap();
+    for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
+        let kind = layout::blob_kind(file).unwrap();
+        let mut blob = w.begin_blob(file).unwrap();
+        for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
+            let dtype = if spec.role == TensorRole::Norm {
+                DType::F32
+            } else {
+                DType::F16
+            };
+            let len = dtype.byte_len(&spec.shape).unwrap() as usize;
+            blob.write_tensor(
+                spec.name,
+                dtype,
+                &spec.shape,
+                &noise((i * 100 + j) as u64, len),
+            )
+            .unwrap();
+        }
+        blob.finish().unwrap();
+    }
+    w.add_file("tokenizer.json", b"{}").unwrap();
+    w.finish(config, "tokenizer.json", None, serde_json::Map::new())
+        .unwrap()
+}
+
+fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
+    ResidencyOptions {
+        device_budget: Budget::Bytes(budget),
+        host_cache: HostCache::Off,
+        prefetch,
+        resident_layers: None,
+        policy: Policy::Planned,
+        reserved_bytes: 0,
+    }
+}
+
+#[test]
+fn host_backend_bytes_equal_plain_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    for tied in [true, false] {
+        let model = write_model(&dir.path().join(format!("m{tied}")), 6, tied);
+        let files: Vec<Vec<u8>> = (0..model.metadata().blobs.len())
+            .map(|b| std::fs::read(model.blob_path(b)).unwrap())
+            .collect();
+        let largest = files.iter().map(|f| f.len() as u64).max().unwrap();
+        let total: u64 = files.iter().map(|f| f.len() as u64).sum();
+        for (budget, host) in [
+            (2 * largest, HostCache::Off),
+            (3 * largest, HostCache::Bytes(2 * largest)),
+            (total, HostCache::Off),
+        ] {
+            let res = Residency::open_host(
+                &model,
+                &ResidencyOptions {
+                    host_cache: host,
+                    ..opts(budget, 1)
+                },
+            )
+            .unwrap();
+            let plan = res.plan().clone();
+            println!("tied={tied} budget={budget}:\n{plan}");
+            for _pass in 0..3 {
+                for &b in &plan.order {
+                    let guard = res.acquire(b).unwrap();
+                    assert_eq!(
+                        &guard[..],
+                        &files[b][..],
+                        "{} tied={tied}",
+                        plan.blobs[b].file
+                    );
+                }
+                res.end_pass();
+            }
+            // Embedding rows on demand, at unaligned offsets.
+            let embed = model.embed_blob();
+            for (off, len) in [(0u64, 10u64), (4095, 2), (1000, 5000)] {
+                let bytes = res.read_range(embed, off, len).unwrap();
+                assert_eq!(bytes, &files[embed][off as usize..(off + len) as usize]);
+            }
+            let err = res
+                .read_range(embed, files[embed].len() as u64 - 1, 2)
+                .unwrap_err();
+            assert!(
+                matches!(err, ResidencyError::RangeOutOfBounds { .. }),
+                "{err}"
+            );
+            let stats = res.stats();
+            assert!(stats.peak_device_bytes <= budget);
+            for b in &plan.blobs {
+                let disk = stats.blob_disk_reads[b.index];
+                match b.placement {
+                    Placement::Resident => assert_eq!(disk, 1, "{}", b.file),
+                    Placement::HostCached => assert_eq!(disk, 1, "{}", b.file),
+                    Placement::Streamed => assert!((3..=4).contains(&disk), "{}", b.file),
+                    Placement::OnDemand => assert_eq!(disk, 0, "{}", b.file),
+                }
+            }
+            println!(
+                "  disk {} B, host copies {} B, hits {} misses {}",
+                stats.total.disk_bytes,
+                stats.total.host_copy_bytes,
+                stats.total.device_hits,
+                stats.total.device_misses
+            );
+            let json = serde_json::to_string(&stats).unwrap();
+            assert!(json.contains("\"disk_bytes\""));
+        }
+    }
+}
+
+#[test]
+fn all_resident_and_all_streamed_deliver_the_same_bytes() {
+    let lengths: Vec<u64> = vec![12 * 4096, 5 * 4096, 7 * 4096, 3 * 4096, 6 * 4096, 4096];
+    let layout = ModelLayout::synthetic(12 * 4096, &lengths[1..5], 4096, true);
+    let digest = |budget: u64, resident_layers: Option<usize>| {
+        let source = Arc::new(PatternSource::new(lengths.clone()));
+        let res = Residency::open_with(
+            layout.clone(),
+            source.clone(),
+            Arc::new(CpuMemory::new(budget)),
+            Arc::new(SystemClock::new()),
+            &ResidencyOptions {
+                resident_layers,
+                ..opts(budget, 1)
+            },
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            for &b in &layout.order {
+                seen.extend_from_slice(&res.acquire(b).unwrap());
+            }
+            res.end_pass();
+        }
+        (seen, res.plan().resident_layers)
+    };
+    let (all, r_all) = digest(1 << 30, None);
+    let (none, r_none) = digest(12 * 4096 + 4096 + 2 * 7 * 4096, Some(0));
+    assert_eq!((r_all, r_none), (4, 0));
+    assert!(all == none, "same bytes in the same order");
+}
+
+#[test]
+fn memory_pressure_shrinks_the_resident_set() {
+    let unit = 64 * 4096u64;
+    let lengths = [vec![unit], vec![unit; 10], vec![4096]].concat();
+    let layout = ModelLayout::synthetic(unit, &[unit; 10], 4096, false);
+    let budget = 8 * unit;
+    // The device has only 5 units although the budget says 8.
+    let memory = Arc::new(CpuMemory::with_physical_limit(budget, 5 * unit));
+    let source = Arc::new(PatternSource::new(lengths));
+    let res = Residency::open_with(
+        layout.clone(),
+        source.clone(),
+        memory.clone(),
+        Arc::new(SystemClock::new()),
+        &opts(budget, 1),
+    )
+    .unwrap();
+    let plan = res.plan();
+    println!("{plan}");
+    assert!(plan.device_budget <= 5 * unit);
+    // Ring 2 units + 3 layers fill the 5 units the device really has.
+    assert_eq!(plan.resident_layers, 3);
+    for _ in 0..2 {
+        for &b in &layout.order {
+            assert!(PatternSource::check(b, &res.acquire(b).unwrap()));
+        }
+        res.end_pass();
+    }
+    assert!(memory.peak() <= 5 * unit);
+    drop(res);
+    assert_eq!(memory.used(), 0, "buffers are freed on drop");
+
+    // If not even the ring fits, a clear error with the numbers.
+    let memory = Arc::new(CpuMemory::with_physical_limit(budget, unit + 4096));
+    let err = Residency::open_with(
+        layout,
+        source,
+        memory,
+        Arc::new(SystemClock::new()),
+        &opts(budget, 1),
+    )
+    .err()
+    .expect("ring cannot fit");
+    println!("{err}");
+    assert!(
+        matches!(err, ResidencyError::BudgetTooSmall { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_blob_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_model(&dir.path().join("m"), 2, true);
+    std::fs::remove_file(model.blob_path(model.layer_blob(1))).unwrap();
+    let err = Residency::open_host(&model, &opts(1 << 30, 1))
+        .err()
+        .expect("missing file");
+    assert!(err.to_string().contains("layer_001.bin"), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Random budgets, blob sizes, ring depths and access sequences: the bytes are always
+    /// right, a held guard is never overwritten, and the budget is never exceeded.
+    #[test]
+    fn runtime_invariants(
+        n in 1usize..8,
+        sizes in proptest::collection::vec(1u64..6, 8),
+        tied in any::<bool>(),
+        prefetch in 1usize..4,
+        budget_blocks in 2u64..60,
+        reserved_blocks in 0u64..4,
+        policy_lru in any::<bool>(),
+        access in proptest::collection::vec((0usize..16, any::<bool>()), 1..60),
+    ) {
+        let unit = 4096;
+        let layers: Vec<u64> = sizes[..n].iter().map(|s| s * unit).collect();
+        let embed = 3 * unit;
+        let layout = ModelLayout::synthetic(embed, &layers, unit, tied);
+        let lengths: Vec<u64> = layout.blobs.iter().map(|b| b.length).collect();
+        let budget = (budget_blocks + reserved_blocks) * unit;
+        let memory = Arc::new(CpuMemory::new(budget));
+        let opened = Residency::open_with(
+            layout.clone(),
+            Arc::new(PatternSource::new(lengths.clone())),
+            memory.clone(),
+            Arc::new(SystemClock::new()),
+            &ResidencyOptions {
+                reserved_bytes: reserved_blocks * unit,
+                policy: if policy_lru { Policy::Lru } else { Policy::Planned },
+                ..opts(budget, prefetch)
+            },
+        );
+        let res = match opened {
+            Ok(res) => res,
+            Err(ResidencyError::BudgetTooSmall { .. }) => return Ok(()),
+            Err(err) => return Err(TestCaseError::fail(err.to_string())),
+        };
+        let order = layout.order.clone();
+        let mut held: Option<(usize, residency::BlobGuard<'_>)> = None;
+        for (pick, hold) in access {
+            // Mostly the plan order, sometimes an arbitrary blob of the order.
+            let blob = order[pick % order.len()];
+            match res.acquire(blob) {
+                Ok(guard) => {
+                    prop_assert_eq!(guard.len() as u64, lengths[blob]);
+                    prop_assert!(PatternSource::check(blob, &guard), "blob {} bytes", blob);
+                    if let Some((b, g)) = &held {
+                        prop_assert!(PatternSource::check(*b, g), "held blob {} overwritten", b);
+                    }
+                    if hold {
+                        held = Some((blob, guard));
+                    }
+                }
+                Err(ResidencyError::AllSlotsPinned { .. }) => {
+                    prop_assert!(held.is_some());
+                    held = None;
+                }
+                Err(err) => return Err(TestCaseError::fail(err.to_string())),
+            }
+            prop_assert!(memory.used() <= budget - reserved_blocks * unit);
+        }
+        drop(held);
+        prop_assert!(memory.peak() <= budget - reserved_blocks * unit);
+    }
+}
