@@ -8,13 +8,21 @@
 //! HTTP (that is `server`).
 
 pub mod backend;
+pub mod chat;
 pub mod config;
 mod error;
+pub mod generate;
 pub mod model;
+pub mod sampling;
+pub mod tokenizer;
 pub mod weights;
 
 pub use backend::{Backend, CpuBackend, ReferenceBackend, WeightView};
+pub use chat::{ChatTemplate, Message};
 pub use config::LlamaConfig;
 pub use error::LlamaError;
+pub use generate::{FinishReason, GenerateOptions, Generation, Session};
 pub use model::Llama;
+pub use sampling::{Sampler, SamplerConfig};
+pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use weights::{BlobLayout, InMemoryWeights, WeightSource};
