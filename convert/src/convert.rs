@@ -97,11 +97,10 @@ pub enum ConvertError {
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
     Format(#[from] FormatError),
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: neither a .gguf file nor a Hugging Face directory with config.json")]
     UnknownInput { path: PathBuf },
@@ -131,7 +130,7 @@ impl ConvertError {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> ConvertError {
         ConvertError::Io {
             path: path.to_path_buf(),
-            source,
+            error: source,
         }
     }
 }

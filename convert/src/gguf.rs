@@ -26,11 +26,10 @@ const MAX_ARRAY_NESTING: u32 = 8;
 /// or the metadata key involved.
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("{path}: not a GGUF file: magic at offset 0 is {found:02x?}, expected \"GGUF\"")]
     BadMagic { path: PathBuf, found: [u8; 4] },
@@ -362,7 +361,7 @@ impl HeaderReader<'_> {
             .read_exact(&mut buf)
             .map_err(|source| GgufError::Io {
                 path: self.path.to_path_buf(),
-                source,
+                error: source,
             })?;
         self.pos += N as u64;
         Ok(buf)
@@ -386,7 +385,7 @@ impl HeaderReader<'_> {
             .read_exact(&mut buf)
             .map_err(|source| GgufError::Io {
                 path: self.path.to_path_buf(),
-                source,
+                error: source,
             })?;
         self.pos += len;
         String::from_utf8(buf).map_err(|_| GgufError::Invalid {
@@ -479,7 +478,7 @@ impl GgufFile {
         let path = path.as_ref().to_path_buf();
         let io = |source| GgufError::Io {
             path: path.clone(),
-            source,
+            error: source,
         };
         let file = File::open(&path).map_err(io)?;
         let file_len = file.metadata().map_err(io)?.len();
@@ -837,7 +836,7 @@ impl GgufFile {
             .read_exact_at(buf, info.file_offset)
             .map_err(|source| GgufError::Io {
                 path: self.path.clone(),
-                source,
+                error: source,
             })
     }
 }

