@@ -49,6 +49,9 @@ impl ModelWriter {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
+        if let Err(e) = std::fs::metadata(&parent) {
+            return Err(FormatError::io(parent, e));
+        }
         let temp = parent.join(format!(".{name}.partial-{}", std::process::id()));
         // Only a previous run with our pid can have left this; it is garbage by construction.
         if temp.symlink_metadata().is_ok() {

@@ -248,3 +248,14 @@ fn interrupted_writer_leaves_nothing_openable() {
         Err(FormatError::MissingFile { .. })
     ));
 }
+
+#[test]
+fn missing_parent_directory_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let parent = tmp.path().join("no-such-dir");
+    let err = ModelWriter::create(parent.join("m")).unwrap_err();
+    assert!(
+        matches!(&err, FormatError::Io { path, .. } if path == &parent),
+        "{err}"
+    );
+}
