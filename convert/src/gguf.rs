@@ -67,7 +67,7 @@ pub enum GgufError {
         type_name: &'static str,
     },
     #[error(
-        "{path}: tensor {tensor}: data {start}..{end} lies outside the file (length {file_len})"
+        "{path}: tensor {tensor}: data at offsets {start}..{end} lies outside the file (length {file_len}; truncated?)"
     )]
     TensorOutOfBounds {
         path: PathBuf,

@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use gdsllm_convert::PullOptions;
-use gdsllm_convert::pull::{DEFAULT_MODEL, KNOWN_MODELS};
+use gdsllm_convert::pull::DEFAULT_MODEL;
 
 use super::convert::BarProgress;
 
@@ -24,10 +24,7 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let progress = BarProgress::new(&args.name);
     let pulled = gdsllm_convert::pull(&args.name, &PullOptions { force: args.force }, &progress)
-        .with_context(|| {
-            let known: Vec<&str> = KNOWN_MODELS.iter().map(|m| m.name).collect();
-            format!("pulling {} (known models: {})", args.name, known.join(", "))
-        })?;
+        .with_context(|| format!("pulling {}", args.name))?;
     if args.json {
         println!("{}", serde_json::to_string(&pulled)?);
     } else {
