@@ -219,31 +219,35 @@ impl Worker {
         for job in jobs {
             let left = self.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
             self.metrics.set_waiting(left);
+            // `running` drops back before the last event goes out, so a client that has its
+            // answer never sees itself still counted.
             match job {
                 Job::Generate(job, queued) => {
                     self.metrics.queue_time(queued.elapsed().as_secs_f64());
                     self.metrics.set_running(1);
-                    self.run_generate(job, queued);
+                    let last = self.run_generate(&job, queued);
                     self.metrics.set_running(0);
+                    let _ = job.events.send(last);
                 }
                 Job::Embed(job, queued) => {
                     self.metrics.queue_time(queued.elapsed().as_secs_f64());
                     self.metrics.set_running(1);
-                    self.run_embed(job);
+                    let result = self.run_embed(&job);
                     self.metrics.set_running(0);
+                    let _ = job.reply.send(result);
                 }
             }
         }
     }
 
-    fn run_generate(&self, job: GenerateJob, queued: Instant) {
+    /// Runs one sequence, sending its deltas; returns its last event.
+    fn run_generate(&self, job: &GenerateJob, queued: Instant) -> Event {
         if job.cancel.is_cancelled() || self.cancel_all.is_cancelled() {
             self.metrics.cancelled();
-            let _ = job.events.send(Event::Done {
+            return Event::Done {
                 finish: FinishReason::Cancelled,
                 completion_tokens: 0,
-            });
-            return;
+            };
         }
         self.metrics.prompt_tokens(job.request.prompt.len());
         let mut sink = SequenceSink {
@@ -267,15 +271,11 @@ impl Worker {
             Ok(Ok(EngineFinish::Stopped)) => FinishReason::Cancelled,
             Ok(Err(err)) => {
                 tracing::error!("generation failed: {err}");
-                let _ = job.events.send(Event::Failed(err.into()));
-                return;
+                return Event::Failed(err.into());
             }
             Err(_) => {
                 tracing::error!("the model panicked during generation");
-                let _ = job
-                    .events
-                    .send(Event::Failed(ApiError::internal("the model panicked")));
-                return;
+                return Event::Failed(ApiError::internal("the model panicked"));
             }
         };
         if finish == FinishReason::Cancelled {
@@ -290,38 +290,30 @@ impl Worker {
                 });
             }
         }
-        let _ = job.events.send(Event::Done {
+        Event::Done {
             finish,
             completion_tokens: sink.generated,
-        });
+        }
     }
 
-    fn run_embed(&self, job: EmbedJob) {
+    fn run_embed(&self, job: &EmbedJob) -> Result<Vec<Vec<f32>>, ApiError> {
         let mut out = Vec::with_capacity(job.inputs.len());
         for tokens in &job.inputs {
             if job.cancel.is_cancelled() || self.cancel_all.is_cancelled() {
                 self.metrics.cancelled();
-                let _ = job.reply.send(Err(ApiError::unavailable("cancelled")));
-                return;
+                return Err(ApiError::unavailable("cancelled"));
             }
             self.metrics.prompt_tokens(tokens.len());
-            let result = std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.embed(tokens)));
-            match result {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.embed(tokens))) {
                 Ok(Ok(v)) => out.push(v),
-                Ok(Err(err)) => {
-                    let _ = job.reply.send(Err(err.into()));
-                    return;
-                }
+                Ok(Err(err)) => return Err(err.into()),
                 Err(_) => {
                     tracing::error!("the model panicked while embedding");
-                    let _ = job
-                        .reply
-                        .send(Err(ApiError::internal("the model panicked")));
-                    return;
+                    return Err(ApiError::internal("the model panicked"));
                 }
             }
         }
-        let _ = job.reply.send(Ok(out));
+        Ok(out)
     }
 }
 

@@ -1,0 +1,246 @@
+//! A small deterministic engine and an in-process server for the HTTP tests.
+#![allow(dead_code)]
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gdsllm_server::{
+    CancelToken, ChatMessage, Engine, EngineError, EngineFinish, EngineStats, GeneratedToken,
+    GenerationRequest, Server, ServerConfig, TokenLogprob,
+};
+use parking_lot::Mutex;
+
+/// The words the fake model "generates", in order, starting at an offset taken from the prompt.
+pub const SCRIPT: &[&str] = &[
+    " alpha", " beta", " gamma", " delta", " epsilon", " zeta", " eta", " theta", " iota",
+    " kappa", " lambda", " mu",
+];
+pub const BOS: u32 = 1;
+pub const EMBED_DIM: usize = 8;
+pub const VOCAB: u32 = 5000;
+
+/// Generates `SCRIPT[start..]` then EOS, where `start = sum(prompt) % 4`; token ids are
+/// `100 + index into SCRIPT`. Records what it was asked.
+pub struct FakeEngine {
+    pub context: usize,
+    pub token_delay: Duration,
+    pub requests: Mutex<Vec<GenerationRequest>>,
+    pub rendered: Mutex<Vec<Vec<ChatMessage>>>,
+    /// Tokens handed out per generate call (to see where cancelled sequences stopped).
+    pub produced: Mutex<Vec<usize>>,
+}
+
+impl FakeEngine {
+    pub fn new() -> FakeEngine {
+        FakeEngine {
+            context: 64,
+            token_delay: Duration::ZERO,
+            requests: Mutex::new(Vec::new()),
+            rendered: Mutex::new(Vec::new()),
+            produced: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn slow(delay: Duration) -> FakeEngine {
+        FakeEngine {
+            token_delay: delay,
+            ..FakeEngine::new()
+        }
+    }
+
+    pub fn word_id(word: &str) -> u32 {
+        // FNV-1a, folded into the vocabulary above the script's ids.
+        let mut h: u32 = 0x811c_9dc5;
+        for b in word.bytes() {
+            h = (h ^ b as u32).wrapping_mul(0x0100_0193);
+        }
+        200 + h % (VOCAB - 200)
+    }
+
+    /// What the fake answers to `prompt` with room for `max_tokens`.
+    pub fn expected(prompt: &[u32], max_tokens: usize) -> (String, bool) {
+        let start = (prompt.iter().map(|&t| t as u64).sum::<u64>() % 4) as usize;
+        let words = &SCRIPT[start..];
+        let n = words.len().min(max_tokens);
+        (words[..n].concat(), n == words.len())
+    }
+
+    pub fn tokenize_text(text: &str, add_bos: bool) -> Vec<u32> {
+        let mut ids: Vec<u32> = add_bos.then_some(BOS).into_iter().collect();
+        ids.extend(text.split_whitespace().map(FakeEngine::word_id));
+        ids
+    }
+
+    pub fn render(messages: &[ChatMessage]) -> String {
+        let mut s: String = messages
+            .iter()
+            .map(|m| format!("<{}> {} ", m.role, m.content))
+            .collect();
+        s.push_str("<assistant>");
+        s
+    }
+}
+
+fn lp(id: u32, logprob: f32) -> TokenLogprob {
+    let text = format!("t{id}");
+    TokenLogprob {
+        id,
+        bytes: text.as_bytes().to_vec(),
+        text,
+        logprob,
+    }
+}
+
+impl Engine for FakeEngine {
+    fn model_id(&self) -> &str {
+        "fake-model"
+    }
+
+    fn context_length(&self) -> usize {
+        self.context
+    }
+
+    fn tokenize(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {
+        Ok(FakeEngine::tokenize_text(text, add_bos))
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.rendered.lock().push(messages.to_vec());
+        Ok(FakeEngine::render(messages))
+    }
+
+    fn generate(
+        &self,
+        request: &GenerationRequest,
+        cancel: &CancelToken,
+        on_token: &mut dyn FnMut(GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<EngineFinish, EngineError> {
+        self.requests.lock().push(request.clone());
+        let start = (request.prompt.iter().map(|&t| t as u64).sum::<u64>() % 4) as usize;
+        let mut produced = 0;
+        let finish = 'run: {
+            for (i, word) in SCRIPT[start..].iter().enumerate() {
+                if i == request.max_tokens {
+                    break 'run EngineFinish::MaxTokens;
+                }
+                if cancel.is_cancelled() {
+                    break 'run EngineFinish::Stopped;
+                }
+                std::thread::sleep(self.token_delay);
+                let id = 100 + (start + i) as u32;
+                let logprob = -0.1 * (i + 1) as f32;
+                let token = GeneratedToken {
+                    id,
+                    text: word.to_string(),
+                    logprob: request.logprobs.map(|_| TokenLogprob {
+                        id,
+                        text: word.to_string(),
+                        bytes: word.as_bytes().to_vec(),
+                        logprob,
+                    }),
+                    top_logprobs: (0..request.logprobs.unwrap_or(0))
+                        .map(|k| lp(id + 1 + k as u32, logprob - 1.0 - k as f32))
+                        .collect(),
+                };
+                produced += 1;
+                if on_token(token).is_break() {
+                    break 'run EngineFinish::Stopped;
+                }
+            }
+            EngineFinish::EndOfSequence
+        };
+        self.produced.lock().push(produced);
+        Ok(finish)
+    }
+
+    fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if let Some(t) = tokens.iter().find(|&&t| t >= VOCAB) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {t} is outside the vocabulary of {VOCAB} tokens"
+            )));
+        }
+        let mut v = [0.0f32; EMBED_DIM];
+        for &t in tokens {
+            v[t as usize % EMBED_DIM] += 1.0 + (t % 3) as f32;
+        }
+        let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        Ok(v.iter().map(|x| x / norm).collect())
+    }
+
+    fn stats(&self) -> EngineStats {
+        EngineStats {
+            bytes_by_tier: vec![("disk", 4096), ("host", 8192)],
+            io_gbps: 2.5,
+            residency_hits: 7,
+            residency_misses: 3,
+            compute_stall_seconds: 0.25,
+            passes: 11,
+        }
+    }
+}
+
+/// A server on a free loopback port, serving until dropped or shut down.
+pub struct TestServer {
+    pub base: String,
+    pub server: Server,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: Option<tokio::task::JoinHandle<Result<(), gdsllm_server::ServerError>>>,
+}
+
+impl TestServer {
+    /// Starts serving with no model yet (health says loading).
+    pub async fn start_loading(config: ServerConfig) -> TestServer {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = Server::new(config);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let s = server.clone();
+        let task = tokio::spawn(async move {
+            s.serve(listener, async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        TestServer {
+            base,
+            server,
+            shutdown: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub async fn start(config: ServerConfig, engine: Arc<FakeEngine>) -> TestServer {
+        let ts = TestServer::start_loading(config).await;
+        ts.server.set_engine(engine);
+        ts
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Signals shutdown and waits for `serve` to return.
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.unwrap().unwrap();
+        }
+    }
+
+    pub fn trigger_shutdown(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// The `data:` payloads of an SSE body, in order.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(|s| s.trim().to_string())
+        .collect()
+}

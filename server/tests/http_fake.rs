@@ -1,0 +1,929 @@
+//! The HTTP layer against a deterministic fake engine: every endpoint, streaming and not,
+//! errors, auth, metrics, disconnects and shutdown.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use common::{FakeEngine, TestServer, sse_data};
+use gdsllm_server::{ChatMessage, ServerConfig};
+use serde_json::{Value, json};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(ts: &TestServer, path: &str, body: &Value) -> (u16, Value) {
+    let r = client().post(ts.url(path)).json(body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap())
+}
+
+/// Asserts OpenAI's error shape and returns (message, param).
+fn error_of(body: &Value) -> (String, Value) {
+    let e = &body["error"];
+    assert!(e["message"].is_string(), "{body}");
+    assert!(e["type"].is_string(), "{body}");
+    assert!(
+        e.get("param").is_some() && e.get("code").is_some(),
+        "{body}"
+    );
+    (
+        e["message"].as_str().unwrap().to_string(),
+        e["param"].clone(),
+    )
+}
+
+fn chat_body(content: &str) -> Value {
+    json!({"model": "fake-model", "messages": [{"role": "user", "content": content}], "temperature": 0})
+}
+
+fn chat_prompt(messages: &[ChatMessage]) -> Vec<u32> {
+    FakeEngine::tokenize_text(&FakeEngine::render(messages), false)
+}
+
+fn user(content: &str) -> Vec<ChatMessage> {
+    vec![ChatMessage {
+        role: "user".into(),
+        content: content.into(),
+    }]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_503_while_loading_then_ok() {
+    let ts = TestServer::start_loading(ServerConfig::default()).await;
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let (msg, _) = error_of(&r.json().await.unwrap());
+    assert!(msg.contains("loading"), "{msg}");
+    let (status, _) = post(&ts, "/v1/chat/completions", &chat_body("hi")).await;
+    assert_eq!(status, 503);
+
+    ts.server.set_engine(Arc::new(FakeEngine::new()));
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"status": "ok"}));
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_load_is_reported_by_health() {
+    let ts = TestServer::start_loading(ServerConfig::default()).await;
+    ts.server.set_load_failed("metadata.json: missing");
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let (msg, _) = error_of(&r.json().await.unwrap());
+    assert!(msg.contains("metadata.json: missing"), "{msg}");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_lists_id_and_aliases() {
+    let config = ServerConfig {
+        aliases: vec!["gpt-4o".into()],
+        ..Default::default()
+    };
+    let ts = TestServer::start(config, Arc::new(FakeEngine::new())).await;
+    let r: Value = client()
+        .get(ts.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["object"], "list");
+    let ids: Vec<&str> = r["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["fake-model", "gpt-4o"]);
+    assert_eq!(r["data"][0]["object"], "model");
+    let r = client()
+        .get(ts.url("/v1/models/gpt-4o"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client()
+        .get(ts.url("/v1/models/nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    error_of(&r.json().await.unwrap());
+
+    // The alias answers chat requests and is echoed back.
+    let mut body = chat_body("hello");
+    body["model"] = json!("gpt-4o");
+    let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["model"], "gpt-4o");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_whole_and_streamed_agree() {
+    let engine = Arc::new(FakeEngine::new());
+    let ts = TestServer::start(ServerConfig::default(), engine.clone()).await;
+    let prompt = chat_prompt(&user("tell me"));
+    let (expected, _) = FakeEngine::expected(&prompt, 5);
+
+    let mut body = chat_body("tell me");
+    body["max_tokens"] = json!(5);
+    let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "chat.completion");
+    assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(r["choices"][0]["message"]["content"], expected.as_str());
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(r["usage"]["completion_tokens"], 5);
+    assert_eq!(r["usage"]["total_tokens"], prompt.len() + 5);
+    assert!(r["choices"][0]["logprobs"].is_null());
+
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let resp = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = sse_data(&resp.text().await.unwrap());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut text = String::new();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"]);
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    assert_eq!(text, expected);
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    assert!(finish["usage"].is_null());
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    assert_eq!(usage["usage"]["prompt_tokens"], prompt.len());
+
+    // Without max_tokens the model runs to EOS: finish_reason stop.
+    let (_, r) = post(&ts, "/v1/chat/completions", &chat_body("tell me")).await;
+    let (full, eos) = FakeEngine::expected(&prompt, usize::MAX);
+    assert!(eos);
+    assert_eq!(r["choices"][0]["message"]["content"], full.as_str());
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_parameters_reach_the_engine() {
+    let engine = Arc::new(FakeEngine::new());
+    let ts = TestServer::start(ServerConfig::default(), engine.clone()).await;
+    let body = json!({
+        "model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 42,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "max_completion_tokens": 3, "n": 1,
+    });
+    let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    let req = engine.requests.lock().last().unwrap().clone();
+    let s = &req.sampling;
+    assert_eq!(
+        (s.temperature, s.top_p, s.top_k, s.min_p),
+        (0.7, 0.9, 40, 0.05)
+    );
+    assert_eq!(
+        (s.seed, s.presence_penalty, s.frequency_penalty),
+        (Some(42), 0.5, -0.5)
+    );
+    assert_eq!(req.max_tokens, 3);
+    assert_eq!(req.logprobs, None);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_whole_and_streamed() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let prompt = FakeEngine::tokenize_text("once upon a time", true);
+    let (expected, _) = FakeEngine::expected(&prompt, 4);
+    let body = json!({"model": "fake-model", "prompt": "once upon a time", "max_tokens": 4, "temperature": 0});
+    let (status, r) = post(&ts, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "text_completion");
+    assert_eq!(r["choices"][0]["text"], expected.as_str());
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["usage"]["prompt_tokens"], prompt.len());
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let text = client()
+        .post(ts.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut got = String::new();
+    let mut finish = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(c["object"], "text_completion");
+        assert!(
+            c.get("usage").is_none(),
+            "usage only with include_usage: {c}"
+        );
+        got.push_str(c["choices"][0]["text"].as_str().unwrap());
+        if !c["choices"][0]["finish_reason"].is_null() {
+            finish = c["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert_eq!(got, expected);
+    assert_eq!(finish, "length");
+
+    // Token-id prompts are taken as given; the default max_tokens is 16 (OpenAI's).
+    let ids = vec![7u32, 8, 9];
+    let (_, r) = post(
+        &ts,
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        r["choices"][0]["text"],
+        FakeEngine::expected(&ids, 2).0.as_str()
+    );
+    assert_eq!(r["usage"]["prompt_tokens"], 3);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_the_text_whole_and_streamed() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let prompt = FakeEngine::tokenize_text("abc", true);
+    let (full, _) = FakeEngine::expected(&prompt, usize::MAX);
+    // A stop string spanning two generated words.
+    let words: Vec<&str> = full.split_inclusive(' ').collect();
+    assert!(words.len() > 4, "{full}");
+    let stop = "a gam".to_string();
+    let cut = full.find(&stop);
+    let body = json!({"prompt": "abc", "max_tokens": 50, "stop": [stop.clone(), "never"]});
+    let (_, r) = post(&ts, "/v1/completions", &body).await;
+    let expected = match cut {
+        Some(at) => (&full[..at], "stop"),
+        None => (full.as_str(), "stop"),
+    };
+    assert_eq!(r["choices"][0]["text"], expected.0, "full text {full:?}");
+    assert_eq!(r["choices"][0]["finish_reason"], expected.1);
+
+    // A stop string that is one whole word in the middle.
+    let word = full
+        .split(' ')
+        .filter(|w| !w.is_empty())
+        .nth(2)
+        .unwrap()
+        .to_string();
+    let at = full.find(&word).unwrap();
+    let mut body = json!({"prompt": "abc", "max_tokens": 50, "stop": word});
+    let (_, r) = post(&ts, "/v1/completions", &body).await;
+    assert_eq!(r["choices"][0]["text"], &full[..at]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    body["stream"] = json!(true);
+    let text = client()
+        .post(ts.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = sse_data(&text);
+    let streamed: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(streamed, &full[..at]);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_in_chat_and_completion_shapes() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let mut body = chat_body("q");
+    body["max_tokens"] = json!(3);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(2);
+    let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{r}");
+    let content = r["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 3);
+    let joined: String = content
+        .iter()
+        .map(|c| c["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        joined,
+        r["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert!((content[0]["logprob"].as_f64().unwrap() + 0.1).abs() < 1e-6);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert!(content[0]["bytes"].is_array());
+
+    // Streamed: each chunk carries its token's logprobs.
+    body["stream"] = json!(true);
+    let text = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = sse_data(&text);
+    let per_chunk: usize = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let c: Value = serde_json::from_str(e).unwrap();
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .map_or(0, Vec::len)
+        })
+        .sum();
+    assert_eq!(per_chunk, 3);
+
+    let (_, r) = post(
+        &ts,
+        "/v1/completions",
+        &json!({"prompt": "q", "max_tokens": 3, "logprobs": 2}),
+    )
+    .await;
+    let lp = &r["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 3);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert_eq!(offsets[1], tokens[0].chars().count() as u64);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn system_prompt_is_inserted_only_without_a_system_message() {
+    let engine = Arc::new(FakeEngine::new());
+    let config = ServerConfig {
+        system_prompt: Some("Be brief.".into()),
+        ..Default::default()
+    };
+    let ts = TestServer::start(config, engine.clone()).await;
+    post(&ts, "/v1/chat/completions", &chat_body("hi")).await;
+    let with_sys = json!({"messages": [{"role": "system", "content": "Own."}, {"role": "user", "content": "hi"}]});
+    post(&ts, "/v1/chat/completions", &with_sys).await;
+    let rendered = engine.rendered.lock().clone();
+    assert_eq!(
+        rendered[0][0],
+        ChatMessage {
+            role: "system".into(),
+            content: "Be brief.".into()
+        }
+    );
+    assert_eq!(rendered[0][1].role, "user");
+    assert_eq!(rendered[1].len(), 2);
+    assert_eq!(rendered[1][0].content, "Own.");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_float_and_base64() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let body = json!({"model": "fake-model", "input": ["hello world", "another text here"]});
+    let (status, r) = post(&ts, "/v1/embeddings", &body).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["object"], "list");
+    let data = r["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    let floats: Vec<Vec<f32>> = data
+        .iter()
+        .map(|d| {
+            d["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+    for v in &floats {
+        let norm: f32 = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+    }
+    assert_eq!(r["usage"]["prompt_tokens"], 3 + 4);
+
+    let mut body = body;
+    body["encoding_format"] = json!("base64");
+    let (_, r) = post(&ts, "/v1/embeddings", &body).await;
+    for (i, d) in r["data"].as_array().unwrap().iter().enumerate() {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(d["embedding"].as_str().unwrap())
+            .unwrap();
+        let v: Vec<f32> = bytes
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(v, floats[i]);
+    }
+    // Bad token ids come back as a 400 from the engine.
+    let (status, r) = post(&ts, "/v1/embeddings", &json!({"input": [1, 999999]})).await;
+    assert_eq!(status, 400, "{r}");
+    error_of(&r);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_shaped_errors() {
+    let config = ServerConfig {
+        body_limit: 4096,
+        ..Default::default()
+    };
+    let ts = TestServer::start(config, Arc::new(FakeEngine::new())).await;
+    // Malformed JSON.
+    let r = client()
+        .post(ts.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{\"messages\": [")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let (msg, _) = error_of(&r.json().await.unwrap());
+    assert!(msg.contains("not valid JSON"), "{msg}");
+
+    // Wrong types and invalid values name the field.
+    for (body, param) in [
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+            "temperature",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}),
+            "top_p",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+            "max_tokens",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+            "stream",
+        ),
+        (json!({"messages": "x"}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 3}),
+            "n",
+        ),
+    ] {
+        let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{body}: {r}");
+        let (msg, p) = error_of(&r);
+        assert_eq!(p, param, "{msg}");
+        assert!(msg.contains(param), "{msg}");
+    }
+    let (_, r) = post(
+        &ts,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "x"}], "n": 3}),
+    )
+    .await;
+    assert!(error_of(&r).0.contains("n = 1"), "{r}");
+
+    // Unknown model: 404.
+    let mut body = chat_body("x");
+    body["model"] = json!("gpt-5");
+    let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 404);
+    assert_eq!(r["error"]["code"], "model_not_found");
+    let (status, _) = post(
+        &ts,
+        "/v1/embeddings",
+        &json!({"model": "gpt-5", "input": "x"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+
+    // Prompt over the context (64): 400 with both numbers.
+    let long = vec!["w"; 70].join(" ");
+    let (status, r) = post(&ts, "/v1/completions", &json!({"prompt": long})).await;
+    assert_eq!(status, 400);
+    let (msg, p) = error_of(&r);
+    assert!(msg.contains("64") && msg.contains("71"), "{msg}");
+    assert_eq!(p, "prompt");
+    assert_eq!(r["error"]["code"], "context_length_exceeded");
+
+    // Body over the limit: 413.
+    let big = "x ".repeat(5000);
+    let r = client()
+        .post(ts.url("/v1/completions"))
+        .json(&json!({"prompt": big}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let (msg, _) = error_of(&r.json().await.unwrap());
+    assert!(msg.contains("4096"), "{msg}");
+
+    // Unknown route.
+    let r = client().get(ts.url("/v1/nothing")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    error_of(&r.json().await.unwrap());
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_guard_v1_but_not_health() {
+    let config = ServerConfig {
+        api_keys: vec!["k-one".into(), "k-two".into()],
+        ..Default::default()
+    };
+    let ts = TestServer::start(config, Arc::new(FakeEngine::new())).await;
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client().get(ts.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let body: Value = r.json().await.unwrap();
+    error_of(&body);
+    assert_eq!(body["error"]["code"], "invalid_api_key");
+    let r = client()
+        .get(ts.url("/v1/models"))
+        .bearer_auth("k-wrong")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let text = r.text().await.unwrap();
+    assert!(
+        !text.contains("k-wrong") && !text.contains("k-one"),
+        "{text}"
+    );
+    for key in ["k-one", "k-two"] {
+        let r = client()
+            .get(ts.url("/v1/models"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let r = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&chat_body("x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client()
+        .post(ts.url("/v1/chat/completions"))
+        .bearer_auth("k-two")
+        .json(&chat_body("x"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_file_reads_keys_and_rejects_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys");
+    std::fs::write(&path, "# keys\nalpha\n\n  beta  \n").unwrap();
+    assert_eq!(
+        gdsllm_server::load_api_key_file(&path).unwrap(),
+        ["alpha", "beta"]
+    );
+    std::fs::write(&path, "# none\n").unwrap();
+    let err = gdsllm_server::load_api_key_file(&path)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no key"), "{err}");
+    let err = gdsllm_server::load_api_key_file(&dir.path().join("missing"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("missing"), "{err}");
+}
+
+fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_and_labels) && l[name_and_labels.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_tokens_and_engine_stats() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let mut body = chat_body("hi");
+    body["max_tokens"] = json!(3);
+    post(&ts, "/v1/chat/completions", &body).await;
+    post(&ts, "/v1/chat/completions", &body).await;
+    body["model"] = json!("missing");
+    post(&ts, "/v1/chat/completions", &body).await;
+    let text = client()
+        .get(ts.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(
+            &text,
+            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"
+        ),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"404\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_generation_tokens_total"),
+        Some(6.0),
+        "{text}"
+    );
+    let prompt = chat_prompt(&user("hi")).len() as f64;
+    assert_eq!(
+        metric(&text, "gdsllm_prompt_tokens_total"),
+        Some(2.0 * prompt),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_time_to_first_token_seconds_count"),
+        Some(2.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_inter_token_latency_seconds_count"),
+        Some(4.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_requests_running"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_requests_waiting"),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_weight_bytes_total{tier=\"disk\"}"),
+        Some(4096.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_weight_bytes_total{tier=\"host\"}"),
+        Some(8192.0),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "gdsllm_io_gbps"), Some(2.5), "{text}");
+    assert_eq!(
+        metric(&text, "gdsllm_residency_hits_total"),
+        Some(7.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_residency_misses_total"),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_compute_stall_seconds"),
+        Some(0.25),
+        "{text}"
+    );
+    ts.shutdown().await;
+}
+
+async fn wait_for_metric(ts: &TestServer, name: &str, want: f64) -> f64 {
+    let mut last = f64::NAN;
+    for _ in 0..200 {
+        let text = client()
+            .get(ts.url("/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        last = metric(&text, name).unwrap_or(f64::NAN);
+        if last == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    last
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_cancels_its_sequence() {
+    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(40)));
+    let ts = TestServer::start(ServerConfig::default(), engine.clone()).await;
+    let mut body = chat_body("long story");
+    body["stream"] = json!(true);
+    let mut resp = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    // Read until the first content token arrives, then hang up.
+    let mut seen = String::new();
+    while !seen.contains("content\":\" ") {
+        seen.push_str(&String::from_utf8_lossy(
+            &resp.chunk().await.unwrap().unwrap(),
+        ));
+    }
+    drop(resp);
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_cancelled_total", 1.0).await,
+        1.0
+    );
+    let produced = engine.produced.lock().clone();
+    let prompt = chat_prompt(&user("long story"));
+    let full = FakeEngine::expected(&prompt, usize::MAX)
+        .0
+        .split_inclusive(' ')
+        .count();
+    assert_eq!(produced.len(), 1);
+    assert!(
+        produced[0] < full,
+        "cancelled after {} of {full} tokens",
+        produced[0]
+    );
+
+    // A non-streamed request whose client gives up is cancelled too.
+    let quick = reqwest::Client::builder()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let err = quick
+        .post(ts.url("/v1/chat/completions"))
+        .json(&chat_body("long story"))
+        .send()
+        .await;
+    assert!(err.is_err());
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_cancelled_total", 2.0).await,
+        2.0
+    );
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_each_get_their_own_answer() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let prompts: Vec<String> = (0..24).map(|i| format!("question number {i}")).collect();
+    let tasks: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let url = ts.url("/v1/chat/completions");
+            let mut body = chat_body(p);
+            body["stream"] = json!(true);
+            tokio::spawn(async move {
+                let text = client()
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap();
+                let events = sse_data(&text);
+                assert_eq!(events.last().unwrap(), "[DONE]");
+                events[..events.len() - 1]
+                    .iter()
+                    .filter_map(|e| {
+                        let c: Value = serde_json::from_str(e).unwrap();
+                        c["choices"][0]["delta"]["content"]
+                            .as_str()
+                            .map(str::to_string)
+                    })
+                    .collect::<String>()
+            })
+        })
+        .collect();
+    for (p, t) in prompts.iter().zip(tasks) {
+        let got = t.await.unwrap();
+        let expected = FakeEngine::expected(&chat_prompt(&user(p)), usize::MAX).0;
+        assert_eq!(got, expected, "{p}");
+    }
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_a_stream_finish_and_refuses_new_work() {
+    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(20)));
+    let mut ts = TestServer::start(ServerConfig::default(), engine).await;
+    let mut body = chat_body("story");
+    body["stream"] = json!(true);
+    let resp = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    ts.trigger_shutdown();
+    let text = resp.text().await.unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let finish: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(finish["choices"][0]["finish_reason"], "stop", "{text}");
+    ts.task.take().unwrap().await.unwrap().unwrap();
+    assert!(
+        client().get(ts.url("/health")).send().await.is_err(),
+        "listener closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cancels_what_outlives_the_grace_period() {
+    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(300)));
+    let config = ServerConfig {
+        shutdown_grace: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let mut ts = TestServer::start(config, engine.clone()).await;
+    let mut body = chat_body("story");
+    body["stream"] = json!(true);
+    let resp = client()
+        .post(ts.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    ts.trigger_shutdown();
+    let text = resp.text().await.unwrap();
+    let events = sse_data(&text);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("shutting down"),
+        "{text}"
+    );
+    ts.task.take().unwrap().await.unwrap().unwrap();
+    let prompt = chat_prompt(&user("story"));
+    let full = FakeEngine::expected(&prompt, usize::MAX)
+        .0
+        .split_inclusive(' ')
+        .count();
+    assert!(engine.produced.lock()[0] < full);
+}
