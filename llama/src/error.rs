@@ -33,6 +33,10 @@ pub enum LlamaError {
     MissingBlob { file: String },
     #[error("reading weights of blob {blob}: {message}")]
     Weights { blob: String, message: String },
+    #[error("reading weights: {0}")]
+    Residency(#[from] residency::ResidencyError),
+    #[error("model directory: {0}")]
+    Format(#[from] weights_format::FormatError),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

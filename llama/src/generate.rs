@@ -85,6 +85,17 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         &self.tokenizer
     }
 
+    /// Empties the KV cache (the next prompt is computed from its first token).
+    pub fn reset(&mut self) {
+        self.model.truncate(0);
+        self.cached.clear();
+    }
+
+    /// Logits after the last position computed (the prompt, or the last generated token).
+    pub fn last_logits(&self) -> &[f32] {
+        self.model.last_logits()
+    }
+
     /// Token ids of a raw completion prompt (BOS first when the model asks for it).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, LlamaError> {
         let mut ids = Vec::new();

@@ -133,6 +133,11 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         self.pos
     }
 
+    /// Logits after the last position computed.
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
     /// Forgets cached positions from `pos` on (0 starts a new sequence).
     pub fn truncate(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);

@@ -192,3 +192,23 @@ impl WeightSource for InMemoryWeights {
 
     fn end_pass(&self) {}
 }
+
+/// The production path: every blob comes through the residency cache (O_DIRECT reads into
+/// aligned memory, planned resident set, staging ring with prefetch).
+impl WeightSource for residency::Residency {
+    type Guard<'a> = residency::BlobGuard<'a>;
+
+    fn acquire(&self, index: usize) -> Result<residency::BlobGuard<'_>, LlamaError> {
+        Ok(residency::Residency::acquire(self, index)?)
+    }
+
+    fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError> {
+        Ok(residency::Residency::read_range(
+            self, index, offset, len as u64,
+        )?)
+    }
+
+    fn end_pass(&self) {
+        residency::Residency::end_pass(self)
+    }
+}
