@@ -2,6 +2,7 @@
 
 mod bindgen;
 mod ci;
+mod convert;
 
 use clap::{Parser, Subcommand};
 
@@ -18,11 +19,17 @@ enum Command {
     Bindgen(bindgen::Args),
     /// The whole test suite as CI runs it: build, pull the default model, test everything.
     Ci(ci::Args),
+    /// Convert a GGUF file or Hugging Face directory (same code as `gdsllm convert`).
+    Convert(convert::ConvertArgs),
+    /// Pull a known model into the model store (same code as `gdsllm pull`).
+    Fetch(convert::FetchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Bindgen(args) => bindgen::run(args),
         Command::Ci(args) => ci::run(args),
+        Command::Convert(args) => convert::run_convert(args),
+        Command::Fetch(args) => convert::run_fetch(args),
     }
 }
