@@ -5,6 +5,7 @@
 
 mod cmd;
 mod progress;
+mod residency_args;
 
 use clap::{Parser, Subcommand};
 
@@ -32,6 +33,8 @@ enum Command {
     Synth(cmd::synth::Args),
     /// Validate a model and re-read every blob against its checksum.
     Verify(cmd::verify::Args),
+    /// Show what stays resident, what streams, bytes per token per tier, predicted tokens/s.
+    Plan(cmd::plan::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::BenchIo(args) => cmd::bench_io::run(args),
         Command::Synth(args) => cmd::synth::run(args),
         Command::Verify(args) => cmd::verify::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -14,16 +14,20 @@ pub enum ResidencyError {
     Layout { file: String, reason: String },
     #[error(
         "device budget too small: {budget} bytes minus {reserved} reserved for KV cache, \
-         activations and margin leaves {available} bytes, but a ring of {slots} staging slots \
-         of {slot_bytes} bytes (the largest streamed blob, {largest_file}) needs {ring_bytes} bytes"
+         activations and margin leaves {available} bytes, but the smallest plan needs \
+         {needed} bytes: a ring of {slots} staging slots of {slot_bytes} bytes (the largest \
+         streamed blob, {largest_file}) = {ring_bytes} bytes, plus {resident_bytes} bytes kept \
+         resident so that the slots need not be larger"
     )]
     BudgetTooSmall {
         budget: u64,
         reserved: u64,
         available: u64,
+        needed: u64,
         slots: usize,
         slot_bytes: u64,
         ring_bytes: u64,
+        resident_bytes: u64,
         largest_file: String,
     },
     #[error(

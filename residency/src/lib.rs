@@ -30,7 +30,9 @@ pub use options::{
     AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
     mem_available, parse_bytes,
 };
-pub use plan::{BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob};
-pub use runtime::{BlobGuard, Residency};
+pub use plan::{
+    BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,
+};
+pub use runtime::{BlobGuard, Residency, plan_inputs};
 pub use source::{BlobSource, HostFileSource, PatternSource};
 pub use stats::{MAX_KEPT_PASSES, PassStats, ResidencyStats};

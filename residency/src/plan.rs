@@ -238,7 +238,7 @@ impl Plan {
                     .checked_div(largest.1)
                     .map_or(layout.order.len(), |s| (s as usize).min(layout.order.len()));
                 if slots == 0 {
-                    return Err(too_small(inputs, available, 1, largest));
+                    return Err(too_small(inputs, available, 1, largest, 0));
                 }
                 (vec![false; layout.blobs.len()], slots)
             }
@@ -370,6 +370,20 @@ impl Plan {
     }
 }
 
+/// Bytes of a K and V cache for `context` tokens at `bytes_per_value` (2 for f16, 4 for f32):
+/// the largest part of what `reserved_bytes` must cover.
+pub fn kv_cache_bytes(
+    config: &weights_format::ModelConfig,
+    context: u64,
+    bytes_per_value: u64,
+) -> u64 {
+    2 * config.n_layers as u64
+        * config.n_kv_heads as u64
+        * config.head_dim as u64
+        * context
+        * bytes_per_value
+}
+
 fn seconds(bytes: u64, gbps: f64) -> f64 {
     if bytes == 0 {
         0.0
@@ -394,14 +408,18 @@ fn too_small(
     available: u64,
     slots: usize,
     largest: (String, u64),
+    resident_bytes: u64,
 ) -> ResidencyError {
+    let ring_bytes = largest.1 * slots as u64;
     ResidencyError::BudgetTooSmall {
         budget: inputs.device_budget,
         reserved: inputs.reserved_bytes,
         available,
+        needed: ring_bytes + resident_bytes,
         slots,
         slot_bytes: largest.1,
-        ring_bytes: largest.1 * slots as u64,
+        ring_bytes,
+        resident_bytes,
         largest_file: largest.0,
     }
 }
@@ -506,11 +524,38 @@ fn choose_resident(
                     available,
                 });
             }
+            // Report the cheapest configuration: some specials kept resident may shrink the
+            // slots enough to need less than streaming everything.
+            let mut cheapest: Option<(u64, Vec<bool>)> = None;
+            for mask in 0..(1usize << specials.len()) {
+                let mut flags = vec![false; layout.blobs.len()];
+                for (i, &b) in specials.iter().enumerate() {
+                    flags[b] = mask & (1 << i) != 0;
+                }
+                let c = cost(&flags);
+                if cheapest.as_ref().is_none_or(|(best, _)| c < *best) {
+                    cheapest = Some((c, flags));
+                }
+            }
+            let flags = cheapest.map(|(_, f)| f).unwrap_or_default();
+            let streamed: Vec<usize> = layout
+                .order
+                .iter()
+                .copied()
+                .filter(|&b| !flags[b])
+                .collect();
+            let resident_bytes = layout
+                .order
+                .iter()
+                .filter(|&&b| flags[b])
+                .map(|&b| layout.blobs[b].length)
+                .sum();
             Err(too_small(
                 inputs,
                 available,
                 k,
-                largest_in(layout, &layout.order),
+                largest_in(layout, &streamed),
+                resident_bytes,
             ))
         }
     }
@@ -677,7 +722,10 @@ mod tests {
         let layout = ModelLayout::synthetic(500, &[100; 4], 10, false);
         let err = Plan::compute(&layout, &inputs(150, 2)).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("150") && text.contains("200"), "{text}");
+        assert!(
+            text.contains("150") && text.contains("needs 200 bytes"),
+            "{text}"
+        );
         let err = Plan::compute(
             &layout,
             &PlanInputs {

@@ -113,24 +113,7 @@ impl Residency {
                 ),
             });
         }
-        let device_budget = match opts.device_budget {
-            Budget::Bytes(b) => b.min(memory.budget()),
-            Budget::Auto => memory.budget(),
-        };
-        let host_budget = match opts.host_cache {
-            HostCache::Off => 0,
-            HostCache::Bytes(b) => b,
-            // On CPU the device tier is RAM too, so it comes off the same share.
-            HostCache::Auto => auto_ram_share("--host-cache auto")?.saturating_sub(device_budget),
-        };
-        let mut inputs = PlanInputs {
-            device_budget,
-            reserved_bytes: opts.reserved_bytes,
-            host_budget,
-            ring_slots: opts.prefetch + 1,
-            resident_layers: opts.resident_layers,
-            policy: opts.policy,
-        };
+        let mut inputs = plan_inputs(opts, Some(memory.budget()))?;
         let (plan, slots, resident) = loop {
             let plan = Plan::compute(&layout, &inputs)?;
             match allocate(&plan, memory.as_ref()) {
@@ -439,6 +422,35 @@ fn allocate(
         }
     }
     Ok((slots, resident))
+}
+
+/// Resolves `auto` budgets into plan inputs. `device_memory` is what the device memory can
+/// hand out (the smaller of it and an explicit budget is used); `None` means host RAM is the
+/// device memory (CPU), whose `auto` is a share of `MemAvailable`.
+pub fn plan_inputs(
+    opts: &ResidencyOptions,
+    device_memory: Option<u64>,
+) -> Result<PlanInputs, ResidencyError> {
+    let device_budget = match (opts.device_budget, device_memory) {
+        (Budget::Bytes(b), Some(limit)) => b.min(limit),
+        (Budget::Bytes(b), None) => b,
+        (Budget::Auto, Some(limit)) => limit,
+        (Budget::Auto, None) => auto_ram_share("--vram-budget auto")?,
+    };
+    let host_budget = match opts.host_cache {
+        HostCache::Off => 0,
+        HostCache::Bytes(b) => b,
+        // On CPU the device tier is RAM too, so it comes off the same share.
+        HostCache::Auto => auto_ram_share("--host-cache auto")?.saturating_sub(device_budget),
+    };
+    Ok(PlanInputs {
+        device_budget,
+        reserved_bytes: opts.reserved_bytes,
+        host_budget,
+        ring_slots: opts.prefetch + 1,
+        resident_layers: opts.resident_layers,
+        policy: opts.policy,
+    })
 }
 
 fn auto_ram_share(setting: &'static str) -> Result<u64, ResidencyError> {

@@ -5,3 +5,4 @@ pub mod bench_io;
 pub mod doctor;
 pub mod synth;
 pub mod verify;
+pub mod plan;
