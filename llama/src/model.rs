@@ -1,6 +1,8 @@
 //! The forward pass, written once over [`Backend`] (llama2.c style: top to bottom, every weight
 //! with its shape, state allocated once).
 
+mod hidden;
+
 use weights_format::{Metadata, names};
 
 use crate::LlamaError;
