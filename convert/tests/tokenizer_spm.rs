@@ -1,0 +1,92 @@
+//! A SentencePiece-style ("llama") GGUF vocabulary becomes a byte-fallback BPE tokenizer whose
+//! merges come from the piece scores.
+
+use gdsllm_convert::gguf::{GgufFile, GgufValue, GgufValueType};
+use gdsllm_convert::gguf_writer::GgufBuilder;
+use gdsllm_convert::tokenizer::tokenizer_json_from_gguf;
+use tokenizers::Tokenizer;
+
+#[test]
+fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
+    // (piece, score, type): 1 normal, 2 unknown, 3 control, 6 byte.
+    let mut vocab: Vec<(String, f32, i32)> = vec![
+        ("<unk>".into(), 0.0, 2),
+        ("<s>".into(), 0.0, 3),
+        ("</s>".into(), 0.0, 3),
+    ];
+    vocab.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>"), 0.0, 6)));
+    for (piece, score) in [
+        ("ll", -1.0),
+        ("\u{2581}h", -2.0),
+        ("\u{2581}he", -3.0),
+        ("llo", -4.0),
+        ("\u{2581}hello", -5.0),
+        ("or", -6.0),
+        ("\u{2581}w", -7.0),
+        ("\u{2581}wor", -8.0),
+        ("ld", -9.0),
+        ("\u{2581}world", -10.0),
+    ] {
+        vocab.push((piece.into(), score, 1));
+    }
+    for c in ["\u{2581}", "h", "e", "l", "o", "w", "r", "d"] {
+        vocab.push((c.into(), -100.0, 1));
+    }
+    let id = |p: &str| vocab.iter().position(|v| v.0 == p).unwrap() as u32;
+    let mut b = GgufBuilder::new();
+    b.kv("tokenizer.ggml.model", GgufValue::String("llama".into()))
+        .kv(
+            "tokenizer.ggml.tokens",
+            GgufValue::Array(
+                GgufValueType::String,
+                vocab
+                    .iter()
+                    .map(|v| GgufValue::String(v.0.clone()))
+                    .collect(),
+            ),
+        )
+        .kv(
+            "tokenizer.ggml.scores",
+            GgufValue::Array(
+                GgufValueType::F32,
+                vocab.iter().map(|v| GgufValue::F32(v.1)).collect(),
+            ),
+        )
+        .kv(
+            "tokenizer.ggml.token_type",
+            GgufValue::Array(
+                GgufValueType::I32,
+                vocab.iter().map(|v| GgufValue::I32(v.2)).collect(),
+            ),
+        );
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("spm.gguf");
+    b.write_to(&path).unwrap();
+    let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let tokenizer: Tokenizer = json.parse().unwrap();
+
+    let enc = tokenizer.encode("hello world", false).unwrap();
+    assert_eq!(
+        enc.get_ids(),
+        &[id("\u{2581}hello"), id("\u{2581}world")],
+        "{:?}",
+        enc.get_tokens()
+    );
+    // "ü" is not a piece: UTF-8 bytes C3 BC.
+    let enc = tokenizer.encode("hello ü", false).unwrap();
+    assert_eq!(
+        enc.get_ids(),
+        &[
+            id("\u{2581}hello"),
+            id("\u{2581}"),
+            id("<0xC3>"),
+            id("<0xBC>")
+        ],
+        "{:?}",
+        enc.get_tokens()
+    );
+    assert_eq!(tokenizer.decode(enc.get_ids(), false).unwrap(), "hello ü");
+    // Control tokens are special added tokens, matched whole.
+    let enc = tokenizer.encode("<s>hello", false).unwrap();
+    assert_eq!(enc.get_ids()[0], id("<s>"));
+}
