@@ -35,6 +35,10 @@ enum Command {
     Verify(cmd::verify::Args),
     /// Show what stays resident, what streams, bytes per token per tier, predicted tokens/s.
     Plan(cmd::plan::Args),
+    /// Generate text from a prompt (-p), or chat interactively, on the CPU backend.
+    Run(cmd::run::Args),
+    /// Prompt-processing and generation tokens/s and load GB/s (like llama-bench).
+    Bench(cmd::bench::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -54,6 +58,8 @@ fn main() -> std::process::ExitCode {
         Command::Synth(args) => cmd::synth::run(args),
         Command::Verify(args) => cmd::verify::run(args),
         Command::Plan(args) => cmd::plan::run(args),
+        Command::Run(args) => cmd::run::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -81,6 +81,13 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         &self.model
     }
 
+    /// The model itself (benchmarks drive `forward` directly); call [`Session::reset`] before
+    /// generating again.
+    pub fn model_mut(&mut self) -> &mut Llama<B, W> {
+        self.cached.clear();
+        &mut self.model
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

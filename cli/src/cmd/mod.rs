@@ -6,3 +6,5 @@ pub mod doctor;
 pub mod synth;
 pub mod verify;
 pub mod plan;
+pub mod run;
+pub mod bench;

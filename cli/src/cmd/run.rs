@@ -1,0 +1,332 @@
+//! `gdsllm run`: generate text from a prompt (raw completion) or chat interactively, on the
+//! CPU backend with weights streamed through residency.
+
+use std::io::{BufRead, Write};
+
+use anyhow::{Context, bail};
+use llama::{Backend, CpuModel, GenerateOptions, Generation, Message, SamplerConfig};
+use serde_json::json;
+use weights_format::Model;
+
+use crate::residency_args::ResidencyArgs;
+
+/// Generate text. With -p: a raw completion of the prompt, exactly as written (no chat
+/// template, no BOS unless the model asks for one), streamed to stdout. Without -p: an
+/// interactive chat using the model's chat template (`/bye` quits, `/set temp 0.2` changes a
+/// setting, `"""` starts and ends a multi-line message).
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model directory, or the name of a model in the store; default: smollm2 (pulled on
+    /// first use).
+    #[arg(short, long)]
+    pub model: Option<String>,
+    /// The prompt for a raw completion; without it, start an interactive chat.
+    #[arg(short, long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate at most (per reply in chat).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    pub n_predict: usize,
+    /// Context size in tokens (KV cache positions); 0: the model's full context length.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Sampling temperature; 0 is greedy (always the most likely token).
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Sample only from the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Sample only from the smallest set of tokens whose probability reaches P (1: all).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than M times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalise the last 64 tokens by this factor (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed; the same seed and settings give the same text (default: from the clock).
+    #[arg(short, long)]
+    pub seed: Option<u64>,
+    /// System message for the chat (ignored with -p).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Stop when the text contains this string (repeatable; the string is not printed).
+    #[arg(long = "stop", value_name = "TEXT")]
+    pub stop: Vec<String>,
+    /// Print one JSON object instead of streaming text: prompt_tokens, tokens, text,
+    /// finish_reason, timings {load_s, prompt_tok_per_s, gen_tok_per_s}, io {backend,
+    /// bytes_read, gb_per_s}, residency (statistics). Needs -p.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub residency: ResidencyArgs,
+}
+
+impl Args {
+    fn sampler(&self) -> SamplerConfig {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: 64,
+            seed,
+        }
+    }
+}
+
+/// Finds the model directory: `-m` (a path or a store name), else the default model.
+pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
+    match model {
+        Some(spec) => {
+            gdsllm_convert::resolve_model(spec).with_context(|| format!("finding model {spec:?}"))
+        }
+        None => gdsllm_convert::ensure_default_model().context("getting the default model smollm2"),
+    }
+}
+
+/// Opens the model on the CPU backend with residency options for its KV cache.
+pub fn open_model(
+    model: Option<&str>,
+    residency: &ResidencyArgs,
+    ctx_size: usize,
+) -> anyhow::Result<CpuModel> {
+    let dir = model_dir(model)?;
+    let config = Model::open(&dir)
+        .with_context(|| format!("{}: invalid model", dir.display()))?
+        .config()
+        .clone();
+    let context = if ctx_size == 0 {
+        config.context_length as usize
+    } else {
+        ctx_size
+    };
+    let reserved = residency::kv_cache_bytes(&config, context as u64, 4);
+    let options = residency.options(reserved);
+    llama::load_cpu(&dir, &options, context).with_context(|| format!("loading {}", dir.display()))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.json && args.prompt.is_none() {
+        bail!("--json needs -p PROMPT (the interactive chat has no single result to print)");
+    }
+    let mut model = open_model(args.model.as_deref(), &args.residency, args.ctx_size)?;
+    tracing::info!(
+        "loaded in {:.2} s, context {} tokens, backend {}",
+        model.load_seconds,
+        model.session.model().context(),
+        model.session.model().backend().name()
+    );
+    let options = GenerateOptions {
+        max_tokens: args.n_predict,
+        sampler: args.sampler(),
+        stop: args.stop.clone(),
+    };
+    match &args.prompt {
+        Some(prompt) => complete(&mut model, prompt, &options, args.json),
+        None => chat(&mut model, options, args.system.as_deref()),
+    }
+}
+
+fn complete(
+    model: &mut CpuModel,
+    prompt: &str,
+    options: &GenerateOptions,
+    json: bool,
+) -> anyhow::Result<()> {
+    let ids = model.session.encode_prompt(prompt)?;
+    let mut stdout = std::io::stdout().lock();
+    let generation = if json {
+        model.session.generate(&ids, options, |_| {})?
+    } else {
+        let g = model.session.generate(&ids, options, |piece| {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        })?;
+        writeln!(stdout)?;
+        g
+    };
+    report(model, &generation, json)
+}
+
+fn report(model: &CpuModel, g: &Generation, json: bool) -> anyhow::Result<()> {
+    let stats = model.session.model().weights().stats();
+    let bytes_read = stats.total.disk_bytes + stats.total.on_demand_bytes;
+    let gb_per_s = if stats.total.io_busy_s > 0.0 {
+        bytes_read as f64 / stats.total.io_busy_s / 1e9
+    } else {
+        0.0
+    };
+    if json {
+        let out = json!({
+            "prompt_tokens": g.prompt_tokens,
+            "tokens": g.tokens,
+            "text": g.text,
+            "finish_reason": g.finish_reason,
+            "timings": {
+                "load_s": model.load_seconds,
+                "prompt_tok_per_s": g.prompt_tokens_per_second(),
+                "gen_tok_per_s": g.generation_tokens_per_second(),
+            },
+            "io": { "backend": "host", "bytes_read": bytes_read, "gb_per_s": gb_per_s },
+            "residency": stats,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        tracing::info!(
+            "prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.1} tok/s ({:?}); read {:.1} MB at {:.2} GB/s",
+            g.prompt_tokens.len(),
+            g.prompt_tokens_per_second(),
+            g.tokens.len(),
+            g.generation_tokens_per_second(),
+            g.finish_reason,
+            bytes_read as f64 / 1e6,
+            gb_per_s
+        );
+    }
+    Ok(())
+}
+
+/// Reads one user message: a line, or several between `"""` lines. `None` at end of input.
+fn read_message(input: &mut impl BufRead) -> anyhow::Result<Option<String>> {
+    let mut line = String::new();
+    if input.read_line(&mut line)? == 0 {
+        return Ok(None);
+    }
+    let trimmed = line.trim_end_matches(['\n', '\r']);
+    let Some(first) = trimmed.strip_prefix("\"\"\"") else {
+        return Ok(Some(trimmed.to_string()));
+    };
+    if let Some(one) = first.strip_suffix("\"\"\"") {
+        return Ok(Some(one.to_string()));
+    }
+    let mut text = first.to_string();
+    loop {
+        line.clear();
+        if input.read_line(&mut line)? == 0 {
+            return Ok(Some(text));
+        }
+        let l = line.trim_end_matches(['\n', '\r']);
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        if let Some(last) = l.strip_suffix("\"\"\"") {
+            text.push_str(last);
+            return Ok(Some(text));
+        }
+        text.push_str(l);
+    }
+}
+
+/// Applies `/set NAME VALUE` to the sampling settings.
+fn set(options: &mut GenerateOptions, name: &str, value: &str) -> anyhow::Result<()> {
+    let s = &mut options.sampler;
+    let f = || {
+        value
+            .parse::<f32>()
+            .with_context(|| format!("{value:?} is not a number"))
+    };
+    match name {
+        "temp" | "temperature" => s.temperature = f()?,
+        "top-k" | "top_k" => {
+            s.top_k = value
+                .parse()
+                .with_context(|| format!("{value:?} is not a count"))?
+        }
+        "top-p" | "top_p" => s.top_p = f()?,
+        "min-p" | "min_p" => s.min_p = f()?,
+        "repeat-penalty" | "repeat_penalty" => s.repeat_penalty = f()?,
+        "seed" => {
+            s.seed = value
+                .parse()
+                .with_context(|| format!("{value:?} is not a seed"))?
+        }
+        "n" | "n-predict" => {
+            options.max_tokens = value
+                .parse()
+                .with_context(|| format!("{value:?} is not a count"))?
+        }
+        _ => bail!(
+            "unknown setting {name:?} (temp, top-k, top-p, min-p, repeat-penalty, seed, n-predict)"
+        ),
+    }
+    s.validate()?;
+    Ok(())
+}
+
+fn chat(
+    model: &mut CpuModel,
+    mut options: GenerateOptions,
+    system: Option<&str>,
+) -> anyhow::Result<()> {
+    if model.chat_template.is_none() {
+        bail!("this model has no chat template; use -p for a raw completion");
+    }
+    let mut messages: Vec<Message> = system
+        .map(|s| Message::new("system", s))
+        .into_iter()
+        .collect();
+    let stdin = std::io::stdin();
+    let mut input = stdin.lock();
+    let mut stdout = std::io::stdout();
+    eprintln!("chat: /bye to quit, /set temp 0.2 to change a setting, \"\"\" for multi-line input");
+    loop {
+        print!(">>> ");
+        stdout.flush()?;
+        let Some(text) = read_message(&mut input)? else {
+            break;
+        };
+        let cmd = text.trim();
+        if cmd.is_empty() {
+            continue;
+        }
+        if cmd == "/bye" {
+            break;
+        }
+        if let Some(rest) = cmd.strip_prefix("/set") {
+            let parts: Vec<&str> = rest.split_whitespace().collect();
+            match parts.as_slice() {
+                [name, value] => match set(&mut options, name, value) {
+                    Ok(()) => eprintln!("set {name} = {value}"),
+                    Err(e) => eprintln!("error: {e:#}"),
+                },
+                _ => eprintln!("usage: /set NAME VALUE"),
+            }
+            continue;
+        }
+        if cmd.starts_with('/') {
+            eprintln!("unknown command {cmd:?} (/bye, /set)");
+            continue;
+        }
+        messages.push(Message::new("user", text));
+        let ids = model.encode_chat(&messages)?;
+        let g = model.session.generate(&ids, &options, |piece| {
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+        });
+        let g = match g {
+            Ok(g) => g,
+            Err(e) => {
+                messages.pop();
+                eprintln!("error: {e:#}");
+                continue;
+            }
+        };
+        println!();
+        messages.push(Message::new("assistant", g.text.clone()));
+        tracing::debug!(
+            "{} tokens at {:.1} tok/s ({:?})",
+            g.tokens.len(),
+            g.generation_tokens_per_second(),
+            g.finish_reason
+        );
+    }
+    Ok(())
+}
