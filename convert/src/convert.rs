@@ -355,7 +355,11 @@ pub fn unpermute_rows(
 ) -> Result<(), String> {
     let rows = shape.first().copied().unwrap_or(0) as usize;
     let n_heads = n_heads as usize;
-    if rows == 0 || n_heads == 0 || rows % (2 * n_heads) != 0 || data.len() % rows != 0 {
+    if rows == 0
+        || n_heads == 0
+        || !rows.is_multiple_of(2 * n_heads)
+        || !data.len().is_multiple_of(rows)
+    {
         return Err(format!(
             "{rows} rows cannot be split into {n_heads} heads of two rotary halves"
         ));
@@ -388,7 +392,7 @@ fn reencode(
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     let cols = shape.last().copied().unwrap_or(1) as usize;
-    if cols % to.block_len() != 0 {
+    if !cols.is_multiple_of(to.block_len()) {
         return Err(format!(
             "rows of {cols} values cannot be stored as {to} ({}-value blocks)",
             to.block_len()
