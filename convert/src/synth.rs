@@ -205,6 +205,8 @@ struct TensorPlan {
     spec: TensorSpec,
     dtype: DType,
     std: f32,
+    /// Index into the scaled tables built by `synth` (one per distinct dtype and std).
+    table: usize,
 }
 
 fn norm_dtype(dtype: DType) -> DType {
@@ -239,6 +241,7 @@ fn plan(opts: &SynthOptions) -> (Vec<String>, Vec<TensorPlan>) {
                 spec,
                 dtype,
                 std,
+                table: 0,
             });
         }
     }
@@ -285,7 +288,7 @@ pub fn synth(
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let table = NormalTable::new();
+    let (tensors, tables) = scaled_tables(tensors);
 
     let mut writer = ModelWriter::create(out)?;
     let written = std::thread::scope(|s| -> Result<u64, SynthError> {
@@ -296,11 +299,11 @@ pub fn synth(
             let (back_tx, back_rx) = mpsc::channel::<Vec<u8>>();
             results.push(rx);
             recycle.push(back_tx);
-            let (jobs, tensors, table) = (&jobs, &tensors, &table);
+            let (jobs, tensors, tables) = (&jobs, &tensors, &tables);
             s.spawn(move || {
                 for job in jobs.iter().skip(worker).step_by(threads) {
                     let mut buf = back_rx.try_recv().unwrap_or_default();
-                    generate(&tensors[job.spec_index], job, table, &mut buf);
+                    generate(&tensors[job.spec_index], job, tables, &mut buf);
                     if tx.send(buf).is_err() {
                         return; // the writer stopped on an error
                     }
@@ -374,6 +377,28 @@ pub fn synth(
     })
 }
 
+/// Builds one scaled table per distinct (dtype, std) of the random tensors.
+fn scaled_tables(mut tensors: Vec<TensorPlan>) -> (Vec<TensorPlan>, Vec<ScaledTable>) {
+    let normal = NormalTable::new();
+    let mut keys: Vec<(DType, u32)> = Vec::new();
+    let mut tables = Vec::new();
+    for t in tensors
+        .iter_mut()
+        .filter(|t| t.spec.role == TensorRole::Matrix)
+    {
+        let key = (t.dtype, t.std.to_bits());
+        t.table = match keys.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                keys.push(key);
+                tables.push(ScaledTable::new(&normal, t.dtype, t.std));
+                tables.len() - 1
+            }
+        };
+    }
+    (tensors, tables)
+}
+
 /// Splits every tensor into chunks of whole rows, in write order, each with its own seed.
 fn jobs(seed: u64, tensors: &[TensorPlan]) -> Vec<Job> {
     let mut jobs = Vec::new();
@@ -402,7 +427,7 @@ fn splitmix(mut z: u64) -> u64 {
 }
 
 /// Fills `buf` with the bytes of `job`'s rows.
-fn generate(t: &TensorPlan, job: &Job, table: &NormalTable, buf: &mut Vec<u8>) {
+fn generate(t: &TensorPlan, job: &Job, tables: &[ScaledTable], buf: &mut Vec<u8>) {
     let cols = *t.spec.shape.last().expect("tensors have a shape") as usize;
     let n_rows = (job.rows.end - job.rows.start) as usize;
     let n = n_rows * cols;
@@ -419,56 +444,142 @@ fn generate(t: &TensorPlan, job: &Job, table: &NormalTable, buf: &mut Vec<u8>) {
         return;
     }
     let mut rng = Xoshiro256PlusPlus::seed_from_u64(job.seed);
-    match t.dtype {
-        DType::F32 => {
-            let scaled: Vec<[u8; 4]> = table
-                .values
-                .iter()
-                .map(|v| (v * t.std).to_le_bytes())
-                .collect();
-            buf.reserve(n * 4);
-            for_each_index(&mut rng, n, |i| buf.extend_from_slice(&scaled[i]));
+    match &tables[t.table] {
+        ScaledTable::Bytes4(table) => {
+            buf.resize(n * 4, 0);
+            fill_from_table(&mut rng, buf, table);
         }
-        DType::F16 | DType::Bf16 => {
-            let scaled: Vec<[u8; 2]> = table
-                .values
-                .iter()
-                .map(|v| match t.dtype {
-                    DType::F16 => half::f16::from_f32(v * t.std).to_le_bytes(),
-                    _ => half::bf16::from_f32(v * t.std).to_le_bytes(),
-                })
-                .collect();
-            buf.reserve(n * 2);
-            for_each_index(&mut rng, n, |i| buf.extend_from_slice(&scaled[i]));
+        ScaledTable::Bytes2(table) => {
+            buf.resize(n * 2, 0);
+            fill_from_table(&mut rng, buf, table);
         }
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-            let scaled: Vec<f32> = table.values.iter().map(|v| v * t.std).collect();
-            let mut row = Vec::with_capacity(cols);
-            for _ in 0..n_rows {
-                row.clear();
-                for_each_index(&mut rng, cols, |i| row.push(scaled[i]));
-                quant::quantize(t.dtype, &row, buf).expect("checked: rows are whole blocks");
+        ScaledTable::Floats(scaled) => {
+            buf.reserve(n / 32 * t.dtype.block_bytes());
+            let mut block = [0f32; 32];
+            for _ in 0..n / 32 {
+                for quad in block.chunks_exact_mut(4) {
+                    let x = rng.next_u64();
+                    for (k, v) in quad.iter_mut().enumerate() {
+                        *v = scaled[((x >> (16 * k)) & 0xFFFF) as usize];
+                    }
+                }
+                quantize_block(t.dtype, &block, buf);
             }
         }
     }
 }
 
-/// Calls `f` with `n` uniform 16-bit indices, four per 64-bit draw.
-fn for_each_index(rng: &mut Xoshiro256PlusPlus, n: usize, mut f: impl FnMut(usize)) {
-    let mut left = n;
-    while left >= 4 {
-        let x = rng.next_u64();
-        f((x & 0xFFFF) as usize);
-        f(((x >> 16) & 0xFFFF) as usize);
-        f(((x >> 32) & 0xFFFF) as usize);
-        f((x >> 48) as usize);
-        left -= 4;
-    }
-    if left > 0 {
-        let x = rng.next_u64();
-        for k in 0..left {
-            f(((x >> (16 * k)) & 0xFFFF) as usize);
+/// The normal table scaled to one tensor's std and encoded in its dtype, so that generating
+/// a value is one lookup (plus a block quantization for quantized types).
+enum ScaledTable {
+    Bytes4(Vec<[u8; 4]>),
+    Bytes2(Vec<[u8; 2]>),
+    Floats(Vec<f32>),
+}
+
+impl ScaledTable {
+    fn new(normal: &NormalTable, dtype: DType, std: f32) -> ScaledTable {
+        let scaled = normal.values.iter().map(|v| v * std);
+        match dtype {
+            DType::F32 => ScaledTable::Bytes4(scaled.map(f32::to_le_bytes).collect()),
+            DType::F16 => ScaledTable::Bytes2(
+                scaled
+                    .map(|v| half::f16::from_f32(v).to_le_bytes())
+                    .collect(),
+            ),
+            DType::Bf16 => ScaledTable::Bytes2(
+                scaled
+                    .map(|v| half::bf16::from_f32(v).to_le_bytes())
+                    .collect(),
+            ),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => ScaledTable::Floats(scaled.collect()),
         }
+    }
+}
+
+/// Fills `out` with table entries picked by uniform 16-bit indices, four per 64-bit draw.
+fn fill_from_table<const W: usize>(
+    rng: &mut Xoshiro256PlusPlus,
+    out: &mut [u8],
+    table: &[[u8; W]],
+) {
+    let pick = |x: u64, k: usize| &table[((x >> (16 * k)) & 0xFFFF) as usize];
+    let mut quads = out.chunks_exact_mut(4 * W);
+    for quad in &mut quads {
+        let x = rng.next_u64();
+        for (k, value) in quad.chunks_exact_mut(W).enumerate() {
+            value.copy_from_slice(pick(x, k));
+        }
+    }
+    let rest = quads.into_remainder();
+    if !rest.is_empty() {
+        let x = rng.next_u64();
+        for (k, value) in rest.chunks_exact_mut(W).enumerate() {
+            value.copy_from_slice(pick(x, k));
+        }
+    }
+}
+
+/// llama.cpp's reference quantizers for one block, as in `weights_format::quant::quantize`
+/// and bit-identical to it (tested), but on a fixed-size block and without calls to `roundf`,
+/// which make the generic version the bottleneck of quantized synth.
+fn quantize_block(dtype: DType, x: &[f32; 32], out: &mut Vec<u8>) {
+    let mut b = [0u8; 34];
+    let len = match dtype {
+        DType::Q8_0 => {
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            for (q, v) in b[2..].iter_mut().zip(x) {
+                *q = round_half_away(v * id) as i8 as u8;
+            }
+            34
+        }
+        DType::Q4_0 => {
+            let max = x
+                .iter()
+                .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            let d = max / -8.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            for j in 0..16 {
+                let q0 = ((x[j] * id + 8.5) as i32).min(15) as u8;
+                let q1 = ((x[j + 16] * id + 8.5) as i32).min(15) as u8;
+                b[2 + j] = q0 | (q1 << 4);
+            }
+            18
+        }
+        DType::Q4_1 => {
+            let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let d = (max - min) / 15.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+            b[2..4].copy_from_slice(&half::f16::from_f32(min).to_le_bytes());
+            for j in 0..16 {
+                let q0 = (((x[j] - min) * id + 0.5) as i32).min(15) as u8;
+                let q1 = (((x[j + 16] - min) * id + 0.5) as i32).min(15) as u8;
+                b[4 + j] = q0 | (q1 << 4);
+            }
+            20
+        }
+        DType::F32 | DType::F16 | DType::Bf16 => unreachable!("only called for quantized types"),
+    };
+    out.extend_from_slice(&b[..len]);
+}
+
+/// `f32::round` (half away from zero) for |v| < 2^31, without a libm call: `v - trunc(v)` is
+/// exact in floating point, so comparing it with ½ decides exactly as `round` does.
+fn round_half_away(v: f32) -> i32 {
+    let t = v as i32;
+    let frac = v - t as f32;
+    if frac >= 0.5 {
+        t + 1
+    } else if frac <= -0.5 {
+        t - 1
+    } else {
+        t
     }
 }
 
@@ -777,6 +888,45 @@ mod tests {
         opts.shape.vocab_size = 100;
         assert!(synth(&tmp.path().join("m"), &opts, &mut |_| {}).is_err());
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn fast_block_quantizer_is_bit_identical_to_the_reference() {
+        let table = NormalTable::new();
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
+        let mut blocks: Vec<[f32; 32]> = (0..2000)
+            .map(|_| std::array::from_fn(|_| table.values[(rng.next_u64() & 0xFFFF) as usize]))
+            .collect();
+        // Edge cases: all zero, halves that round away from zero, one dominant value each sign.
+        blocks.push([0.0; 32]);
+        blocks.push(std::array::from_fn(|j| (j as f32 - 15.5) * 0.5));
+        blocks.push(std::array::from_fn(|j| {
+            if j == 3 { -5.0 } else { 0.01 * j as f32 }
+        }));
+        blocks.push(std::array::from_fn(|j| {
+            if j == 30 { 5.0 } else { -0.01 * j as f32 }
+        }));
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            for block in &blocks {
+                let (mut fast, mut reference) = (Vec::new(), Vec::new());
+                quantize_block(dtype, block, &mut fast);
+                quant::quantize(dtype, block, &mut reference).unwrap();
+                assert_eq!(fast, reference, "{dtype} {block:?}");
+            }
+        }
+        for v in [
+            0.5f32,
+            -0.5,
+            1.5,
+            -2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            3.0,
+            -0.0,
+        ] {
+            assert_eq!(round_half_away(v), v.round() as i32, "{v}");
+        }
     }
 
     #[test]
