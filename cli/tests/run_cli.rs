@@ -1,0 +1,122 @@
+//! `gdsllm run` and `gdsllm bench` end to end on the real SmolLM2 model.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn model_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
+        return Some(PathBuf::from(dir));
+    }
+    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
+        return None;
+    }
+    panic!(
+        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
+         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
+    );
+}
+
+fn golden() -> serde_json::Value {
+    let path = std::env::var_os("GDSLLM_GOLDEN").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/smollm2-golden.json")
+    });
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+fn gdsllm() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gdsllm"))
+}
+
+#[test]
+fn run_json_greedy_matches_reference_and_reports_timings_io_residency() {
+    let Some(dir) = model_dir() else { return };
+    let case = &golden()["prompts"][0];
+    let out = gdsllm()
+        .args(["run", "-m"])
+        .arg(&dir)
+        .args(["-p", case["prompt"].as_str().unwrap(), "--temp", "0", "-n", "8", "-c", "64", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["prompt_tokens"], case["input_ids"]);
+    let want: Vec<_> = case["greedy_ids"].as_array().unwrap()[..8].to_vec();
+    assert_eq!(v["tokens"].as_array().unwrap(), &want);
+    assert!(v["text"].as_str().unwrap().starts_with(" Paris."), "{}", v["text"]);
+    assert!(v["timings"]["gen_tok_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["timings"]["load_s"].as_f64().is_some());
+    assert_eq!(v["io"]["backend"], "host");
+    assert!(v["io"]["bytes_read"].as_u64().unwrap() > 0);
+    assert!(v["residency"]["passes_completed"].as_u64().unwrap() >= 8);
+}
+
+#[test]
+fn run_streams_text_to_stdout_and_same_seed_repeats() {
+    let Some(dir) = model_dir() else { return };
+    let run = |seed: &str| {
+        let out = gdsllm()
+            .args(["run", "-m"])
+            .arg(&dir)
+            .args(["-p", "Once upon a time", "-n", "16", "-c", "64", "--temp", "1", "--seed", seed])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let a = run("5");
+    assert!(!a.trim().is_empty());
+    assert_eq!(a, run("5"));
+    assert_ne!(a, run("6"));
+}
+
+#[test]
+fn prompt_longer_than_context_fails_naming_both_numbers() {
+    let Some(dir) = model_dir() else { return };
+    let out = gdsllm()
+        .args(["run", "-m"])
+        .arg(&dir)
+        .args(["-p", "one two three four five six seven eight nine ten", "-c", "4", "--temp", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the prompt has 10 tokens but the context holds 4"), "{err}");
+}
+
+#[test]
+fn chat_reads_stdin_until_bye() {
+    let Some(dir) = model_dir() else { return };
+    use std::io::Write;
+    let mut child = gdsllm()
+        .args(["run", "-m"])
+        .arg(&dir)
+        .args(["--temp", "0", "-n", "16", "-c", "256"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"/set temp 0\nWhat is 2+2?\n/bye\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains(">>> "), "{text}");
+    assert!(text.contains("The answer to this classic math problem is 4."), "{text}");
+}
+
+#[test]
+fn bench_json_reports_pp_tg_and_load() {
+    let Some(dir) = model_dir() else { return };
+    let out = gdsllm()
+        .args(["bench", "-m"])
+        .arg(&dir)
+        .args(["-p", "16", "-n", "4", "-r", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["pp"]["mean"].as_f64().unwrap() > 0.0);
+    assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);
+    assert!(v["load"]["bytes"].as_u64().unwrap() > 0);
+}
