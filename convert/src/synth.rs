@@ -16,7 +16,7 @@ use std::time::Instant;
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{Rng, SeedableRng};
 use weights_format::layout::{self, TensorRole, TensorSpec};
-use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter, quant};
+use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter};
 
 /// Rows are grouped into chunks of about this many output bytes (at least one row).
 const CHUNK_BYTES: u64 = 4 << 20;
@@ -733,6 +733,7 @@ pub fn tokenizer_json(vocab: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use weights_format::quant;
 
     fn tiny(dtype: DType, tied: bool) -> SynthOptions {
         SynthOptions {
