@@ -39,6 +39,8 @@ enum Command {
     Run(cmd::run::Args),
     /// Prompt-processing and generation tokens/s and load GB/s (like llama-bench).
     Bench(cmd::bench::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat, completions, embeddings).
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -60,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Command::Plan(args) => cmd::plan::run(args),
         Command::Run(args) => cmd::run::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -9,6 +9,7 @@
 
 pub mod engine;
 mod error;
+pub mod llama_engine;
 pub mod metrics;
 pub mod params;
 mod routes;
@@ -21,4 +22,5 @@ pub use engine::{
     GenerationRequest, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
+pub use llama_engine::{CpuEngine, LlamaEngine, open_cpu};
 pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};

@@ -8,3 +8,4 @@ pub mod verify;
 pub mod plan;
 pub mod run;
 pub mod bench;
+pub mod serve;

@@ -1,0 +1,192 @@
+//! `gdsllm serve`: the OpenAI-compatible HTTP server (`gdsllm-server`) over the CPU model.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use gdsllm_server::{Server, ServerConfig};
+use weights_format::Model;
+
+use crate::residency_args::ResidencyArgs;
+
+/// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+/// /v1/embeddings, /v1/models, plus /health and /metrics (Prometheus). The server listens at
+/// once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
+/// the bound address (`http://HOST:PORT`, or a JSON object with --json); logs go to stderr.
+/// SIGINT/SIGTERM stop accepting requests and let in-flight ones finish (see
+/// --shutdown-grace). Every flag can also be set through the environment variable shown.
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model directory, or the name of a model in the store; default: smollm2 (pulled on
+    /// first use).
+    #[arg(short, long, env = "GDSLLM_MODEL")]
+    pub model: Option<String>,
+    /// Address to listen on; 0.0.0.0 listens on every interface.
+    #[arg(long, env = "GDSLLM_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (the first line on stdout says which).
+    #[arg(long, env = "GDSLLM_PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (repeatable; the variable takes a
+    /// comma-separated list). /health and /metrics stay open. Keys are never logged.
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "GDSLLM_API_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// Read more API keys from a file: one per line, `#` starts a comment.
+    #[arg(long, value_name = "FILE", env = "GDSLLM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Another name the model answers to in requests and lists in /v1/models (repeatable;
+    /// e.g. `gpt-4o-mini` for clients that insist on a name).
+    #[arg(
+        long = "alias",
+        value_name = "NAME",
+        env = "GDSLLM_ALIAS",
+        value_delimiter = ','
+    )]
+    pub aliases: Vec<String>,
+    /// System message inserted at the start of every chat request that has none.
+    #[arg(long, value_name = "TEXT", env = "GDSLLM_SYSTEM_PROMPT")]
+    pub system_prompt: Option<String>,
+    /// Most sequences decoded together. Batched decoding is not implemented yet: requests
+    /// queue and run one at a time in arrival order; this will be the batch limit.
+    #[arg(long, value_name = "N", env = "GDSLLM_MAX_BATCH", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub max_batch: u64,
+    /// Context size in tokens per sequence (prompt + reply); 0: the model's full context.
+    /// Longer prompts get a 400 that gives both numbers.
+    #[arg(
+        short = 'c',
+        long = "ctx-size",
+        env = "GDSLLM_CTX_SIZE",
+        default_value_t = 4096
+    )]
+    pub ctx_size: usize,
+    /// Largest request body accepted (413 above it), e.g. 4MiB.
+    #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = parse_size)]
+    pub body_limit: u64,
+    /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_SHUTDOWN_GRACE",
+        default_value_t = 30
+    )]
+    pub shutdown_grace: u64,
+    /// Print the bound address as JSON: {"address": "HOST:PORT", "url": "http://HOST:PORT"}.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub residency: ResidencyArgs,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    residency::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let mut api_keys = args.api_keys.clone();
+    if let Some(path) = &args.api_key_file {
+        api_keys.extend(gdsllm_server::load_api_key_file(path)?);
+    }
+    api_keys.retain(|k| !k.trim().is_empty());
+    let config = ServerConfig {
+        api_keys,
+        aliases: args.aliases.clone(),
+        system_prompt: args.system_prompt.clone(),
+        max_batch: args.max_batch as usize,
+        body_limit: usize::try_from(args.body_limit).context("--body-limit is too large")?,
+        shutdown_grace: Duration::from_secs(args.shutdown_grace),
+    };
+    // Resolve the model before listening, so that a wrong -m fails at once.
+    let dir = super::run::model_dir(args.model.as_deref())?;
+    let model_config = Model::open(&dir)
+        .with_context(|| format!("{}: invalid model", dir.display()))?
+        .config()
+        .clone();
+    let context = if args.ctx_size == 0 {
+        model_config.context_length as usize
+    } else {
+        args.ctx_size
+    };
+    if context > model_config.context_length as usize {
+        bail!(
+            "--ctx-size {context} is larger than the model's context length {}",
+            model_config.context_length
+        );
+    }
+    let reserved = residency::kv_cache_bytes(&model_config, context as u64, 4);
+    let options = args.residency.options(reserved);
+    let model_id = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("gdsllm-http")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let bound: SocketAddr = listener.local_addr()?;
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({"address": bound.to_string(), "url": format!("http://{bound}")})
+            );
+        } else {
+            println!("http://{bound}");
+        }
+        tracing::info!(
+            address = %bound,
+            model = %dir.display(),
+            context,
+            keys = config.api_keys.len(),
+            "listening; loading the model"
+        );
+        let server = Server::new(config);
+        let loader = server.clone();
+        let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            match gdsllm_server::open_cpu(&dir, model_id, &options, context) {
+                Ok(engine) => {
+                    tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
+                    loader.set_engine(Arc::new(engine));
+                }
+                Err(err) => {
+                    tracing::error!("loading {}: {err}", dir.display());
+                    let message = format!("{}: {err}", dir.display());
+                    loader.set_load_failed(message.clone());
+                    let _ = load_failed_tx.send(message);
+                }
+            }
+        });
+        // A model that cannot load ends the server with an error instead of answering 503
+        // forever.
+        let failure = Arc::new(std::sync::Mutex::new(None));
+        let failure_seen = failure.clone();
+        let stop = async move {
+            tokio::select! {
+                _ = gdsllm_server::shutdown_signal() => {}
+                Ok(message) = load_failed => {
+                    *failure_seen.lock().expect("not poisoned") = Some(message);
+                }
+            }
+        };
+        server.serve(listener, stop).await.context("serving")?;
+        if let Some(message) = failure.lock().expect("not poisoned").take() {
+            bail!("loading the model failed: {message}");
+        }
+        Ok(())
+    })
+}
