@@ -272,8 +272,30 @@ pub trait DeviceReader: Send + Sync {
         stream: &Arc<CudaStream>,
     ) -> Result<ReadTicket, GdsError>;
 
+    /// Performs several reads, returning once all of them are in device memory. Backends that
+    /// can keep the disk queue deep across reads (bounce, cufile) queue every request of every
+    /// read at once, so there is no idle gap between one read and the next; the default does
+    /// the reads one after another.
+    fn read_many(&self, reads: &[DeviceRead<'_>]) -> Result<Vec<ReadRecord>, GdsError> {
+        reads
+            .iter()
+            .map(|r| self.read(r.file, r.offset, r.len, r.dst, r.dst_offset))
+            .collect()
+    }
+
     /// Totals of every read this backend did.
     fn stats(&self) -> IoTotals;
+}
+
+/// One read of a [`DeviceReader::read_many`] batch: `len` bytes at `offset` of `file` into
+/// `dst[dst_offset..]`.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRead<'a> {
+    pub file: &'a GdsFile,
+    pub offset: u64,
+    pub len: usize,
+    pub dst: &'a GdsBuffer,
+    pub dst_offset: usize,
 }
 
 /// Running totals of a backend's reads.

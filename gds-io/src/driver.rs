@@ -149,6 +149,12 @@ pub struct UdevCheck {
     /// `/run/udev/data/b<major>:<minor>`.
     pub record: PathBuf,
     pub status: UdevStatus,
+    /// Filesystem type of the mount holding the file (from /proc/self/mountinfo).
+    pub fs_type: Option<String>,
+    /// What the mount table names as the mount's source. cuFile looks the device up in the
+    /// mount table by name; a source such as `/dev/root` (a kernel `root=` mount) does not
+    /// name the real block device, and cuFile cannot identify the volume.
+    pub mount_source: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -185,10 +191,13 @@ impl UdevCheck {
                 Ok(_) => UdevStatus::MissingFsUsage,
             }
         };
+        let (fs_type, mount_source) = mount_of_device(&device).unzip();
         Ok(UdevCheck {
             device,
             record,
             status,
+            fs_type,
+            mount_source,
         })
     }
 
@@ -196,16 +205,64 @@ impl UdevCheck {
         Self::for_path_in(path, Path::new("/run/udev/data"))
     }
 
-    /// The shell command that fixes the record, when one is needed.
+    /// The shell command that fixes the record, when one is needed. It writes a record the
+    /// way udevd would: an `I:` line (microseconds since boot when the device was initialised),
+    /// `ID_FS_USAGE` (what cuFile reports missing) and `ID_FS_TYPE`, so that both libudev's
+    /// "initialised" check and cuFile's volume lookup find what they read.
     pub fn fix(&self) -> Option<String> {
         match self.status {
-            UdevStatus::MissingRecord | UdevStatus::MissingFsUsage => Some(format!(
-                "echo 'E:ID_FS_USAGE=filesystem' | sudo tee -a {}",
-                self.record.display()
-            )),
+            UdevStatus::MissingRecord | UdevStatus::MissingFsUsage => Some(self.record_command()),
             UdevStatus::Ok | UdevStatus::NoBlockDevice => None,
         }
     }
+
+    /// The command that (re)writes the full record, whatever the current status.
+    pub fn record_command(&self) -> String {
+        let fs_type = self.fs_type.as_deref().unwrap_or("ext4");
+        format!(
+            "printf 'I:%s\\nE:ID_FS_USAGE=filesystem\\nE:ID_FS_TYPE={fs_type}\\n' \
+             \"$(awk '{{printf \"%d\", $1 * 1000000}}' /proc/uptime)\" | sudo tee {} >/dev/null",
+            self.record.display()
+        )
+    }
+
+    /// Whether the mount table names something other than a `/dev/...` node of this device
+    /// (e.g. `/dev/root`), which keeps cuFile from matching the volume to its mount.
+    pub fn mount_source_is_alias(&self) -> bool {
+        self.mount_source.as_deref().is_some_and(|source| {
+            source == "/dev/root"
+                || !source.starts_with("/dev/")
+                || !device_node_matches(source, &self.device)
+        })
+    }
+}
+
+/// Filesystem type and mount source of the mount of block device `major:minor`.
+fn mount_of_device(device: &str) -> Option<(String, String)> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mountinfo_lookup(&text, device)
+}
+
+/// Parses mountinfo lines: `id parent major:minor root mountpoint opts [optional...] - fstype
+/// source superopts`.
+fn mountinfo_lookup(text: &str, device: &str) -> Option<(String, String)> {
+    text.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        if fields.nth(2)? != device {
+            return None;
+        }
+        let mut after = line.split(" - ").nth(1)?.split_whitespace();
+        Some((after.next()?.to_string(), after.next()?.to_string()))
+    })
+}
+
+/// Whether `/dev/...` path `node` is a block device node with number `device` (major:minor).
+fn device_node_matches(node: &str, device: &str) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    std::fs::metadata(node).is_ok_and(|m| {
+        m.file_type().is_block_device()
+            && format!("{}:{}", libc::major(m.rdev()), libc::minor(m.rdev())) == device
+    })
 }
 
 /// Explanation attached to a failed cuFileHandleRegister of `path`.
@@ -226,7 +283,34 @@ pub(crate) fn explain_registration_failure(path: &Path, code: u32) -> String {
             }
         );
     }
-    if udev.is_some_and(|c| c.status == UdevStatus::NoBlockDevice) {
+    if let Some(check) = &udev
+        && check.status == UdevStatus::Ok
+        && code == cufile_sys::CU_FILE_HANDLE_NOT_REGISTERED
+    {
+        let mount = if check.mount_source_is_alias() {
+            format!(
+                " The mount table names the volume {:?}, not a /dev node of {}: cuFile may \
+                 fail to match it (mount the device by its real node, e.g. a second mount of \
+                 /dev/<disk>, and keep the model there).",
+                check.mount_source.as_deref().unwrap_or("?"),
+                check.device
+            )
+        } else {
+            String::new()
+        };
+        return format!(
+            "the udev record {} has ID_FS_USAGE, yet cuFile still refuses the file. Rewrite the \
+             full record (an I: line marks it initialised): {}.{mount} For cuFile's own reason \
+             set CUFILE_ENV_PATH_JSON to a cufile.json with \"logging\": {{\"level\": \"TRACE\"}} \
+             and read cufile.log",
+            check.record.display(),
+            check.record_command()
+        );
+    }
+    if udev
+        .as_ref()
+        .is_some_and(|c| c.status == UdevStatus::NoBlockDevice)
+    {
         return "the file is on a filesystem without a block device (tmpfs, overlay, ...), \
                 which cuFile cannot read from; keep models on an ext4/xfs volume"
             .to_string();
@@ -252,6 +336,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn mountinfo_lines_give_type_and_source() {
+        let text = "22 1 0:21 / /proc rw,nosuid - proc proc rw\n\
+                    25 1 254:0 / / rw,relatime shared:1 - ext4 /dev/root rw\n\
+                    30 25 259:1 / /data rw - xfs /dev/nvme0n1p1 rw\n";
+        assert_eq!(
+            mountinfo_lookup(text, "254:0"),
+            Some(("ext4".into(), "/dev/root".into()))
+        );
+        assert_eq!(
+            mountinfo_lookup(text, "259:1"),
+            Some(("xfs".into(), "/dev/nvme0n1p1".into()))
+        );
+        assert_eq!(mountinfo_lookup(text, "8:1"), None);
+        let check = UdevCheck {
+            device: "254:0".into(),
+            record: "/run/udev/data/b254:0".into(),
+            status: UdevStatus::Ok,
+            fs_type: Some("ext4".into()),
+            mount_source: Some("/dev/root".into()),
+        };
+        assert!(check.mount_source_is_alias());
+    }
+
+    #[test]
     fn udev_check_reads_records_and_proposes_the_exact_fix() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("f");
@@ -266,12 +374,13 @@ mod tests {
         assert_eq!(check.status, UdevStatus::MissingRecord);
         let record = udev.path().join(format!("b{}", check.device));
         assert_eq!(check.record, record);
-        assert_eq!(
-            check.fix().unwrap(),
-            format!(
-                "echo 'E:ID_FS_USAGE=filesystem' | sudo tee -a {}",
-                record.display()
-            )
+        let fix = check.fix().unwrap();
+        assert!(
+            fix.contains("I:%s")
+                && fix.contains("E:ID_FS_USAGE=filesystem")
+                && fix.contains("E:ID_FS_TYPE=")
+                && fix.contains(&format!("sudo tee {}", record.display())),
+            "{fix}"
         );
         std::fs::write(&record, "E:ID_FS_TYPE=ext4\n").unwrap();
         let check = UdevCheck::for_path_in(&file, udev.path()).unwrap();

@@ -90,18 +90,19 @@ impl ReadRecord {
 /// How a large read is split: requests of `request_bytes` issued by `threads` threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParallelRead {
-    /// Size of one request, rounded up to a multiple of [`IO_ALIGN`]. DESIGN.md measured
-    /// 16 MiB requests at full disk speed; 8 MiB keeps per-layer reads split enough to use
-    /// every thread.
+    /// Size of one request, rounded up to a multiple of [`IO_ALIGN`].
     pub request_bytes: usize,
+    /// Requests in flight at once: the disk queue depth.
     pub threads: usize,
 }
 
 impl Default for ParallelRead {
+    /// 8 threads × 16 MiB: the raw O_DIRECT reference of `gdsllm bench-io`, which gave the
+    /// GPU machine's disk its full speed (a 7B layer of ~386 MiB is 25 requests).
     fn default() -> Self {
         ParallelRead {
-            request_bytes: 8 << 20,
-            threads: 4,
+            request_bytes: 16 << 20,
+            threads: 8,
         }
     }
 }

@@ -41,10 +41,10 @@ pub mod staged;
 
 pub use aligned::{AlignedBuf, AllocError, IO_ALIGN};
 pub use backend::{
-    BackendKind, Capabilities, DEVICE_READ_ALIGN, DeviceReader, IO_ENV, IoChoice, IoStats,
-    IoTotals, ReadSpan, ReadTicket, choose_backend, io_choice_from_env, resolve_io_choice,
+    BackendKind, Capabilities, DEVICE_READ_ALIGN, DeviceRead, DeviceReader, IO_ENV, IoChoice,
+    IoStats, IoTotals, ReadSpan, ReadTicket, choose_backend, io_choice_from_env, resolve_io_choice,
 };
-pub use bounce::{BounceBackend, BounceConfig};
+pub use bounce::{BounceBackend, BounceConfig, BouncePipeline, BounceTicket};
 pub use cufile_backend::{CufileBackend, CufileConfig};
 pub use device_io::{DeviceIo, build_reader};
 pub use driver::{Driver, DriverProperties, UdevCheck, UdevStatus};

@@ -248,3 +248,98 @@ fn device_io_auto_choice_reads_correctly() {
         );
     }
 }
+
+/// Residency's streaming pattern: chunk i+1 is queued before chunk i is waited for, into two
+/// alternating buffers; every chunk must land whole, with the queue shared across chunks.
+#[test]
+fn bounce_pipeline_double_buffered_reads_equal_file_bytes() {
+    let Some(gpu) = gpu_or_skip("bounce_pipeline_double_buffered_reads_equal_file_bytes") else {
+        return;
+    };
+    let tf = test_file(5000);
+    let file = GdsFile::open(&tf.path).unwrap();
+    let chunk = 24 << 20;
+    let buffers = [
+        GdsBuffer::alloc(&gpu, chunk).unwrap(),
+        GdsBuffer::alloc(&gpu, chunk).unwrap(),
+    ];
+    for mib in [1usize, 4, 16] {
+        let bounce = BounceBackend::new(&gpu, BounceConfig::with_request(mib << 20, 8)).unwrap();
+        let chunks: Vec<(usize, usize)> = (0..tf.bytes.len())
+            .step_by(chunk)
+            .map(|start| (start, chunk.min(tf.bytes.len() - start)))
+            .collect();
+        let checked = bounce
+            .pipeline(|p| {
+                let mut pending = std::collections::VecDeque::new();
+                let mut checked = 0usize;
+                let mut finish = |ticket, index: usize| -> Result<(), GdsError> {
+                    p.wait(ticket)?;
+                    let (start, len) = chunks[index];
+                    let back = buffers[index % 2].copy_to_host(0..len)?;
+                    assert!(
+                        back == tf.bytes[start..start + len],
+                        "{mib} MiB requests: chunk {index} at {start} differs"
+                    );
+                    checked += 1;
+                    Ok(())
+                };
+                for (index, &(start, len)) in chunks.iter().enumerate() {
+                    if pending.len() == 2 {
+                        let (ticket, i) = pending.pop_front().unwrap();
+                        finish(ticket, i)?;
+                    }
+                    let ticket = p.submit(&file, start as u64, len, &buffers[index % 2], 0)?;
+                    pending.push_back((ticket, index));
+                }
+                for (ticket, i) in pending {
+                    finish(ticket, i)?;
+                }
+                Ok(checked)
+            })
+            .unwrap();
+        assert_eq!(checked, chunks.len());
+        eprintln!("bounce pipeline, {mib} MiB requests: {checked} chunks equal the file");
+    }
+}
+
+/// read_many queues every request of several reads at once (bounce and, when the file
+/// registers, cufile); each destination must hold its own region.
+#[test]
+fn read_many_fills_every_destination() {
+    let Some(gpu) = gpu_or_skip("read_many_fills_every_destination") else {
+        return;
+    };
+    let tf = test_file(321);
+    let file = GdsFile::open(&tf.path).unwrap();
+    let regions = [
+        (0usize, 5 << 20),
+        (8 << 20, 33 << 20),
+        (tf.bytes.len() - 4000, 4000),
+    ];
+    let buffers: Vec<GdsBuffer> = regions
+        .iter()
+        .map(|&(_, len)| GdsBuffer::alloc(&gpu, len).unwrap())
+        .collect();
+    let reads: Vec<gds_io::DeviceRead<'_>> = regions
+        .iter()
+        .zip(&buffers)
+        .map(|(&(offset, len), dst)| gds_io::DeviceRead {
+            file: &file,
+            offset: offset as u64 & !4095,
+            len,
+            dst,
+            dst_offset: 0,
+        })
+        .collect();
+    let bounce = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
+    let records = bounce.read_many(&reads).unwrap();
+    assert_eq!(records.len(), reads.len());
+    for (read, buffer) in reads.iter().zip(&buffers) {
+        let start = read.offset as usize;
+        assert!(
+            buffer.copy_to_host(0..read.len).unwrap() == tf.bytes[start..start + read.len],
+            "bounce read_many region at {start}"
+        );
+    }
+}
