@@ -455,15 +455,15 @@ fn generate(t: &TensorPlan, job: &Job, tables: &[ScaledTable], buf: &mut Vec<u8>
         }
         ScaledTable::Floats(scaled) => {
             buf.reserve(n / 32 * t.dtype.block_bytes());
-            let mut block = [0f32; 32];
+            let mut block = [0u16; 32];
             for _ in 0..n / 32 {
                 for quad in block.chunks_exact_mut(4) {
                     let x = rng.next_u64();
-                    for (k, v) in quad.iter_mut().enumerate() {
-                        *v = scaled[((x >> (16 * k)) & 0xFFFF) as usize];
+                    for (k, i) in quad.iter_mut().enumerate() {
+                        *i = (x >> (16 * k)) as u16;
                     }
                 }
-                quantize_block(t.dtype, &block, buf);
+                quantize_block(t.dtype, &block, scaled, buf);
             }
         }
     }
@@ -520,14 +520,18 @@ fn fill_from_table<const W: usize>(
     }
 }
 
-/// llama.cpp's reference quantizers for one block, as in `weights_format::quant::quantize`
-/// and bit-identical to it (tested), but on a fixed-size block and without calls to `roundf`,
-/// which make the generic version the bottleneck of quantized synth.
-fn quantize_block(dtype: DType, x: &[f32; 32], out: &mut Vec<u8>) {
+/// llama.cpp's reference quantizers for the block of values `scaled[idx[j]]`, bit-identical
+/// to `weights_format::quant::quantize` (tested) but several times faster: `scaled` is sorted,
+/// so the block's extremes come from the smallest and largest index (a vectorisable integer
+/// min/max instead of a serial float fold), and rounding avoids calls to `roundf`.
+fn quantize_block(dtype: DType, idx: &[u16; 32], scaled: &[f32], out: &mut Vec<u8>) {
+    let x: [f32; 32] = std::array::from_fn(|j| scaled[idx[j] as usize]);
+    let lo = scaled[*idx.iter().min().expect("32 values") as usize];
+    let hi = scaled[*idx.iter().max().expect("32 values") as usize];
     let mut b = [0u8; 34];
     let len = match dtype {
         DType::Q8_0 => {
-            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let amax = lo.abs().max(hi.abs());
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
@@ -537,9 +541,17 @@ fn quantize_block(dtype: DType, x: &[f32; 32], out: &mut Vec<u8>) {
             34
         }
         DType::Q4_0 => {
-            let max = x
-                .iter()
-                .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+            // The reference keeps the first value of largest magnitude; only a tie between
+            // the two extremes needs the position.
+            let max = if lo.abs() > hi.abs() {
+                lo
+            } else if hi.abs() > lo.abs() {
+                hi
+            } else {
+                x.into_iter()
+                    .find(|v| v.abs() == hi.abs())
+                    .expect("hi is in the block")
+            };
             let d = max / -8.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
@@ -551,8 +563,7 @@ fn quantize_block(dtype: DType, x: &[f32; 32], out: &mut Vec<u8>) {
             18
         }
         DType::Q4_1 => {
-            let min = x.iter().copied().fold(f32::INFINITY, f32::min);
-            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let (min, max) = (lo, hi);
             let d = (max - min) / 15.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
@@ -574,13 +585,7 @@ fn quantize_block(dtype: DType, x: &[f32; 32], out: &mut Vec<u8>) {
 fn round_half_away(v: f32) -> i32 {
     let t = v as i32;
     let frac = v - t as f32;
-    if frac >= 0.5 {
-        t + 1
-    } else if frac <= -0.5 {
-        t - 1
-    } else {
-        t
-    }
+    t + i32::from(frac >= 0.5) - i32::from(frac <= -0.5)
 }
 
 /// The 65,536 quantiles Φ⁻¹((i + ½)/65536) of the standard normal: a uniform 16-bit index
@@ -895,24 +900,38 @@ mod tests {
     fn fast_block_quantizer_is_bit_identical_to_the_reference() {
         let table = NormalTable::new();
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(1);
-        let mut blocks: Vec<[f32; 32]> = (0..2000)
-            .map(|_| std::array::from_fn(|_| table.values[(rng.next_u64() & 0xFFFF) as usize]))
+        let mut blocks: Vec<[u16; 32]> = (0..5000)
+            .map(|_| std::array::from_fn(|_| rng.next_u64() as u16))
             .collect();
-        // Edge cases: all zero, halves that round away from zero, one dominant value each sign.
-        blocks.push([0.0; 32]);
-        blocks.push(std::array::from_fn(|j| (j as f32 - 15.5) * 0.5));
-        blocks.push(std::array::from_fn(|j| {
-            if j == 3 { -5.0 } else { 0.01 * j as f32 }
+        // Ties between the extremes (the table is symmetric: i and 65535 - i), in both orders,
+        // and blocks of one repeated value.
+        blocks.push(std::array::from_fn(|j| match j {
+            3 => 100,
+            20 => 65435,
+            _ => 30000 + j as u16,
         }));
-        blocks.push(std::array::from_fn(|j| {
-            if j == 30 { 5.0 } else { -0.01 * j as f32 }
+        blocks.push(std::array::from_fn(|j| match j {
+            3 => 65435,
+            20 => 100,
+            _ => 30000 + j as u16,
         }));
-        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-            for block in &blocks {
-                let (mut fast, mut reference) = (Vec::new(), Vec::new());
-                quantize_block(dtype, block, &mut fast);
-                quant::quantize(dtype, block, &mut reference).unwrap();
-                assert_eq!(fast, reference, "{dtype} {block:?}");
+        assert_eq!(
+            table.values[100], -table.values[65435],
+            "the tie cases need a symmetric table"
+        );
+        blocks.push([0; 32]);
+        blocks.push([65535; 32]);
+        blocks.push([32768; 32]);
+        for std in [0.02f32, 1.0, 0.003] {
+            let scaled: Vec<f32> = table.values.iter().map(|v| v * std).collect();
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                for block in &blocks {
+                    let values: Vec<f32> = block.iter().map(|&i| scaled[i as usize]).collect();
+                    let (mut fast, mut reference) = (Vec::new(), Vec::new());
+                    quantize_block(dtype, block, &scaled, &mut fast);
+                    quant::quantize(dtype, &values, &mut reference).unwrap();
+                    assert_eq!(fast, reference, "{dtype} std {std} {block:?}");
+                }
             }
         }
         for v in [
@@ -925,6 +944,7 @@ mod tests {
             126.5,
             3.0,
             -0.0,
+            127.0,
         ] {
             assert_eq!(round_half_away(v), v.round() as i32, "{v}");
         }
