@@ -18,10 +18,15 @@ fn model_dir() -> Option<PathBuf> {
 }
 
 fn golden() -> serde_json::Value {
-    let path = std::env::var_os("GDSLLM_GOLDEN").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/smollm2-golden.json")
-    });
-    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    let path = std::env::var_os("GDSLLM_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../shared/reference/smollm2-golden.json")
+        });
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set GDSLLM_GOLDEN)", path.display()));
+    serde_json::from_str(&text).unwrap()
 }
 
 fn gdsllm() -> Command {
@@ -35,15 +40,33 @@ fn run_json_greedy_matches_reference_and_reports_timings_io_residency() {
     let out = gdsllm()
         .args(["run", "-m"])
         .arg(&dir)
-        .args(["-p", case["prompt"].as_str().unwrap(), "--temp", "0", "-n", "8", "-c", "64", "--json"])
+        .args([
+            "-p",
+            case["prompt"].as_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "8",
+            "-c",
+            "64",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["prompt_tokens"], case["input_ids"]);
     let want: Vec<_> = case["greedy_ids"].as_array().unwrap()[..8].to_vec();
     assert_eq!(v["tokens"].as_array().unwrap(), &want);
-    assert!(v["text"].as_str().unwrap().starts_with(" Paris."), "{}", v["text"]);
+    assert!(
+        v["text"].as_str().unwrap().starts_with(" Paris."),
+        "{}",
+        v["text"]
+    );
     assert!(v["timings"]["gen_tok_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["timings"]["load_s"].as_f64().is_some());
     assert_eq!(v["io"]["backend"], "host");
@@ -58,10 +81,25 @@ fn run_streams_text_to_stdout_and_same_seed_repeats() {
         let out = gdsllm()
             .args(["run", "-m"])
             .arg(&dir)
-            .args(["-p", "Once upon a time", "-n", "16", "-c", "64", "--temp", "1", "--seed", seed])
+            .args([
+                "-p",
+                "Once upon a time",
+                "-n",
+                "16",
+                "-c",
+                "64",
+                "--temp",
+                "1",
+                "--seed",
+                seed,
+            ])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     let a = run("5");
@@ -76,12 +114,22 @@ fn prompt_longer_than_context_fails_naming_both_numbers() {
     let out = gdsllm()
         .args(["run", "-m"])
         .arg(&dir)
-        .args(["-p", "one two three four five six seven eight nine ten", "-c", "4", "--temp", "0"])
+        .args([
+            "-p",
+            "one two three four five six seven eight nine ten",
+            "-c",
+            "4",
+            "--temp",
+            "0",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("the prompt has 10 tokens but the context holds 4"), "{err}");
+    assert!(
+        err.contains("the prompt has 10 tokens but the context holds 4"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -97,12 +145,24 @@ fn chat_reads_stdin_until_bye() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"/set temp 0\nWhat is 2+2?\n/bye\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"/set temp 0\nWhat is 2+2?\n/bye\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains(">>> "), "{text}");
-    assert!(text.contains("The answer to this classic math problem is 4."), "{text}");
+    assert!(
+        text.contains("The answer to this classic math problem is 4."),
+        "{text}"
+    );
 }
 
 #[test]
@@ -114,7 +174,11 @@ fn bench_json_reports_pp_tg_and_load() {
         .args(["-p", "16", "-n", "4", "-r", "1", "--json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["pp"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);

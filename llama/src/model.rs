@@ -230,9 +230,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
 
             // Attention: x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n), n = rmsnorm(x)
             be.rmsnorm(&s.x, rows, attn_norm, eps, &mut s.xb);
-            be.matmul(&s.xb, rows, wq, &mut s.q);
-            be.matmul(&s.xb, rows, wk, &mut s.k);
-            be.matmul(&s.xb, rows, wv, &mut s.v);
+            be.matmul_many(
+                &s.xb,
+                rows,
+                &[wq, wk, wv],
+                &mut [&mut s.q, &mut s.k, &mut s.v],
+            );
             be.rope(
                 &mut s.q,
                 rows,
@@ -257,8 +260,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
 
             // FFN: x += W_down · (silu(W_gate·n) ⊙ W_up·n), n = rmsnorm(x)
             be.rmsnorm(&s.x, rows, ffn_norm, eps, &mut s.xb);
-            be.matmul(&s.xb, rows, w_gate, &mut s.hb);
-            be.matmul(&s.xb, rows, w_up, &mut s.hb2);
+            be.matmul_many(&s.xb, rows, &[w_gate, w_up], &mut [&mut s.hb, &mut s.hb2]);
             be.swiglu(&mut s.hb, &s.hb2, rows * ffn);
             be.matmul(&s.hb, rows, w_down, &mut s.xb2);
             be.add(&mut s.x, &s.xb2, rows * dim);

@@ -181,3 +181,40 @@ fn f16_bit_conversion_is_exact_for_every_half() {
     println!("f16 -> f32: {worst} of 65536 bit patterns differ from `half` (tol 0)");
     assert_eq!(worst, 0);
 }
+
+#[test]
+fn matmul_many_equals_separate_matmuls() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let k = 192;
+    let shapes = [(DType::Q4_1, 96), (DType::Q8_0, 40), (DType::F16, 33)];
+    let bytes: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|&(d, m)| weights(&mut rng, d, m, k))
+        .collect();
+    let views: Vec<WeightView> = shapes
+        .iter()
+        .zip(&bytes)
+        .map(|(&(dtype, m), b)| WeightView {
+            dtype,
+            rows: m,
+            cols: k,
+            bytes: b,
+        })
+        .collect();
+    let cpu = CpuBackend::new();
+    for rows in [1, 3] {
+        let x = random(&mut rng, rows * k);
+        let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(_, m)| vec![0f32; rows * m]).collect();
+        let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+        cpu.matmul_many(&x, rows, &views, &mut refs);
+        for (v, got) in views.iter().zip(&outs) {
+            let mut want = vec![0f32; rows * v.rows];
+            cpu.matmul(&x, rows, *v, &mut want);
+            println!(
+                "matmul_many {} rows {rows}: identical to matmul (tol 0)",
+                v.dtype
+            );
+            assert_eq!(got, &want);
+        }
+    }
+}

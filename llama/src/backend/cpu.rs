@@ -117,6 +117,39 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn matmul_many(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut Vec<f32>],
+    ) {
+        if rows != 1 {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(x, rows, *w, out);
+            }
+            return;
+        }
+        // Decoding: one parallel region over the row chunks of all weights, so the threads
+        // meet once instead of once per weight.
+        let mut xsums = Vec::new();
+        let mut tasks: Vec<(WeightView<'_>, usize, &mut [f32])> = Vec::new();
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
+                kernels::block_sums(&x[..w.cols], &mut xsums);
+            }
+            let chunk = rows_per_task(w.rows, w.cols);
+            for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
+                tasks.push((*w, ci * chunk, o));
+            }
+        }
+        tasks.into_par_iter().for_each(|(w, first, o)| {
+            let rb = w.row_bytes();
+            let wb = &w.bytes[first * rb..(first + o.len()) * rb];
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, 1, o);
+        });
+    }
+
     fn rope(
         &self,
         x: &mut Vec<f32>,

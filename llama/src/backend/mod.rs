@@ -79,6 +79,20 @@ pub trait Backend: Send + Sync {
     /// `out[r, i] = Σ_c x[r, c] · w[i, c]` for `w: [out_dim, in_dim]` (x·Wᵀ, as `nn.Linear`).
     fn matmul(&self, x: &Self::Buf, rows: usize, w: WeightView<'_>, out: &mut Self::Buf);
 
+    /// Several matmuls of the same input (Q/K/V, gate/up): `outs[i] = x · ws[i]ᵀ`. A backend
+    /// may run them as one parallel region; the default runs them one after another.
+    fn matmul_many(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut Self::Buf],
+    ) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, rows, *w, out);
+        }
+    }
+
     /// Rotary embedding, Hugging Face `rotate_half` convention: in each head the pair is
     /// `(i, i + head_dim/2)` rotated by `(pos0 + r) · inv_freq[i]`. `x: [rows, n_heads·head_dim]`.
     fn rope(
