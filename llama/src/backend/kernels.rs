@@ -283,7 +283,6 @@ fn matmul_rows_impl<const FMA: bool>(
     n: usize,
     out_t: &mut [f32],
 ) {
-    let blocks = cols / dtype.block_len();
     if n >= DECODE_ONCE_MIN_ROWS {
         let mut tmp = vec![0f32; cols];
         for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
@@ -297,10 +296,10 @@ fn matmul_rows_impl<const FMA: bool>(
     for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
         for (r, o) in out.iter_mut().enumerate() {
             let xr = &x[r * cols..(r + 1) * cols];
-            let xs = if xsums.is_empty() {
-                xsums
+            let xs = if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+                &xsums[r * (cols / QK)..(r + 1) * (cols / QK)]
             } else {
-                &xsums[r * blocks..(r + 1) * blocks]
+                &[]
             };
             *o = match dtype {
                 DType::F32 => dot_f32_bytes::<FMA>(row, xr),
