@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use gds_io::{
-    BackendKind, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IoChoice, ParallelRead,
+    BackendKind, BounceBackend, BounceConfig, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile,
+    Gpu, IoChoice, ParallelRead,
 };
 use serde::Serialize;
 
@@ -30,6 +31,17 @@ pub struct Args {
     /// Skip the buffered (`cp`-like) reference read.
     #[arg(long)]
     pub no_buffered: bool,
+    /// Request sizes (MiB) of the bounce backend to measure, comma separated: one row each.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![4usize])]
+    pub bounce_request_mib: Vec<usize>,
+    /// Reader threads (disk queue depth) of the bounce backend.
+    #[arg(long, default_value_t = 8)]
+    pub bounce_threads: usize,
+    /// Drop the whole page cache (`echo 3 > /proc/sys/vm/drop_caches`, needs root) before
+    /// each measurement, so no backend reads from RAM; without root only the model's files
+    /// are evicted (posix_fadvise).
+    #[arg(long)]
+    pub drop_caches: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -40,8 +52,12 @@ struct Report {
     model: PathBuf,
     files: usize,
     bytes: u64,
-    /// Raw multi-threaded O_DIRECT read into host memory.
+    /// Raw multi-threaded O_DIRECT read into host memory, file after file: the mean of
+    /// `raw_runs` (one at the start, one at the end of the run, since the machine is noisy).
     raw_gbps: f64,
+    raw_runs: Vec<f64>,
+    raw_threads: usize,
+    raw_request_mib: usize,
     /// Buffered read with the page cache dropped for the files first (like `cp`).
     buffered_gbps: Option<f64>,
     /// Which path cuFile took: "gds" (DMA), "compat" or null when not loaded.
@@ -51,7 +67,12 @@ struct Report {
 
 #[derive(Serialize)]
 struct BackendResult {
-    name: &'static str,
+    /// `host` (O_DIRECT into host memory), `host_to_gpu`, `cufile`, `bounce_<N>mib`.
+    name: String,
+    /// Request size of the row, in MiB.
+    request_mib: Option<usize>,
+    /// How the blobs were read: "file after file" or "double-buffered pipeline".
+    pattern: &'static str,
     gbps: Option<f64>,
     /// gbps / raw_gbps.
     ratio: Option<f64>,
@@ -124,12 +145,28 @@ fn list_blobs(dir: &Path) -> anyhow::Result<Vec<Blob>> {
     Ok(blobs)
 }
 
-fn buffered_read(blobs: &[Blob]) -> anyhow::Result<f64> {
+/// Empties the page cache before a measurement: everything when root (`drop_all`), otherwise
+/// (or when that fails) the model's files only.
+fn drop_caches(blobs: &[Blob], drop_all: bool) {
+    if drop_all {
+        // sync first: only clean pages can be dropped.
+        let synced = std::process::Command::new("sync").status();
+        match std::fs::write("/proc/sys/vm/drop_caches", "3\n") {
+            Ok(()) => return,
+            Err(err) => tracing::warn!(
+                "cannot drop the page cache ({err}; sync: {synced:?}); evicting the model's \
+                 files only"
+            ),
+        }
+    }
     for blob in blobs {
         if let Err(err) = gds_io::probe::drop_page_cache(&blob.path) {
             tracing::warn!("cannot drop cached pages of {}: {err}", blob.path.display());
         }
     }
+}
+
+fn buffered_read(blobs: &[Blob]) -> anyhow::Result<f64> {
     let mut buf = vec![0u8; 1 << 20];
     let start = Instant::now();
     let mut total = 0u64;
@@ -146,9 +183,12 @@ fn buffered_read(blobs: &[Blob]) -> anyhow::Result<f64> {
     Ok(gbps(total, start.elapsed()))
 }
 
-fn raw_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<f64> {
+/// O_DIRECT into aligned host memory, file after file, each file split into `how` requests.
+/// This is both the raw reference and the `host` backend (what the CPU backend does).
+fn host_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<(f64, Vec<BlobResult>)> {
     let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0);
     let mut buf = gds_io::AlignedBuf::zeroed(largest as usize)?;
+    let mut per_blob = Vec::with_capacity(blobs.len());
     let start = Instant::now();
     let mut total = 0u64;
     for blob in blobs {
@@ -156,30 +196,48 @@ fn raw_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<f64> {
         let aligned = (blob.len as usize).next_multiple_of(gds_io::IO_ALIGN);
         let record = file.read_into_parallel(0, &mut buf[..aligned], how)?;
         total += record.bytes;
+        per_blob.push(BlobResult {
+            file: blob.name.clone(),
+            bytes: record.bytes,
+            gbps: record.gbps(),
+        });
     }
-    Ok(gbps(total, start.elapsed()))
+    Ok((gbps(total, start.elapsed()), per_blob))
 }
 
+fn open_files(
+    kind: BackendKind,
+    driver: Option<&std::sync::Arc<Driver>>,
+    blobs: &[Blob],
+) -> Result<Vec<GdsFile>, gds_io::GdsError> {
+    blobs
+        .iter()
+        .map(|blob| {
+            let mut file = GdsFile::open(&blob.path)?;
+            if kind == BackendKind::Cufile {
+                let driver = driver.ok_or_else(|| gds_io::GdsError::BackendUnavailable {
+                    backend: "cufile",
+                    reason: "libcufile could not be loaded or opened".into(),
+                })?;
+                file.register(driver)?;
+            }
+            Ok(file)
+        })
+        .collect()
+}
+
+type Measured = (f64, bool, Vec<BlobResult>);
+
+/// One backend reading blob after blob into one device buffer (cufile, host_to_gpu).
 fn device_backend(
     kind: BackendKind,
     gpu: &Gpu,
     driver: Option<&std::sync::Arc<Driver>>,
     blobs: &[Blob],
     buffer: &GdsBuffer,
-) -> Result<(f64, bool, Vec<BlobResult>), gds_io::GdsError> {
+) -> Result<Measured, gds_io::GdsError> {
     let reader: Box<dyn DeviceReader> = gds_io::build_reader(kind, gpu, driver)?;
-    let mut files = Vec::with_capacity(blobs.len());
-    for blob in blobs {
-        let mut file = GdsFile::open(&blob.path)?;
-        if kind == BackendKind::Cufile {
-            let driver = driver.ok_or_else(|| gds_io::GdsError::BackendUnavailable {
-                backend: "cufile",
-                reason: "libcufile could not be loaded or opened".into(),
-            })?;
-            file.register(driver)?;
-        }
-        files.push(file);
-    }
+    let files = open_files(kind, driver, blobs)?;
     let mut per_blob = Vec::with_capacity(blobs.len());
     let mut via_host = false;
     let start = Instant::now();
@@ -196,6 +254,81 @@ fn device_backend(
     Ok((gbps(total, start.elapsed()), via_host, per_blob))
 }
 
+/// The bounce backend streaming the blobs the way residency does: two device buffers, blob
+/// i+1 queued before blob i is waited for, so the disk queue never drains between blobs.
+/// Per-blob GB/s counts from submission (queued time included).
+fn bounce_streaming(
+    config: BounceConfig,
+    gpu: &Gpu,
+    blobs: &[Blob],
+    buffers: &[GdsBuffer; 2],
+) -> Result<Measured, gds_io::GdsError> {
+    let bounce = BounceBackend::new(gpu, config)?;
+    let files = open_files(BackendKind::Bounce, None, blobs)?;
+    let start = Instant::now();
+    let per_blob = bounce.pipeline(|p| {
+        let mut per_blob = Vec::with_capacity(blobs.len());
+        let mut pending = std::collections::VecDeque::new();
+        let mut finish = |ticket, index: usize| -> Result<(), gds_io::GdsError> {
+            let record = p.wait(ticket)?;
+            per_blob.push(BlobResult {
+                file: blobs[index].name.clone(),
+                bytes: record.bytes,
+                gbps: record.gbps(),
+            });
+            Ok(())
+        };
+        for (index, (blob, file)) in blobs.iter().zip(&files).enumerate() {
+            if pending.len() == 2 {
+                let (ticket, i) = pending.pop_front().expect("two reads are pending");
+                finish(ticket, i)?;
+            }
+            let ticket = p.submit(file, 0, blob.len as usize, &buffers[index % 2], 0)?;
+            pending.push_back((ticket, index));
+        }
+        for (ticket, i) in pending {
+            finish(ticket, i)?;
+        }
+        Ok(per_blob)
+    })?;
+    let total: u64 = blobs.iter().map(|b| b.len).sum();
+    Ok((gbps(total, start.elapsed()), true, per_blob))
+}
+
+fn row(
+    name: String,
+    request_mib: Option<usize>,
+    pattern: &'static str,
+    outcome: Result<Measured, gds_io::GdsError>,
+    raw_gbps: f64,
+) -> BackendResult {
+    match outcome {
+        Ok((g, via_host, per_blob)) => BackendResult {
+            name,
+            request_mib,
+            pattern,
+            gbps: Some(g),
+            ratio: Some(g / raw_gbps),
+            via_host_memory: Some(via_host),
+            error: None,
+            per_blob,
+        },
+        Err(err) => BackendResult {
+            name,
+            request_mib,
+            pattern,
+            gbps: None,
+            ratio: None,
+            via_host_memory: None,
+            error: Some(err.to_string()),
+            per_blob: Vec::new(),
+        },
+    }
+}
+
+const FILE_AFTER_FILE: &str = "file after file";
+const STREAMING: &str = "double-buffered pipeline";
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let choice = gds_io::io_choice_from_env(args.io.as_deref())?;
     let blobs = list_blobs(&args.model)?;
@@ -206,20 +339,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "reading {}",
         args.model.display()
     );
-
-    let buffered_gbps = if args.no_buffered {
-        None
-    } else {
-        Some(buffered_read(&blobs)?)
-    };
     let raw_how = ParallelRead {
         request_bytes: args.raw_request_mib.max(1) << 20,
         threads: args.raw_threads.max(1),
     };
-    let raw_gbps = raw_read(&blobs, raw_how)?;
+    let mut raw_runs = Vec::new();
+    drop_caches(&blobs, args.drop_caches);
+    raw_runs.push(host_read(&blobs, raw_how)?.0);
+    // Until the second raw run, ratios use the first; they are recomputed at the end.
+    let first_raw = raw_runs[0];
+
+    let buffered_gbps = if args.no_buffered {
+        None
+    } else {
+        drop_caches(&blobs, args.drop_caches);
+        Some(buffered_read(&blobs)?)
+    };
 
     let gpu = Gpu::open(0);
-    let driver = gpu.as_ref().ok().and_then(|_| Driver::open().ok());
+    let driver = gpu.as_ref().ok().and_then(|_| match Driver::open() {
+        Ok(driver) => Some(driver),
+        Err(err) => {
+            tracing::warn!("cuFile unavailable: {err}");
+            None
+        }
+    });
     let cufile_path = driver.as_ref().map(|d| {
         if d.properties().gds_dma() {
             "gds"
@@ -232,60 +376,82 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         IoChoice::Auto => BackendKind::ALL.to_vec(),
     };
     let mut backends = Vec::new();
-    match &gpu {
-        Err(err) => {
-            // No GPU: the host backend into host memory is what the CPU backend uses.
-            tracing::warn!("{err}; measuring the host backend into host memory only");
-            let start = Instant::now();
-            let mut per_blob = Vec::new();
-            let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0);
-            let mut buf = gds_io::AlignedBuf::zeroed(largest as usize)?;
-            for blob in &blobs {
-                let file = DirectFile::open(&blob.path)?;
-                let aligned = (blob.len as usize).next_multiple_of(gds_io::IO_ALIGN);
-                let record =
-                    file.read_into_parallel(0, &mut buf[..aligned], ParallelRead::default())?;
-                per_blob.push(BlobResult {
-                    file: blob.name.clone(),
-                    bytes: record.bytes,
-                    gbps: record.gbps(),
-                });
-            }
-            let g = gbps(bytes, start.elapsed());
-            backends.push(BackendResult {
-                name: "host",
-                gbps: Some(g),
-                ratio: Some(g / raw_gbps),
-                via_host_memory: Some(true),
-                error: None,
-                per_blob,
+    if kinds.contains(&BackendKind::Host) {
+        // The host backend proper: O_DIRECT into aligned host memory, as parallel as raw.
+        drop_caches(&blobs, args.drop_caches);
+        let outcome = host_read(&blobs, raw_how)
+            .map(|(g, per_blob)| (g, true, per_blob))
+            .map_err(|err| gds_io::GdsError::BackendUnavailable {
+                backend: "host",
+                reason: format!("{err:#}"),
             });
-        }
+        backends.push(row(
+            "host".into(),
+            Some(args.raw_request_mib),
+            FILE_AFTER_FILE,
+            outcome,
+            first_raw,
+        ));
+    }
+    match &gpu {
+        Err(err) => tracing::warn!("{err}; measured the host backend into host memory only"),
         Ok(gpu) => {
             let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0) as usize;
-            let buffer = GdsBuffer::alloc(gpu, largest)?;
+            let buffers = [
+                GdsBuffer::alloc(gpu, largest)?,
+                GdsBuffer::alloc(gpu, largest)?,
+            ];
             for kind in kinds {
-                let outcome = device_backend(kind, gpu, driver.as_ref(), &blobs, &buffer);
-                backends.push(match outcome {
-                    Ok((g, via_host, per_blob)) => BackendResult {
-                        name: kind.name(),
-                        gbps: Some(g),
-                        ratio: Some(g / raw_gbps),
-                        via_host_memory: Some(via_host),
-                        error: None,
-                        per_blob,
-                    },
-                    Err(err) => BackendResult {
-                        name: kind.name(),
-                        gbps: None,
-                        ratio: None,
-                        via_host_memory: None,
-                        error: Some(err.to_string()),
-                        per_blob: Vec::new(),
-                    },
-                });
+                match kind {
+                    BackendKind::Cufile => {
+                        drop_caches(&blobs, args.drop_caches);
+                        let outcome =
+                            device_backend(kind, gpu, driver.as_ref(), &blobs, &buffers[0]);
+                        let mib = gds_io::CufileConfig::default().request_bytes >> 20;
+                        backends.push(row(
+                            "cufile".into(),
+                            Some(mib),
+                            FILE_AFTER_FILE,
+                            outcome,
+                            first_raw,
+                        ));
+                    }
+                    BackendKind::Bounce => {
+                        for &mib in &args.bounce_request_mib {
+                            drop_caches(&blobs, args.drop_caches);
+                            let config =
+                                BounceConfig::with_request(mib.max(1) << 20, args.bounce_threads);
+                            let outcome = bounce_streaming(config, gpu, &blobs, &buffers);
+                            backends.push(row(
+                                format!("bounce_{mib}mib"),
+                                Some(mib),
+                                STREAMING,
+                                outcome,
+                                first_raw,
+                            ));
+                        }
+                    }
+                    BackendKind::Host => {
+                        drop_caches(&blobs, args.drop_caches);
+                        let outcome = device_backend(kind, gpu, None, &blobs, &buffers[0]);
+                        let mib = gds_io::HostStagedConfig::default().window_bytes >> 20;
+                        backends.push(row(
+                            "host_to_gpu".into(),
+                            Some(mib),
+                            FILE_AFTER_FILE,
+                            outcome,
+                            first_raw,
+                        ));
+                    }
+                }
             }
         }
+    }
+    drop_caches(&blobs, args.drop_caches);
+    raw_runs.push(host_read(&blobs, raw_how)?.0);
+    let raw_gbps = raw_runs.iter().sum::<f64>() / raw_runs.len() as f64;
+    for backend in &mut backends {
+        backend.ratio = backend.gbps.map(|g| g / raw_gbps);
     }
 
     let report = Report {
@@ -293,6 +459,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         files: blobs.len(),
         bytes,
         raw_gbps,
+        raw_runs,
+        raw_threads: raw_how.threads,
+        raw_request_mib: args.raw_request_mib,
         buffered_gbps,
         cufile_path,
         backends,
@@ -315,8 +484,17 @@ fn print_table(report: &Report) {
     );
     println!("{:<22} {:>8} {:>8}", "read", "GB/s", "× raw");
     println!(
-        "{:<22} {:>8.2} {:>8.2}",
-        "raw O_DIRECT (ref)", report.raw_gbps, 1.0
+        "{:<22} {:>8.2} {:>8.2}   ({} threads x {} MiB; runs {:?})",
+        "raw O_DIRECT (ref)",
+        report.raw_gbps,
+        1.0,
+        report.raw_threads,
+        report.raw_request_mib,
+        report
+            .raw_runs
+            .iter()
+            .map(|g| format!("{g:.2}"))
+            .collect::<Vec<_>>()
     );
     if let Some(b) = report.buffered_gbps {
         println!(
@@ -328,7 +506,10 @@ fn print_table(report: &Report) {
     }
     for backend in &report.backends {
         match (backend.gbps, backend.ratio) {
-            (Some(g), Some(r)) => println!("{:<22} {g:>8.2} {r:>8.2}", backend.name),
+            (Some(g), Some(r)) => println!(
+                "{:<22} {g:>8.2} {r:>8.2}   ({})",
+                backend.name, backend.pattern
+            ),
             _ => println!(
                 "{:<22} unavailable: {}",
                 backend.name,

@@ -35,7 +35,16 @@ struct Report {
     /// `null` when cuFile is not loaded.
     compat_mode: Option<bool>,
     model_store: StoreReport,
+    /// cuFileHandleRegister of a small file in the model store (null without cuFile).
+    cufile_registration: Option<RegistrationReport>,
     backends: Vec<BackendReport>,
+}
+
+#[derive(Serialize)]
+struct RegistrationReport {
+    file: PathBuf,
+    ok: bool,
+    error: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -115,6 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let props = cufile.properties.clone();
     let store = check_store(&home);
+    let cufile_registration = driver.as_ref().ok().map(|d| check_registration(&home, d));
     let backends = measure_backends(
         &home,
         args.probe_mib,
@@ -151,6 +161,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         compat_mode: props.as_ref().map(|p| p.compat_mode),
         cufile,
         model_store: store,
+        cufile_registration,
         backends,
     };
     if args.json {
@@ -173,6 +184,27 @@ fn check_store(home: &Path) -> StoreReport {
             .err()
             .map(|e| format!("cannot probe {}: {e}", home.display())),
         udev: udev.ok(),
+    }
+}
+
+/// Registers a 1 MiB file in the store with cuFile: the step that fails with error 5027 when
+/// cuFile cannot identify the volume (see the udev record above).
+fn check_registration(home: &Path, driver: &std::sync::Arc<Driver>) -> RegistrationReport {
+    let file = home.join(format!(
+        ".gdsllm-doctor-register-{}.bin",
+        std::process::id()
+    ));
+    let outcome = (|| -> anyhow::Result<()> {
+        std::fs::create_dir_all(home)?;
+        write_probe(&file, 1 << 20)?;
+        GdsFile::open_registered(&file, driver)?;
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&file);
+    RegistrationReport {
+        ok: outcome.is_ok(),
+        error: outcome.err().map(|e| format!("{e:#}")),
+        file,
     }
 }
 
@@ -331,6 +363,17 @@ fn print_text(report: &Report) {
     }
     if let Some(fix) = &store.udev_fix {
         println!("  fix:          {fix}");
+    }
+    if let Some(udev) = &store.udev
+        && let (Some(fs_type), Some(source)) = (&udev.fs_type, &udev.mount_source)
+    {
+        println!("  mount:        {fs_type} from {source}");
+    }
+    if let Some(reg) = &report.cufile_registration {
+        match &reg.error {
+            None => println!("  cuFile registration: ok"),
+            Some(err) => println!("  cuFile registration: FAILED: {err}"),
+        }
     }
     println!("read speed (probe file in the store):");
     for backend in &report.backends {
