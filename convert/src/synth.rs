@@ -474,7 +474,8 @@ fn generate(t: &TensorPlan, job: &Job, tables: &[ScaledTable], buf: &mut Vec<u8>
 enum ScaledTable {
     Bytes4(Vec<[u8; 4]>),
     Bytes2(Vec<[u8; 2]>),
-    Floats(Vec<f32>),
+    /// A fixed-size array, so a u16 index needs no bounds check.
+    Floats(Box<[f32; 65536]>),
 }
 
 impl ScaledTable {
@@ -492,7 +493,13 @@ impl ScaledTable {
                     .map(|v| half::bf16::from_f32(v).to_le_bytes())
                     .collect(),
             ),
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => ScaledTable::Floats(scaled.collect()),
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+                let table: Box<[f32; 65536]> = scaled
+                    .collect::<Vec<f32>>()
+                    .try_into()
+                    .expect("the normal table has 65536 entries");
+                ScaledTable::Floats(table)
+            }
         }
     }
 }
@@ -524,7 +531,7 @@ fn fill_from_table<const W: usize>(
 /// to `weights_format::quant::quantize` (tested) but several times faster: `scaled` is sorted,
 /// so the block's extremes come from the smallest and largest index (a vectorisable integer
 /// min/max instead of a serial float fold), and rounding avoids calls to `roundf`.
-fn quantize_block(dtype: DType, idx: &[u16; 32], scaled: &[f32], out: &mut Vec<u8>) {
+fn quantize_block(dtype: DType, idx: &[u16; 32], scaled: &[f32; 65536], out: &mut Vec<u8>) {
     let x: [f32; 32] = std::array::from_fn(|j| scaled[idx[j] as usize]);
     let lo = scaled[*idx.iter().min().expect("32 values") as usize];
     let hi = scaled[*idx.iter().max().expect("32 values") as usize];
@@ -535,8 +542,12 @@ fn quantize_block(dtype: DType, idx: &[u16; 32], scaled: &[f32], out: &mut Vec<u
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
             b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
-            for (q, v) in b[2..].iter_mut().zip(x) {
-                *q = round_half_away(v * id) as i8 as u8;
+            let mut q = [0i32; 32];
+            for j in 0..32 {
+                q[j] = round_half_away(x[j] * id);
+            }
+            for j in 0..32 {
+                b[2 + j] = q[j] as i8 as u8;
             }
             34
         }
@@ -923,7 +934,13 @@ mod tests {
         blocks.push([65535; 32]);
         blocks.push([32768; 32]);
         for std in [0.02f32, 1.0, 0.003] {
-            let scaled: Vec<f32> = table.values.iter().map(|v| v * std).collect();
+            let scaled: Box<[f32; 65536]> = table
+                .values
+                .iter()
+                .map(|v| v * std)
+                .collect::<Vec<f32>>()
+                .try_into()
+                .unwrap();
             for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
                 for block in &blocks {
                     let values: Vec<f32> = block.iter().map(|&i| scaled[i as usize]).collect();
