@@ -55,25 +55,25 @@ impl LlamaConfig {
                 return Err(bad(setting, "must be positive"));
             }
         }
-        if c.n_heads % c.n_kv_heads != 0 {
+        if !c.n_heads.is_multiple_of(c.n_kv_heads) {
             return Err(bad(
                 "n_kv_heads",
                 format!("{} does not divide n_heads {}", c.n_kv_heads, c.n_heads),
             ));
         }
-        if c.head_dim % 2 != 0 {
+        if !c.head_dim.is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
                 format!("{} is odd; RoPE needs pairs", c.head_dim),
             ));
         }
-        if !(c.rope_theta > 0.0) {
+        if c.rope_theta.is_nan() || c.rope_theta <= 0.0 {
             return Err(bad(
                 "rope_theta",
                 format!("{} must be positive", c.rope_theta),
             ));
         }
-        if !(c.rms_norm_eps >= 0.0) {
+        if c.rms_norm_eps.is_nan() || c.rms_norm_eps < 0.0 {
             return Err(bad(
                 "rms_norm_eps",
                 format!("{} must be >= 0", c.rms_norm_eps),
@@ -86,7 +86,7 @@ impl LlamaConfig {
                     format!("`{}` is not supported (linear, llama3)", s.rope_type),
                 ));
             }
-            if !(s.factor > 0.0) {
+            if s.factor.is_nan() || s.factor <= 0.0 {
                 return Err(bad(
                     "rope_scaling.factor",
                     format!("{} must be positive", s.factor),

@@ -272,6 +272,7 @@ fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 /// here on a weight row is decoded once into a small buffer and reused for every activation row.
 pub const DECODE_ONCE_MIN_ROWS: usize = 4;
 
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn matmul_rows_impl<const FMA: bool>(
     dtype: DType,
