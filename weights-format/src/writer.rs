@@ -169,17 +169,14 @@ impl ModelWriter {
 
         let staged = Model::open(&self.temp)?;
 
-        for name in self
+        let paths: Vec<PathBuf> = self
             .files
             .iter()
             .map(String::as_str)
             .chain([METADATA_FILE, METADATA_CHECKSUM_FILE])
-        {
-            let path = self.temp.join(name);
-            File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| FormatError::io(&path, e))?;
-        }
+            .map(|name| self.temp.join(name))
+            .collect();
+        sync_files(&paths)?;
         sync_dir(&self.temp)?;
         // rename(2) silently replaces an empty directory; refuse that as `create` did.
         if self.out.symlink_metadata().is_ok() {
@@ -201,6 +198,35 @@ fn blob_sort_key(kind: BlobKind, n_layers: u32) -> (u8, usize) {
         BlobKind::Layer(i) => (1, i),
         BlobKind::Output => (2, n_layers as usize),
     }
+}
+
+/// fsyncs every file. One at a time, a model of ~30 small blobs spends most of its conversion
+/// waiting on the disk's flush latency; issued from several threads the flushes overlap.
+fn sync_files(paths: &[PathBuf]) -> Result<(), FormatError> {
+    const SYNC_THREADS: usize = 8;
+    let per_thread = paths.len().div_ceil(SYNC_THREADS).max(1);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = paths
+            .chunks(per_thread)
+            .map(|chunk| {
+                scope.spawn(move || {
+                    for path in chunk {
+                        File::open(path)
+                            .and_then(|f| f.sync_all())
+                            .map_err(|e| FormatError::io(path, e))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join().unwrap_or_else(|_| {
+                Err(FormatError::Writer {
+                    reason: "a file-sync thread panicked".into(),
+                })
+            })
+        })
+    })
 }
 
 fn sync_dir(dir: &Path) -> Result<(), FormatError> {
