@@ -182,20 +182,13 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
 fi
 
 # --- 4. synthetic model + bench-io -----------------------------------------------------
-step "synthetic model: embed + $LAYERS × $LAYER_MIB MiB layers + output"
+step "synthetic model: gdsllm synth --shape llama-7b --dtype f16 (${SYNTH_LAYERS:-32} layers)"
 MODEL="$WORK_DIR/synth7b"
-if [ ! -f "$MODEL/layer_$(printf %03d $((LAYERS - 1))).bin" ]; then
-  mkdir -p "$MODEL"
-  head -c $((64 << 20)) /dev/urandom >"$WORK_DIR/chunk"
-  write_blob() { # name MiB
-    local name=$1 mib=$2 i
-    : >"$MODEL/$name"
-    for ((i = 0; i < mib / 64; i++)); do cat "$WORK_DIR/chunk" >>"$MODEL/$name"; done
-    head -c $(((mib % 64) << 20)) "$WORK_DIR/chunk" >>"$MODEL/$name"
-  }
-  write_blob embed.bin 250
-  for ((l = 0; l < LAYERS; l++)); do write_blob "$(printf 'layer_%03d.bin' "$l")" "$LAYER_MIB"; done
-  write_blob output.bin 250
+if [ ! -f "$MODEL/metadata.json" ]; then
+  rm -rf "$MODEL"
+  "$BIN" synth --shape llama-7b --layers "${SYNTH_LAYERS:-32}" --dtype f16 "$MODEL" --json >"$RESULTS/synth.json" \
+    || { echo "synth FAILED" >&2; status=1; }
+  cat "$RESULTS/synth.json" >&2
   sync
 fi
 du -sh "$MODEL" >&2
