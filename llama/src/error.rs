@@ -33,6 +33,8 @@ pub enum LlamaError {
     MissingBlob { file: String },
     #[error("reading weights of blob {blob}: {message}")]
     Weights { blob: String, message: String },
+    #[error("GPU: {message}")]
+    Device { message: String },
     #[error("reading weights: {0}")]
     Residency(#[from] residency::ResidencyError),
     #[error("model directory: {0}")]

@@ -2,7 +2,8 @@
 //!
 //! This crate is for: the model config, tokenizer and chat template, sampling, the KV cache and
 //! the forward pass over a narrow `Backend` trait, with a CPU implementation always built and a
-//! CUDA one behind the `cuda` feature (to come).
+//! CUDA one behind the `cuda` feature (kernels compiled at run time by NVRTC; a build with the
+//! feature runs without a GPU and reports why CUDA is unusable).
 //!
 //! It is not for: deciding where weights live or when they are read (that is `residency`), nor
 //! HTTP (that is `server`).
@@ -19,6 +20,8 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use backend::{Backend, CpuBackend, ReferenceBackend, WeightView};
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, DeviceWeights};
 pub use chat::{ChatTemplate, Message};
 pub use config::LlamaConfig;
 pub use error::LlamaError;

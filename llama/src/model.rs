@@ -88,8 +88,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let kv_cache = (0..c.n_layers)
             .map(|_| {
                 (
-                    backend.alloc(context * c.kv_dim()),
-                    backend.alloc(context * c.kv_dim()),
+                    backend.alloc_kv(context * c.kv_dim()),
+                    backend.alloc_kv(context * c.kv_dim()),
                 )
             })
             .collect();
@@ -283,6 +283,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         };
         be.matmul(&s.last_norm, 1, head, &mut s.logits);
         be.read(&s.logits, &mut self.logits);
+        be.status()?;
         drop(output_guard);
         drop(embed_guard);
         self.weights.end_pass();

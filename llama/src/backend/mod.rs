@@ -6,12 +6,16 @@
 //! ([`crate::weights`]), so the ops themselves take them as given.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub(crate) mod kernels;
 pub mod reference;
 
 use weights_format::DType;
 
 pub use cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaBackend, DeviceWeights};
 pub use kernels::f16_bits_to_f32;
 pub use reference::ReferenceBackend;
 
@@ -60,8 +64,20 @@ pub trait Backend: Send + Sync {
     /// A zeroed buffer of `len` values.
     fn alloc(&self, len: usize) -> Self::Buf;
 
+    /// A zeroed KV-cache buffer of `len` values. A backend may store it in a narrower type
+    /// (the CUDA backend uses f16); it is only written by `copy_rows` and read by `attention`.
+    fn alloc_kv(&self, len: usize) -> Self::Buf {
+        self.alloc(len)
+    }
+
     /// Copies the first `out.len()` values of `buf` to host memory.
     fn read(&self, buf: &Self::Buf, out: &mut [f32]);
+
+    /// The first failure of an op since the backend was created (a device backend's ops cannot
+    /// return errors one by one); checked after every forward pass.
+    fn status(&self) -> Result<(), crate::LlamaError> {
+        Ok(())
+    }
 
     /// `out[r, :] = table[ids[r], :]` for `table: [vocab, dim]`.
     fn embed_rows(&self, table: WeightView<'_>, ids: &[u32], out: &mut Self::Buf);

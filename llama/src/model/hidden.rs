@@ -48,6 +48,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             drop(guard);
             self.backend
                 .read(&self.state.xb, &mut hidden[done * dim..(done + rows) * dim]);
+            self.backend.status()?;
             done += rows;
         }
         Ok(hidden)

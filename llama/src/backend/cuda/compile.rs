@@ -1,0 +1,149 @@
+//! NVRTC compilation of the embedded kernel sources for the device's compute capability, with
+//! an on-disk PTX cache keyed by source hash + architecture + NVRTC version (compiling costs
+//! about a second; loading cached PTX a few milliseconds).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
+
+use crate::LlamaError;
+
+/// The kernels of the backend, compiled as one module.
+pub(super) const OPS_SOURCE: &str = include_str!("kernels/ops.cu");
+const OPS_FILE: &str = "llama/src/backend/cuda/kernels/ops.cu";
+
+/// FNV-1a: stable across Rust versions and platforms, unlike `DefaultHasher`, so cache file
+/// names stay valid between builds.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The NVRTC library's version, part of the cache key: a newer NVRTC may emit different PTX.
+fn nvrtc_version() -> Result<(i32, i32), LlamaError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both pointers are to live locals; the caller checked that libnvrtc is loadable,
+    // so the symbol lookup cannot panic.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(LlamaError::Device {
+            message: format!("nvrtcVersion failed: {status:?}"),
+        });
+    }
+    Ok((major, minor))
+}
+
+/// `$GDSLLM_HOME/kernels`, else `$XDG_CACHE_HOME/gdsllm/kernels`, else
+/// `~/.cache/gdsllm/kernels`; `None` when none of these is set (then nothing is cached).
+pub fn kernel_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(home) = env("GDSLLM_HOME") {
+        return Some(home.join("kernels"));
+    }
+    if let Some(xdg) = env("XDG_CACHE_HOME") {
+        return Some(xdg.join("gdsllm").join("kernels"));
+    }
+    env("HOME").map(|h| h.join(".cache").join("gdsllm").join("kernels"))
+}
+
+/// Loads the ops module for `ctx`'s device: from the cache when a PTX file for this exact
+/// source, architecture and NVRTC version exists and loads, else compiled now (and cached).
+pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
+    let (major, minor) = ctx.compute_capability().map_err(|e| LlamaError::Device {
+        message: format!("cuDeviceGetAttribute(compute capability): {e}"),
+    })?;
+    let (nv_major, nv_minor) = nvrtc_version()?;
+    let arch = format!("compute_{major}{minor}");
+    let file_name = format!(
+        "ops-{:016x}-{arch}-nvrtc{nv_major}.{nv_minor}.ptx",
+        fnv1a64(OPS_SOURCE.as_bytes())
+    );
+    let cached = kernel_cache_dir().map(|d| d.join(&file_name));
+    if let Some(path) = &cached
+        && let Ok(text) = std::fs::read_to_string(path)
+    {
+        match ctx.load_module(Ptx::from_src(text)) {
+            Ok(module) => {
+                tracing::debug!(path = %path.display(), "CUDA kernels loaded from the cache");
+                return Ok(module);
+            }
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                "cached PTX does not load ({e}); compiling again"
+            ),
+        }
+    }
+    let started = std::time::Instant::now();
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+        name: Some("ops.cu".into()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(OPS_SOURCE, opts).map_err(|e| LlamaError::Device {
+        message: match e {
+            CompileError::CompileError { nvrtc, log, .. } => format!(
+                "NVRTC {nv_major}.{nv_minor} could not compile {OPS_FILE} for {arch} ({nvrtc:?}):\n{}",
+                log.to_string_lossy()
+            ),
+            other => format!("NVRTC {nv_major}.{nv_minor}, {OPS_FILE} for {arch}: {other}"),
+        },
+    })?;
+    tracing::info!(
+        arch = %arch,
+        seconds = started.elapsed().as_secs_f64(),
+        "compiled CUDA kernels with NVRTC"
+    );
+    let text = ptx.to_src();
+    if let Some(path) = &cached {
+        store(path, &text);
+    }
+    ctx.load_module(Ptx::from_src(text))
+        .map_err(|e| LlamaError::Device {
+            message: format!("loading the PTX of {OPS_FILE} for {arch}: {e}"),
+        })
+}
+
+/// Writes the cache file atomically (temp file + rename), so a concurrent process never reads
+/// half a file. A cache that cannot be written only costs a compile next time.
+fn store(path: &std::path::Path, text: &str) {
+    let write = || -> std::io::Result<()> {
+        let dir = path.parent().expect("cache paths have a directory");
+        std::fs::create_dir_all(dir)?;
+        let tmp = dir.join(format!(
+            ".{}.{}.tmp",
+            std::process::id(),
+            fnv1a64(text.as_bytes())
+        ));
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, path)
+    };
+    if let Err(e) = write() {
+        tracing::warn!(path = %path.display(), "cannot cache compiled kernels: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_matches_published_vectors() {
+        assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn kernel_source_is_embedded() {
+        assert!(OPS_SOURCE.contains("extern \"C\" __global__ void matmul_q4_1"));
+    }
+}

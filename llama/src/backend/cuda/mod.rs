@@ -1,0 +1,743 @@
+//! The CUDA backend (feature `cuda`): f32 activations in device memory, an f16 KV cache, and
+//! kernels compiled by NVRTC from `kernels/ops.cu` on first use (see [`compile`]).
+//!
+//! Weights: ops receive [`WeightView`]s over host bytes (the trait is shared with the CPU
+//! backend). [`CudaBackend::upload_weights`] copies every blob to device memory once and
+//! returns a [`DeviceWeights`] weight source; while it lives, a view into its host bytes is
+//! resolved to the device copy (device pointer + the same offset), so no weight crosses PCIe
+//! during a forward pass. A view over any other host memory is uploaded for that one op (the
+//! op tests, the rows of an untied embedding table).
+//!
+//! Launch failures cannot be returned through the infallible [`Backend`] ops: the first one is
+//! recorded, every later op becomes a no-op, and [`Backend::status`] reports it after the pass.
+
+mod compile;
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use weights_format::DType;
+
+use super::{AttentionShape, Backend, WeightView};
+use crate::LlamaError;
+use crate::weights::WeightSource;
+
+pub use compile::kernel_cache_dir;
+
+/// Threads per block of the row-wise kernels (rmsnorm, attention): the kernels assume 256.
+const ROW_THREADS: u32 = 256;
+/// Threads per block of elementwise kernels.
+const ELEMENT_THREADS: u32 = 256;
+/// Warps (= weight rows) per block and input rows per warp of the matmul kernels (`MM_ROWS`).
+const MM_WARPS: u32 = 8;
+const MM_ROWS: u32 = 8;
+
+/// The dtype codes of `kernels/ops.cu`.
+fn dtype_code(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Bf16 => 2,
+        DType::Q8_0 => 3,
+        DType::Q4_0 => 4,
+        DType::Q4_1 => 5,
+    }
+}
+
+/// Whether this machine can run the CUDA backend at all (driver and NVRTC libraries loadable
+/// and at least one device), with the reason when it cannot.
+pub fn cuda_usable() -> Result<(), LlamaError> {
+    CudaBackend::new(0).map(|_| ())
+}
+
+fn device_error(message: impl Into<String>) -> LlamaError {
+    LlamaError::Device {
+        message: message.into(),
+    }
+}
+
+/// An activation buffer in device memory: f32, or f16 for the KV cache.
+#[derive(Debug)]
+pub enum CudaBuf {
+    F32(CudaSlice<f32>),
+    F16(CudaSlice<u16>),
+    /// What an allocation that failed returns; the backend is poisoned by then and never
+    /// launches a kernel on it.
+    Failed,
+}
+
+struct Kernels {
+    embed_rows: CudaFunction,
+    rmsnorm: CudaFunction,
+    rope: CudaFunction,
+    copy_f32: CudaFunction,
+    copy_f32_to_f16: CudaFunction,
+    copy_f16_to_f32: CudaFunction,
+    swiglu: CudaFunction,
+    add: CudaFunction,
+    attention: CudaFunction,
+    matmul: [CudaFunction; 6],
+}
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>) -> Result<Kernels, LlamaError> {
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| device_error(format!("kernel `{name}` in ops.cu: {e}")))
+        };
+        Ok(Kernels {
+            embed_rows: f("embed_rows")?,
+            rmsnorm: f("rmsnorm")?,
+            rope: f("rope")?,
+            copy_f32: f("copy_f32")?,
+            copy_f32_to_f16: f("copy_f32_to_f16")?,
+            copy_f16_to_f32: f("copy_f16_to_f32")?,
+            swiglu: f("swiglu")?,
+            add: f("add")?,
+            attention: f("attention")?,
+            matmul: [
+                f("matmul_f32")?,
+                f("matmul_f16")?,
+                f("matmul_bf16")?,
+                f("matmul_q8_0")?,
+                f("matmul_q4_0")?,
+                f("matmul_q4_1")?,
+            ],
+        })
+    }
+}
+
+/// One blob of a [`DeviceWeights`] mirrored in device memory.
+struct ResidentBlob {
+    /// Keeps the host bytes (and so their address) alive as long as the mirror is used.
+    host: Arc<Vec<Vec<u8>>>,
+    index: usize,
+    device: CudaSlice<u8>,
+}
+
+impl ResidentBlob {
+    fn host_range(&self) -> std::ops::Range<usize> {
+        let b = &self.host[self.index];
+        let start = b.as_ptr() as usize;
+        start..start + b.len()
+    }
+}
+
+/// A weight's bytes in device memory: a pointer into a resident blob, or a temporary upload
+/// that must stay alive until the kernel using it has been queued (its free is stream-ordered).
+struct DeviceWeight {
+    ptr: u64,
+    _temporary: Option<CudaSlice<u8>>,
+}
+
+/// The CUDA backend on one device: one stream, kernels compiled for the device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    device_name: String,
+    resident: Mutex<Vec<ResidentBlob>>,
+    /// The RoPE frequencies last used, on the device (they are the same for every call).
+    inv_freq: Mutex<Option<(Vec<f32>, CudaSlice<f32>)>>,
+    /// The first failure; later ops do nothing.
+    error: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device_name)
+            .field("ordinal", &self.ctx.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` and loads (compiling on first use) the kernels. Fails with the
+    /// reason — no driver library, no NVRTC library, no such device, compile log — and never
+    /// panics when CUDA is missing.
+    pub fn new(ordinal: usize) -> Result<CudaBackend, LlamaError> {
+        // SAFETY: `is_culib_present` only tries to dlopen the libraries; cudarc panics on the
+        // first call into a library that is missing, so this must come before any other call.
+        let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+        if !driver {
+            return Err(device_error(format!(
+                "the CUDA driver library (libcuda.so.1) is not loadable (LD_LIBRARY_PATH={})",
+                std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "<unset>".into())
+            )));
+        }
+        // SAFETY: as above, for libnvrtc.
+        let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        if !nvrtc {
+            return Err(device_error(format!(
+                "the NVRTC library (libnvrtc.so) is not loadable; it ships with the CUDA \
+                 toolkit, e.g. LD_LIBRARY_PATH=/usr/local/cuda/lib64 (now {})",
+                std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "<unset>".into())
+            )));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| device_error(format!("cannot open CUDA device {ordinal}: {e}")))?;
+        // SAFETY: nothing has been allocated or launched on this context object yet. Every op
+        // runs on the one stream below, so the per-buffer events that cudarc would record to
+        // order several streams are unnecessary, and raw device pointers are passed to kernels.
+        unsafe { ctx.disable_event_tracking() };
+        let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| device_error(format!("cuStreamCreate: {e}")))?;
+        let module = compile::load_ops(&ctx)?;
+        let kernels = Kernels::load(&module)?;
+        Ok(CudaBackend {
+            ctx,
+            stream,
+            kernels,
+            device_name,
+            resident: Mutex::new(Vec::new()),
+            inv_freq: Mutex::new(None),
+            error: Mutex::new(None),
+        })
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Copies every blob (in `metadata.blobs` order) to device memory once and returns the
+    /// weight source whose views this backend resolves to those copies.
+    pub fn upload_weights(&self, blobs: Vec<Vec<u8>>) -> Result<DeviceWeights, LlamaError> {
+        let host = Arc::new(blobs);
+        let mut uploaded = Vec::with_capacity(host.len());
+        for (index, bytes) in host.iter().enumerate() {
+            let device = self.stream.clone_htod(bytes.as_slice()).map_err(|e| {
+                device_error(format!(
+                    "uploading blob #{index} ({} bytes) to {}: {e}",
+                    bytes.len(),
+                    self.device_name
+                ))
+            })?;
+            uploaded.push(ResidentBlob {
+                host: Arc::clone(&host),
+                index,
+                device,
+            });
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| device_error(format!("uploading weights: {e}")))?;
+        self.resident.lock().expect("not poisoned").extend(uploaded);
+        Ok(DeviceWeights { host })
+    }
+
+    /// A device buffer holding `data` (tests, and callers that bring their own activations).
+    pub fn upload(&self, data: &[f32]) -> Result<CudaBuf, LlamaError> {
+        self.stream
+            .clone_htod(data)
+            .map(CudaBuf::F32)
+            .map_err(|e| device_error(format!("uploading {} values: {e}", data.len())))
+    }
+
+    /// Bytes of weights held in device memory.
+    pub fn resident_bytes(&self) -> usize {
+        let resident = self.resident.lock().expect("not poisoned");
+        resident.iter().map(|b| b.device.len()).sum()
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().expect("not poisoned").is_some()
+    }
+
+    fn fail(&self, what: &str, err: impl std::fmt::Display) {
+        let mut slot = self.error.lock().expect("not poisoned");
+        if slot.is_none() {
+            *slot = Some(format!("{what}: {err}"));
+        }
+    }
+
+    fn check<T, E: std::fmt::Display>(&self, what: &str, r: Result<T, E>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.fail(what, e);
+                None
+            }
+        }
+    }
+
+    /// The device address of a buffer (+ `offset` elements).
+    fn ptr(&self, buf: &CudaBuf, offset: usize) -> Option<u64> {
+        match buf {
+            CudaBuf::F32(s) => Some(s.device_ptr(&self.stream).0 + (offset * 4) as u64),
+            CudaBuf::F16(s) => Some(s.device_ptr(&self.stream).0 + (offset * 2) as u64),
+            CudaBuf::Failed => {
+                self.fail("buffer", "used after its allocation failed");
+                None
+            }
+        }
+    }
+
+    fn weight(&self, w: &WeightView<'_>) -> Option<DeviceWeight> {
+        let start = w.bytes.as_ptr() as usize;
+        let end = start + w.bytes.len();
+        {
+            let resident = self.resident.lock().expect("not poisoned");
+            for blob in resident.iter() {
+                let range = blob.host_range();
+                if range.start <= start && end <= range.end {
+                    let (base, _) = blob.device.device_ptr(&self.stream);
+                    return Some(DeviceWeight {
+                        ptr: base + (start - range.start) as u64,
+                        _temporary: None,
+                    });
+                }
+            }
+        }
+        let temp = self.check("uploading a weight", self.stream.clone_htod(w.bytes))?;
+        let (ptr, _) = temp.device_ptr(&self.stream);
+        Some(DeviceWeight {
+            ptr,
+            _temporary: Some(temp),
+        })
+    }
+
+    fn inv_freq_ptr(&self, inv_freq: &[f32]) -> Option<u64> {
+        let mut slot = self.inv_freq.lock().expect("not poisoned");
+        if slot
+            .as_ref()
+            .is_none_or(|(host, _)| host.as_slice() != inv_freq)
+        {
+            let dev = self.check(
+                "uploading RoPE frequencies",
+                self.stream.clone_htod(inv_freq),
+            )?;
+            *slot = Some((inv_freq.to_vec(), dev));
+        }
+        let (_, dev) = slot.as_ref().expect("set above");
+        Some(dev.device_ptr(&self.stream).0)
+    }
+
+    fn elementwise(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((n as u32).div_ceil(ELEMENT_THREADS), 1, 1),
+            block_dim: (ELEMENT_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// Converts `n` elements from `src` (+`src_off`) into `dst` (+`dst_off`), f32 or f16 each.
+    fn copy(&self, src: &CudaBuf, src_off: usize, dst: &CudaBuf, dst_off: usize, n: usize) {
+        let (Some(s), Some(d)) = (self.ptr(src, src_off), self.ptr(dst, dst_off)) else {
+            return;
+        };
+        let k = match (src, dst) {
+            (CudaBuf::F32(_), CudaBuf::F32(_)) => &self.kernels.copy_f32,
+            (CudaBuf::F32(_), CudaBuf::F16(_)) => &self.kernels.copy_f32_to_f16,
+            (CudaBuf::F16(_), CudaBuf::F32(_)) => &self.kernels.copy_f16_to_f32,
+            _ => {
+                self.fail("copy_rows", "f16 to f16 copies are not supported");
+                return;
+            }
+        };
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(k);
+        b.arg(&s).arg(&d).arg(&n64);
+        // SAFETY: `copy_*` reads n elements at s and writes n at d; both pointers come from
+        // live buffers of at least offset + n elements (the forward pass's contract).
+        let r = unsafe { b.launch(self.elementwise(n)) };
+        self.check("copy kernel", r);
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn alloc(&self, len: usize) -> CudaBuf {
+        match self.stream.alloc_zeros::<f32>(len.max(1)) {
+            Ok(s) => CudaBuf::F32(s),
+            Err(e) => {
+                self.fail(&format!("allocating {len} f32 values"), e);
+                CudaBuf::Failed
+            }
+        }
+    }
+
+    /// The KV cache is f16 on the device: half the memory and bandwidth of f32.
+    fn alloc_kv(&self, len: usize) -> CudaBuf {
+        match self.stream.alloc_zeros::<u16>(len.max(1)) {
+            Ok(s) => CudaBuf::F16(s),
+            Err(e) => {
+                self.fail(&format!("allocating {len} f16 KV-cache values"), e);
+                CudaBuf::Failed
+            }
+        }
+    }
+
+    fn read(&self, buf: &CudaBuf, out: &mut [f32]) {
+        if self.failed() {
+            return;
+        }
+        let n = out.len();
+        let r = match buf {
+            CudaBuf::F32(s) => self.stream.memcpy_dtoh(&s.slice(0..n), out),
+            CudaBuf::F16(_) => {
+                let tmp = self.alloc(n);
+                self.copy(buf, 0, &tmp, 0, n);
+                match &tmp {
+                    CudaBuf::F32(t) => self.stream.memcpy_dtoh(&t.slice(0..n), out),
+                    _ => return,
+                }
+            }
+            CudaBuf::Failed => return self.fail("read", "buffer allocation had failed"),
+        };
+        self.check("copying results to the host", r);
+        let r = self.stream.synchronize();
+        self.check("synchronising the stream", r);
+    }
+
+    fn status(&self) -> Result<(), LlamaError> {
+        match self.error.lock().expect("not poisoned").as_ref() {
+            None => Ok(()),
+            Some(message) => Err(device_error(format!(
+                "{} ({}): {message}",
+                self.device_name,
+                self.ctx.ordinal()
+            ))),
+        }
+    }
+
+    fn embed_rows(&self, table: WeightView<'_>, ids: &[u32], out: &mut CudaBuf) {
+        if self.failed() || ids.is_empty() {
+            return;
+        }
+        let Some(w) = self.weight(&table) else { return };
+        let Some(ids_dev) = self.check("uploading token ids", self.stream.clone_htod(ids)) else {
+            return;
+        };
+        let Some(o) = self.ptr(out, 0) else { return };
+        let ids_ptr = ids_dev.device_ptr(&self.stream).0;
+        let (row_bytes, dtype, dim) = (
+            table.row_bytes() as u64,
+            dtype_code(table.dtype),
+            table.cols as i32,
+        );
+        let mut b = self.stream.launch_builder(&self.kernels.embed_rows);
+        b.arg(&w.ptr)
+            .arg(&row_bytes)
+            .arg(&dtype)
+            .arg(&ids_ptr)
+            .arg(&dim)
+            .arg(&o);
+        let cfg = LaunchConfig {
+            grid_dim: (ids.len() as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: ids are < the table's rows (checked by `Llama::forward`), the table holds
+        // rows·row_bytes bytes, `out` holds ids.len()·dim values.
+        let r = unsafe { b.launch(cfg) };
+        self.check("embed_rows kernel", r);
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        let Some(w) = self.weight(&weight) else {
+            return;
+        };
+        let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
+            return;
+        };
+        let (dtype, dim) = (dtype_code(weight.dtype), weight.cols as i32);
+        let mut b = self.stream.launch_builder(&self.kernels.rmsnorm);
+        b.arg(&xp)
+            .arg(&w.ptr)
+            .arg(&dtype)
+            .arg(&dim)
+            .arg(&eps)
+            .arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x and out hold rows·dim values, the weight dim values.
+        let r = unsafe { b.launch(cfg) };
+        self.check("rmsnorm kernel", r);
+    }
+
+    fn matmul(&self, x: &CudaBuf, rows: usize, w: WeightView<'_>, out: &mut CudaBuf) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        let Some(wd) = self.weight(&w) else { return };
+        let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
+            return;
+        };
+        let (rows_i, m, k) = (rows as i32, w.rows as i32, w.cols as i32);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize]);
+        b.arg(&xp)
+            .arg(&rows_i)
+            .arg(&wd.ptr)
+            .arg(&m)
+            .arg(&k)
+            .arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (w.rows as u32).div_ceil(MM_WARPS),
+                (rows as u32).div_ceil(MM_ROWS),
+                1,
+            ),
+            block_dim: (MM_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows·k values, out rows·m, the weight m rows of k values in whole
+        // blocks of its dtype (checked when the view was made).
+        let r = unsafe { b.launch(cfg) };
+        self.check("matmul kernel", r);
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaBuf,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        inv_freq: &[f32],
+    ) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        let Some(f) = self.inv_freq_ptr(inv_freq) else {
+            return;
+        };
+        let Some(xp) = self.ptr(x, 0) else { return };
+        let (rows_i, heads, hd, p0) = (rows as i32, n_heads as i32, head_dim as i32, pos0 as i32);
+        let mut b = self.stream.launch_builder(&self.kernels.rope);
+        b.arg(&xp)
+            .arg(&rows_i)
+            .arg(&heads)
+            .arg(&hd)
+            .arg(&p0)
+            .arg(&f);
+        // SAFETY: x holds rows·n_heads·head_dim values, inv_freq head_dim/2.
+        let r = unsafe { b.launch(self.elementwise(rows * n_heads * head_dim / 2)) };
+        self.check("rope kernel", r);
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CudaBuf,
+        src_row: usize,
+        dst: &mut CudaBuf,
+        dst_row: usize,
+        rows: usize,
+        row_len: usize,
+    ) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        self.copy(
+            src,
+            src_row * row_len,
+            dst,
+            dst_row * row_len,
+            rows * row_len,
+        );
+    }
+
+    fn attention(
+        &self,
+        q: &CudaBuf,
+        rows: usize,
+        k_cache: &CudaBuf,
+        v_cache: &CudaBuf,
+        pos0: usize,
+        shape: AttentionShape,
+        out: &mut CudaBuf,
+    ) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        if shape.head_dim > ROW_THREADS as usize {
+            return self.fail(
+                "attention",
+                format!("head_dim {} > {ROW_THREADS}", shape.head_dim),
+            );
+        }
+        // The kernel reads an f16 cache; an f32 one (from `alloc`) is converted first.
+        let as_f16 = |c: &CudaBuf| -> Option<Option<CudaBuf>> {
+            match c {
+                CudaBuf::F16(_) => Some(None),
+                _ => {
+                    let n = (pos0 + rows) * shape.n_kv_heads * shape.head_dim;
+                    let tmp = self.alloc_kv(n);
+                    self.copy(c, 0, &tmp, 0, n);
+                    Some(Some(tmp))
+                }
+            }
+        };
+        let (Some(k16), Some(v16)) = (as_f16(k_cache), as_f16(v_cache)) else {
+            return;
+        };
+        let kc = k16.as_ref().unwrap_or(k_cache);
+        let vc = v16.as_ref().unwrap_or(v_cache);
+        let (Some(qp), Some(kp), Some(vp), Some(op)) = (
+            self.ptr(q, 0),
+            self.ptr(kc, 0),
+            self.ptr(vc, 0),
+            self.ptr(out, 0),
+        ) else {
+            return;
+        };
+        let (p0, nh, nkv, hd) = (
+            pos0 as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let scale = 1.0 / (shape.head_dim as f32).sqrt();
+        let mut b = self.stream.launch_builder(&self.kernels.attention);
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&p0)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale)
+            .arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: ((rows * shape.n_heads) as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q and out hold rows·n_heads·head_dim values, the caches at least
+        // (pos0+rows)·n_kv_heads·head_dim; head_dim <= 256 was checked above.
+        let r = unsafe { b.launch(cfg) };
+        self.check("attention kernel", r);
+    }
+
+    fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) {
+        if self.failed() || len == 0 {
+            return;
+        }
+        let (Some(g), Some(u)) = (self.ptr(gate, 0), self.ptr(up, 0)) else {
+            return;
+        };
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.swiglu);
+        b.arg(&g).arg(&u).arg(&n);
+        // SAFETY: both buffers hold at least len values.
+        let r = unsafe { b.launch(self.elementwise(len)) };
+        self.check("swiglu kernel", r);
+    }
+
+    fn add(&self, x: &mut CudaBuf, y: &CudaBuf, len: usize) {
+        if self.failed() || len == 0 {
+            return;
+        }
+        let (Some(xp), Some(yp)) = (self.ptr(x, 0), self.ptr(y, 0)) else {
+            return;
+        };
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.add);
+        b.arg(&xp).arg(&yp).arg(&n);
+        // SAFETY: both buffers hold at least len values.
+        let r = unsafe { b.launch(self.elementwise(len)) };
+        self.check("add kernel", r);
+    }
+}
+
+/// Every blob of a model in host memory with a copy in device memory (see
+/// [`CudaBackend::upload_weights`]). The forward pass reads views of the host bytes; the backend
+/// that uploaded them maps those views to the device copies.
+#[derive(Debug, Clone)]
+pub struct DeviceWeights {
+    host: Arc<Vec<Vec<u8>>>,
+}
+
+impl DeviceWeights {
+    /// Bytes of all blobs.
+    pub fn total_bytes(&self) -> usize {
+        self.host.iter().map(Vec::len).sum()
+    }
+}
+
+impl WeightSource for DeviceWeights {
+    type Guard<'a> = &'a [u8];
+
+    fn acquire(&self, index: usize) -> Result<&[u8], LlamaError> {
+        self.host
+            .get(index)
+            .map(Vec::as_slice)
+            .ok_or_else(|| LlamaError::MissingBlob {
+                file: format!("#{index}"),
+            })
+    }
+
+    fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError> {
+        let blob = self.acquire(index)?;
+        usize::try_from(offset)
+            .ok()
+            .and_then(|o| blob.get(o..o.checked_add(len)?))
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| LlamaError::Weights {
+                blob: format!("#{index}"),
+                message: format!(
+                    "range {offset}+{len} is past the end ({} bytes)",
+                    blob.len()
+                ),
+            })
+    }
+
+    fn end_pass(&self) {}
+}
+
+/// Opens the model directory `dir` on CUDA device `ordinal` with every blob resident in device
+/// memory and a KV cache of `context` positions (0: the model's context length).
+pub fn open_resident(
+    dir: &std::path::Path,
+    ordinal: usize,
+    context: usize,
+) -> Result<crate::Llama<CudaBackend, DeviceWeights>, LlamaError> {
+    let model = weights_format::Model::open(dir)?;
+    let metadata = model.metadata().clone();
+    let context = if context == 0 {
+        metadata.config.context_length as usize
+    } else {
+        context
+    };
+    let backend = CudaBackend::new(ordinal)?;
+    let blobs = (0..metadata.blobs.len())
+        .map(|i| {
+            let path = model.blob_path(i);
+            std::fs::read(&path).map_err(|source| LlamaError::Io { path, source })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let weights = backend.upload_weights(blobs)?;
+    tracing::info!(
+        device = backend.device_name(),
+        bytes = weights.total_bytes(),
+        "model weights resident in device memory"
+    );
+    crate::Llama::new(backend, weights, metadata, context, context)
+}
