@@ -532,7 +532,7 @@ mod tests {
     #[test]
     fn config_keeps_several_slots_per_reader() {
         let c = BounceConfig::default();
-        assert_eq!((c.slot_bytes, c.threads), (4 << 20, 8));
+        assert_eq!((c.slot_bytes, c.threads), (1 << 20, 8));
         assert!(c.slots >= 4 * c.threads, "{c:?}");
         for mib in [1usize, 4, 8, 16] {
             let c = BounceConfig::with_request(mib << 20, 12);
