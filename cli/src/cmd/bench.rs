@@ -24,6 +24,10 @@ pub struct Args {
     /// [per repetition]}, tg {tokens, tok_per_s [per repetition], bytes_per_token}, residency.
     #[arg(long)]
     pub json: bool,
+    /// Where to compute: `cpu`, `cuda` (GPU 0, every weight resident in device memory), or
+    /// `auto` (cuda when usable, else cpu with a log line saying why).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: String,
     #[command(flatten)]
     pub residency: ResidencyArgs,
 }
@@ -33,6 +37,16 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    match args.device.as_str() {
+        "cuda" => return run_cuda(&args),
+        "auto" => match llama::backend::cuda::cuda_usable() {
+            Ok(()) => return run_cuda(&args),
+            Err(e) => {
+                tracing::warn!("--device auto: using the CPU because CUDA is not usable: {e}")
+            }
+        },
+        _ => {}
+    }
     let context = args.n_prompt + args.n_gen + 1;
     let mut model = crate::cmd::run::open_model(args.model.as_deref(), &args.residency, context)?;
     let vocab = model.session.model().config().vocab_size as u32;
@@ -123,4 +137,74 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// pp/tg on CUDA device 0 with every weight resident (the streaming path comes with residency's
+/// device memory).
+fn run_cuda(args: &Args) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let dir = crate::cmd::run::model_dir(args.model.as_deref())?;
+    let context = args.n_prompt + args.n_gen + 1;
+    let t = std::time::Instant::now();
+    let mut llama = llama::backend::cuda::open_resident(&dir, 0, context)
+        .with_context(|| format!("loading {} on CUDA device 0", dir.display()))?;
+    let open_s = t.elapsed().as_secs_f64();
+    let device = llama.backend().device_name().to_string();
+    let vocab = llama.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..args.n_prompt as u32)
+        .map(|i| 300 + (i * 7919) % (vocab - 300))
+        .collect();
+    let reps = args.repetitions.max(1);
+    // Warm-up: first launches load the kernels.
+    llama.truncate(0);
+    llama.forward(&prompt[..1])?;
+    let (mut pp, mut tg) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        llama.truncate(0);
+        let t = std::time::Instant::now();
+        llama.forward(&prompt)?;
+        pp.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
+        let mut next = 300u32;
+        let t = std::time::Instant::now();
+        for _ in 0..args.n_gen {
+            let logits = llama.forward(&[next])?;
+            next = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map_or(0, |(i, _)| i as u32);
+        }
+        tg.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
+    let weight_bytes = llama.weights().total_bytes();
+    if args.json {
+        let out = json!({
+            "model": llama.metadata().source,
+            "device": device,
+            "load": { "open_s": open_s, "resident_bytes": weight_bytes },
+            "pp": { "tokens": args.n_prompt, "tok_per_s": pp, "mean": mean(&pp), "best": best(&pp) },
+            "tg": { "tokens": args.n_gen, "tok_per_s": tg, "mean": mean(&tg), "best": best(&tg) },
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("| test   |      tok/s (mean) |  best |");
+        println!(
+            "| pp{:<4} | {:>17.1} | {:>5.1} |",
+            args.n_prompt,
+            mean(&pp),
+            best(&pp)
+        );
+        println!(
+            "| tg{:<4} | {:>17.1} | {:>5.1} |",
+            args.n_gen,
+            mean(&tg),
+            best(&tg)
+        );
+        println!(
+            "device: {device}; {:.1} MB of weights resident; opened in {open_s:.2} s",
+            weight_bytes as f64 / 1e6
+        );
+    }
+    Ok(())
 }
