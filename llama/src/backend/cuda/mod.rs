@@ -8,8 +8,8 @@
 //! during a forward pass. A view over any other host memory is uploaded for that one op (the
 //! op tests, the rows of an untied embedding table).
 //!
-//! Streaming (next step): give `WeightView` an optional device location (blob device pointer
-//! + offset) filled by a `WeightSource` over residency's `DeviceMemory`; `acquire` returns a
+//! Streaming (next step): give `WeightView` an optional device location (the device pointer of
+//! its blob plus its offset) filled by a `WeightSource` over residency's `DeviceMemory`; `acquire` returns a
 //! guard holding the slot's device pointer after making this backend's stream wait on the
 //! slot's fill event (`cuStreamWaitEvent`, no host sync), and the guard's drop records a
 //! "layer done" event on the stream that the I/O side waits on before refilling that slot.
