@@ -25,11 +25,19 @@ enum Command {
     Fetch(convert::FetchArgs),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> std::process::ExitCode {
+    let result = match Cli::parse().command {
         Command::Bindgen(args) => bindgen::run(args),
         Command::Ci(args) => ci::run(args),
         Command::Convert(args) => convert::run_convert(args),
         Command::Fetch(args) => convert::run_fetch(args),
+    };
+    // The message chain is what a developer needs; a backtrace of xtask itself is noise.
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
