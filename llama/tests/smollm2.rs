@@ -205,3 +205,59 @@ fn prompt_longer_than_context_is_an_error_with_both_numbers() {
         "{msg}"
     );
 }
+
+/// Issue 3's token-level check: where the weights live must not change what comes out. One run
+/// keeps every blob resident; the other keeps no layer resident and has no host tier, so every
+/// layer is re-read from disk through the staging ring on every pass.
+#[test]
+fn streamed_run_gives_the_same_tokens_as_resident_run() {
+    let Some(dir) = model_dir() else { return };
+    let golden = golden();
+    let case = &golden["prompts"][1];
+    let text = case["prompt"].as_str().unwrap();
+    let steps = 12;
+    let run = |options: ResidencyOptions| {
+        let mut m = load_cpu(&dir, &options, 256).unwrap();
+        let prompt = m.session.encode_prompt(text).unwrap();
+        let tokens = m
+            .session
+            .generate(&prompt, &greedy(steps), |_| {})
+            .unwrap()
+            .tokens;
+        let weights = m.session.model().weights();
+        (tokens, weights.plan().clone(), weights.stats())
+    };
+    let (resident, resident_plan, resident_stats) = run(ResidencyOptions::default());
+    let (streamed, streamed_plan, streamed_stats) = run(ResidencyOptions {
+        resident_layers: Some(0),
+        host_cache: residency::HostCache::Off,
+        ..ResidencyOptions::default()
+    });
+    eprintln!(
+        "resident: {} layers resident, {} bytes from disk in {} passes",
+        resident_plan.resident_layers,
+        resident_stats.total.disk_bytes,
+        resident_stats.passes_completed
+    );
+    eprintln!(
+        "streamed: {} layers resident, {} ring slots, {} bytes from disk in {} passes",
+        streamed_plan.resident_layers,
+        streamed_plan.ring_slots,
+        streamed_stats.total.disk_bytes,
+        streamed_stats.passes_completed
+    );
+    assert_eq!(streamed_plan.resident_layers, 0);
+    assert_eq!(resident_plan.resident_layers, resident_plan.n_layers);
+    // Streaming re-reads the layers on every pass; the resident run reads them once.
+    assert!(
+        streamed_stats.total.disk_bytes > resident_stats.total.disk_bytes * 5,
+        "the streamed run did not stream: {} vs {} bytes",
+        streamed_stats.total.disk_bytes,
+        resident_stats.total.disk_bytes
+    );
+    assert_eq!(
+        streamed, resident,
+        "tokens differ between streamed and resident runs"
+    );
+    assert_eq!(resident.len(), steps);
+}
