@@ -39,11 +39,41 @@ impl DriverProperties {
 pub struct Driver {
     api: &'static CuFileApi,
     properties: DriverProperties,
+    live_file_handles: std::sync::atomic::AtomicIsize,
+    live_buffers: std::sync::atomic::AtomicIsize,
+}
+
+/// How many cuFile registrations made through a [`Driver`] are still in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveRegistrations {
+    pub file_handles: isize,
+    pub buffers: isize,
 }
 
 static CURRENT: Mutex<Weak<Driver>> = Mutex::new(Weak::new());
 
 impl Driver {
+    /// Registrations still in force: every successful cuFileHandleRegister / cuFileBufRegister
+    /// counts up, its deregistration down; both are 0 once every `GdsFile` and registered
+    /// `GdsBuffer` is dropped.
+    pub fn live_registrations(&self) -> LiveRegistrations {
+        use std::sync::atomic::Ordering::SeqCst;
+        LiveRegistrations {
+            file_handles: self.live_file_handles.load(SeqCst),
+            buffers: self.live_buffers.load(SeqCst),
+        }
+    }
+
+    pub(crate) fn count_file_handle(&self, delta: isize) {
+        self.live_file_handles
+            .fetch_add(delta, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn count_buffer(&self, delta: isize) {
+        self.live_buffers
+            .fetch_add(delta, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Loads libcufile (if needed) and opens the driver, or returns the already open one.
     pub fn open() -> Result<Arc<Driver>, GdsError> {
         let mut current = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
@@ -56,7 +86,12 @@ impl Driver {
         check("cuFileDriverOpen", status)?;
         let properties = query_properties(api);
         tracing::debug!(?properties, "cuFile driver opened");
-        let driver = Arc::new(Driver { api, properties });
+        let driver = Arc::new(Driver {
+            api,
+            properties,
+            live_file_handles: Default::default(),
+            live_buffers: Default::default(),
+        });
         *current = Arc::downgrade(&driver);
         Ok(driver)
     }

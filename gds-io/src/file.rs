@@ -38,6 +38,7 @@ impl Drop for CuFileHandle {
         // SAFETY: `raw` was returned by a successful cuFileHandleRegister and is deregistered
         // exactly once; the driver is kept open by `self.driver`.
         unsafe { (self.driver.api().handle_deregister)(self.raw) };
+        self.driver.count_file_handle(-1);
     }
 }
 
@@ -92,6 +93,7 @@ impl GdsFile {
                 message: cufile_sys::status_message(status.err),
             });
         }
+        driver.count_file_handle(1);
         self.cufile = Some(CuFileHandle {
             raw,
             driver: driver.clone(),

@@ -157,6 +157,7 @@ impl GdsBuffer {
         let status =
             unsafe { (driver.api().buf_register)(self.ptr as *const libc::c_void, self.len, 0) };
         check("cuFileBufRegister", status)?;
+        driver.count_buffer(1);
         self.registered_with = Some(driver.clone());
         Ok(())
     }
@@ -210,8 +211,9 @@ impl Drop for GdsBuffer {
         if let Some(driver) = self.registered_with.take() {
             // SAFETY: `ptr` was registered by `register` and is still allocated.
             let status = unsafe { (driver.api().buf_deregister)(self.ptr as *const libc::c_void) };
-            if let Err(err) = check("cuFileBufDeregister", status) {
-                tracing::warn!("{err}");
+            match check("cuFileBufDeregister", status) {
+                Ok(()) => driver.count_buffer(-1),
+                Err(err) => tracing::warn!("{err}"),
             }
         }
         // SAFETY: allocated by cuMemAlloc in `alloc`, no pending work (waited above), no longer

@@ -47,7 +47,7 @@ pub use backend::{
 pub use bounce::{BounceBackend, BounceConfig, BouncePipeline, BounceTicket};
 pub use cufile_backend::{CufileBackend, CufileConfig};
 pub use device_io::{DeviceIo, build_reader};
-pub use driver::{Driver, DriverProperties, UdevCheck, UdevStatus};
+pub use driver::{Driver, DriverProperties, LiveRegistrations, UdevCheck, UdevStatus};
 pub use error::GdsError;
 pub use file::GdsFile;
 pub use gpu::{GdsBuffer, Gpu, cuda_driver_present};

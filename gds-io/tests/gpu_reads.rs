@@ -199,8 +199,20 @@ fn cufile_reads_equal_file_bytes_or_registration_is_explained() {
         .read(&file, 0, tf.bytes.len(), &registered, 0)
         .unwrap();
     assert!(registered.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes);
+    let live = driver.live_registrations();
+    eprintln!("registrations in force: {live:?}");
+    assert!(live.file_handles >= 1 && live.buffers >= 1, "{live:?}");
     drop(registered);
     drop(file);
+    drop(reader);
+    // Every registration made above was undone on drop, none twice.
+    let live = driver.live_registrations();
+    eprintln!("registrations after drop: {live:?}");
+    assert_eq!(
+        (live.file_handles, live.buffers),
+        (0, 0),
+        "unbalanced: {live:?}"
+    );
 }
 
 #[test]
