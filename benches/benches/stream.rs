@@ -139,7 +139,12 @@ fn stream(c: &mut Criterion) {
     let mut buf = gds_io::AlignedBuf::zeroed(largest as usize).expect("raw buffer");
     // First pass loads the resident blobs; steady state starts after it.
     stream_pass(&res, Duration::ZERO);
-    let (raw_bytes, raw_time) = raw_pass(&model, &streamed, &mut buf);
+    // Calibrate on the fastest of three raw passes: the first one runs cold and slower, and
+    // compute calibrated on it can exceed the steady read time it is meant to stay under.
+    let (raw_bytes, raw_time) = (0..3)
+        .map(|_| raw_pass(&model, &streamed, &mut buf))
+        .min_by_key(|&(_, t)| t)
+        .expect("three passes");
     let per_layer_io = raw_time / streamed.len().max(1) as u32;
     let fraction: f64 = env_or("GDSLLM_STREAM_COMPUTE_FRACTION", 0.5);
     let compute = per_layer_io.mul_f64(fraction);
