@@ -413,6 +413,15 @@ fn config_error(key: &str, reason: impl Into<String>) -> FormatError {
     }
 }
 
+impl ModelConfig {
+    /// Checks the hyper-parameters alone (non-zero sizes, heads divisible by KV heads, even head
+    /// dimension, finite positive RoPE base and norm epsilon, supported RoPE scaling, special
+    /// token ids inside the vocabulary): what [`Model::open`] checks of the config.
+    pub fn validate(&self) -> Result<(), FormatError> {
+        validate_config(self)
+    }
+}
+
 fn validate_config(c: &ModelConfig) -> Result<(), FormatError> {
     if c.architecture != "llama" {
         return Err(config_error(
