@@ -262,6 +262,9 @@ pub trait DeviceReader: Send + Sync {
     /// Like [`DeviceReader::read`], ordered on `stream`: the write into `dst` happens after the
     /// work already queued on `stream`, and work queued on `stream` afterwards sees the bytes.
     /// `dst` is not freed before the read lands (its Drop waits).
+    ///
+    /// The default is synchronous underneath: it drains `stream`, then reads, so the order
+    /// holds but the calling thread waits. Backends with a real asynchronous path override it.
     fn read_async(
         &self,
         file: &GdsFile,
@@ -270,7 +273,16 @@ pub trait DeviceReader: Send + Sync {
         dst: &GdsBuffer,
         dst_offset: usize,
         stream: &Arc<CudaStream>,
-    ) -> Result<ReadTicket, GdsError>;
+    ) -> Result<ReadTicket, GdsError> {
+        stream
+            .synchronize()
+            .map_err(GdsError::cuda("cuStreamSynchronize"))?;
+        let record = self.read(file, offset, len, dst, dst_offset)?;
+        Ok(ReadTicket {
+            event: None,
+            record,
+        })
+    }
 
     /// Performs several reads, returning once all of them are in device memory. Backends that
     /// can keep the disk queue deep across reads (bounce, cufile) queue every request of every

@@ -5,11 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::CudaStream;
-
 use crate::backend::{
-    BackendKind, DeviceRead, DeviceReader, IoStats, IoTotals, ReadSpan, ReadTicket,
-    for_each_parallel,
+    BackendKind, DeviceRead, DeviceReader, IoStats, IoTotals, ReadSpan, for_each_parallel,
 };
 use crate::driver::Driver;
 use crate::error::GdsError;
@@ -186,27 +183,8 @@ impl DeviceReader for CufileBackend {
             .collect())
     }
 
-    /// cuFile's reads are synchronous here: the stream is drained first so the write comes
-    /// after queued work, then the read runs, so later work on the stream sees the bytes.
-    /// (libcufile's cuFileReadAsync is loaded when present but not used yet.)
-    fn read_async(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<ReadTicket, GdsError> {
-        stream
-            .synchronize()
-            .map_err(GdsError::cuda("cuStreamSynchronize"))?;
-        let record = self.read(file, offset, len, dst, dst_offset)?;
-        Ok(ReadTicket {
-            event: None,
-            record,
-        })
-    }
+    // read_async: the trait's synchronous default (libcufile's cuFileReadAsync is loaded
+    // when present but not used yet).
 
     fn stats(&self) -> IoTotals {
         self.stats.totals()

@@ -5,13 +5,13 @@
 //!
 //! [`DirectFile`]: crate::host::DirectFile
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Instant;
 
-use cudarc::driver::{CudaStream, result};
+use cudarc::driver::result;
 
 use crate::aligned::AlignedBuf;
-use crate::backend::{BackendKind, DeviceReader, IoStats, IoTotals, ReadSpan, ReadTicket};
+use crate::backend::{BackendKind, DeviceReader, IoStats, IoTotals, ReadSpan};
 use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu};
@@ -156,26 +156,6 @@ impl DeviceReader for HostStagedBackend {
         };
         self.stats.add(&record);
         Ok(record)
-    }
-
-    /// Synchronous underneath: drains `stream`, reads, copies.
-    fn read_async(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<ReadTicket, GdsError> {
-        stream
-            .synchronize()
-            .map_err(GdsError::cuda("cuStreamSynchronize"))?;
-        let record = self.read(file, offset, len, dst, dst_offset)?;
-        Ok(ReadTicket {
-            event: None,
-            record,
-        })
     }
 
     fn stats(&self) -> IoTotals {
