@@ -377,9 +377,9 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         Ok(ticket)
     }
 
-    /// Blocks until `ticket`'s bytes are in device memory. `elapsed` in the record runs from
-    /// submission, so it includes time spent queued behind earlier reads.
-    pub fn wait(&self, ticket: BounceTicket) -> Result<ReadRecord, GdsError> {
+    /// Blocks until every disk read of `ticket` has finished and its copy is queued on the
+    /// copy stream; returns the first error any of them hit.
+    fn wait_for_disk_reads(ticket: &BounceTicket) -> Result<(), GdsError> {
         let mut remaining = ticket
             .state
             .remaining
@@ -393,15 +393,22 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
                 .unwrap_or_else(|p| p.into_inner());
         }
         drop(remaining);
-        if let Some(err) = ticket
+        match ticket
             .state
             .error
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take()
         {
-            return Err(err);
+            Some(err) => Err(err),
+            None => Ok(()),
         }
+    }
+
+    /// Blocks until `ticket`'s bytes are in device memory. `elapsed` in the record runs from
+    /// submission, so it includes time spent queued behind earlier reads.
+    pub fn wait(&self, ticket: BounceTicket) -> Result<ReadRecord, GdsError> {
+        Self::wait_for_disk_reads(&ticket)?;
         // Every copy of this read is on the copy stream by now; an event recorded after them
         // completes once they have (it may also wait for a few copies of the next read).
         self.backend
@@ -419,28 +426,7 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         stream: &Arc<CudaStream>,
         dst: &GdsBuffer,
     ) -> Result<ReadTicket, GdsError> {
-        let mut remaining = ticket
-            .state
-            .remaining
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        while *remaining > 0 {
-            remaining = ticket
-                .state
-                .finished
-                .wait(remaining)
-                .unwrap_or_else(|p| p.into_inner());
-        }
-        drop(remaining);
-        if let Some(err) = ticket
-            .state
-            .error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            return Err(err);
-        }
+        Self::wait_for_disk_reads(&ticket)?;
         let landed = self.backend.record_on_copy_stream()?;
         stream
             .wait(&landed)

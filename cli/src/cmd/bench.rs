@@ -32,6 +32,10 @@ pub struct Args {
     pub residency: ResidencyArgs,
 }
 
+fn best(v: &[f64]) -> f64 {
+    v.iter().copied().fold(0f64, f64::max)
+}
+
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
@@ -98,7 +102,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let bytes_per_token = tg_bytes as f64 / (reps * args.n_gen).max(1) as f64;
     let stats = llama.weights().stats();
-    let best = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
     if args.json {
         let out = json!({
             "model": model.session.model().metadata().source,
@@ -110,19 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("| test   |      tok/s (mean) |  best |");
-        println!(
-            "| pp{:<4} | {:>17.1} | {:>5.1} |",
-            args.n_prompt,
-            mean(&pp),
-            best(&pp)
-        );
-        println!(
-            "| tg{:<4} | {:>17.1} | {:>5.1} |",
-            args.n_gen,
-            mean(&tg),
-            best(&tg)
-        );
+        print_table(args.n_prompt, args.n_gen, &pp, &tg);
         println!(
             "load: {:.1} MB in {:.2} s first pass ({:.2} GB/s read); {:.1} MB read per generated token; {} threads",
             load_bytes as f64 / 1e6,
@@ -176,7 +167,6 @@ fn run_cuda(args: &Args) -> anyhow::Result<()> {
         }
         tg.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
     }
-    let best = |v: &[f64]| v.iter().copied().fold(0f64, f64::max);
     let weight_bytes = llama.weights().total_bytes();
     if args.json {
         let out = json!({
@@ -188,23 +178,28 @@ fn run_cuda(args: &Args) -> anyhow::Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!("| test   |      tok/s (mean) |  best |");
-        println!(
-            "| pp{:<4} | {:>17.1} | {:>5.1} |",
-            args.n_prompt,
-            mean(&pp),
-            best(&pp)
-        );
-        println!(
-            "| tg{:<4} | {:>17.1} | {:>5.1} |",
-            args.n_gen,
-            mean(&tg),
-            best(&tg)
-        );
+        print_table(args.n_prompt, args.n_gen, &pp, &tg);
         println!(
             "device: {device}; {:.1} MB of weights resident; opened in {open_s:.2} s",
             weight_bytes as f64 / 1e6
         );
     }
     Ok(())
+}
+
+/// The llama-bench-style table of prompt-processing and generation rates.
+fn print_table(n_prompt: usize, n_gen: usize, pp: &[f64], tg: &[f64]) {
+    println!("| test   |      tok/s (mean) |  best |");
+    println!(
+        "| pp{:<4} | {:>17.1} | {:>5.1} |",
+        n_prompt,
+        mean(pp),
+        best(pp)
+    );
+    println!(
+        "| tg{:<4} | {:>17.1} | {:>5.1} |",
+        n_gen,
+        mean(tg),
+        best(tg)
+    );
 }
