@@ -57,6 +57,13 @@ impl Gpu {
             .map_err(GdsError::cuda("cuStreamCreate"))
     }
 
+    /// (free, total) bytes of device memory now.
+    pub fn memory_info(&self) -> Result<(u64, u64), GdsError> {
+        self.bind()?;
+        let (free, total) = result::mem_get_info().map_err(GdsError::cuda("cuMemGetInfo"))?;
+        Ok((free as u64, total as u64))
+    }
+
     pub(crate) fn bind(&self) -> Result<(), GdsError> {
         self.ctx
             .bind_to_thread()
@@ -195,6 +202,29 @@ impl GdsBuffer {
         Ok(host)
     }
 
+    /// Copies `bytes` into the buffer at `offset` and returns once they are in device memory
+    /// (after pending reads into the buffer land). From pinned memory ([`PinnedHostBuf`]) the
+    /// copy runs at full PCIe speed; from pageable memory the driver stages it.
+    pub fn copy_from_host(&self, offset: usize, bytes: &[u8]) -> Result<(), GdsError> {
+        let end = offset.checked_add(bytes.len()).filter(|&e| e <= self.len);
+        let Some(_) = end else {
+            return Err(GdsError::RangeOutsideBuffer {
+                start: offset,
+                end: offset.saturating_add(bytes.len()),
+                buffer_len: self.len,
+            });
+        };
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.wait_pending()?;
+        self.gpu.bind()?;
+        // SAFETY: the destination range lies inside this live allocation (checked above) and
+        // `bytes` is a live host slice of exactly that length; the copy is synchronous.
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, bytes) }
+            .map_err(GdsError::cuda("cuMemcpyHtoD"))
+    }
+
     pub(crate) fn set_pending(&self, event: CudaEvent) {
         *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(event);
     }
@@ -229,6 +259,45 @@ impl Drop for GdsBuffer {
 unsafe impl Send for GdsBuffer {}
 // SAFETY: `&GdsBuffer` methods only read the address or go through the Mutex.
 unsafe impl Sync for GdsBuffer {}
+
+/// Page-locked host memory that a caller owns: the pinned host tier of the residency cache,
+/// whose copies to the device must run at full PCIe speed. Page aligned, so O_DIRECT reads
+/// can land in it directly.
+pub struct PinnedHostBuf {
+    inner: PinnedBuf,
+}
+
+impl PinnedHostBuf {
+    /// `len` bytes of page-locked memory, rounded up to a multiple of 4096; the contents are
+    /// zeroed.
+    pub fn alloc(gpu: &Gpu, len: usize) -> Result<PinnedHostBuf, GdsError> {
+        let len = len.max(1).next_multiple_of(crate::aligned::IO_ALIGN);
+        let mut inner = PinnedBuf::alloc(gpu, len)?;
+        inner.as_mut_slice().fill(0);
+        Ok(PinnedHostBuf { inner })
+    }
+}
+
+impl std::ops::Deref for PinnedHostBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.inner.as_slice()
+    }
+}
+
+impl std::ops::DerefMut for PinnedHostBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.inner.as_mut_slice()
+    }
+}
+
+impl std::fmt::Debug for PinnedHostBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedHostBuf")
+            .field("len", &self.inner.len)
+            .finish()
+    }
+}
 
 /// Page-locked host memory (page aligned, so usable for O_DIRECT) for async host→device copies.
 pub(crate) struct PinnedBuf {

@@ -50,6 +50,6 @@ pub use device_io::{DeviceIo, build_reader};
 pub use driver::{Driver, DriverProperties, LiveRegistrations, UdevCheck, UdevStatus};
 pub use error::GdsError;
 pub use file::GdsFile;
-pub use gpu::{GdsBuffer, Gpu, cuda_driver_present};
+pub use gpu::{GdsBuffer, Gpu, PinnedHostBuf, cuda_driver_present};
 pub use host::{DirectFile, HostIoError, ParallelRead, ReadRecord};
 pub use staged::{HostStagedBackend, HostStagedConfig};
