@@ -15,6 +15,7 @@
 pub mod clock;
 pub mod engine;
 mod error;
+pub mod gpu;
 pub mod memory;
 mod options;
 pub mod plan;
@@ -25,7 +26,9 @@ mod stats;
 
 pub use clock::{Clock, SystemClock, VirtualClock};
 pub use error::ResidencyError;
-pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory};
+pub use gds_io::{BackendKind as IoBackendKind, IoChoice};
+pub use gpu::GpuMemory;
+pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
 pub use options::{
     AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
     mem_available, parse_bytes,
@@ -33,6 +36,6 @@ pub use options::{
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,
 };
-pub use runtime::{BlobGuard, Residency, plan_inputs};
+pub use runtime::{BlobGuard, GPU_AUTO_MARGIN, Residency, plan_inputs};
 pub use source::{BlobSource, HostFileSource, PatternSource};
 pub use stats::{MAX_KEPT_PASSES, PassStats, ResidencyStats};

@@ -1,9 +1,10 @@
 //! Device memory as the residency cache needs it: slots of N bytes within a budget.
 //!
 //! Narrow on purpose: allocate, fill from a source or from the host tier, and a completion
-//! token. On CPU "device" memory is aligned host memory and fills are synchronous; the CUDA
-//! backend implements the same traits with device buffers and turns [`Completion`] into an
-//! event the compute stream waits on.
+//! token. On CPU "device" memory is aligned host memory and fills are synchronous;
+//! [`crate::gpu::GpuMemory`] implements the same traits with device buffers filled through
+//! `gds-io`, and compute hands back a [`ReleaseFence`] with each streamed blob so that a slot is
+//! only refilled once the device has finished reading it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +27,29 @@ impl Completion {
     pub fn wait(self) {}
 }
 
+/// Host memory holding one blob of the host tier.
+pub trait HostBlock: Send + Sync {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostBlock for AlignedBuf {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// Told to the residency cache when compute releases a blob whose reads by the device may
+/// still be queued (a GPU stream runs behind the host): the cache waits for it before it
+/// writes another blob into the same buffer.
+pub trait ReleaseFence: Send {
+    /// Blocks until the device no longer reads the buffer.
+    fn wait(&self) -> Result<(), String>;
+}
+
 /// A budgeted allocator of device buffers.
 pub trait DeviceMemory: Send + Sync {
     /// Bytes this memory may hand out in total.
@@ -37,6 +61,16 @@ pub trait DeviceMemory: Send + Sync {
     fn used(&self) -> u64;
     /// Highest `used` seen.
     fn peak(&self) -> u64;
+    /// Host memory for one blob of the host tier, 4096-aligned (O_DIRECT reads land in it).
+    /// A GPU memory hands out page-locked memory, so copies up run at full PCIe speed.
+    fn alloc_host(&self, bytes: u64) -> Result<Box<dyn HostBlock>, ResidencyError> {
+        AlignedBuf::zeroed(bytes as usize)
+            .map(|b| Box::new(b) as Box<dyn HostBlock>)
+            .map_err(|_| ResidencyError::Alloc {
+                bytes,
+                what: "host tier".into(),
+            })
+    }
 }
 
 /// One buffer (a ring slot or a resident blob).
@@ -51,8 +85,12 @@ pub trait DeviceBuffer: Send + Sync {
     ) -> Result<Completion, ResidencyError>;
     /// Copies `bytes` from the host tier into the start of the buffer.
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
-    /// The bytes, for compute on the CPU backend.
+    /// The bytes, for compute on the CPU backend; empty when the buffer is device memory.
     fn host_view(&self) -> &[u8];
+    /// The device address of the buffer, when it is device memory.
+    fn device_ptr(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Host memory standing in for device memory on the CPU backend.

@@ -6,14 +6,14 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use gds_io::{AlignedBuf, ParallelRead};
+use gds_io::ParallelRead;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 use weights_format::Model;
 
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, Job, Location, LocationState, Lookup, Outcome, ReadFrom};
 use crate::error::ResidencyError;
-use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory};
+use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
 use crate::options::{
     AUTO_RAM_SHARE, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
 };
@@ -23,13 +23,19 @@ use crate::stats::ResidencyStats;
 
 type Buffer = RwLock<Box<dyn DeviceBuffer>>;
 
+/// Device memory `--vram-budget auto` leaves free on a GPU: kernels, the cuBLAS workspace and
+/// other processes' small allocations.
+pub const GPU_AUTO_MARGIN: u64 = 1 << 30;
+
 struct Shared {
     engine: Mutex<Engine>,
     changed: Condvar,
     slots: Vec<Buffer>,
     resident: Vec<Option<Buffer>>,
-    host_tier: Vec<RwLock<Option<AlignedBuf>>>,
+    host_tier: Vec<RwLock<Option<Box<dyn HostBlock>>>>,
     host_tier_bytes: AtomicU64,
+    /// Per staging slot: what compute said must finish before the slot is written again.
+    slot_fences: Vec<Mutex<Option<Box<dyn ReleaseFence>>>>,
     names: Vec<String>,
     source: Arc<dyn BlobSource>,
     memory: Arc<dyn DeviceMemory>,
@@ -47,20 +53,52 @@ pub struct Residency {
     reader: Option<JoinHandle<()>>,
 }
 
-/// A blob in device memory; derefs to exactly the blob's bytes. Dropping it releases the
-/// staging slot so the next read in plan order can start.
+/// A blob in memory. In host memory (the CPU backend) it derefs to exactly the blob's bytes;
+/// in device memory it derefs to an empty slice and [`BlobGuard::device_ptr`] gives its address.
+/// Dropping it releases the staging slot so the next read in plan order can start — after the
+/// [`ReleaseFence`] given to [`BlobGuard::release_after`], if any.
 pub struct BlobGuard<'a> {
     owner: &'a Residency,
     location: Location,
     len: usize,
     buffer: Option<RwLockReadGuard<'a, Box<dyn DeviceBuffer>>>,
+    fence: Option<Box<dyn ReleaseFence>>,
 }
 
 impl std::ops::Deref for BlobGuard<'_> {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         let buffer = self.buffer.as_ref().expect("present until drop");
-        &buffer.host_view()[..self.len]
+        buffer.host_view().get(..self.len).unwrap_or(&[])
+    }
+}
+
+impl BlobGuard<'_> {
+    /// The blob's length in bytes (without the padding of its buffer).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address of the blob's first byte, when it is in device memory.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.buffer.as_ref().and_then(|b| b.device_ptr())
+    }
+
+    /// Whether the blob stays in memory for the whole run (no later read replaces it).
+    pub fn is_resident(&self) -> bool {
+        matches!(self.location, Location::Resident(_))
+    }
+
+    /// The staging slot is not written again before `fence` says the device is done with it.
+    /// A resident blob is never rewritten, so its fence is dropped at once.
+    pub fn release_after(&mut self, fence: Box<dyn ReleaseFence>) {
+        if !self.is_resident() {
+            self.fence = Some(fence);
+        }
     }
 }
 
@@ -68,6 +106,9 @@ impl Drop for BlobGuard<'_> {
     fn drop(&mut self) {
         // Unlock the buffer before the engine may hand the slot to the reader.
         self.buffer.take();
+        if let (Some(fence), Location::Slot(i)) = (self.fence.take(), self.location) {
+            *self.owner.shared.slot_fences[i].lock() = Some(fence);
+        }
         self.owner.release(self.location);
     }
 }
@@ -92,6 +133,38 @@ impl Residency {
             Arc::new(SystemClock::new()),
             opts,
         )
+    }
+
+    /// GPU `ordinal`: slots and resident blobs in device memory, filled through the `gds-io`
+    /// backend `io` resolves to; the host tier is page-locked. `--vram-budget auto` is the
+    /// device's free memory less [`GPU_AUTO_MARGIN`]. Returns the memory too, for its I/O
+    /// statistics.
+    pub fn open_gpu(
+        model: &Model,
+        opts: &ResidencyOptions,
+        ordinal: usize,
+        io: gds_io::IoChoice,
+    ) -> Result<(Residency, Arc<crate::gpu::GpuMemory>), ResidencyError> {
+        let meta = model.metadata();
+        let layout = ModelLayout::from_metadata(meta)?;
+        let budget = match opts.device_budget {
+            Budget::Bytes(b) => Some(b),
+            Budget::Auto => None,
+        };
+        let mut memory = crate::gpu::GpuMemory::open(ordinal, io, model.dir(), meta, budget)?;
+        if budget.is_none() {
+            memory.reduce_budget(GPU_AUTO_MARGIN);
+        }
+        let memory = Arc::new(memory);
+        let source = HostFileSource::open(model.dir(), meta, ParallelRead::default())?;
+        let residency = Residency::open_with(
+            layout,
+            Arc::new(source),
+            memory.clone(),
+            Arc::new(SystemClock::new()),
+            opts,
+        )?;
+        Ok((residency, memory))
     }
 
     /// Opens over any source, memory and clock. The device budget is the smaller of
@@ -155,6 +228,7 @@ impl Residency {
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
             host_tier_bytes: AtomicU64::new(0),
+            slot_fences: (0..plan.ring_slots).map(|_| Mutex::new(None)).collect(),
             names: layout.blobs.iter().map(|b| b.file.clone()).collect(),
             source,
             memory,
@@ -224,6 +298,7 @@ impl Residency {
             location,
             len: self.plan.blobs[blob].length as usize,
             buffer: Some(buffer),
+            fence: None,
         })
     }
 
@@ -334,24 +409,39 @@ impl Shared {
 
     fn perform(&self, job: &Job) -> Result<bool, ResidencyError> {
         let _span = tracing::debug_span!("residency_read", blob = job.blob, bytes = job.bytes, from = ?job.from).entered();
+        if let Location::Slot(i) = job.into {
+            let fence = self.slot_fences[i].lock().take();
+            if let Some(fence) = fence {
+                fence.wait().map_err(|message| ResidencyError::ReadFailed {
+                    file: self.names[job.blob].clone(),
+                    message: format!(
+                        "waiting for the device to finish the slot's last blob: {message}"
+                    ),
+                })?;
+            }
+        }
         let mut buffer = self.buffer(job.into).write();
         match job.from {
             ReadFrom::HostTier => {
                 let host = self.host_tier[job.blob].read();
                 match host.as_ref() {
-                    Some(bytes) => buffer.fill_from_host(&bytes[..job.bytes as usize])?.wait(),
+                    Some(block) => buffer
+                        .fill_from_host(&block.bytes()[..job.bytes as usize])?
+                        .wait(),
                     None => buffer
                         .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
                         .wait(),
                 }
                 Ok(false)
             }
-            ReadFrom::Disk if job.keep_in_host => match AlignedBuf::zeroed(job.bytes as usize) {
+            ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(job.bytes) {
                 Ok(mut host) => {
-                    self.source.read_blob(job.blob, &mut host)?;
-                    buffer.fill_from_host(&host[..job.bytes as usize])?.wait();
+                    self.source.read_blob(job.blob, host.bytes_mut())?;
+                    buffer
+                        .fill_from_host(&host.bytes()[..job.bytes as usize])?
+                        .wait();
                     self.host_tier_bytes
-                        .fetch_add(host.len() as u64, Ordering::Relaxed);
+                        .fetch_add(host.bytes().len() as u64, Ordering::Relaxed);
                     *self.host_tier[job.blob].write() = Some(host);
                     Ok(true)
                 }

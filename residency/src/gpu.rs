@@ -1,0 +1,304 @@
+//! GPU memory for the residency cache: ring slots and resident blobs are plain device
+//! allocations (`gds_io::GdsBuffer`), filled from the model's files through the `gds-io`
+//! backend chosen for this machine (cuFile, or O_DIRECT → pinned ring → async copy), and the
+//! host tier is page-locked memory.
+//!
+//! How a blob reaches device memory: with cuFile where GPUDirect Storage DMA works (or when
+//! `--io cufile|bounce` asks for a `gds-io` backend), else — the automatic choice without GDS —
+//! the same parallel O_DIRECT read as the host path (the model's [`BlobSource`]) into one
+//! page-locked staging buffer, then one copy at PCIe speed. Measured on the H100 VM (virtio
+//! disk, 405 MB 7B layers, page cache dropped): the bounce ring reached 1.3–1.6 GB/s per blob
+//! against 2.3 GB/s for the raw 8 × 16 MiB O_DIRECT read, which the staged path matches up to the
+//! copy (~55 GB/s, under 1/20 of the read time).
+//!
+//! Fills are synchronous on the reader thread: when `fill_from_source` returns, the bytes are in
+//! device memory and any stream sees them, so compute needs no event to wait on. The other
+//! direction needs one: compute queues kernels that read a slot long before they run, so the
+//! CUDA backend gives each streamed blob back with a [`crate::ReleaseFence`] (an event recorded
+//! on its stream), and the reader waits for it before writing the slot again.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gds_io::{BackendKind, DeviceIo, GdsBuffer, GdsFile, IoChoice, IoTotals, PinnedHostBuf};
+use parking_lot::Mutex;
+use weights_format::Metadata;
+
+use crate::error::ResidencyError;
+use crate::memory::{Completion, DeviceBuffer, DeviceMemory, HostBlock};
+use crate::source::BlobSource;
+
+impl HostBlock for PinnedHostBuf {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+fn io_error(file: &str, err: impl std::fmt::Display) -> ResidencyError {
+    ResidencyError::ReadFailed {
+        file: file.to_string(),
+        message: err.to_string(),
+    }
+}
+
+struct GpuFiles {
+    io: DeviceIo,
+    files: Vec<GdsFile>,
+    names: Vec<String>,
+    /// `Some` when disk reads go through the host path and this pinned buffer (see the module
+    /// documentation); grown to the largest blob read.
+    staging: Option<Mutex<Option<PinnedHostBuf>>>,
+}
+
+/// Device memory of one GPU within a budget, reading the blobs of one model.
+pub struct GpuMemory {
+    files: Arc<GpuFiles>,
+    budget: u64,
+    used: Arc<AtomicU64>,
+    peak: AtomicU64,
+    /// Whether the host tier may be page-locked (falls back to pageable memory when pinning
+    /// fails, e.g. under a low RLIMIT_MEMLOCK).
+    pin_host: Mutex<bool>,
+}
+
+impl std::fmt::Debug for GpuMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuMemory")
+            .field("backend", &self.files.io.kind())
+            .field("budget", &self.budget)
+            .field("used", &self.used())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuMemory {
+    /// Opens GPU `ordinal`, the I/O backend `choice` resolves to, and every blob file of the
+    /// model in `dir`. The budget is `budget`, or the device's free memory when `None`.
+    pub fn open(
+        ordinal: usize,
+        choice: IoChoice,
+        dir: &Path,
+        meta: &Metadata,
+        budget: Option<u64>,
+    ) -> Result<GpuMemory, ResidencyError> {
+        let mut io = DeviceIo::open(ordinal, choice).map_err(|e| io_error("(GPU)", e))?;
+        let staged = match choice {
+            IoChoice::Force(BackendKind::Host) => true,
+            IoChoice::Auto => io.kind() != BackendKind::Cufile,
+            IoChoice::Force(_) => false,
+        };
+        let mut files = Vec::with_capacity(meta.blobs.len());
+        for blob in &meta.blobs {
+            let path = dir.join(&blob.file);
+            let file = io
+                .open_file(&path)
+                .map_err(|e| io_error(&path.display().to_string(), e))?;
+            if file.len() != blob.length.next_multiple_of(4096) && file.len() != blob.length {
+                return Err(ResidencyError::BlobLength {
+                    path,
+                    expected: blob.length,
+                    actual: file.len(),
+                });
+            }
+            files.push(file);
+        }
+        let (free, _) = io.gpu().memory_info().map_err(|e| io_error("(GPU)", e))?;
+        let budget = budget.map_or(free, |b| b.min(free));
+        Ok(GpuMemory {
+            files: Arc::new(GpuFiles {
+                io,
+                files,
+                names: meta.blobs.iter().map(|b| b.file.clone()).collect(),
+                staging: staged.then(|| Mutex::new(None)),
+            }),
+            budget,
+            used: Arc::new(AtomicU64::new(0)),
+            peak: AtomicU64::new(0),
+            pin_host: Mutex::new(true),
+        })
+    }
+
+    /// Lowers the budget by `bytes` (the margin `auto` leaves free).
+    pub fn reduce_budget(&mut self, bytes: u64) {
+        self.budget = self.budget.saturating_sub(bytes);
+    }
+
+    /// The I/O backend reads go through: `cufile`, `bounce`, or `host` (O_DIRECT into the
+    /// pinned staging buffer, then a copy).
+    pub fn backend(&self) -> BackendKind {
+        if self.files.staging.is_some() {
+            BackendKind::Host
+        } else {
+            self.files.io.kind()
+        }
+    }
+
+    /// Totals of every device read so far.
+    pub fn io_totals(&self) -> IoTotals {
+        self.files.io.reader().stats()
+    }
+
+    /// The device's name, for logs.
+    pub fn device_name(&self) -> String {
+        self.files
+            .io
+            .gpu()
+            .name()
+            .unwrap_or_else(|_| "unknown GPU".into())
+    }
+}
+
+impl DeviceMemory for GpuMemory {
+    fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    fn alloc(&self, bytes: u64, what: &str) -> Result<Box<dyn DeviceBuffer>, ResidencyError> {
+        let capacity = gds_io::aligned::align_up(bytes.max(1));
+        let fail = || ResidencyError::Alloc {
+            bytes: capacity,
+            what: what.to_string(),
+        };
+        let mut current = self.used.load(Ordering::Acquire);
+        loop {
+            let next = current.checked_add(capacity).ok_or_else(fail)?;
+            if next > self.budget {
+                return Err(fail());
+            }
+            match self
+                .used
+                .compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    break;
+                }
+                Err(actual) => current = actual,
+            }
+        }
+        match self.files.io.alloc(capacity as usize) {
+            Ok(buf) => Ok(Box::new(GpuBuffer {
+                buf,
+                files: Arc::clone(&self.files),
+                used: Arc::clone(&self.used),
+            })),
+            Err(err) => {
+                self.used.fetch_sub(capacity, Ordering::AcqRel);
+                tracing::debug!(what, bytes = capacity, "device allocation failed: {err}");
+                Err(fail())
+            }
+        }
+    }
+
+    fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    fn alloc_host(&self, bytes: u64) -> Result<Box<dyn HostBlock>, ResidencyError> {
+        let mut pin = self.pin_host.lock();
+        if *pin {
+            match PinnedHostBuf::alloc(self.files.io.gpu(), bytes as usize) {
+                Ok(buf) => return Ok(Box::new(buf)),
+                Err(err) => {
+                    tracing::warn!(
+                        "page-locking {bytes} bytes for the host tier failed ({err}); the host \
+                         tier uses pageable memory from now on (slower copies to the GPU)"
+                    );
+                    *pin = false;
+                }
+            }
+        }
+        gds_io::AlignedBuf::zeroed(bytes as usize)
+            .map(|b| Box::new(b) as Box<dyn HostBlock>)
+            .map_err(|_| ResidencyError::Alloc {
+                bytes,
+                what: "host tier".into(),
+            })
+    }
+}
+
+struct GpuBuffer {
+    buf: GdsBuffer,
+    files: Arc<GpuFiles>,
+    used: Arc<AtomicU64>,
+}
+
+impl Drop for GpuBuffer {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.buf.len() as u64, Ordering::AcqRel);
+    }
+}
+
+impl DeviceBuffer for GpuBuffer {
+    fn capacity(&self) -> u64 {
+        self.buf.len() as u64
+    }
+
+    /// Reads the blob: through the pinned staging buffer from `source` (the model's files on
+    /// the host path), or straight from the model's file this memory opened with `gds-io`.
+    fn fill_from_source(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<Completion, ResidencyError> {
+        let files = &self.files;
+        if let Some(staging) = &files.staging {
+            let aligned = gds_io::aligned::align_up(len) as usize;
+            let mut staging = staging.lock();
+            if staging.as_ref().is_none_or(|s| s.len() < aligned) {
+                *staging = None; // free the smaller one first
+                let buf = PinnedHostBuf::alloc(files.io.gpu(), aligned)
+                    .map_err(|e| io_error("(pinned staging buffer)", e))?;
+                *staging = Some(buf);
+            }
+            let host = staging.as_mut().expect("allocated above");
+            source.read_blob(blob, &mut host[..aligned])?;
+            self.buf
+                .copy_from_host(0, &host[..len as usize])
+                .map_err(|e| io_error(&source.blob_name(blob), e))?;
+            return Ok(Completion::done());
+        }
+        let name = files.names.get(blob).map_or("?", String::as_str);
+        let file = files.files.get(blob).ok_or(ResidencyError::UnknownBlob {
+            blob,
+            count: files.files.len(),
+        })?;
+        let aligned = gds_io::aligned::align_up(len).min(file.len()) as usize;
+        let record = files
+            .io
+            .read(file, 0, aligned, &self.buf, 0)
+            .map_err(|e| io_error(name, e))?;
+        tracing::trace!(
+            blob,
+            bytes = record.bytes,
+            gbps = record.gbps(),
+            backend = %files.io.kind(),
+            "blob read into device memory"
+        );
+        Ok(Completion::done())
+    }
+
+    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
+        self.buf
+            .copy_from_host(0, bytes)
+            .map_err(|e| io_error("(host tier)", e))?;
+        Ok(Completion::done())
+    }
+
+    fn host_view(&self) -> &[u8] {
+        &[]
+    }
+
+    fn device_ptr(&self) -> Option<u64> {
+        Some(self.buf.device_ptr())
+    }
+}
