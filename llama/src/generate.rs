@@ -88,6 +88,11 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         &mut self.model
     }
 
+    /// The model and tokenizer, for callers that drive the model themselves.
+    pub fn into_parts(self) -> (Llama<B, W>, Tokenizer) {
+        (self.model, self.tokenizer)
+    }
+
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }

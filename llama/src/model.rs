@@ -203,12 +203,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 let at = offset + (id as u64) * row_bytes as u64;
                 bytes.extend(self.weights.read_range(self.layout.embed, at, row_bytes)?);
             }
-            let picked = crate::backend::WeightView {
-                dtype,
-                rows,
-                cols: dim,
-                bytes: &bytes,
-            }; // [rows, dim]
+            let picked = crate::backend::WeightView::host(dtype, rows, dim, &bytes); // [rows, dim]
             let ids: Vec<u32> = (0..rows as u32).collect();
             be.embed_rows(picked, &ids, &mut s.x);
             None

@@ -5,7 +5,6 @@
 //! (acquire a whole blob for the duration of its use, `read_range` for embedding rows of an
 //! untied model, `end_pass` after the LM head) so that the production path is residency itself.
 
-use std::ops::Deref;
 use std::path::Path;
 
 use weights_format::{BlobMeta, DType, Metadata, names};
@@ -13,10 +12,47 @@ use weights_format::{BlobMeta, DType, Metadata, names};
 use crate::LlamaError;
 use crate::backend::WeightView;
 
+/// Where one acquired blob's bytes are: host memory (the CPU backend), device memory (the CUDA
+/// backend streaming through residency), or both (weights uploaded once for tests).
+pub trait BlobBytes {
+    /// The bytes in host memory; empty when the blob is only in device memory.
+    fn host(&self) -> &[u8];
+    /// The blob's length in bytes.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device address of the blob's first byte, when it is in device memory.
+    fn device_ptr(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl BlobBytes for &[u8] {
+    fn host(&self) -> &[u8] {
+        self
+    }
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+}
+
+impl BlobBytes for residency::BlobGuard<'_> {
+    fn host(&self) -> &[u8] {
+        self
+    }
+    fn len(&self) -> usize {
+        residency::BlobGuard::len(self)
+    }
+    fn device_ptr(&self) -> Option<u64> {
+        residency::BlobGuard::device_ptr(self)
+    }
+}
+
 /// Supplies blob bytes in the order a forward pass needs them.
 pub trait WeightSource {
-    /// The bytes of one whole blob, valid while the guard lives.
-    type Guard<'a>: Deref<Target = [u8]>
+    /// One whole blob, valid while the guard lives.
+    type Guard<'a>: BlobBytes
     where
         Self: 'a;
 
@@ -28,6 +64,11 @@ pub trait WeightSource {
 
     /// Called after each forward pass (after the LM head).
     fn end_pass(&self);
+
+    /// The residency cache's statistics, when weights come through one.
+    fn residency_stats(&self) -> Option<residency::ResidencyStats> {
+        None
+    }
 }
 
 /// Blob indices of one model, in streaming order.
@@ -59,11 +100,11 @@ impl BlobLayout {
     }
 }
 
-/// Finds tensor `name` in `blob` (whose bytes are `bytes`) and checks its shape and extent.
+/// Finds tensor `name` in `blob` (whose bytes `bytes` holds) and checks its shape and extent.
 /// `expected` is the row-major shape the forward pass needs: `[rows, cols]` or `[len]`.
-pub fn tensor<'a>(
+pub fn tensor<'a, G: BlobBytes + ?Sized>(
     blob: &BlobMeta,
-    bytes: &'a [u8],
+    bytes: &'a G,
     name: &str,
     expected: &[usize],
 ) -> Result<WeightView<'a>, LlamaError> {
@@ -88,13 +129,23 @@ pub fn tensor<'a>(
         length: t.length,
         blob_len: bytes.len(),
     };
+    let host = bytes.host();
     if t.dtype.byte_len(&t.shape) != Some(t.length) {
         return Err(bounds());
     }
     let start = usize::try_from(t.offset).map_err(|_| bounds())?;
     let len = usize::try_from(t.length).map_err(|_| bounds())?;
     let end = start.checked_add(len).ok_or_else(bounds)?;
-    let slice = bytes.get(start..end).ok_or_else(bounds)?;
+    if end > bytes.len() {
+        return Err(bounds());
+    }
+    let device = bytes.device_ptr().map(|p| p + start as u64);
+    // Device-only blobs have no host bytes: the view is empty there and carries the address.
+    let slice = match (host.get(start..end), device) {
+        (Some(s), _) => s,
+        (None, Some(_)) => &[],
+        (None, None) => return Err(bounds()),
+    };
     let (rows, cols) = match expected {
         [n] => (1, *n),
         [r, c] => (*r, *c),
@@ -105,6 +156,7 @@ pub fn tensor<'a>(
         rows,
         cols,
         bytes: slice,
+        device,
     })
 }
 
@@ -210,5 +262,9 @@ impl WeightSource for residency::Residency {
 
     fn end_pass(&self) {
         residency::Residency::end_pass(self)
+    }
+
+    fn residency_stats(&self) -> Option<residency::ResidencyStats> {
+        Some(self.stats())
     }
 }

@@ -50,12 +50,7 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
         // row) and the decode-once (>= 4 rows) paths.
         for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
             let w = weights(&mut rng, dtype, m, k);
-            let view = WeightView {
-                dtype,
-                rows: m,
-                cols: k,
-                bytes: &w,
-            };
+            let view = WeightView::host(dtype, m, k, &w);
             for rows in [1, 2, 5, 17] {
                 let x = random(&mut rng, rows * k);
                 let (mut fast, mut slow) = (vec![0f32; rows * m], vec![0f32; rows * m]);
@@ -77,12 +72,7 @@ fn embed_rows_and_rmsnorm_match_reference() {
     for dtype in ALL {
         let (vocab, dim) = (50, 128);
         let t = weights(&mut rng, dtype, vocab, dim);
-        let table = WeightView {
-            dtype,
-            rows: vocab,
-            cols: dim,
-            bytes: &t,
-        };
+        let table = WeightView::host(dtype, vocab, dim, &t);
         let ids = [3u32, 49, 0, 3, 17];
         let (mut fast, mut slow) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
         CpuBackend::new().embed_rows(table, &ids, &mut fast);
@@ -92,12 +82,7 @@ fn embed_rows_and_rmsnorm_match_reference() {
         assert_eq!(d, 0.0);
 
         let nw = weights(&mut rng, dtype, 1, dim);
-        let norm = WeightView {
-            dtype,
-            rows: 1,
-            cols: dim,
-            bytes: &nw,
-        };
+        let norm = WeightView::host(dtype, 1, dim, &nw);
         let (mut a, mut b) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
         CpuBackend::new().rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a);
         ReferenceBackend.rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b);
@@ -194,12 +179,7 @@ fn matmul_many_equals_separate_matmuls() {
     let views: Vec<WeightView> = shapes
         .iter()
         .zip(&bytes)
-        .map(|(&(dtype, m), b)| WeightView {
-            dtype,
-            rows: m,
-            cols: k,
-            bytes: b,
-        })
+        .map(|(&(dtype, m), b)| WeightView::host(dtype, m, k, b))
         .collect();
     let cpu = CpuBackend::new();
     for rows in [1, 3] {

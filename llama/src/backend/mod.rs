@@ -26,10 +26,25 @@ pub struct WeightView<'a> {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
+    /// The bytes in host memory; empty when the tensor is only in device memory (then
+    /// `device` is set, and only a device backend is ever given the view).
     pub bytes: &'a [u8],
+    /// The device address of the first byte, when the tensor is in device memory.
+    pub device: Option<u64>,
 }
 
 impl<'a> WeightView<'a> {
+    /// A view of host bytes.
+    pub fn host(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> WeightView<'a> {
+        WeightView {
+            dtype,
+            rows,
+            cols,
+            bytes,
+            device: None,
+        }
+    }
+
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
         self.cols / self.dtype.block_len() * self.dtype.block_bytes()
