@@ -19,6 +19,7 @@
 //! recorded, every later op becomes a no-op, and [`Backend::status`] reports it after the pass.
 
 mod compile;
+mod streamed;
 
 use std::sync::{Arc, Mutex};
 
@@ -33,14 +34,28 @@ use crate::LlamaError;
 use crate::weights::WeightSource;
 
 pub use compile::kernel_cache_dir;
+pub use streamed::{
+    CudaBlobGuard, CudaModel, CudaWeights, GPU_MAX_ROWS, device_reserved_bytes, load_cuda,
+};
 
 /// Threads per block of the row-wise kernels (rmsnorm, attention): the kernels assume 256.
 const ROW_THREADS: u32 = 256;
 /// Threads per block of elementwise kernels.
 const ELEMENT_THREADS: u32 = 256;
-/// Warps (= weight rows) per block and input rows per warp of the matmul kernels (`MM_ROWS`).
-const MM_WARPS: u32 = 8;
+/// Warps per block, weight rows per warp (`MM_WROWS`) and input rows per block (`MM_ROWS`) of
+/// the matmul kernels.
+const MM_WARPS: u32 = 4;
+const MM_WROWS: u32 = 4;
 const MM_ROWS: u32 = 8;
+
+/// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
+/// compute-bound there): f16 weights as they are; bf16 and quantized ones converted to f16 one
+/// matrix at a time into a temporary (as llama.cpp does for large batches). bf16 is not fed as
+/// bf16 because x would then be rounded to 8 mantissa bits: on a 7B-shaped model that put the
+/// prefill logits 3.3e-2 (relative) from the float32 reference, against 5e-3 with f16. Fewer rows —
+/// decoding — stay on `matmul_*`, which reads the stored blocks once at full bandwidth and keeps
+/// the activations in f32.
+pub const CUBLAS_MIN_ROWS: usize = 16;
 
 /// The dtype codes of `kernels/ops.cu`.
 fn dtype_code(dtype: DType) -> i32 {
@@ -57,7 +72,12 @@ fn dtype_code(dtype: DType) -> i32 {
 /// Whether this machine can run the CUDA backend at all (driver and NVRTC libraries loadable
 /// and at least one device), with the reason when it cannot.
 pub fn cuda_usable() -> Result<(), LlamaError> {
-    CudaBackend::new(0).map(|_| ())
+    cuda_usable_on(0)
+}
+
+/// [`cuda_usable`] for device `ordinal`.
+pub fn cuda_usable_on(ordinal: usize) -> Result<(), LlamaError> {
+    CudaBackend::new(ordinal).map(|_| ())
 }
 
 fn device_error(message: impl Into<String>) -> LlamaError {
@@ -82,10 +102,13 @@ struct Kernels {
     rope: CudaFunction,
     copy_f32: CudaFunction,
     copy_f32_to_f16: CudaFunction,
+    copy_f32_to_bf16: CudaFunction,
     copy_f16_to_f32: CudaFunction,
     swiglu: CudaFunction,
     add: CudaFunction,
     attention: CudaFunction,
+    attention_decode: CudaFunction,
+    dequant_f16: CudaFunction,
     matmul: [CudaFunction; 6],
 }
 
@@ -102,10 +125,13 @@ impl Kernels {
             rope: f("rope")?,
             copy_f32: f("copy_f32")?,
             copy_f32_to_f16: f("copy_f32_to_f16")?,
+            copy_f32_to_bf16: f("copy_f32_to_bf16")?,
             copy_f16_to_f32: f("copy_f16_to_f32")?,
             swiglu: f("swiglu")?,
             add: f("add")?,
             attention: f("attention")?,
+            attention_decode: f("attention_decode")?,
+            dequant_f16: f("dequant_f16")?,
             matmul: [
                 f("matmul_f32")?,
                 f("matmul_f16")?,
@@ -148,6 +174,8 @@ pub struct CudaBackend {
     kernels: Kernels,
     device_name: String,
     resident: Mutex<Vec<ResidentBlob>>,
+    /// cuBLAS on the same stream, when libcublas loads.
+    blas: Option<cudarc::cublas::CudaBlas>,
     /// The RoPE frequencies last used, on the device (they are the same for every call).
     inv_freq: Mutex<Option<(Vec<f32>, CudaSlice<f32>)>>,
     /// The first failure; later ops do nothing.
@@ -198,15 +226,38 @@ impl CudaBackend {
             .map_err(|e| device_error(format!("cuStreamCreate: {e}")))?;
         let module = compile::load_ops(&ctx)?;
         let kernels = Kernels::load(&module)?;
+        // SAFETY: only tries to dlopen libcublas; cudarc panics on a call into a missing library.
+        let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            match cudarc::cublas::CudaBlas::new(stream.clone()) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::warn!(
+                        "cuBLAS did not initialise ({e}); f16/bf16 prefill uses the built-in matmul kernel"
+                    );
+                    None
+                }
+            }
+        } else {
+            tracing::info!(
+                "libcublas is not loadable; f16/bf16 prefill uses the built-in matmul kernel"
+            );
+            None
+        };
         Ok(CudaBackend {
             ctx,
             stream,
             kernels,
             device_name,
             resident: Mutex::new(Vec::new()),
+            blas,
             inv_freq: Mutex::new(None),
             error: Mutex::new(None),
         })
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -246,6 +297,44 @@ impl CudaBackend {
             .clone_htod(data)
             .map(CudaBuf::F32)
             .map_err(|e| device_error(format!("uploading {} values: {e}", data.len())))
+    }
+
+    /// Device-to-device copy speed over `bytes`-byte buffers: (bytes read, bytes read + bytes
+    /// written) per second, in GB/s, best of a few copies. The reference that the resident
+    /// decode speed is compared with (decode reads each weight byte once).
+    pub fn measure_copy_gbps(&self, bytes: usize) -> Result<(f64, f64), LlamaError> {
+        let err = |e: cudarc::driver::DriverError| device_error(format!("copy benchmark: {e}"));
+        let src = self.stream.alloc_zeros::<u8>(bytes).map_err(err)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(bytes).map_err(err)?;
+        let mut best = f64::MAX;
+        for _ in 0..6 {
+            self.stream.synchronize().map_err(err)?;
+            let t = std::time::Instant::now();
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(err)?;
+            self.stream.synchronize().map_err(err)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let read = bytes as f64 / best / 1e9;
+        Ok((read, 2.0 * read))
+    }
+
+    /// Host-to-device copy speed from page-locked memory over `bytes` bytes, GB/s, best of a
+    /// few copies: the reference for the pinned host tier.
+    pub fn measure_pinned_h2d_gbps(&self, bytes: usize) -> Result<f64, LlamaError> {
+        let err = |e: cudarc::driver::DriverError| device_error(format!("H2D benchmark: {e}"));
+        // SAFETY: `alloc_pinned` leaves the memory uninitialised; it is only ever a copy source
+        // and every byte pattern is a valid u8.
+        let host = unsafe { self.ctx.alloc_pinned::<u8>(bytes) }.map_err(err)?;
+        let mut dst = self.stream.alloc_zeros::<u8>(bytes).map_err(err)?;
+        let mut best = f64::MAX;
+        for _ in 0..4 {
+            self.stream.synchronize().map_err(err)?;
+            let t = std::time::Instant::now();
+            self.stream.memcpy_htod(&host, &mut dst).map_err(err)?;
+            self.stream.synchronize().map_err(err)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(bytes as f64 / best / 1e9)
     }
 
     /// Bytes of weights held in device memory.
@@ -288,6 +377,12 @@ impl CudaBackend {
     }
 
     fn weight(&self, w: &WeightView<'_>) -> Option<DeviceWeight> {
+        if let Some(ptr) = w.device {
+            return Some(DeviceWeight {
+                ptr,
+                _temporary: None,
+            });
+        }
         let start = w.bytes.as_ptr() as usize;
         let end = start + w.bytes.len();
         {
@@ -333,6 +428,99 @@ impl CudaBackend {
             block_dim: (ELEMENT_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
+    }
+
+    /// A bf16 or quantized weight matrix as f16, in a temporary (stream-ordered) allocation.
+    fn dequantize_f16(&self, w: &WeightView<'_>, w_ptr: u64) -> Option<CudaSlice<u16>> {
+        let n = w.rows * w.cols;
+        let tmp = self.check(
+            "allocating a dequantized weight tile",
+            self.stream.alloc_zeros::<u16>(n),
+        )?;
+        let out = tmp.device_ptr(&self.stream).0;
+        let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
+        let mut b = self.stream.launch_builder(&self.kernels.dequant_f16);
+        b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
+        // SAFETY: the weight holds n_blocks blocks of its dtype (checked when the view was
+        // made) and `tmp` n_blocks·32 halves.
+        let r = unsafe { b.launch(self.elementwise(n / 32)) };
+        self.check("dequant kernel", r)?;
+        Some(tmp)
+    }
+
+    /// `out[rows, m] = x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or bf16) at
+    /// `w_ptr`: x is rounded to that type (tensor cores take both operands in one type),
+    /// products accumulate in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_cublas(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        x: &CudaBuf,
+        rows: usize,
+        w: &WeightView<'_>,
+        w_ptr: u64,
+        w_type: DType,
+        out: &mut CudaBuf,
+    ) {
+        use cudarc::cublas::sys::{
+            cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
+        };
+        let (m, k) = (w.rows, w.cols);
+        let n = rows * k;
+        let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
+            return;
+        };
+        let Some(x16) = self.check(
+            "allocating a half-precision copy of x",
+            self.stream.alloc_zeros::<u16>(n),
+        ) else {
+            return;
+        };
+        let x16p = x16.device_ptr(&self.stream).0;
+        let (convert, data_type) = match w_type {
+            DType::F16 => (&self.kernels.copy_f32_to_f16, cudaDataType::CUDA_R_16F),
+            _ => (&self.kernels.copy_f32_to_bf16, cudaDataType::CUDA_R_16BF),
+        };
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(convert);
+        b.arg(&xp).arg(&x16p).arg(&n64);
+        // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
+        let r = unsafe { b.launch(self.elementwise(n)) };
+        if self.check("f32 to half kernel", r).is_none() {
+            return;
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: column-major view of the row-major operands: W is k×m (ld k) taken
+        // transposed, x16 is k×rows (ld k), out is m×rows (ld m) = row-major [rows, m]. Every
+        // pointer is a live device allocation of at least that extent (the weight view's
+        // shape was checked when the view was made; x and out hold rows·k and rows·m values);
+        // the handle runs on this backend's stream, so x16 outlives the queued GEMM (its free
+        // is ordered on the same stream).
+        let r = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                rows as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                w_ptr as *const std::ffi::c_void,
+                data_type,
+                k as i32,
+                x16p as *const std::ffi::c_void,
+                data_type,
+                k as i32,
+                (&beta as *const f32).cast(),
+                op as *mut std::ffi::c_void,
+                cudaDataType::CUDA_R_32F,
+                m as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        self.check("cublasGemmEx", r);
+        drop(x16);
     }
 
     /// Converts `n` elements from `src` (+`src_off`) into `dst` (+`dst_off`), f32 or f16 each.
@@ -493,6 +681,23 @@ impl Backend for CudaBackend {
             return;
         }
         let Some(wd) = self.weight(&w) else { return };
+        if rows >= CUBLAS_MIN_ROWS
+            && w.dtype != DType::F32
+            && let Some(blas) = &self.blas
+        {
+            return match w.dtype {
+                DType::F16 => self.matmul_cublas(blas, x, rows, &w, wd.ptr, DType::F16, out),
+                _ => {
+                    let Some(tmp) = self.dequantize_f16(&w, wd.ptr) else {
+                        return;
+                    };
+                    let ptr = tmp.device_ptr(&self.stream).0;
+                    self.matmul_cublas(blas, x, rows, &w, ptr, DType::F16, out);
+                    // Freed in stream order, after the GEMM that reads it.
+                    drop(tmp);
+                }
+            };
+        }
         let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
             return;
         };
@@ -508,7 +713,7 @@ impl Backend for CudaBackend {
             .arg(&op);
         let cfg = LaunchConfig {
             grid_dim: (
-                (w.rows as u32).div_ceil(MM_WARPS),
+                (w.rows as u32).div_ceil(MM_WARPS * MM_WROWS),
                 (rows as u32).div_ceil(MM_ROWS),
                 1,
             ),
@@ -622,7 +827,13 @@ impl Backend for CudaBackend {
             shape.head_dim as i32,
         );
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        let mut b = self.stream.launch_builder(&self.kernels.attention);
+        // One row (decoding) runs only n_heads blocks: the variant that spreads V over warps.
+        let kernel = if rows == 1 {
+            &self.kernels.attention_decode
+        } else {
+            &self.kernels.attention
+        };
+        let mut b = self.stream.launch_builder(kernel);
         b.arg(&qp)
             .arg(&kp)
             .arg(&vp)
