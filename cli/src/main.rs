@@ -4,6 +4,7 @@
 //! `tracing`, filtered by `RUST_LOG` (default `info`).
 
 mod cmd;
+mod device_args;
 mod progress;
 mod residency_args;
 

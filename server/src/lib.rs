@@ -23,4 +23,6 @@ pub use engine::{
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{CpuEngine, LlamaEngine, open_cpu};
+#[cfg(feature = "cuda")]
+pub use llama_engine::{CudaEngine, open_cuda};
 pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};

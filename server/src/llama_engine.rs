@@ -162,6 +162,30 @@ pub fn open_cpu(
         .with_stats(Box::new(move || residency_stats(&residency))))
 }
 
+/// The engine `gdsllm serve --device cuda` runs: weights in device memory through residency.
+#[cfg(feature = "cuda")]
+pub type CudaEngine = LlamaEngine<llama::CudaBackend, llama::backend::cuda::CudaWeights>;
+
+/// Opens model directory `dir` on CUDA device `ordinal` (see `llama::backend::cuda::load_cuda`
+/// for what stays resident and what streams).
+#[cfg(feature = "cuda")]
+pub fn open_cuda(
+    dir: &Path,
+    model_id: impl Into<String>,
+    options: &ResidencyOptions,
+    context: usize,
+    ordinal: usize,
+    io: residency::IoChoice,
+) -> Result<CudaEngine, LlamaError> {
+    let model = llama::backend::cuda::load_cuda(dir, options, context, ordinal, io)?;
+    let residency = model.session.model().weights().residency_handle();
+    let (llama, tokenizer) = model.session.into_parts();
+    Ok(
+        LlamaEngine::new(model_id, llama, tokenizer, model.chat_template)
+            .with_stats(Box::new(move || residency_stats(&residency))),
+    )
+}
+
 /// `log_softmax(logits)[id]` for every id, computed once per token when logprobs are wanted.
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -4,10 +4,14 @@
 use std::io::{BufRead, Write};
 
 use anyhow::{Context, bail};
-use llama::{Backend, CpuModel, GenerateOptions, Generation, Message, SamplerConfig};
+use llama::{
+    Backend, CpuModel, GenerateOptions, Generation, LoadedModel, Message, SamplerConfig,
+    WeightSource,
+};
 use serde_json::json;
 use weights_format::Model;
 
+use crate::device_args::{Device, DeviceArgs};
 use crate::residency_args::ResidencyArgs;
 
 /// Generate text. With -p: a raw completion of the prompt, exactly as written (no chat
@@ -54,10 +58,13 @@ pub struct Args {
     #[arg(long = "stop", value_name = "TEXT")]
     pub stop: Vec<String>,
     /// Print one JSON object instead of streaming text: prompt_tokens, tokens, text,
-    /// finish_reason, timings {load_s, prompt_tok_per_s, gen_tok_per_s}, io {backend,
-    /// bytes_read, gb_per_s}, residency (statistics). Needs -p.
+    /// finish_reason, device, timings {load_s, prompt_s, prompt_tok_per_s, gen_tok_per_s,
+    /// time_to_first_token_s (from the start of the command)}, io {backend, bytes_read, gb_per_s},
+    /// residency (statistics). Needs -p.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[command(flatten)]
     pub residency: ResidencyArgs,
 }
@@ -99,25 +106,72 @@ pub fn open_model(
     ctx_size: usize,
 ) -> anyhow::Result<CpuModel> {
     let dir = model_dir(model)?;
-    let config = Model::open(&dir)
-        .with_context(|| format!("{}: invalid model", dir.display()))?
-        .config()
-        .clone();
-    let context = if ctx_size == 0 {
-        config.context_length as usize
-    } else {
-        ctx_size
-    };
+    let context = context_for(&dir, ctx_size)?;
+    let config = Model::open(&dir)?.config().clone();
     let reserved = residency::kv_cache_bytes(&config, context as u64, 4);
     let options = residency.options(reserved);
     llama::load_cpu(&dir, &options, context).with_context(|| format!("loading {}", dir.display()))
+}
+
+/// `ctx_size`, or the model's context length when 0.
+fn context_for(dir: &std::path::Path, ctx_size: usize) -> anyhow::Result<usize> {
+    let config = Model::open(dir)
+        .with_context(|| format!("{}: invalid model", dir.display()))?
+        .config()
+        .clone();
+    Ok(if ctx_size == 0 {
+        config.context_length as usize
+    } else {
+        ctx_size
+    })
+}
+
+/// Opens the model on CUDA device `ordinal`; residency plans what stays in device memory.
+pub fn open_cuda_model(
+    model: Option<&str>,
+    residency: &ResidencyArgs,
+    ctx_size: usize,
+    ordinal: usize,
+    io: residency::IoChoice,
+) -> anyhow::Result<llama::backend::cuda::CudaModel> {
+    let dir = model_dir(model)?;
+    let context = context_for(&dir, ctx_size)?;
+    // The loader reserves the KV cache and activations itself (it knows their device layout).
+    let options = residency.options(0);
+    llama::backend::cuda::load_cuda(&dir, &options, context, ordinal, io)
+        .with_context(|| format!("loading {} on CUDA device {ordinal}", dir.display()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json && args.prompt.is_none() {
         bail!("--json needs -p PROMPT (the interactive chat has no single result to print)");
     }
-    let mut model = open_model(args.model.as_deref(), &args.residency, args.ctx_size)?;
+    let started = std::time::Instant::now();
+    match args.device.resolve()? {
+        Device::Cpu => {
+            let model = open_model(args.model.as_deref(), &args.residency, args.ctx_size)?;
+            run_model(model, &args, "host", started)
+        }
+        Device::Cuda { ordinal, io } => {
+            let model = open_cuda_model(
+                args.model.as_deref(),
+                &args.residency,
+                args.ctx_size,
+                ordinal,
+                io,
+            )?;
+            let io_name = model.session.model().weights().memory().backend().name();
+            run_model(model, &args, io_name, started)
+        }
+    }
+}
+
+fn run_model<B: Backend, W: WeightSource>(
+    mut model: LoadedModel<B, W>,
+    args: &Args,
+    io_backend: &str,
+    started: std::time::Instant,
+) -> anyhow::Result<()> {
     tracing::info!(
         "loaded in {:.2} s, context {} tokens, backend {}",
         model.load_seconds,
@@ -130,16 +184,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         stop: args.stop.clone(),
     };
     match &args.prompt {
-        Some(prompt) => complete(&mut model, prompt, &options, args.json),
+        Some(prompt) => complete(&mut model, prompt, &options, args.json, io_backend, started),
         None => chat(&mut model, options, args.system.as_deref()),
     }
 }
 
-fn complete(
-    model: &mut CpuModel,
+fn complete<B: Backend, W: WeightSource>(
+    model: &mut LoadedModel<B, W>,
     prompt: &str,
     options: &GenerateOptions,
     json: bool,
+    io_backend: &str,
+    started: std::time::Instant,
 ) -> anyhow::Result<()> {
     let ids = model.session.encode_prompt(prompt)?;
     let mut stdout = std::io::stdout().lock();
@@ -153,11 +209,21 @@ fn complete(
         writeln!(stdout)?;
         g
     };
-    report(model, &generation, json)
+    // The first token is sampled right after the prompt's pass: everything since the command
+    // started (resolving and loading the model, encoding, prefill) except the decode loop.
+    let ttft = started.elapsed().as_secs_f64() - generation.generation_seconds;
+    report(model, &generation, json, io_backend, ttft)
 }
 
-fn report(model: &CpuModel, g: &Generation, json: bool) -> anyhow::Result<()> {
-    let stats = model.session.model().weights().stats();
+fn report<B: Backend, W: WeightSource>(
+    model: &LoadedModel<B, W>,
+    g: &Generation,
+    json: bool,
+    io_backend: &str,
+    ttft: f64,
+) -> anyhow::Result<()> {
+    let llama = model.session.model();
+    let stats = llama.weights().residency_stats().unwrap_or_default();
     let bytes_read = stats.total.disk_bytes + stats.total.on_demand_bytes;
     let gb_per_s = if stats.total.io_busy_s > 0.0 {
         bytes_read as f64 / stats.total.io_busy_s / 1e9
@@ -170,12 +236,15 @@ fn report(model: &CpuModel, g: &Generation, json: bool) -> anyhow::Result<()> {
             "tokens": g.tokens,
             "text": g.text,
             "finish_reason": g.finish_reason,
+            "device": llama.backend().name(),
             "timings": {
                 "load_s": model.load_seconds,
+                "prompt_s": g.prompt_seconds,
                 "prompt_tok_per_s": g.prompt_tokens_per_second(),
                 "gen_tok_per_s": g.generation_tokens_per_second(),
+                "time_to_first_token_s": ttft,
             },
-            "io": { "backend": "host", "bytes_read": bytes_read, "gb_per_s": gb_per_s },
+            "io": { "backend": io_backend, "bytes_read": bytes_read, "gb_per_s": gb_per_s },
             "residency": stats,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -261,8 +330,8 @@ fn set(options: &mut GenerateOptions, name: &str, value: &str) -> anyhow::Result
     Ok(())
 }
 
-fn chat(
-    model: &mut CpuModel,
+fn chat<B: Backend, W: WeightSource>(
+    model: &mut LoadedModel<B, W>,
     mut options: GenerateOptions,
     system: Option<&str>,
 ) -> anyhow::Result<()> {

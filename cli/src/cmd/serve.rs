@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 use gdsllm_server::{Server, ServerConfig};
 use weights_format::Model;
 
+use crate::device_args::{Device, DeviceArgs};
 use crate::residency_args::ResidencyArgs;
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -82,6 +83,8 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
     pub residency: ResidencyArgs,
 }
 
@@ -120,6 +123,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             model_config.context_length
         );
     }
+    let device = args.device.resolve()?;
     let reserved = residency::kv_cache_bytes(&model_config, context as u64, 4);
     let options = args.residency.options(reserved);
     let model_id = dir
@@ -158,10 +162,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            match gdsllm_server::open_cpu(&dir, model_id, &options, context) {
+            let engine: Result<Arc<dyn gdsllm_server::Engine>, _> = match device {
+                Device::Cpu => gdsllm_server::open_cpu(&dir, model_id, &options, context)
+                    .map(|e| Arc::new(e) as Arc<dyn gdsllm_server::Engine>),
+                Device::Cuda { ordinal, io } => {
+                    gdsllm_server::open_cuda(&dir, model_id, &options, context, ordinal, io)
+                        .map(|e| Arc::new(e) as Arc<dyn gdsllm_server::Engine>)
+                }
+            };
+            match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
-                    loader.set_engine(Arc::new(engine));
+                    loader.set_engine(engine);
                 }
                 Err(err) => {
                     tracing::error!("loading {}: {err}", dir.display());
