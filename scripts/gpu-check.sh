@@ -1,94 +1,189 @@
 #!/usr/bin/env bash
-# CUDA backend check in one invocation, for the lent GPU machine (no Rust toolchain there: the
-# binaries are built here and passed in). In order:
-#   1. the CUDA op and whole-model tests (llama/tests/cuda_ops.rs, GDSLLM_GPU_TESTS=1: they fail,
-#      not skip, without a usable GPU): every op against the reference backend, a SmolLM2-shaped
-#      q4_1 model and a small untied f16 model against the CPU backend,
-#   2. synthetic models with `gdsllm synth` (smollm2-135m shape, q4_1 and f16),
-#   3. `gdsllm bench --device cuda` and `--device cpu` on each, same prompt/generation lengths,
-#   4. a table last: pp/tg tok/s per model and device, and the GPU/CPU ratio.
+# The CUDA backend's checks and benchmarks (issue 6) in one invocation on the lent GPU machine.
+# There is no Rust toolchain there: binaries are built here and passed in. Stages (STAGES, default
+# all, in this order):
+#   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
+#            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
+#            models against the CPU backend; the same models through `load_cuda` resident, with
+#            every layer streamed, and through the pinned host tier, against the upload-once path.
+#   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
+#            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
+#            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.
+#   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
+#   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
+#            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
+#            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
+#            resident and with a 2 GiB budget.
+# A table is printed last.
 #
 # Usage: scripts/gpu-check.sh [WORK_DIR]
 # Environment (all optional):
-#   GDSLLM_BIN      gdsllm release binary (default: target/release/gdsllm)
-#   CUDA_TEST_BIN   llama's cuda_ops test binary, built with
-#                   `cargo test --release -p llama --features cuda --test cuda_ops --no-run`
-#                   (default: newest target/release/deps/cuda_ops-*)
-#   N_PROMPT, N_GEN bench lengths (default 128, 64); REPS repetitions (default 2)
-#   SKIP_TESTS=1    skip step 1
+#   GDSLLM_BIN       gdsllm release binary (default: target/release/gdsllm)
+#   CUDA_TEST_BIN    cuda_ops test binary (`cargo test --release -p llama --features cuda
+#                    --test cuda_ops --no-run`); default: newest target/release/deps/cuda_ops-*
+#   CUDA_HF_BIN      cuda_hf test binary, likewise
+#   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b")
+#   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
+#   TG_STREAMED      tokens generated in the streamed 7B benches (default 8)
+#   DTYPES_7B        dtypes of the 7B stage (default "f16 q4_1")
 # LD_LIBRARY_PATH defaults to /usr/local/cuda/lib64 (libcuda, libnvrtc).
 set -uo pipefail
 
 WORK_DIR="${1:-${WORK_DIR:-$PWD/gpu-check-work}}"
 BIN="${GDSLLM_BIN:-target/release/gdsllm}"
-N_PROMPT="${N_PROMPT:-128}"
-N_GEN="${N_GEN:-64}"
-REPS="${REPS:-2}"
+STAGES="${STAGES:-tests hf smollm2 7b}"
+HF_CASES="${HF_CASES:-small:float16 small:bfloat16 llama-7b:float16 llama-7b:bfloat16}"
+TG_STREAMED="${TG_STREAMED:-8}"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
 mkdir -p "$WORK_DIR"
 WORK_DIR=$(cd "$WORK_DIR" && pwd)
 export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache goes to $GDSLLM_HOME/kernels
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
+SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 status=0
-step() { echo >&2; echo "=== $* ===" >&2; }
-if [ -z "${CUDA_TEST_BIN:-}" ]; then
-  CUDA_TEST_BIN=$(ls -t target/release/deps/cuda_ops-* 2>/dev/null | grep -v '\.d$' | head -n1 || true)
+declare -a summary
+step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
+note() { summary+=("$*"); echo "[note] $*" >&2; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
+jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
+
+run_test_bin() { # label binary [env...]
+  local label=$1 bin=$2; shift 2
+  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
+  env "$@" "$bin" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
+  local rc=${PIPESTATUS[0]}
+  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
+  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
+  note "$label: $line"
+  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
+}
+
+if has tests; then
+  step "CUDA op, model and streaming tests"
+  run_test_bin cuda_ops "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "greedy tokens equal|max rel diff|agreed" "$WORK_DIR/cuda_ops.log" | sed 's/^/  /' >&2
 fi
 
-tests_line="skipped"
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step "CUDA op and model tests ($CUDA_TEST_BIN)"
-  if [ -z "$CUDA_TEST_BIN" ] || [ ! -x "$CUDA_TEST_BIN" ]; then
-    echo "no cuda_ops test binary (set CUDA_TEST_BIN)" >&2; tests_line="MISSING"; status=1
-  else
-    # One thread: the model tests each hold a whole model on the GPU and on the CPU.
-    GDSLLM_GPU_TESTS=1 "$CUDA_TEST_BIN" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/cuda_ops.log"
-    rc=${PIPESTATUS[0]}
-    tests_line=$(grep -E '^test result' "$WORK_DIR/cuda_ops.log" | tail -n1)
-    [ "$rc" = 0 ] || { status=1; tests_line="FAILED (rc $rc): $tests_line"; }
-  fi
-fi
-
-declare -a rows
-for dtype in q4_1 f16; do
-  model="$WORK_DIR/smollm2-$dtype"
-  if [ ! -f "$model/metadata.json" ]; then
-    step "gdsllm synth --shape smollm2-135m --dtype $dtype"
-    rm -rf "$model"
-    "$BIN" synth --shape smollm2-135m --dtype "$dtype" "$model" >&2 || { status=1; continue; }
-  fi
-  for device in cuda cpu; do
-    step "gdsllm bench --device $device on smollm2-135m $dtype"
-    json="$WORK_DIR/bench-$dtype-$device.json"
-    if "$BIN" bench --device "$device" -m "$model" -p "$N_PROMPT" -n "$N_GEN" -r "$REPS" --json >"$json"; then
-      pp=$(python3 -c "import json,sys; print('%.1f' % json.load(open(sys.argv[1]))['pp']['best'])" "$json")
-      tg=$(python3 -c "import json,sys; print('%.1f' % json.load(open(sys.argv[1]))['tg']['best'])" "$json")
-    else
-      status=1; pp="error"; tg="error"
+if has hf; then
+  HF_BIN="${CUDA_HF_BIN:-$(newest cuda_hf)}"
+  for case in $HF_CASES; do
+    shape=${case%%:*}; dtype=${case##*:}
+    dir="$WORK_DIR/hf-$shape-$dtype"
+    rm -rf "$dir"
+    step "transformers reference: $shape $dtype"
+    if ! python3 "$SCRIPTS/hf_reference.py" "$dir" --shape "$shape" --dtype "$dtype" >&2; then
+      note "hf $shape $dtype: reference FAILED"; status=1; continue
     fi
-    rows+=("$dtype $device $pp $tg")
+    step "gdsllm convert (HF $shape $dtype)"
+    t0=$(date +%s.%N)
+    if ! "$BIN" convert "$dir/hf" "$dir/model" >&2; then
+      note "hf $shape $dtype: convert FAILED"; status=1; rm -rf "$dir"; continue
+    fi
+    t1=$(date +%s.%N)
+    rm -rf "$dir/hf"
+    run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
+    grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
+    note "  $(grep -E 'max rel diff' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
+    note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
+    rm -rf "$dir/model"
   done
-done
+fi
+
+if has smollm2; then
+  for dtype in q4_1 f16; do
+    model="$WORK_DIR/smollm2-$dtype"
+    [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype "$dtype" "$model" >&2 || { status=1; continue; }
+    for device in cuda cpu; do
+      step "gdsllm bench --device $device on smollm2-135m $dtype"
+      json="$WORK_DIR/bench-smollm2-$dtype-$device.json"
+      if "$BIN" bench --device "$device" -m "$model" -p 128 -n 64 -r 2 --json >"$json"; then
+        note "smollm2-135m $dtype $device: pp128 $(jq_py "$json" "'%.0f' % d['pp']['best']") tok/s, tg64 $(jq_py "$json" "'%.1f' % d['tg']['best']") tok/s"
+      else
+        note "smollm2-135m $dtype $device: bench FAILED"; status=1
+      fi
+    done
+  done
+fi
+
+if has 7b; then
+  for dtype in ${DTYPES_7B:-f16 q4_1}; do
+    model="$WORK_DIR/llama7b-$dtype"
+    if [ ! -f "$model/metadata.json" ]; then
+      step "gdsllm synth --shape llama-7b --dtype $dtype"
+      t0=$(date +%s.%N)
+      "$BIN" synth --shape llama-7b --dtype "$dtype" "$model" >&2 || { note "7b $dtype: synth FAILED"; status=1; continue; }
+      note "7b $dtype: synth $(du -sb "$model" | cut -f1) bytes in $(python3 -c "import time; print(f'{time.time()-$t0:.1f}')") s"
+    fi
+    step "raw disk reference: gdsllm bench-io --io bounce on 7b $dtype"
+    io="$WORK_DIR/bench-io-7b-$dtype.json"
+    "$BIN" bench-io -m "$model" --io bounce --bounce-request-mib 1 --no-buffered --drop-caches --json >"$io" 2>"$WORK_DIR/bench-io-7b-$dtype.log" || status=1
+    raw=$(jq_py "$io" "'%.3f' % d['raw_gbps']" 2>/dev/null || echo 0)
+    note "7b $dtype: raw O_DIRECT disk read $raw GB/s (bench-io, page cache dropped)"
+
+    bench() { # name json-out args...
+      local name=$1 out=$2; shift 2
+      step "gdsllm bench --device cuda 7b $dtype: $name"
+      drop_caches
+      if ! "$BIN" bench --device cuda -m "$model" --json "$@" >"$out" 2>"$out.log"; then
+        tail -n 5 "$out.log" >&2; note "7b $dtype $name: FAILED"; status=1; return 1
+      fi
+    }
+    s="$WORK_DIR/bench-7b-$dtype-streamed.json"
+    if bench "streamed, --vram-budget 4GiB" "$s" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1; then
+      python3 - "$s" "$raw" "7b $dtype streamed 4GiB" >>"$WORK_DIR/lines" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); raw = float(sys.argv[2]); tg = d["tg"]["best"]; b = d["tg"]["bytes_per_token"]
+bound = raw * 1e9 / b if b else float("nan")
+print(f"{sys.argv[3]}: tg {tg:.3f} tok/s, {b/1e9:.2f} GB streamed/token, disk bound {bound:.3f} tok/s -> {tg/bound:.2f}x (target >= 0.85); io {d['io_backend']}; pp16 {d['pp']['best']:.2f} tok/s")
+PY
+      note "$(tail -n1 "$WORK_DIR/lines")"
+    fi
+    h="$WORK_DIR/bench-7b-$dtype-host.json"
+    if bench "host tier, --vram-budget 4GiB --host-cache 24GiB" "$h" --vram-budget 4GiB --host-cache 24GiB -p 16 -n 16 -r 1; then
+      python3 - "$h" "7b $dtype host tier" >>"$WORK_DIR/lines" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); tg = d["tg"]["best"]; b = d["tg"]["bytes_per_token"]; h2d = d["references"]["pinned_h2d_gbps"]
+bound = h2d * 1e9 / b if b else float("nan")
+print(f"{sys.argv[2]}: tg {tg:.2f} tok/s, {b/1e9:.2f} GB copied/token, pinned H2D {h2d:.1f} GB/s bound {bound:.2f} tok/s -> {tg/bound:.2f}x (target >= 0.8)")
+PY
+      note "$(tail -n1 "$WORK_DIR/lines")"
+    fi
+    r="$WORK_DIR/bench-7b-$dtype-resident.json"
+    if bench "resident" "$r" -p 512 -n 64 -r 2; then
+      python3 - "$r" "7b $dtype resident" >>"$WORK_DIR/lines" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); tg = d["tg"]["best"]; w = d["tg"]["weight_bytes_per_token"]; ref = d["references"]
+b_rw = ref["d2d_read_write_gbps"] * 1e9 / w; b_r = ref["d2d_read_gbps"] * 1e9 / w
+print(f"{sys.argv[2]}: pp512 {d['pp']['best']:.0f} tok/s, tg64 {tg:.1f} tok/s, {w/1e9:.2f} GB weights/token; d2d copy {ref['d2d_read_gbps']:.0f} GB/s copied ({ref['d2d_read_write_gbps']:.0f} read+written): bound {b_r:.1f} / {b_rw:.1f} tok/s -> {tg/b_r:.2f}x / {tg/b_rw:.2f}x (target >= 0.6)")
+PY
+      note "$(tail -n1 "$WORK_DIR/lines")"
+    fi
+    for budget in auto 4GiB; do
+      step "time to first token, cold page cache, 7b $dtype, --vram-budget $budget"
+      drop_caches
+      t="$WORK_DIR/ttft-7b-$dtype-$budget.json"
+      if "$BIN" run --device cuda -m "$model" -p "the quick brown fox" -n 1 --temp 0 -c 64 --vram-budget "$budget" --host-cache off --json >"$t" 2>"$t.log"; then
+        note "7b $dtype TTFT cold (--vram-budget $budget): $(jq_py "$t" "'%.2f s (load %.2f s, prompt %.2f s)' % (d['timings']['time_to_first_token_s'], d['timings']['load_s'], d['timings']['prompt_s'])")"
+      else
+        tail -n 5 "$t.log" >&2; note "7b $dtype TTFT: FAILED"; status=1
+      fi
+    done
+    step "same greedy tokens resident and with --vram-budget 2GiB, 7b $dtype"
+    a="$WORK_DIR/tokens-7b-$dtype-resident.json"; b="$WORK_DIR/tokens-7b-$dtype-2g.json"
+    "$BIN" run --device cuda -m "$model" -p "the quick brown fox" -n 8 --temp 0 -c 64 --json >"$a" 2>"$a.log" || status=1
+    "$BIN" run --device cuda -m "$model" -p "the quick brown fox" -n 8 --temp 0 -c 64 --vram-budget 2GiB --host-cache off --json >"$b" 2>"$b.log" || status=1
+    if python3 -c "import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(a['tokens'], b['tokens'], b['residency']['total']['disk_bytes']); sys.exit(a['tokens']!=b['tokens'])" "$a" "$b" >&2; then
+      note "7b $dtype: 8 greedy tokens identical resident vs --vram-budget 2GiB (streamed)"
+    else
+      note "7b $dtype: resident vs 2GiB tokens DIFFER or failed"; status=1
+    fi
+  done
+fi
 
 echo
 echo "=== gpu-check summary ($(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)) ==="
-echo "tests: $tests_line"
-printf '| %-18s | %-6s | %12s | %12s |\n' "model" "device" "pp$N_PROMPT tok/s" "tg$N_GEN tok/s"
-printf '|%s|%s|%s|%s|\n' "--------------------" "--------" "--------------" "--------------"
-for r in "${rows[@]}"; do
-  set -- $r
-  printf '| %-18s | %-6s | %12s | %12s |\n' "smollm2-135m $1" "$2" "$3" "$4"
-done
-python3 - "$WORK_DIR" <<'PY'
-import json, os, sys
-w = sys.argv[1]
-for dt in ("q4_1", "f16"):
-    try:
-        g = json.load(open(os.path.join(w, f"bench-{dt}-cuda.json")))
-        c = json.load(open(os.path.join(w, f"bench-{dt}-cpu.json")))
-        print(f"{dt}: cuda/cpu pp {g['pp']['best']/c['pp']['best']:.1f}x, tg {g['tg']['best']/c['tg']['best']:.1f}x")
-    except Exception as e:
-        print(f"{dt}: no ratio ({e})")
-PY
+for line in "${summary[@]}"; do echo "$line"; done
 exit $status
