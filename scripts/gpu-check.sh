@@ -10,6 +10,10 @@
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
 #            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
+#   batch    (opt-in) `gdsllm bench --batch` on the 7B f16 model streamed with 4 GiB, and the
+#            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
+#   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
+#            scripts/serve_bench.py at 1, 8 and 32 clients.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -86,7 +90,7 @@ if has hf; then
     rm -rf "$dir/hf"
     run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
     grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
-    note "  $(grep -E 'max rel diff' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
+    note "  $(grep -E 'relative error' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
     note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
     rm -rf "$dir/model"
   done
@@ -181,6 +185,57 @@ PY
       note "7b $dtype: resident vs 2GiB tokens DIFFER or failed"; status=1
     fi
   done
+fi
+
+if has batch; then
+  # Issue 7: batched decoding on the 7B-shaped f16 model streamed with a 4 GiB budget.
+  model="$WORK_DIR/llama7b-f16"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype f16 "$model" >&2 || status=1
+  if [ -n "${BATCH_TEST_BIN:-}" ]; then
+    step "batched forward equals solo on CUDA ($BATCH_TEST_BIN)"
+    run_test_bin batch_cuda "$BATCH_TEST_BIN" GDSLLM_GPU_TESTS=1 >/dev/null
+  fi
+  step "gdsllm bench --batch ${BATCHES:-1,8,32} on 7b f16, --vram-budget 4GiB"
+  j="$WORK_DIR/bench-batch-7b-f16.json"
+  drop_caches
+  if "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off --batch "${BATCHES:-1,8,32}" -p 16 -n "${TG_BATCH:-4}" -r 1 --json >"$j" 2>"$j.log"; then
+    python3 - "$j" >>"$WORK_DIR/lines" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+rows = d.get("batches") or d.get("batch") or []
+base = None
+for r in rows:
+    agg = r.get("aggregate_tok_per_s") or r.get("aggregate", {}).get("tok_per_s")
+    b = r.get("batch") or r.get("batch_size")
+    base = base or agg
+    print(f"7b f16 streamed 4GiB batch {b}: {agg:.3f} tok/s aggregate ({agg/base:.1f}x batch 1), {r.get('bytes_per_token', r.get('streamed_bytes_per_token', 0))/1e9:.2f} GB streamed per generated token")
+PY
+    tail -n 3 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+  else
+    tail -n 5 "$j.log" >&2; note "batch bench FAILED"; status=1
+  fi
+fi
+
+if has serve; then
+  # Issue 8: requests/s and tokens/s of `gdsllm serve` on the GPU with a streamed 7B model.
+  model="$WORK_DIR/llama7b-${SERVE_DTYPE:-q4_1}"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "${SERVE_DTYPE:-q4_1}" "$model" >&2 || status=1
+  step "gdsllm serve --device cuda on 7b ${SERVE_DTYPE:-q4_1}, --vram-budget 4GiB"
+  "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 512 \
+      --max-batch "${SERVE_MAX_BATCH:-32}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
+  spid=$!
+  url=""
+  for _ in $(seq 1 120); do
+    url=$(head -n1 "$WORK_DIR/serve.out" 2>/dev/null)
+    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
+    sleep 1
+  done
+  if python3 "$SCRIPTS/serve_bench.py" --url "$url" --clients 1 8 32 --seconds "${SERVE_SECONDS:-15}" --max-tokens 16 >"$WORK_DIR/serve-bench.jsonl"; then
+    while read -r l; do note "serve 7b ${SERVE_DTYPE:-q4_1} 4GiB: $l"; done <"$WORK_DIR/serve-bench.jsonl"
+  else
+    note "serve bench FAILED"; tail -n 5 "$WORK_DIR/serve.log" >&2; status=1
+  fi
+  kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
 
 echo

@@ -86,10 +86,15 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
                 let x = random(&mut rng, rows * k);
                 // cuBLAS takes both operands in the weights' type: the reference gets x
                 // rounded the same way, so the tolerance stays that of f32 accumulation.
-                // bf16 and quantized weights go there converted to f16, x rounded to f16.
+                // f16 and quantized weights go there as f16 with x rounded to f16; bf16 ones
+                // as f32 with x as it is.
                 let via_cublas =
                     rows >= llama::backend::cuda::CUBLAS_MIN_ROWS && dtype != DType::F32;
-                let x_ref: Vec<f32> = if via_cublas { via_f16(&x) } else { x.clone() };
+                let x_ref: Vec<f32> = if via_cublas && dtype != DType::Bf16 {
+                    via_f16(&x)
+                } else {
+                    x.clone()
+                };
                 // Dequantized weights rounded to f16 (2^-11 relative each) add error that
                 // f32 accumulation alone does not have (bf16 converts exactly).
                 let tol = if via_cublas && !matches!(dtype, DType::F16 | DType::Bf16) {
@@ -198,7 +203,16 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
     let kv_width = shape.n_kv_heads * shape.head_dim;
     let q_width = shape.n_heads * shape.head_dim;
     // decode; prefill from 0; prefill after a cached prefix; a context longer than one tile.
-    for (rows, pos0) in [(1, 0), (1, 100), (40, 0), (13, 50), (3, 1500)] {
+    // One row goes through the chunked decode kernel (1 and 12 chunks of 128 positions).
+    for (rows, pos0) in [
+        (1, 0),
+        (1, 100),
+        (1, 1500),
+        (1, 255),
+        (40, 0),
+        (13, 50),
+        (3, 1500),
+    ] {
         let ctx = pos0 + rows;
         let k = random(&mut rng, ctx * kv_width);
         let v = random(&mut rng, ctx * kv_width);

@@ -57,6 +57,10 @@ const MM_ROWS: u32 = 8;
 /// the activations in f32.
 pub const CUBLAS_MIN_ROWS: usize = 16;
 
+/// Positions per chunk of the decode attention kernel: a 4096-token context is 32 chunks per
+/// head, so even 8 heads fill the GPU.
+const ATT_SPLIT: usize = 128;
+
 /// The dtype codes of `kernels/ops.cu`.
 fn dtype_code(dtype: DType) -> i32 {
     match dtype {
@@ -108,7 +112,9 @@ struct Kernels {
     add: CudaFunction,
     attention: CudaFunction,
     attention_decode: CudaFunction,
+    attention_combine: CudaFunction,
     dequant_f16: CudaFunction,
+    dequant_f32: CudaFunction,
     matmul: [CudaFunction; 6],
 }
 
@@ -131,7 +137,9 @@ impl Kernels {
             add: f("add")?,
             attention: f("attention")?,
             attention_decode: f("attention_decode")?,
+            attention_combine: f("attention_combine")?,
             dequant_f16: f("dequant_f16")?,
+            dequant_f32: f("dequant_f32")?,
             matmul: [
                 f("matmul_f32")?,
                 f("matmul_f16")?,
@@ -430,22 +438,95 @@ impl CudaBackend {
         }
     }
 
-    /// A bf16 or quantized weight matrix as f16, in a temporary (stream-ordered) allocation.
-    fn dequantize_f16(&self, w: &WeightView<'_>, w_ptr: u64) -> Option<CudaSlice<u16>> {
+    /// A bf16 or quantized weight matrix as f16 or f32 (`to`), in a temporary (stream-ordered)
+    /// allocation of raw bytes.
+    fn dequantize(&self, w: &WeightView<'_>, w_ptr: u64, to: DType) -> Option<CudaSlice<u8>> {
         let n = w.rows * w.cols;
+        let (kernel, elem) = match to {
+            DType::F32 => (&self.kernels.dequant_f32, 4),
+            _ => (&self.kernels.dequant_f16, 2),
+        };
         let tmp = self.check(
-            "allocating a dequantized weight tile",
-            self.stream.alloc_zeros::<u16>(n),
+            "allocating a converted weight matrix",
+            self.stream.alloc_zeros::<u8>(n * elem),
         )?;
         let out = tmp.device_ptr(&self.stream).0;
         let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
-        let mut b = self.stream.launch_builder(&self.kernels.dequant_f16);
+        let mut b = self.stream.launch_builder(kernel);
         b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
-        // SAFETY: the weight holds n_blocks blocks of its dtype (checked when the view was
-        // made) and `tmp` n_blocks·32 halves.
+        // SAFETY: the weight holds n_blocks blocks of 32 values of its dtype (checked when the
+        // view was made; rows of a model are whole multiples of 32) and `tmp` room for
+        // n_blocks·32 values of `to`.
         let r = unsafe { b.launch(self.elementwise(n / 32)) };
         self.check("dequant kernel", r)?;
         Some(tmp)
+    }
+
+    /// One query row: the positions in chunks of [`ATT_SPLIT`] over (head, chunk) blocks, then
+    /// the chunks merged (see `attention_decode` in ops.cu).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode(
+        &self,
+        qp: u64,
+        kp: u64,
+        vp: u64,
+        pos0: usize,
+        shape: AttentionShape,
+        scale: f32,
+        op: u64,
+    ) {
+        let len = pos0 + 1;
+        let n_splits = len.div_ceil(ATT_SPLIT);
+        let part_len = shape.n_heads * n_splits * (2 + shape.head_dim);
+        let Some(part) = self.check(
+            "allocating attention partials",
+            self.stream.alloc_zeros::<f32>(part_len),
+        ) else {
+            return;
+        };
+        let pp = part.device_ptr(&self.stream).0;
+        let (p0, nh, nkv, hd, split) = (
+            pos0 as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+            ATT_SPLIT as i32,
+        );
+        let mut b = self.stream.launch_builder(&self.kernels.attention_decode);
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&p0)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale)
+            .arg(&split)
+            .arg(&pp);
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, n_splits as u32, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: q holds n_heads·head_dim values, the caches (pos0+1)·n_kv_heads·head_dim,
+        // `part` n_heads·n_splits·(2+head_dim); ATT_SPLIT <= the kernel's tile of 1024.
+        let r = unsafe { b.launch(cfg) };
+        if self.check("attention_decode kernel", r).is_none() {
+            return;
+        }
+        let n_splits_i = n_splits as i32;
+        let mut b = self.stream.launch_builder(&self.kernels.attention_combine);
+        b.arg(&pp).arg(&n_splits_i).arg(&hd).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, 1, 1),
+            block_dim: (ROW_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads the partials written above, writes n_heads·head_dim values of out.
+        let r = unsafe { b.launch(cfg) };
+        self.check("attention_combine kernel", r);
+        // Freed in stream order after the combine.
+        drop(part);
     }
 
     /// `out[rows, m] = x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or bf16) at
@@ -470,25 +551,31 @@ impl CudaBackend {
         let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
             return;
         };
-        let Some(x16) = self.check(
-            "allocating a half-precision copy of x",
-            self.stream.alloc_zeros::<u16>(n),
-        ) else {
-            return;
+        // x in the weights' type: f32 as it is, else a rounded copy.
+        let (x_in, x16, data_type) = if w_type == DType::F32 {
+            (xp, None, cudaDataType::CUDA_R_32F)
+        } else {
+            let Some(x16) = self.check(
+                "allocating a half-precision copy of x",
+                self.stream.alloc_zeros::<u16>(n),
+            ) else {
+                return;
+            };
+            let x16p = x16.device_ptr(&self.stream).0;
+            let (convert, data_type) = match w_type {
+                DType::F16 => (&self.kernels.copy_f32_to_f16, cudaDataType::CUDA_R_16F),
+                _ => (&self.kernels.copy_f32_to_bf16, cudaDataType::CUDA_R_16BF),
+            };
+            let n64 = n as u64;
+            let mut b = self.stream.launch_builder(convert);
+            b.arg(&xp).arg(&x16p).arg(&n64);
+            // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
+            let r = unsafe { b.launch(self.elementwise(n)) };
+            if self.check("f32 to half kernel", r).is_none() {
+                return;
+            }
+            (x16p, Some(x16), data_type)
         };
-        let x16p = x16.device_ptr(&self.stream).0;
-        let (convert, data_type) = match w_type {
-            DType::F16 => (&self.kernels.copy_f32_to_f16, cudaDataType::CUDA_R_16F),
-            _ => (&self.kernels.copy_f32_to_bf16, cudaDataType::CUDA_R_16BF),
-        };
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(convert);
-        b.arg(&xp).arg(&x16p).arg(&n64);
-        // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
-        let r = unsafe { b.launch(self.elementwise(n)) };
-        if self.check("f32 to half kernel", r).is_none() {
-            return;
-        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: column-major view of the row-major operands: W is k×m (ld k) taken
         // transposed, x16 is k×rows (ld k), out is m×rows (ld m) = row-major [rows, m]. Every
@@ -508,7 +595,7 @@ impl CudaBackend {
                 w_ptr as *const std::ffi::c_void,
                 data_type,
                 k as i32,
-                x16p as *const std::ffi::c_void,
+                x_in as *const std::ffi::c_void,
                 data_type,
                 k as i32,
                 (&beta as *const f32).cast(),
@@ -687,8 +774,16 @@ impl Backend for CudaBackend {
         {
             return match w.dtype {
                 DType::F16 => self.matmul_cublas(blas, x, rows, &w, wd.ptr, DType::F16, out),
+                DType::Bf16 => {
+                    let Some(tmp) = self.dequantize(&w, wd.ptr, DType::F32) else {
+                        return;
+                    };
+                    let ptr = tmp.device_ptr(&self.stream).0;
+                    self.matmul_cublas(blas, x, rows, &w, ptr, DType::F32, out);
+                    drop(tmp);
+                }
                 _ => {
-                    let Some(tmp) = self.dequantize_f16(&w, wd.ptr) else {
+                    let Some(tmp) = self.dequantize(&w, wd.ptr, DType::F16) else {
                         return;
                     };
                     let ptr = tmp.device_ptr(&self.stream).0;
@@ -827,13 +922,10 @@ impl Backend for CudaBackend {
             shape.head_dim as i32,
         );
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        // One row (decoding) runs only n_heads blocks: the variant that spreads V over warps.
-        let kernel = if rows == 1 {
-            &self.kernels.attention_decode
-        } else {
-            &self.kernels.attention
-        };
-        let mut b = self.stream.launch_builder(kernel);
+        if rows == 1 {
+            return self.attention_decode(qp, kp, vp, pos0, shape, scale, op);
+        }
+        let mut b = self.stream.launch_builder(&self.kernels.attention);
         b.arg(&qp)
             .arg(&kp)
             .arg(&vp)

@@ -161,6 +161,7 @@ extern "C" __global__ void add(float* x, const float* y, u64 n) {
 // busy). head_dim <= 256 and blockDim.x == 256.
 #define ATT_TILE 1024
 // Dims of the output a lane of `attention_decode` accumulates: head_dim <= 8 · 32.
+// (Positions per chunk of `attention_decode`: ATT_SPLIT in cuda/mod.rs.)
 #define ATT_DPL 8
 extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache,
                                      int pos0, int n_heads, int n_kv_heads, int head_dim,
@@ -224,97 +225,117 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     if (tid < head_dim) out[((u64)r * n_heads + h) * head_dim + tid] = acc / running_sum;
 }
 
-// The same for one query row per sequence (decoding), where only n_heads blocks run: each warp
-// also accumulates V for its own positions, so V is read by 8 warps in parallel instead of
-// position after position by one thread per dimension.
+// Decoding (one query row): only n_heads blocks would run, so the positions are split into
+// chunks of `split_len` (flash-decoding): block (h, s) scores chunk s of head h, keeps each
+// warp's share of the probability-weighted V rows in registers, and writes the chunk's max,
+// sum of exponentials and unnormalised output to `part` [n_heads, n_splits, 2 + head_dim];
+// `attention_combine` merges the chunks. split_len <= ATT_TILE.
 extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
-                                     int pos0, int n_heads, int n_kv_heads, int head_dim,
-                                     float scale, float* out) {
+                                            int pos0, int n_heads, int n_kv_heads, int head_dim,
+                                            float scale, int split_len, float* part) {
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
-    __shared__ float part[8][256];
-    int h = blockIdx.x % n_heads;
-    int r = blockIdx.x / n_heads;
+    __shared__ float partial[8][256];
+    int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     int kvh = h / (n_heads / n_kv_heads);
     int kv_width = n_kv_heads * head_dim;
-    int len = pos0 + r + 1;
+    int len = pos0 + 1;
+    int t0 = split * split_len;
+    int n = max(0, min(split_len, len - t0));
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
-    const float* qh = q + ((u64)r * n_heads + h) * head_dim;
-    for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = qh[d];
+    float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
+    for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = q[(u64)h * head_dim + d];
     __syncthreads();
-
-    // Each warp accumulates the probability-weighted V rows of its positions (lanes over
-    // head_dim), so V is read by 8 warps in parallel; the warps' partial sums are added at the end.
+    for (int t = warp; t < n; t += n_warps) {
+        const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
+        float sc = 0.f;
+        for (int d = lane; d < head_dim; d += 32) sc += qs[d] * h2f(kt[d]);
+        sc = warp_sum(sc);
+        if (lane == 0) p[t] = sc * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = NEG_INF;
+    for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float sum = 0.f;
+    for (int t = tid; t < n; t += blockDim.x) {
+        float e = expf(p[t] - m);
+        p[t] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    sum = 0.f;
+    for (int w = 0; w < n_warps; w++) sum += red[w];
     float acc[ATT_DPL];
 #pragma unroll
     for (int i = 0; i < ATT_DPL; i++) acc[i] = 0.f;
-    float running_max = NEG_INF, running_sum = 0.f;
-    for (int t0 = 0; t0 < len; t0 += ATT_TILE) {
-        int n = min(ATT_TILE, len - t0);
-        for (int t = warp; t < n; t += n_warps) {
-            const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
-            float s = 0.f;
-            for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
-            s = warp_sum(s);
-            if (lane == 0) p[t] = s * scale;
-        }
-        __syncthreads();
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
-        m = warp_max(m);
-        if (lane == 0) red[warp] = m;
-        __syncthreads();
-        m = NEG_INF;
-        for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
-        float new_max = fmaxf(running_max, m);
-        __syncthreads();  // everyone has read red[] before it is reused
-        float tile_sum = 0.f;
-        for (int t = tid; t < n; t += blockDim.x) {
-            float e = expf(p[t] - new_max);
-            p[t] = e;
-            tile_sum += e;
-        }
-        tile_sum = warp_sum(tile_sum);
-        if (lane == 0) red[warp] = tile_sum;
-        __syncthreads();
-        tile_sum = 0.f;
-        for (int w = 0; w < n_warps; w++) tile_sum += red[w];
-        float rescale = expf(running_max - new_max);  // 0 on the first tile
-        running_sum = running_sum * rescale + tile_sum;
-        running_max = new_max;
-#pragma unroll
-        for (int i = 0; i < ATT_DPL; i++) acc[i] *= rescale;
-        const u16* vbase = v_cache + (u64)t0 * kv_width + kvh * head_dim;
+    const u16* vbase = v_cache + (u64)t0 * kv_width + kvh * head_dim;
 #pragma unroll 4
-        for (int t = warp; t < n; t += n_warps) {
-            float pt = p[t];
-            const u16* vt = vbase + (u64)t * kv_width;
+    for (int t = warp; t < n; t += n_warps) {
+        float pt = p[t];
+        const u16* vt = vbase + (u64)t * kv_width;
 #pragma unroll
-            for (int i = 0; i < ATT_DPL; i++) {
-                int d = lane + 32 * i;
-                if (d < head_dim) acc[i] += pt * h2f(vt[d]);
-            }
+        for (int i = 0; i < ATT_DPL; i++) {
+            int d = lane + 32 * i;
+            if (d < head_dim) acc[i] += pt * h2f(vt[d]);
         }
-        __syncthreads();  // p[] and red[] are rewritten by the next tile
     }
 #pragma unroll
     for (int i = 0; i < ATT_DPL; i++) {
         int d = lane + 32 * i;
-        if (d < head_dim) part[warp][d] = acc[i];
+        if (d < head_dim) partial[warp][d] = acc[i];
     }
     __syncthreads();
     if (tid < head_dim) {
         float a = 0.f;
-        for (int w = 0; w < n_warps; w++) a += part[w][tid];
-        out[((u64)r * n_heads + h) * head_dim + tid] = a / running_sum;
+        for (int w = 0; w < n_warps; w++) a += partial[w][tid];
+        dst[2 + tid] = a;
     }
+    if (tid == 0) {
+        dst[0] = m;  // -inf for an empty chunk
+        dst[1] = sum;
+    }
+}
+
+// out[h, :] = Σ_s e^(m_s − M) acc_s / Σ_s e^(m_s − M) l_s over the chunks of `attention_decode`.
+extern "C" __global__ void attention_combine(const float* part, int n_splits, int head_dim,
+                                             float* out) {
+    int h = blockIdx.x, tid = threadIdx.x;
+    const float* base = part + (u64)h * n_splits * (2 + head_dim);
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, base[(u64)s * (2 + head_dim)]);
+    float denom = 0.f, num = 0.f;
+    for (int s = 0; s < n_splits; s++) {
+        const float* c = base + (u64)s * (2 + head_dim);
+        if (c[0] == NEG_INF) continue;
+        float w = expf(c[0] - mx);
+        denom += w * c[1];
+        if (tid < head_dim) num += w * c[2 + tid];
+    }
+    if (tid < head_dim) out[(u64)h * head_dim + tid] = num / denom;
 }
 
 // W[m, k] of any dtype as f16 (`out`, m·k values), one thread per 32 values: the operand of a
 // tensor-core GEMM for prefill (bf16 included: its 8-bit mantissa fits f16's 11, so only
 // weights below f16's normal range lose bits, and x stays in f16 instead of bf16's 8 bits).
 // A temporary of one matrix, freed after its GEMM.
+extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
+    int bytes = dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
+    const u8* blk = w + b * bytes;
+    float* o = out + b * 32;
+    for (int j = 0; j < 32; j++) o[j] = load_elem(blk, dtype, j);
+}
+
 extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
     u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n_blocks) return;
