@@ -19,7 +19,7 @@ pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 
-pub use backend::{Backend, CpuBackend, ReferenceBackend, WeightView};
+pub use backend::{AttentionSeq, Backend, CpuBackend, ReferenceBackend, RowGroup, WeightView};
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};
 pub use chat::{ChatTemplate, Message};

@@ -281,22 +281,22 @@ fn matmul_rows_impl<const FMA: bool>(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
-    n: usize,
+    wide: &[bool],
     out_t: &mut [f32],
 ) {
-    if n >= DECODE_ONCE_MIN_ROWS {
-        let mut tmp = vec![0f32; cols];
-        for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
-            dequant_row(dtype, row, &mut tmp);
-            for (o, xr) in out.iter_mut().zip(x.chunks_exact(cols)) {
-                *o = dot_f32::<FMA>(&tmp, xr);
-            }
-        }
-        return;
-    }
+    let n = wide.len();
+    let any_wide = wide.contains(&true);
+    let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
     for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
+        if any_wide {
+            dequant_row(dtype, row, &mut tmp);
+        }
         for (r, o) in out.iter_mut().enumerate() {
             let xr = &x[r * cols..(r + 1) * cols];
+            if wide[r] {
+                *o = dot_f32::<FMA>(&tmp, xr);
+                continue;
+            }
             let xs = if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
                 &xsums[r * (cols / QK)..(r + 1) * (cols / QK)]
             } else {
@@ -315,10 +315,13 @@ fn matmul_rows_impl<const FMA: bool>(
 }
 
 /// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
-/// `row_bytes` long, `cols` values) and the `n` activation rows of `x`. `xsums` holds the
-/// per-block sums of each activation row (needed by q4_0 and q4_1 when `n` is small; may be
-/// empty otherwise). The output is transposed (weight row major) so that each task of the
-/// caller owns a contiguous slice.
+/// `row_bytes` long, `cols` values) and the `n = wide.len()` activation rows of `x`. A row with
+/// `wide[r]` is dotted with the weight row decoded once to f32 (the kernel for
+/// [`DECODE_ONCE_MIN_ROWS`] or more rows); the others straight from the blocks (fewer rows).
+/// The two round differently, so the caller picks per row to reproduce a given row count's
+/// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
+/// for rows that are not wide; may be empty otherwise). The output is transposed (weight row
+/// major) so that each task of the caller owns a contiguous slice.
 #[allow(clippy::too_many_arguments)]
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
@@ -333,13 +336,13 @@ pub fn matmul_rows(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
-    n: usize,
+    wide: &[bool],
     out_t: &mut [f32],
 ) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
     } else {
-        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
     }
 }
 
