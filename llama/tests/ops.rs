@@ -227,7 +227,18 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
     let (m, k) = (72, 128);
     // (rows in the batch, rows the sequence has alone): decode rows, a prompt chunk of a long
     // prompt, a short prompt; on both sides of the CPU's 4-row kernel switch.
-    let groups = [(1, 1), (3, 40), (2, 2), (1, 1), (5, 5), (1, 1)];
+    let groups = [
+        (1, 1),
+        (3, 40),
+        (2, 2),
+        (1, 1),
+        (5, 5),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+    ];
     let rows: usize = groups.iter().map(|g| g.0).sum();
     let x = random(&mut rng, rows * k);
     for dtype in ALL {
