@@ -92,6 +92,13 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         &self.tokenizer
     }
 
+    /// The model and the tokenizer at once (for [`crate::batch::generate_batch`]); empties the
+    /// session's record of its cache like [`Session::model_mut`].
+    pub fn parts_mut(&mut self) -> (&mut Llama<B, W>, &Tokenizer) {
+        self.cached.clear();
+        (&mut self.model, &self.tokenizer)
+    }
+
     /// Empties the KV cache (the next prompt is computed from its first token).
     pub fn reset(&mut self) {
         self.model.truncate(0);

@@ -29,7 +29,7 @@ pub use chat::{ChatTemplate, Message};
 pub use config::LlamaConfig;
 pub use error::LlamaError;
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
-pub use load::{CpuModel, load_cpu};
+pub use load::{CpuModel, load_cpu, load_cpu_rows};
 pub use model::{BatchSeq, KvCache, Llama};
 pub use sampling::{Sampler, SamplerConfig};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -32,6 +32,17 @@ pub fn load_cpu(
     options: &ResidencyOptions,
     context: usize,
 ) -> Result<CpuModel, LlamaError> {
+    load_cpu_rows(dir, options, context, 0)
+}
+
+/// [`load_cpu`] with room for `max_rows` positions per pass when that is more than the context
+/// (a batch of sequences shares a pass: see [`crate::batch::BatchConfig::rows_per_pass`]).
+pub fn load_cpu_rows(
+    dir: impl AsRef<Path>,
+    options: &ResidencyOptions,
+    context: usize,
+    max_rows: usize,
+) -> Result<CpuModel, LlamaError> {
     let started = Instant::now();
     let model = Model::open(dir.as_ref())?;
     let metadata = model.metadata().clone();
@@ -49,7 +60,13 @@ pub fn load_cpu(
     let bos_token = token_text(metadata.config.bos_token_id);
     let eos_token = token_text(metadata.config.eos_token_ids.first().copied());
     let residency = Residency::open_host(&model, options)?;
-    let llama = Llama::new(CpuBackend::new(), residency, metadata, context, context)?;
+    let llama = Llama::new(
+        CpuBackend::new(),
+        residency,
+        metadata,
+        context,
+        max_rows.max(context),
+    )?;
     Ok(CpuModel {
         session: Session::new(llama, tokenizer),
         chat_template,

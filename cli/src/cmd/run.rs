@@ -2,27 +2,36 @@
 //! CPU backend with weights streamed through residency.
 
 use std::io::{BufRead, Write};
+use std::path::Path;
 
 use anyhow::{Context, bail};
-use llama::{Backend, CpuModel, GenerateOptions, Generation, Message, SamplerConfig};
+use llama::batch::DEFAULT_PREFILL_CHUNK;
+use llama::{Backend, BatchConfig, CpuModel, GenerateOptions, Generation, Message, SamplerConfig};
 use serde_json::json;
 use weights_format::Model;
 
 use crate::residency_args::ResidencyArgs;
 
 /// Generate text. With -p: a raw completion of the prompt, exactly as written (no chat
-/// template, no BOS unless the model asks for one), streamed to stdout. Without -p: an
-/// interactive chat using the model's chat template (`/bye` quits, `/set temp 0.2` changes a
-/// setting, `"""` starts and ends a multi-line message).
+/// template, no BOS unless the model asks for one), streamed to stdout. With -f: a raw
+/// completion of every line of a file, all run together as one batch (each completion is the
+/// same as with -p alone). Without either: an interactive chat using the model's chat template
+/// (`/bye` quits, `/set temp 0.2` changes a setting, `"""` starts and ends a multi-line
+/// message).
 #[derive(clap::Args)]
 pub struct Args {
     /// A model directory, or the name of a model in the store; default: smollm2 (pulled on
     /// first use).
     #[arg(short, long)]
     pub model: Option<String>,
-    /// The prompt for a raw completion; without it, start an interactive chat.
-    #[arg(short, long)]
+    /// The prompt for a raw completion; without it (and -f), start an interactive chat.
+    #[arg(short, long, conflicts_with = "file")]
     pub prompt: Option<String>,
+    /// A file of prompts, one per line (blank lines are skipped; `-` reads stdin): each gets a
+    /// raw completion, all decoded together in one batch sharing each pass over the weights.
+    /// Prints every completion under a `=== [N] prompt` header, in input order.
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: Option<std::path::PathBuf>,
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
@@ -55,7 +64,9 @@ pub struct Args {
     pub stop: Vec<String>,
     /// Print one JSON object instead of streaming text: prompt_tokens, tokens, text,
     /// finish_reason, timings {load_s, prompt_tok_per_s, gen_tok_per_s}, io {backend,
-    /// bytes_read, gb_per_s}, residency (statistics). Needs -p.
+    /// bytes_read, gb_per_s}, residency (statistics). Needs -p or -f; with -f, one object per
+    /// prompt and line, in input order: index, prompt, prompt_tokens, tokens, text,
+    /// finish_reason, timings {prompt_s, gen_s, gen_tok_per_s}.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -92,11 +103,14 @@ pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
     }
 }
 
-/// Opens the model on the CPU backend with residency options for its KV cache.
+/// Opens the model on the CPU backend with residency options that leave room for the KV caches
+/// of `sequences` sequences of `ctx_size` positions (more than one: decoded as a batch, with
+/// room for all of them plus a prefill chunk in one pass).
 pub fn open_model(
     model: Option<&str>,
     residency: &ResidencyArgs,
     ctx_size: usize,
+    sequences: usize,
 ) -> anyhow::Result<CpuModel> {
     let dir = model_dir(model)?;
     let config = Model::open(&dir)
@@ -108,16 +122,47 @@ pub fn open_model(
     } else {
         ctx_size
     };
-    let reserved = residency::kv_cache_bytes(&config, context as u64, 4);
+    let sequences = sequences.max(1);
+    let reserved = residency::kv_cache_bytes(&config, context as u64, 4) * sequences as u64;
     let options = residency.options(reserved);
-    llama::load_cpu(&dir, &options, context).with_context(|| format!("loading {}", dir.display()))
+    let max_rows = if sequences > 1 {
+        sequences + DEFAULT_PREFILL_CHUNK
+    } else {
+        context
+    };
+    llama::load_cpu_rows(&dir, &options, context, max_rows)
+        .with_context(|| format!("loading {}", dir.display()))
+}
+
+/// Prompts of a `-f` file: one per line, blank lines skipped; `-` is stdin.
+fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading prompts from stdin")?
+    } else {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("reading prompts from {}", path.display()))?
+    };
+    let prompts: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect();
+    if prompts.is_empty() {
+        bail!("{}: no prompts (one per line)", path.display());
+    }
+    Ok(prompts)
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.json && args.prompt.is_none() {
-        bail!("--json needs -p PROMPT (the interactive chat has no single result to print)");
+    if args.json && args.prompt.is_none() && args.file.is_none() {
+        bail!(
+            "--json needs -p PROMPT or -f FILE (the interactive chat has no single result to print)"
+        );
     }
-    let mut model = open_model(args.model.as_deref(), &args.residency, args.ctx_size)?;
+    if let Some(path) = &args.file {
+        return complete_file(&args, path);
+    }
+    let mut model = open_model(args.model.as_deref(), &args.residency, args.ctx_size, 1)?;
     tracing::info!(
         "loaded in {:.2} s, context {} tokens, backend {}",
         model.load_seconds,
@@ -154,6 +199,64 @@ fn complete(
         g
     };
     report(model, &generation, json)
+}
+
+/// `-f`: every prompt of the file in one batch; results in input order.
+fn complete_file(args: &Args, path: &Path) -> anyhow::Result<()> {
+    let texts = read_prompts(path)?;
+    let mut model = open_model(
+        args.model.as_deref(),
+        &args.residency,
+        args.ctx_size,
+        texts.len(),
+    )?;
+    let prompts = texts
+        .iter()
+        .map(|t| model.session.encode_prompt(t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = GenerateOptions {
+        max_tokens: args.n_predict,
+        sampler: args.sampler(),
+        stop: args.stop.clone(),
+    };
+    let started = std::time::Instant::now();
+    let session = &mut model.session;
+    let config = BatchConfig::for_model(session.model(), texts.len());
+    let (llama, tokenizer) = session.parts_mut();
+    let generations =
+        llama::generate_batch(llama, tokenizer, &prompts, &options, config, |_, _| {})?;
+    let seconds = started.elapsed().as_secs_f64();
+    let mut stdout = std::io::stdout().lock();
+    for (i, (text, g)) in texts.iter().zip(&generations).enumerate() {
+        if args.json {
+            let line = json!({
+                "index": i,
+                "prompt": text,
+                "prompt_tokens": g.prompt_tokens,
+                "tokens": g.tokens,
+                "text": g.text,
+                "finish_reason": g.finish_reason,
+                "timings": {
+                    "prompt_s": g.prompt_seconds,
+                    "gen_s": g.generation_seconds,
+                    "gen_tok_per_s": g.generation_tokens_per_second(),
+                },
+            });
+            writeln!(stdout, "{line}")?;
+        } else {
+            writeln!(stdout, "=== [{}] {text}", i + 1)?;
+            writeln!(stdout, "{}", g.text)?;
+        }
+    }
+    let generated: usize = generations.iter().map(|g| g.tokens.len()).sum();
+    let stats = model.session.model().weights().stats();
+    tracing::info!(
+        "{} prompts in one batch: {generated} tokens generated in {seconds:.2} s ({:.1} tok/s in all); read {:.1} MB",
+        texts.len(),
+        generated as f64 / seconds.max(1e-9),
+        (stats.total.disk_bytes + stats.total.on_demand_bytes) as f64 / 1e6
+    );
+    Ok(())
 }
 
 fn report(model: &CpuModel, g: &Generation, json: bool) -> anyhow::Result<()> {
