@@ -54,6 +54,19 @@ fn in_memory(dir: &Path, context: usize, max_rows: usize) -> Llama<CpuBackend, I
     Llama::new(CpuBackend::new(), weights, meta, context, max_rows).unwrap()
 }
 
+/// A synthetic model in a temporary directory (kept while the first value lives), in memory.
+fn synth_in_memory(
+    name: &str,
+    dtype: DType,
+    tied: bool,
+) -> (tempfile::TempDir, Llama<CpuBackend, InMemoryWeights>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join(name);
+    synth_model(&dir, dtype, tied);
+    let model = in_memory(&dir, 256, 256);
+    (tmp, model)
+}
+
 /// First index of the largest logit.
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -272,10 +285,7 @@ fn bytes_streamed_per_decode_step_do_not_grow_with_the_batch() {
 
 #[test]
 fn kv_budget_exhaustion_makes_requests_wait_and_they_complete_later() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("budget");
-    synth_model(&dir, DType::Q4_1, true);
-    let mut model = in_memory(&dir, 256, 256);
+    let (_tmp, mut model) = synth_in_memory("budget", DType::Q4_1, true);
     let vocab = model.config().vocab_size as u32;
     // Five requests of 10 + 8 - 1 = 17 positions each; room for two at a time.
     let reqs: Vec<Req> = (0..5)
@@ -324,10 +334,7 @@ fn kv_budget_exhaustion_makes_requests_wait_and_they_complete_later() {
 
 #[test]
 fn cancelling_a_sequence_frees_its_kv_at_once_and_lets_the_next_in() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("cancel");
-    synth_model(&dir, DType::Q8_0, true);
-    let mut model = in_memory(&dir, 256, 256);
+    let (_tmp, mut model) = synth_in_memory("cancel", DType::Q8_0, true);
     let vocab = model.config().vocab_size as u32;
     let per_seq = model.kv_cache_bytes(12 + 20 - 1);
     let config = BatchConfig {
@@ -389,10 +396,7 @@ fn cancelling_a_sequence_frees_its_kv_at_once_and_lets_the_next_in() {
 
 #[test]
 fn a_long_prompt_is_prefilled_in_chunks_while_running_sequences_keep_decoding() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("chunks");
-    synth_model(&dir, DType::Q4_1, true);
-    let mut model = in_memory(&dir, 256, 256);
+    let (_tmp, mut model) = synth_in_memory("chunks", DType::Q4_1, true);
     let vocab = model.config().vocab_size as u32;
     let short = prompt(1, 6, vocab);
     let long = prompt(2, 100, vocab);

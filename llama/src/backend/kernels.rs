@@ -212,6 +212,20 @@ fn dot_q4_1<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
     sum32(&acc) + offsets.iter().sum::<f32>()
 }
 
+/// One block of one activation row in the quantized kernels: `acc += d·(q·x)` lane by lane,
+/// the product first, as [`dot_q8_0`], [`dot_q4_0`] and [`dot_q4_1`] do.
+#[inline(always)]
+fn block_step<const FMA: bool>(q: &[f32; 32], d: f32, x: &[f32], acc: &mut [f32; 32]) {
+    let xb: &[f32; 32] = x.try_into().unwrap();
+    let mut p = [0f32; 32];
+    for j in 0..32 {
+        p[j] = q[j] * xb[j];
+    }
+    for j in 0..32 {
+        acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
+    }
+}
+
 /// [`dot_q8_0`] of one weight row with `R` activation rows at once: each block is widened once
 /// and then used for every row, each row's sums taking exactly the steps of `dot_q8_0`, so each
 /// result is bit for bit that of `dot_q8_0`.
@@ -226,14 +240,7 @@ fn dot_q8_0_rows<const FMA: bool, const R: usize>(row: &[u8], x: [&[f32]; R]) ->
             q[j] = (b[2 + j] as i8) as f32;
         }
         for r in 0..R {
-            let xb: &[f32; 32] = x[r][i * QK..(i + 1) * QK].try_into().unwrap();
-            let mut p = [0f32; 32];
-            for j in 0..32 {
-                p[j] = q[j] * xb[j];
-            }
-            for j in 0..32 {
-                acc[r][j] = fmadd::<FMA>(d, p[j], acc[r][j]);
-            }
+            block_step::<FMA>(&q, d, &x[r][i * QK..(i + 1) * QK], &mut acc[r]);
         }
     }
     std::array::from_fn(|r| sum32(&acc[r]))
@@ -264,14 +271,7 @@ fn dot_q4_rows<const FMA: bool, const MIN: bool, const R: usize>(
             q[j + 16] = (qs[j] >> 4) as f32;
         }
         for r in 0..R {
-            let xb: &[f32; 32] = x[r][i * QK..(i + 1) * QK].try_into().unwrap();
-            let mut p = [0f32; 32];
-            for j in 0..32 {
-                p[j] = q[j] * xb[j];
-            }
-            for j in 0..32 {
-                acc[r][j] = fmadd::<FMA>(d, p[j], acc[r][j]);
-            }
+            block_step::<FMA>(&q, d, &x[r][i * QK..(i + 1) * QK], &mut acc[r]);
             offsets[r][i & 3] = fmadd::<FMA>(scale, xsum[r][i], offsets[r][i & 3]);
         }
     }
