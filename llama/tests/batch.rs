@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
 use llama::{
-    BatchConfig, Batcher, CpuBackend, GenerateOptions, InMemoryWeights, Llama, SamplerConfig,
-    SeqEnd, SeqId, Session, Tokenizer, WeightSource, generate_batch,
+    Backend, BatchConfig, Batcher, CpuBackend, GenerateOptions, InMemoryWeights, Llama,
+    SamplerConfig, SeqEnd, SeqId, Session, Tokenizer, WeightSource, generate_batch,
 };
 use residency::{HostCache, Residency, ResidencyOptions};
 use weights_format::{DType, Model};
@@ -80,8 +80,8 @@ fn argmax(logits: &[f32]) -> u32 {
 
 /// Greedy tokens of `prompt` alone, the way `Session::generate` drives the model: the whole
 /// prompt in one pass, then one pass per token.
-fn solo_greedy<W: WeightSource>(
-    model: &mut Llama<CpuBackend, W>,
+fn solo_greedy<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
     prompt: &[u32],
     n: usize,
 ) -> Vec<u32> {
@@ -113,8 +113,8 @@ struct Req {
 
 /// Runs `reqs` through a batcher with greedy sampling; returns each request's tokens and how
 /// it ended, and the most sequences seen running at once.
-fn run_batched<W: WeightSource>(
-    model: &mut Llama<CpuBackend, W>,
+fn run_batched<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
     config: BatchConfig,
     reqs: &[Req],
 ) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
@@ -174,6 +174,29 @@ fn ragged_requests(vocab: u32) -> Vec<Req> {
     .collect()
 }
 
+/// The ragged workload through a batcher (4 at a time, prefill chunks of 8) against each
+/// request alone on the same model.
+fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, label: &str) {
+    let vocab = model.config().vocab_size as u32;
+    let reqs = ragged_requests(vocab);
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
+        .collect();
+    let config = BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        ..BatchConfig::for_model(model, 4)
+    };
+    let (batched, most) = run_batched(model, config, &reqs);
+    println!("{label}: up to {most} sequences per pass");
+    assert!(most >= 3, "the sequences did not overlap");
+    for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
+        assert_eq!(*end, SeqEnd::Length);
+        assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
+    }
+}
+
 #[test]
 fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     let tmp = tempfile::tempdir().unwrap();
@@ -184,28 +207,29 @@ fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     ] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let mut model = in_memory(&dir, 256, 256);
-        let vocab = model.config().vocab_size as u32;
-        let reqs = ragged_requests(vocab);
-        let solo: Vec<Vec<u32>> = reqs
-            .iter()
-            .map(|r| solo_greedy(&mut model, &r.prompt, r.max_new))
-            .collect();
-        let config = BatchConfig {
-            max_batch: 4,
-            prefill_chunk: 8,
-            ..BatchConfig::for_model(&model, 4)
-        };
-        let (batched, most) = run_batched(&mut model, config, &reqs);
-        println!("{dtype} tied={tied}: up to {most} sequences per pass");
-        assert!(most >= 3, "the sequences did not overlap");
-        for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
-            assert_eq!(*end, SeqEnd::Length);
-            assert_eq!(
-                tokens, want,
-                "{dtype} tied={tied}: sequence {i} differs from alone"
-            );
-        }
+        ragged_batch_equals_solo(
+            &mut in_memory(&dir, 256, 256),
+            &format!("cpu {dtype} tied={tied}"),
+        );
+    }
+}
+
+/// The same on the CUDA backend (weights resident, the trait's default batched ops unless the
+/// backend overrides them). Opt-in like `cuda_ops`: `GDSLLM_GPU_TESTS=1` and the `cuda`
+/// feature (`cargo test -p llama --features cuda --test batch cuda`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        let mut model = llama::backend::cuda::open_resident(&dir, 0, 256).unwrap();
+        ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
     }
 }
 
