@@ -323,9 +323,8 @@ impl<B: Backend> Batcher<B> {
                 plan.push((i, take));
             }
         }
-        let mut finished = std::mem::take(&mut self.ended);
         if plan.is_empty() {
-            return Ok(finished);
+            return Ok(std::mem::take(&mut self.ended));
         }
 
         let mut planned = plan.iter().peekable();
@@ -359,6 +358,7 @@ impl<B: Backend> Batcher<B> {
         }
         let logits = model.forward_batch(&mut entries)?;
         drop(entries);
+        let mut finished = std::mem::take(&mut self.ended);
 
         let vocab = self.vocab;
         let mut row = 0;
