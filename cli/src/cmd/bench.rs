@@ -297,9 +297,10 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
         for _ in 0..reps {
             let mut batcher = llama::Batcher::new(llama, config)?;
             for s in 0..size as u32 {
-                // Ordinary text-like ids, different for each sequence.
+                // Ordinary text-like ids (past the specials), different for each sequence.
+                let base = 300.min(vocab / 2);
                 let prompt = (0..n_prompt as u32)
-                    .map(|i| 300 + (i * 7919 + s * 104_729) % (vocab - 300))
+                    .map(|i| base + (i * 7919 + s * 104_729) % (vocab - base))
                     .collect();
                 batcher.submit(prompt, max_new)?;
             }
