@@ -184,3 +184,120 @@ fn bench_json_reports_pp_tg_and_load() {
     assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["load"]["bytes"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn run_file_decodes_every_line_in_one_batch_and_prints_them_in_order() {
+    let Some(dir) = model_dir() else { return };
+    let golden = golden();
+    let cases = golden["prompts"].as_array().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.txt");
+    let lines: Vec<&str> = cases
+        .iter()
+        .map(|c| c["prompt"].as_str().unwrap())
+        .collect();
+    // A blank line is skipped, not an empty prompt.
+    std::fs::write(
+        &file,
+        format!("{}\n\n{}\n{}\n", lines[0], lines[1], lines[2]),
+    )
+    .unwrap();
+    let run = |json: bool| {
+        let mut cmd = gdsllm();
+        cmd.args(["run", "-m"])
+            .arg(&dir)
+            .arg("-f")
+            .arg(&file)
+            .args(["--temp", "0", "-n", "8", "-c", "64"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let stdout = run(true);
+    let objects: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(objects.len(), cases.len(), "{stdout}");
+    for (i, (v, case)) in objects.iter().zip(cases).enumerate() {
+        // Each sequence of the batch gives the reference's greedy tokens, as it does alone.
+        assert_eq!(v["index"], i);
+        assert_eq!(v["prompt"], case["prompt"]);
+        assert_eq!(v["prompt_tokens"], case["input_ids"]);
+        let want = &case["greedy_ids"].as_array().unwrap()[..8];
+        assert_eq!(v["tokens"].as_array().unwrap(), want, "prompt {i}");
+        assert_eq!(v["finish_reason"], "length");
+    }
+    let text = run(false);
+    let first = text.find("=== [1] The capital of France is").unwrap();
+    let second = text.find("=== [2] def fibonacci(n):").unwrap();
+    let third = text.find("=== [3] Once upon a time").unwrap();
+    assert!(first < second && second < third, "{text}");
+    assert!(text[first..second].contains(" Paris."), "{text}");
+    assert_eq!(
+        text[first..second].trim_end(),
+        format!(
+            "=== [1] {}\n{}",
+            lines[0],
+            objects[0]["text"].as_str().unwrap()
+        )
+        .trim_end()
+    );
+}
+
+#[test]
+fn bench_batch_reports_aggregate_per_sequence_and_bytes_per_token() {
+    let Some(dir) = model_dir() else { return };
+    let out = gdsllm()
+        .args(["bench", "-m"])
+        .arg(&dir)
+        .args([
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "-r",
+            "1",
+            "--batch",
+            "1,4",
+            "--resident-layers",
+            "0",
+            "--host-cache",
+            "off",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["batch"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for (r, size) in rows.iter().zip([1, 4]) {
+        assert_eq!(r["batch"], size);
+        let mean = r["mean"].as_f64().unwrap();
+        assert!(mean > 0.0, "{r}");
+        let per_seq = r["per_seq_tok_per_s"].as_f64().unwrap();
+        assert!((per_seq * size as f64 - mean).abs() < 1e-6 * mean, "{r}");
+    }
+    // Every layer is re-read from disk on every pass, so one pass for four sequences streams
+    // far fewer bytes per token than one pass for one.
+    let bytes = |i: usize| rows[i]["bytes_per_token"].as_f64().unwrap();
+    println!(
+        "bytes per token: batch 1 {:.0}, batch 4 {:.0}",
+        bytes(0),
+        bytes(1)
+    );
+    assert!(bytes(0) > 1e6, "{v}");
+    assert!(bytes(1) < bytes(0) / 2.0, "{v}");
+}

@@ -48,6 +48,15 @@ pub enum LlamaError {
     Parse { path: PathBuf, message: String },
     #[error("the prompt has {prompt} tokens but the context holds {context} (use a larger -c)")]
     ContextOverflow { prompt: usize, context: usize },
+    #[error(
+        "a sequence of up to {positions} positions needs {needed} bytes of KV cache, more than \
+         the whole KV budget of {budget} bytes"
+    )]
+    KvBudget {
+        positions: usize,
+        needed: u64,
+        budget: u64,
+    },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("tokenizer {path}: {message}")]

@@ -97,6 +97,13 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         &self.tokenizer
     }
 
+    /// The model and the tokenizer at once (for [`crate::batch::generate_batch`]); empties the
+    /// session's record of its cache like [`Session::model_mut`].
+    pub fn parts_mut(&mut self) -> (&mut Llama<B, W>, &Tokenizer) {
+        self.cached.clear();
+        (&mut self.model, &self.tokenizer)
+    }
+
     /// Empties the KV cache (the next prompt is computed from its first token).
     pub fn reset(&mut self) {
         self.model.truncate(0);
@@ -139,7 +146,7 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
                 message: "is empty".into(),
             });
         }
-        let mut sampler = Sampler::new(options.sampler.clone())?;
+        let sampler = Sampler::new(options.sampler.clone())?;
 
         // Reuse the cached prefix, but always recompute at least the last prompt token so
         // that there are logits to sample from.
@@ -160,53 +167,29 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         let prompt_seconds = started.elapsed().as_secs_f64();
 
         let eos = self.model.config().eos_token_ids.clone();
-        let mut history: Vec<u32> = prompt.to_vec();
-        let mut tokens = Vec::new();
-        let mut text = String::new();
-        let mut emitted = 0usize;
-        let mut decoder = StreamDecoder::new();
+        let mut text = TextOut::new(prompt, sampler);
         let started = Instant::now();
         let finish_reason = loop {
-            if tokens.len() >= options.max_tokens {
+            if text.tokens.len() >= options.max_tokens {
                 break FinishReason::Length;
             }
-            let next = sampler.sample(&logits, &history);
-            tokens.push(next);
-            history.push(next);
-            if eos.contains(&next) {
-                break FinishReason::Eos;
+            if let Some(end) =
+                text.accept(&logits, &eos, &self.tokenizer, &options.stop, &mut on_text)?
+            {
+                break end;
             }
-            text.push_str(&decoder.push(&self.tokenizer, next)?);
-            if let Some(cut) = find_stop(&text, &options.stop) {
-                text.truncate(cut);
-                if cut > emitted {
-                    on_text(&text[emitted..]);
-                }
-                emitted = text.len();
-                break FinishReason::Stop;
-            }
-            // Hold back a tail that might grow into a stop string.
-            let safe = text.len() - held_back(&text, &options.stop);
-            if safe > emitted {
-                on_text(&text[emitted..safe]);
-                emitted = safe;
-            }
-            if tokens.len() >= options.max_tokens {
+            if text.tokens.len() >= options.max_tokens {
                 break FinishReason::Length;
             }
             if self.model.pos() >= context {
                 break FinishReason::Context;
             }
+            let next = *text.tokens.last().expect("accept pushed a token");
             logits.clear();
             logits.extend_from_slice(self.model.forward(&[next])?);
             self.cached.push(next);
         };
-        if finish_reason != FinishReason::Stop {
-            text.push_str(&decoder.finish(&self.tokenizer)?);
-            if text.len() > emitted {
-                on_text(&text[emitted..]);
-            }
-        }
+        let (tokens, text) = text.finish(finish_reason, &self.tokenizer, &mut on_text)?;
         Ok(Generation {
             prompt_tokens: prompt.to_vec(),
             tokens,
@@ -216,6 +199,85 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
             prompt_seconds,
             generation_seconds: started.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// One sequence's output as it is sampled: the tokens, the text decoded so far and how much of
+/// it has been handed out, with stop strings held back until they cannot match. Shared by
+/// [`Session::generate`] and the batched [`crate::batch::generate_batch`], so that both end
+/// sequences by the same rules.
+pub(crate) struct TextOut {
+    sampler: Sampler,
+    /// Prompt and generated ids (for the repeat penalty).
+    history: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
+    text: String,
+    emitted: usize,
+    decoder: StreamDecoder,
+}
+
+impl TextOut {
+    pub(crate) fn new(prompt: &[u32], sampler: Sampler) -> TextOut {
+        TextOut {
+            sampler,
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            decoder: StreamDecoder::new(),
+        }
+    }
+
+    /// Samples the next token from `logits` and adds it, calling `on_text` with whatever text
+    /// is now complete. Returns the reason the sequence ends with this token (an EOS id or a
+    /// stop string), or `None` when it goes on.
+    pub(crate) fn accept(
+        &mut self,
+        logits: &[f32],
+        eos: &[u32],
+        tokenizer: &Tokenizer,
+        stop: &[String],
+        on_text: &mut impl FnMut(&str),
+    ) -> Result<Option<FinishReason>, LlamaError> {
+        let next = self.sampler.sample(logits, &self.history);
+        self.tokens.push(next);
+        self.history.push(next);
+        if eos.contains(&next) {
+            return Ok(Some(FinishReason::Eos));
+        }
+        self.text.push_str(&self.decoder.push(tokenizer, next)?);
+        if let Some(cut) = find_stop(&self.text, stop) {
+            self.text.truncate(cut);
+            if cut > self.emitted {
+                on_text(&self.text[self.emitted..]);
+            }
+            self.emitted = self.text.len();
+            return Ok(Some(FinishReason::Stop));
+        }
+        // Hold back a tail that might grow into a stop string.
+        let safe = self.text.len() - held_back(&self.text, stop);
+        if safe > self.emitted {
+            on_text(&self.text[self.emitted..safe]);
+            self.emitted = safe;
+        }
+        Ok(None)
+    }
+
+    /// Ends the sequence: flushes the decoder and the held-back tail (unless a stop string cut
+    /// the text) and returns the tokens and the text.
+    pub(crate) fn finish(
+        mut self,
+        reason: FinishReason,
+        tokenizer: &Tokenizer,
+        on_text: &mut impl FnMut(&str),
+    ) -> Result<(Vec<u32>, String), LlamaError> {
+        if reason != FinishReason::Stop {
+            self.text.push_str(&self.decoder.finish(tokenizer)?);
+            if self.text.len() > self.emitted {
+                on_text(&self.text[self.emitted..]);
+            }
+        }
+        Ok((self.tokens, self.text))
     }
 }
 

@@ -95,6 +95,17 @@ pub fn load_cpu(
     options: &ResidencyOptions,
     context: usize,
 ) -> Result<CpuModel, LlamaError> {
+    load_cpu_rows(dir, options, context, 0)
+}
+
+/// [`load_cpu`] with room for `max_rows` positions per pass when that is more than the context
+/// (a batch of sequences shares a pass: see [`crate::batch::BatchConfig::rows_per_pass`]).
+pub fn load_cpu_rows(
+    dir: impl AsRef<Path>,
+    options: &ResidencyOptions,
+    context: usize,
+    max_rows: usize,
+) -> Result<CpuModel, LlamaError> {
     let started = Instant::now();
     let files = ModelFiles::open(dir.as_ref())?;
     let context = files.context(context);
@@ -104,7 +115,7 @@ pub fn load_cpu(
         residency,
         files.metadata.clone(),
         context,
-        context,
+        max_rows.max(context),
     )?;
     Ok(files.finish(llama, started))
 }

@@ -6,7 +6,7 @@ mod hidden;
 use weights_format::{Metadata, names};
 
 use crate::LlamaError;
-use crate::backend::{AttentionShape, Backend};
+use crate::backend::{AttentionSeq, AttentionShape, Backend, RowGroup};
 use crate::config::LlamaConfig;
 use crate::weights::{BlobLayout, WeightSource, embedding_rows, tensor};
 
@@ -24,11 +24,66 @@ struct State<B: Backend> {
     att: B::Buf, // [rows, q_dim]
     hb: B::Buf,  // [rows, ffn_dim]
     hb2: B::Buf, // [rows, ffn_dim]
-    /// The last position's residual and normed residual `[dim]`.
+    /// The residual and normed residual of each sequence's last position `[logit_rows, dim]`.
     last: B::Buf,
     last_norm: B::Buf,
-    /// `[vocab]`
+    /// `[logit_rows, vocab]`
     logits: B::Buf,
+    /// Rows `last`, `last_norm` and `logits` hold: 1 until a batch needs more.
+    logit_rows: usize,
+}
+
+/// One sequence's keys and values for every layer, `[capacity, kv_dim]` each, and how many
+/// positions are filled. Batched decoding gives each sequence its own cache of the size it
+/// needs (see [`crate::batch`] for why per-sequence rather than paged).
+pub struct KvCache<B: Backend> {
+    layers: Vec<(B::Buf, B::Buf)>,
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Positions filled.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets positions from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+/// One sequence's part of a [`Llama::forward_batch`]: `tokens` run at positions `kv.len() ..`.
+pub struct BatchSeq<'a, B: Backend> {
+    pub kv: &'a mut KvCache<B>,
+    pub tokens: &'a [u32],
+    /// The row count a single-sequence [`Llama::forward`] computes these positions with (the
+    /// whole prompt while prefilling it in chunks, 1 when decoding), so that the results are
+    /// bit for bit those of the sequence alone (see [`RowGroup`]).
+    pub solo_rows: usize,
+    /// Whether to compute the logits after the last token (a prefill chunk that does not end
+    /// the prompt needs none).
+    pub logits: bool,
+}
+
+/// A sequence's rows in one pass, with the cache layers they read and fill.
+struct Segment<'a, B: Backend> {
+    kv: &'a mut [(B::Buf, B::Buf)],
+    rows: usize,
+    pos0: usize,
+    solo_rows: usize,
+    logits: bool,
 }
 
 /// A LLaMA-family model bound to a backend, a weight source and a KV cache of `context`
@@ -42,15 +97,20 @@ pub struct Llama<B: Backend, W: WeightSource> {
     context: usize,
     max_rows: usize,
     state: State<B>,
-    /// Per layer `[context, kv_dim]` keys and values.
+    /// Per layer `[context, kv_dim]` keys and values of the single sequence of
+    /// [`Llama::forward`]; allocated by its first call, so that a model used only for batches
+    /// (which own their caches) does not hold a whole context's cache it never uses.
     kv_cache: Vec<(B::Buf, B::Buf)>,
     pos: usize,
     logits: Vec<f32>,
+    /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
+    batch_logits: Vec<f32>,
 }
 
 impl<B: Backend, W: WeightSource> Llama<B, W> {
     /// Allocates state for `context` positions (at most the model's) and up to `max_rows`
-    /// positions per forward pass (a longer prompt takes several passes).
+    /// positions per forward pass (a longer prompt takes several passes; the sequences of a
+    /// batch share them).
     pub fn new(
         backend: B,
         weights: W,
@@ -69,7 +129,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 ),
             });
         }
-        let max_rows = max_rows.clamp(1, context);
+        // A single sequence never has more than `context` rows, but a batch of them may.
+        let max_rows = max_rows.max(1);
         let c = &config;
         let state = State {
             x: backend.alloc(max_rows * c.dim),
@@ -84,15 +145,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             last: backend.alloc(c.dim),
             last_norm: backend.alloc(c.dim),
             logits: backend.alloc(c.vocab_size),
+            logit_rows: 1,
         };
-        let kv_cache = (0..c.n_layers)
-            .map(|_| {
-                (
-                    backend.alloc_kv(context * c.kv_dim()),
-                    backend.alloc_kv(context * c.kv_dim()),
-                )
-            })
-            .collect();
         let logits = vec![0.0; c.vocab_size];
         Ok(Llama {
             backend,
@@ -103,9 +157,10 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             context,
             max_rows,
             state,
-            kv_cache,
+            kv_cache: Vec::new(),
             pos: 0,
             logits,
+            batch_logits: Vec::new(),
         })
     }
 
@@ -128,6 +183,45 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     /// Positions the KV cache holds.
     pub fn context(&self) -> usize {
         self.context
+    }
+
+    /// Most positions one pass computes (all sequences of a batch together).
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Bytes of a [`KvCache`] of `capacity` positions on this model's backend.
+    pub fn kv_cache_bytes(&self, capacity: usize) -> u64 {
+        let c = &self.config;
+        (capacity * c.kv_dim() * 2 * c.n_layers * self.backend.kv_value_bytes()) as u64
+    }
+
+    /// An empty cache of `capacity` positions (1 ..= `context()`) for [`Llama::forward_batch`].
+    pub fn new_kv_cache(&self, capacity: usize) -> Result<KvCache<B>, LlamaError> {
+        if capacity == 0 || capacity > self.context {
+            return Err(LlamaError::Config {
+                setting: "KV cache capacity",
+                message: format!(
+                    "{capacity} must be between 1 and the context {}",
+                    self.context
+                ),
+            });
+        }
+        let kv_dim = self.config.kv_dim();
+        let layers = (0..self.config.n_layers)
+            .map(|_| {
+                (
+                    self.backend.alloc_kv(capacity * kv_dim),
+                    self.backend.alloc_kv(capacity * kv_dim),
+                )
+            })
+            .collect();
+        Ok(KvCache {
+            layers,
+            kv_dim,
+            capacity,
+            len: 0,
+        })
     }
 
     /// Positions already in the KV cache.
@@ -167,23 +261,157 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             });
         }
         for chunk in tokens.chunks(self.max_rows) {
-            self.forward_pass(chunk)?;
+            self.single_pass(chunk)?;
         }
         Ok(&self.logits)
     }
 
-    /// One pass over all weights for `tokens` (at most `max_rows`) at positions `pos ..`.
-    fn forward_pass(&mut self, tokens: &[u32]) -> Result<(), LlamaError> {
+    /// One pass of the single sequence over `tokens` at positions `pos ..`, on the model's own
+    /// cache.
+    fn single_pass(&mut self, tokens: &[u32]) -> Result<(), LlamaError> {
+        if self.kv_cache.is_empty() {
+            let len = self.context * self.config.kv_dim();
+            self.kv_cache = (0..self.config.n_layers)
+                .map(|_| (self.backend.alloc_kv(len), self.backend.alloc_kv(len)))
+                .collect();
+        }
+        let mut kv = std::mem::take(&mut self.kv_cache);
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut seg = [Segment {
+            kv: &mut kv,
+            rows: tokens.len(),
+            pos0: self.pos,
+            solo_rows: tokens.len(),
+            logits: true,
+        }];
+        let done = self.forward_pass(tokens, &mut seg, &mut logits);
+        self.kv_cache = kv;
+        self.logits = logits;
+        done?;
+        self.pos += tokens.len();
+        Ok(())
+    }
+
+    /// Runs several sequences through one pass over the weights: each entry's tokens at
+    /// positions `kv.len() ..` of its own cache, which then advances. Returns the logits after
+    /// the last token of each entry that asked for them, `[n, vocab]` in entry order. Every
+    /// sequence's results are those it gets alone (see [`BatchSeq::solo_rows`]). All tokens
+    /// together must fit one pass (`max_rows()`).
+    pub fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_, B>]) -> Result<&[f32], LlamaError> {
+        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if rows > self.max_rows {
+            return Err(LlamaError::Config {
+                setting: "batch",
+                message: format!(
+                    "{rows} tokens in one pass; the model was set up for at most {}",
+                    self.max_rows
+                ),
+            });
+        }
+        let mut tokens = Vec::with_capacity(rows);
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(LlamaError::Config {
+                    setting: "batch",
+                    message: "a sequence of the batch has no tokens".into(),
+                });
+            }
+            if s.kv.layers.len() != self.config.n_layers || s.kv.kv_dim != self.config.kv_dim() {
+                return Err(LlamaError::Config {
+                    setting: "batch",
+                    message: "a KV cache was made for a model of another shape".into(),
+                });
+            }
+            if s.kv.len + s.tokens.len() > s.kv.capacity {
+                return Err(LlamaError::ContextOverflow {
+                    prompt: s.kv.len + s.tokens.len(),
+                    context: s.kv.capacity,
+                });
+            }
+            if let Some(&id) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.config.vocab_size)
+            {
+                return Err(LlamaError::TokenOutOfRange {
+                    id,
+                    vocab: self.config.vocab_size,
+                });
+            }
+            tokens.extend_from_slice(s.tokens);
+        }
+        if seqs.is_empty() {
+            self.batch_logits.clear();
+            return Ok(&self.batch_logits);
+        }
+        let mut segs: Vec<Segment<'_, B>> = seqs
+            .iter_mut()
+            .map(|s| Segment {
+                rows: s.tokens.len(),
+                pos0: s.kv.len,
+                solo_rows: s.solo_rows.max(1),
+                logits: s.logits,
+                kv: &mut s.kv.layers,
+            })
+            .collect();
+        let mut logits = std::mem::take(&mut self.batch_logits);
+        let done = self.forward_pass(&tokens, &mut segs, &mut logits);
+        self.batch_logits = logits;
+        done?;
+        for s in seqs.iter_mut() {
+            s.kv.len += s.tokens.len();
+        }
+        Ok(&self.batch_logits)
+    }
+
+    /// Makes `last`, `last_norm` and `logits` hold `n` rows.
+    fn ensure_logit_rows(&mut self, n: usize) {
+        if n > self.state.logit_rows {
+            let (be, c, s) = (&self.backend, &self.config, &mut self.state);
+            s.last = be.alloc(n * c.dim);
+            s.last_norm = be.alloc(n * c.dim);
+            s.logits = be.alloc(n * c.vocab_size);
+            s.logit_rows = n;
+        }
+    }
+
+    /// One pass over all weights for `tokens` (at most `max_rows`): the rows of each segment in
+    /// turn, each at its own positions in its own cache. The logits after each segment that
+    /// asks for them go to `logits_out` (`[n, vocab]`). The matmuls take all rows together: that
+    /// is what shares the pass over the weights.
+    fn forward_pass(
+        &mut self,
+        tokens: &[u32],
+        segs: &mut [Segment<'_, B>],
+        logits_out: &mut Vec<f32>,
+    ) -> Result<(), LlamaError> {
+        let n_logits = segs.iter().filter(|s| s.logits).count();
+        self.ensure_logit_rows(n_logits);
         let c = &self.config;
         let (dim, q_dim, kv_dim, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let rows = tokens.len();
-        let pos0 = self.pos;
         let eps = c.rms_norm_eps;
         let shape = AttentionShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
         };
+        let groups: Vec<RowGroup> = segs
+            .iter()
+            .map(|g| RowGroup {
+                rows: g.rows,
+                solo_rows: g.solo_rows,
+            })
+            .collect();
+        // First row of each segment.
+        let row0: Vec<usize> = segs
+            .iter()
+            .scan(0, |next, g| {
+                let first = *next;
+                *next += g.rows;
+                Some(first)
+            })
+            .collect();
         let be = &self.backend;
         let s = &mut self.state;
         let blobs = &self.metadata.blobs;
@@ -221,68 +449,111 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             let w_gate = tensor(blob, &guard, names::FFN_GATE, &[ffn, dim])?; // [ffn, dim]
             let w_up = tensor(blob, &guard, names::FFN_UP, &[ffn, dim])?; // [ffn, dim]
             let w_down = tensor(blob, &guard, names::FFN_DOWN, &[dim, ffn])?; // [dim, ffn]
-            let (k_cache, v_cache) = &mut self.kv_cache[l]; // [context, kv_dim] each
 
             // Attention: x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n), n = rmsnorm(x)
             be.rmsnorm(&s.x, rows, attn_norm, eps, &mut s.xb);
-            be.matmul_many(
+            be.matmul_batch(
                 &s.xb,
-                rows,
+                &groups,
                 &[wq, wk, wv],
                 &mut [&mut s.q, &mut s.k, &mut s.v],
             );
-            be.rope(
-                &mut s.q,
-                rows,
-                c.n_heads,
-                c.head_dim,
-                pos0,
-                &c.rope_inv_freq,
-            );
-            be.rope(
-                &mut s.k,
-                rows,
-                c.n_kv_heads,
-                c.head_dim,
-                pos0,
-                &c.rope_inv_freq,
-            );
-            be.copy_rows(&s.k, 0, k_cache, pos0, rows, kv_dim);
-            be.copy_rows(&s.v, 0, v_cache, pos0, rows, kv_dim);
-            be.attention(&s.q, rows, k_cache, v_cache, pos0, shape, &mut s.att);
-            be.matmul(&s.att, rows, wo, &mut s.xb2);
+            // Each sequence's rows at its own positions, into its own cache
+            // ([capacity, kv_dim] each).
+            for (g, &r0) in segs.iter_mut().zip(&row0) {
+                let (k_cache, v_cache) = &mut g.kv[l];
+                be.rope_at(
+                    &mut s.q,
+                    r0,
+                    g.rows,
+                    c.n_heads,
+                    c.head_dim,
+                    g.pos0,
+                    &c.rope_inv_freq,
+                );
+                be.rope_at(
+                    &mut s.k,
+                    r0,
+                    g.rows,
+                    c.n_kv_heads,
+                    c.head_dim,
+                    g.pos0,
+                    &c.rope_inv_freq,
+                );
+                be.copy_rows(&s.k, r0, k_cache, g.pos0, g.rows, kv_dim);
+                be.copy_rows(&s.v, r0, v_cache, g.pos0, g.rows, kv_dim);
+            }
+            let attn: Vec<AttentionSeq<'_, B::Buf>> = segs
+                .iter()
+                .zip(&row0)
+                .map(|(g, &r0)| AttentionSeq {
+                    row0: r0,
+                    rows: g.rows,
+                    pos0: g.pos0,
+                    k_cache: &g.kv[l].0,
+                    v_cache: &g.kv[l].1,
+                })
+                .collect();
+            be.attention_batch(&s.q, &attn, shape, &mut s.att);
+            be.matmul_batch(&s.att, &groups, &[wo], &mut [&mut s.xb2]);
             be.add(&mut s.x, &s.xb2, rows * dim);
 
             // FFN: x += W_down · (silu(W_gate·n) ⊙ W_up·n), n = rmsnorm(x)
             be.rmsnorm(&s.x, rows, ffn_norm, eps, &mut s.xb);
-            be.matmul_many(&s.xb, rows, &[w_gate, w_up], &mut [&mut s.hb, &mut s.hb2]);
+            be.matmul_batch(
+                &s.xb,
+                &groups,
+                &[w_gate, w_up],
+                &mut [&mut s.hb, &mut s.hb2],
+            );
             be.swiglu(&mut s.hb, &s.hb2, rows * ffn);
-            be.matmul(&s.hb, rows, w_down, &mut s.xb2);
+            be.matmul_batch(&s.hb, &groups, &[w_down], &mut [&mut s.xb2]);
             be.add(&mut s.x, &s.xb2, rows * dim);
         }
 
-        // Only the last position's logits are needed (prefill samples after the prompt).
+        // Only the last position's logits of each segment are needed (prefill samples after
+        // the prompt). The output blob is taken even when none are, to keep the pass's order.
         let output_guard = self.weights.acquire(self.layout.output)?;
-        let output_blob = &blobs[self.layout.output];
-        let output_norm = tensor(output_blob, &output_guard, names::OUTPUT_NORM, &[dim])?; // [dim]
-        be.copy_rows(&s.x, rows - 1, &mut s.last, 0, 1, dim);
-        be.rmsnorm(&s.last, 1, output_norm, eps, &mut s.last_norm);
-        let head = match &embed_guard {
-            Some(g) => tensor(embed_blob, g, names::TOKEN_EMBD, &[c.vocab_size, dim])?, // [vocab, dim]
-            None => tensor(
-                output_blob,
-                &output_guard,
-                names::OUTPUT,
-                &[c.vocab_size, dim],
-            )?, // [vocab, dim]
-        };
-        be.matmul(&s.last_norm, 1, head, &mut s.logits);
-        be.read(&s.logits, &mut self.logits);
+        if n_logits > 0 {
+            let output_blob = &blobs[self.layout.output];
+            let output_norm = tensor(output_blob, &output_guard, names::OUTPUT_NORM, &[dim])?; // [dim]
+            let mut i = 0;
+            for (g, &r0) in segs.iter().zip(&row0) {
+                if g.logits {
+                    be.copy_rows(&s.x, r0 + g.rows - 1, &mut s.last, i, 1, dim);
+                    i += 1;
+                }
+            }
+            be.rmsnorm(&s.last, n_logits, output_norm, eps, &mut s.last_norm);
+            let head = match &embed_guard {
+                Some(g) => tensor(embed_blob, g, names::TOKEN_EMBD, &[c.vocab_size, dim])?, // [vocab, dim]
+                None => tensor(
+                    output_blob,
+                    &output_guard,
+                    names::OUTPUT,
+                    &[c.vocab_size, dim],
+                )?, // [vocab, dim]
+            };
+            // Each row is one decode-like position, computed as it is alone.
+            let one = RowGroup {
+                rows: 1,
+                solo_rows: 1,
+            };
+            be.matmul_batch(
+                &s.last_norm,
+                &vec![one; n_logits],
+                &[head],
+                &mut [&mut s.logits],
+            );
+            logits_out.resize(n_logits * c.vocab_size, 0.0);
+            be.read(&s.logits, logits_out);
+        } else {
+            logits_out.clear();
+        }
         be.status()?;
         drop(output_guard);
         drop(embed_guard);
         self.weights.end_pass();
-        self.pos += rows;
         Ok(())
     }
 }

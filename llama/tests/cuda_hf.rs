@@ -52,6 +52,7 @@ fn converted_transformers_models_match_their_float32_reference() {
             dir.join("model"),
             &ResidencyOptions::default(),
             context,
+            1,
             0,
             IoChoice::Auto,
         )

@@ -422,7 +422,7 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
         ),
     ];
     for (name, options, streams, host_tier) in variants {
-        let loaded = load_cuda(dir, &options, context, 0, IoChoice::Auto).unwrap();
+        let loaded = load_cuda(dir, &options, context, 1, 0, IoChoice::Auto).unwrap();
         let (mut llama, _) = loaded.session.into_parts();
         let (tokens, logits) = greedy_run(&mut llama, steps);
         let max_diff = logits

@@ -198,3 +198,107 @@ fn matmul_many_equals_separate_matmuls() {
         }
     }
 }
+
+/// Batched ops (issue 7): each sequence's rows of `matmul_batch`, `rope_at` and
+/// `attention_batch` are bit for bit what the plain op gives that sequence alone, on the CPU
+/// backend (its overrides) and on the reference backend (the trait's default implementations).
+fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (m, k) = (72, 128);
+    // (rows in the batch, rows the sequence has alone): decode rows, a prompt chunk of a long
+    // prompt, a short prompt; on both sides of the CPU's 4-row kernel switch.
+    let groups = [
+        (1, 1),
+        (3, 40),
+        (2, 2),
+        (1, 1),
+        (5, 5),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+        (1, 1),
+    ];
+    let rows: usize = groups.iter().map(|g| g.0).sum();
+    let x = random(&mut rng, rows * k);
+    for dtype in ALL {
+        let w = weights(&mut rng, dtype, m, k);
+        let view = WeightView::host(dtype, m, k, &w);
+        let row_groups: Vec<llama::RowGroup> = groups
+            .iter()
+            .map(|&(rows, solo_rows)| llama::RowGroup { rows, solo_rows })
+            .collect();
+        let mut got = vec![0f32; rows * m];
+        be.matmul_batch(&x, &row_groups, &[view], &mut [&mut got]);
+        let mut r0 = 0;
+        for &(n, solo) in &groups {
+            // The group's rows inside a call of `solo` rows (the other rows are noise).
+            let mut alone_x = random(&mut rng, solo * k);
+            alone_x[..n * k].copy_from_slice(&x[r0 * k..(r0 + n) * k]);
+            let mut want = vec![0f32; solo * m];
+            be.matmul(&alone_x, solo, view, &mut want);
+            assert_eq!(
+                &got[r0 * m..(r0 + n) * m],
+                &want[..n * m],
+                "{name} matmul_batch {dtype}: rows {r0}..{} (alone: {solo} rows)",
+                r0 + n
+            );
+            r0 += n;
+        }
+        println!("{name} matmul_batch {dtype}: every group identical to its solo matmul (tol 0)");
+    }
+
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+    let (width, kv_width) = (64, 32);
+    let inv = rope_inv_freq(16, 10000.0, None);
+    // (rows, pos0) of three sequences, each with its own cache.
+    let seqs = [(2usize, 5usize), (1, 0), (4, 9)];
+    let total: usize = seqs.iter().map(|s| s.0).sum();
+    let q = random(&mut rng, total * width);
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = seqs
+        .iter()
+        .map(|&(n, p)| {
+            (
+                random(&mut rng, (n + p) * kv_width),
+                random(&mut rng, (n + p) * kv_width),
+            )
+        })
+        .collect();
+    let mut roped = q.clone();
+    let mut row0 = 0;
+    let mut attn = Vec::new();
+    for (&(n, p), (kc, vc)) in seqs.iter().zip(&caches) {
+        be.rope_at(&mut roped, row0, n, 4, 16, p, &inv);
+        attn.push(llama::AttentionSeq {
+            row0,
+            rows: n,
+            pos0: p,
+            k_cache: kc,
+            v_cache: vc,
+        });
+        row0 += n;
+    }
+    let mut out = vec![0f32; total * width];
+    be.attention_batch(&roped, &attn, shape, &mut out);
+    let mut row0 = 0;
+    for (&(n, p), (kc, vc)) in seqs.iter().zip(&caches) {
+        let mut alone = q[row0 * width..(row0 + n) * width].to_vec();
+        be.rope(&mut alone, n, 4, 16, p, &inv);
+        assert_eq!(&roped[row0 * width..(row0 + n) * width], &alone[..]);
+        let mut want = vec![0f32; n * width];
+        be.attention(&alone, n, kc, vc, p, shape, &mut want);
+        assert_eq!(&out[row0 * width..(row0 + n) * width], &want[..]);
+        row0 += n;
+    }
+    println!("{name} rope_at and attention_batch: identical to rope and attention alone (tol 0)");
+}
+
+#[test]
+fn batched_ops_give_each_sequence_its_solo_result() {
+    batched_ops_equal_ops_alone(&CpuBackend::new(), "cpu");
+    batched_ops_equal_ops_alone(&ReferenceBackend, "reference (trait defaults)");
+}

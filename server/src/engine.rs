@@ -141,6 +141,40 @@ pub enum EngineError {
     Failed(String),
 }
 
+/// Sequences decoded together, one pass over the weights per step (continuous batching), made
+/// by [`Engine::batch`] and driven by the server's worker thread alone. Sequences join with
+/// [`EngineBatch::add`] and leave when they end or are cancelled, between steps.
+pub trait EngineBatch {
+    /// Queues a sequence under a new id; it starts at a later step, in arrival order, once the
+    /// batch limit and the KV-cache budget allow (it waits, it does not fail, while they are
+    /// full). Fails at once only when it could never run, e.g. its KV cache alone would exceed
+    /// the whole budget.
+    fn add(&mut self, request: &GenerationRequest) -> Result<u64, EngineError>;
+
+    /// Ends a queued or running sequence now and frees its KV cache; it is not reported by
+    /// later steps.
+    fn cancel(&mut self, id: u64);
+
+    /// One pass: every running sequence that has a new token hands it to `on_token(id,
+    /// token)` (`Break` ends that sequence), and queued sequences are admitted and prefilled as
+    /// room allows. Returns the sequences that ended in this step and why (or how that one
+    /// sequence failed). An `Err` is a failure of the whole pass.
+    #[allow(clippy::type_complexity)]
+    fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(u64, GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<Vec<(u64, Result<EngineFinish, EngineError>)>, EngineError>;
+
+    /// Sequences admitted (being prefilled or decoded).
+    fn running(&self) -> usize;
+
+    /// Sequences queued inside the batch, waiting for room.
+    fn waiting(&self) -> usize;
+
+    /// Whether sequence `id` has been admitted.
+    fn is_running(&self, id: u64) -> bool;
+}
+
 /// A loaded model as the server sees it. Every method takes `&self`: the server calls
 /// `generate` and `embed` from one worker thread only, and the rest from request handlers.
 pub trait Engine: Send + Sync + 'static {
@@ -174,5 +208,14 @@ pub trait Engine: Send + Sync + 'static {
     /// Weight-streaming counters for `/metrics`.
     fn stats(&self) -> EngineStats {
         EngineStats::default()
+    }
+
+    /// A batch of up to `max_batch` sequences decoded together, when the engine can do that.
+    /// `Ok(None)` (the default) makes the server run sequences one at a time through
+    /// [`Engine::generate`]. The batch borrows the engine and is used from one thread while
+    /// `embed` may be called between its steps.
+    fn batch(&self, max_batch: usize) -> Result<Option<Box<dyn EngineBatch + '_>>, EngineError> {
+        let _ = max_batch;
+        Ok(None)
     }
 }

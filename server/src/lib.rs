@@ -18,8 +18,8 @@ mod server;
 pub mod stop;
 
 pub use engine::{
-    CancelToken, ChatMessage, Engine, EngineError, EngineFinish, EngineStats, GeneratedToken,
-    GenerationRequest, SamplingParams, TokenLogprob,
+    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
+    GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{CpuEngine, LlamaEngine, open_cpu};

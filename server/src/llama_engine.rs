@@ -6,27 +6,33 @@
 //! text callback does not give: cancellation between tokens, log-probabilities and OpenAI's
 //! presence/frequency penalties. It follows the session's order exactly (prefill, sample,
 //! EOS check, decode, forward), so greedy output is the same as `gdsllm run`'s.
+//!
+//! [`Engine::batch`] runs the same per-token steps ([`SeqGen`]) for many sequences at once
+//! through `llama`'s continuous-batching [`Batcher`], whose batched passes give every sequence
+//! exactly its single-sequence results; the server's worker uses that.
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
 
+use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{
-    Backend, ChatTemplate, CpuBackend, Llama, LlamaError, Message, Sampler, SamplerConfig,
-    StreamDecoder, Tokenizer, WeightSource,
+    Backend, BatchConfig, Batcher, ChatTemplate, CpuBackend, Llama, LlamaError, Message, Sampler,
+    SamplerConfig, SeqEnd, StreamDecoder, Tokenizer, WeightSource,
 };
 use parking_lot::Mutex;
 use residency::{Residency, ResidencyOptions};
 
 use crate::engine::{
-    CancelToken, ChatMessage, Engine, EngineError, EngineFinish, EngineStats, GeneratedToken,
-    GenerationRequest, TokenLogprob,
+    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
+    GeneratedToken, GenerationRequest, TokenLogprob,
 };
 
 fn engine_error(err: LlamaError) -> EngineError {
     match err {
         LlamaError::ContextOverflow { .. }
+        | LlamaError::KvBudget { .. }
         | LlamaError::TokenOutOfRange { .. }
         | LlamaError::Sampling { .. }
         | LlamaError::NoChatTemplate
@@ -52,6 +58,9 @@ pub struct LlamaEngine<B: Backend, W: WeightSource> {
     eos_ids: Vec<u32>,
     context: usize,
     stats: Option<StatsFn>,
+    /// KV-cache bytes a batch's sequences may hold together; `None`: room for every sequence
+    /// of the batch at the full context.
+    kv_budget: Option<u64>,
 }
 
 impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
@@ -79,7 +88,15 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             bos_text,
             eos_text,
             stats: None,
+            kv_budget: None,
         }
+    }
+
+    /// Caps the KV cache of a batch's sequences together (see [`Engine::batch`]); beyond it,
+    /// new sequences wait for running ones to finish.
+    pub fn with_kv_budget(mut self, bytes: u64) -> LlamaEngine<B, W> {
+        self.kv_budget = Some(bytes);
+        self
     }
 
     /// Where `/metrics` reads the weight-streaming counters from.
@@ -130,13 +147,16 @@ pub fn residency_stats(residency: &Residency) -> EngineStats {
 }
 
 /// Opens model directory `dir` on the CPU backend with weights through residency and a KV
-/// cache of `context` positions (0: the model's whole context). As `llama::load_cpu` does, a
-/// prompt of up to `context` positions is computed in one pass.
+/// cache of `context` positions per sequence (0: the model's whole context), for batches of up
+/// to `max_batch` sequences. As `llama::load_cpu` does, a prompt of up to `context` positions
+/// is computed in one pass (a batch's pass also holds `max_batch` decode rows and a prefill
+/// chunk).
 pub fn open_cpu(
     dir: &Path,
     model_id: impl Into<String>,
     options: &ResidencyOptions,
     context: usize,
+    max_batch: usize,
 ) -> Result<CpuEngine, LlamaError> {
     let model = weights_format::Model::open(dir)?;
     let metadata = model.metadata().clone();
@@ -156,7 +176,7 @@ pub fn open_cpu(
         SharedResidency(residency.clone()),
         metadata,
         context,
-        context,
+        context.max(max_batch + DEFAULT_PREFILL_CHUNK),
     )?;
     Ok(LlamaEngine::new(model_id, llama, tokenizer, chat_template)
         .with_stats(Box::new(move || residency_stats(&residency))))
@@ -174,10 +194,11 @@ pub fn open_cuda(
     model_id: impl Into<String>,
     options: &ResidencyOptions,
     context: usize,
+    max_batch: usize,
     ordinal: usize,
     io: residency::IoChoice,
 ) -> Result<CudaEngine, LlamaError> {
-    let model = llama::backend::cuda::load_cuda(dir, options, context, ordinal, io)?;
+    let model = llama::backend::cuda::load_cuda(dir, options, context, max_batch, ordinal, io)?;
     let residency = model.session.model().weights().residency_handle();
     let (llama, tokenizer) = model.session.into_parts();
     Ok(
@@ -194,6 +215,25 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| l - lse).collect()
 }
 
+/// One sequence's token choice: its sampler, OpenAI's penalties, log-probabilities and text
+/// decoding. `generate` and the batch both pick tokens through it, so they pick the same ones.
+struct SeqGen {
+    sampler: Sampler,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    counts: HashMap<u32, u32>,
+    logprobs: Option<usize>,
+    decoder: StreamDecoder,
+    /// The penalised logits (only when a penalty is set).
+    penalised: Vec<f32>,
+}
+
+/// What [`LlamaEngine::next_token`] chose.
+enum Next {
+    EndOfSequence,
+    Token(GeneratedToken),
+}
+
 impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
     fn token_logprob(&self, id: u32, logprob: f32) -> TokenLogprob {
         let text = self.tokenizer.decode(&[id], false).unwrap_or_default();
@@ -203,6 +243,175 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             text,
             logprob,
         }
+    }
+
+    fn seq_gen(&self, request: &GenerationRequest) -> Result<SeqGen, EngineError> {
+        let s = &request.sampling;
+        let seed = s.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        let sampler = Sampler::new(SamplerConfig {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
+            seed,
+        })
+        .map_err(engine_error)?;
+        Ok(SeqGen {
+            sampler,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
+            counts: HashMap::new(),
+            logprobs: request.logprobs,
+            decoder: StreamDecoder::new(),
+            penalised: Vec::new(),
+        })
+    }
+
+    /// Samples the token after `logits` (penalties first), with its log-probabilities and text.
+    fn next_token(&self, seq: &mut SeqGen, logits: &[f32]) -> Result<Next, EngineError> {
+        let logits = if seq.presence_penalty != 0.0 || seq.frequency_penalty != 0.0 {
+            seq.penalised.clear();
+            seq.penalised.extend_from_slice(logits);
+            for (&id, &n) in &seq.counts {
+                if let Some(l) = seq.penalised.get_mut(id as usize) {
+                    *l -= seq.frequency_penalty * n as f32 + seq.presence_penalty;
+                }
+            }
+            &seq.penalised[..]
+        } else {
+            logits
+        };
+        let next = seq.sampler.sample(logits, &[]);
+        if self.eos_ids.contains(&next) {
+            return Ok(Next::EndOfSequence);
+        }
+        let (logprob, top_logprobs) = match seq.logprobs {
+            None => (None, Vec::new()),
+            Some(k) => {
+                let lp = log_softmax(logits);
+                let mut order: Vec<u32> = (0..lp.len() as u32).collect();
+                let k = k.min(order.len());
+                let by_lp =
+                    |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+                if k > 0 && k < order.len() {
+                    order.select_nth_unstable_by(k - 1, by_lp);
+                }
+                order.truncate(k);
+                order.sort_unstable_by(by_lp);
+                let top = order
+                    .iter()
+                    .map(|&id| self.token_logprob(id, lp[id as usize]))
+                    .collect();
+                (Some(self.token_logprob(next, lp[next as usize])), top)
+            }
+        };
+        let text = seq
+            .decoder
+            .push(&self.tokenizer, next)
+            .map_err(engine_error)?;
+        *seq.counts.entry(next).or_default() += 1;
+        Ok(Next::Token(GeneratedToken {
+            id: next,
+            text,
+            logprob,
+            top_logprobs,
+        }))
+    }
+}
+
+/// A sequence of a [`LlamaBatch`].
+struct BatchedSeq {
+    choice: SeqGen,
+    /// Set when the sequence itself ended (EOS, the sink said stop, or a failure).
+    end: Option<Result<EngineFinish, EngineError>>,
+}
+
+/// [`EngineBatch`] over `llama`'s [`Batcher`]: the model is locked for each step only.
+struct LlamaBatch<'a, B: Backend, W: WeightSource> {
+    engine: &'a LlamaEngine<B, W>,
+    batcher: Batcher<B>,
+    seqs: HashMap<u64, BatchedSeq>,
+}
+
+impl<B: Backend, W: WeightSource + Send> EngineBatch for LlamaBatch<'_, B, W> {
+    fn add(&mut self, request: &GenerationRequest) -> Result<u64, EngineError> {
+        let choice = self.engine.seq_gen(request)?;
+        let id = self
+            .batcher
+            .submit(request.prompt.clone(), request.max_tokens)
+            .map_err(engine_error)?;
+        self.seqs.insert(id, BatchedSeq { choice, end: None });
+        Ok(id)
+    }
+
+    fn cancel(&mut self, id: u64) {
+        self.batcher.cancel(id);
+        self.seqs.remove(&id);
+    }
+
+    fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(u64, GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<Vec<(u64, Result<EngineFinish, EngineError>)>, EngineError> {
+        let engine = self.engine;
+        let seqs = &mut self.seqs;
+        let finished = {
+            let mut model = engine.model.lock();
+            self.batcher
+                .step(&mut model, |id, logits| {
+                    let seq = seqs.get_mut(&id)?;
+                    match engine.next_token(&mut seq.choice, logits) {
+                        Ok(Next::EndOfSequence) => {
+                            seq.end = Some(Ok(EngineFinish::EndOfSequence));
+                            None
+                        }
+                        Ok(Next::Token(token)) => {
+                            let next = token.id;
+                            if on_token(id, token).is_break() {
+                                seq.end = Some(Ok(EngineFinish::Stopped));
+                                return None;
+                            }
+                            Some(next)
+                        }
+                        Err(err) => {
+                            seq.end = Some(Err(err));
+                            None
+                        }
+                    }
+                })
+                .map_err(engine_error)?
+        };
+        Ok(finished
+            .into_iter()
+            .map(|f| {
+                let end = seqs.remove(&f.id).and_then(|s| s.end);
+                let finish = match f.end {
+                    SeqEnd::Stopped => end.unwrap_or(Ok(EngineFinish::Stopped)),
+                    SeqEnd::Length => Ok(EngineFinish::MaxTokens),
+                    SeqEnd::Context => Ok(EngineFinish::ContextFull),
+                };
+                (f.id, finish)
+            })
+            .collect())
+    }
+
+    fn running(&self) -> usize {
+        self.batcher.running()
+    }
+
+    fn waiting(&self) -> usize {
+        self.batcher.waiting()
+    }
+
+    fn is_running(&self, id: u64) -> bool {
+        self.batcher.is_running(id)
     }
 }
 
@@ -249,35 +458,15 @@ where
         cancel: &CancelToken,
         on_token: &mut dyn FnMut(GeneratedToken) -> ControlFlow<()>,
     ) -> Result<EngineFinish, EngineError> {
-        let s = &request.sampling;
-        let seed = s.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0)
-        });
-        let mut sampler = Sampler::new(SamplerConfig {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            min_p: s.min_p,
-            repeat_penalty: 1.0,
-            repeat_last_n: 0,
-            seed,
-        })
-        .map_err(engine_error)?;
-        let penalised = s.presence_penalty != 0.0 || s.frequency_penalty != 0.0;
-        let mut counts: HashMap<u32, u32> = HashMap::new();
-
+        let mut seq = self.seq_gen(request)?;
         let mut model = self.model.lock();
-        // Every sequence starts from an empty cache; reusing a shared prefix is left to the
-        // batching scheduler (issue 7), which owns per-sequence caches.
+        // Every sequence starts from an empty cache (prefix reuse would need per-sequence
+        // caches kept across requests).
         model.truncate(0);
         let mut logits = model
             .forward(&request.prompt)
             .map_err(engine_error)?
             .to_vec();
-        let mut decoder = StreamDecoder::new();
         let mut generated = 0usize;
         loop {
             if generated >= request.max_tokens {
@@ -286,48 +475,13 @@ where
             if cancel.is_cancelled() {
                 return Ok(EngineFinish::Stopped);
             }
-            if penalised {
-                for (&id, &n) in &counts {
-                    if let Some(l) = logits.get_mut(id as usize) {
-                        *l -= s.frequency_penalty * n as f32 + s.presence_penalty;
-                    }
-                }
-            }
-            let next = sampler.sample(&logits, &[]);
-            if self.eos_ids.contains(&next) {
-                return Ok(EngineFinish::EndOfSequence);
-            }
-            let (logprob, top_logprobs) = match request.logprobs {
-                None => (None, Vec::new()),
-                Some(k) => {
-                    let lp = log_softmax(&logits);
-                    let mut order: Vec<u32> = (0..lp.len() as u32).collect();
-                    let k = k.min(order.len());
-                    let by_lp = |a: &u32, b: &u32| {
-                        lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b))
-                    };
-                    if k > 0 && k < order.len() {
-                        order.select_nth_unstable_by(k - 1, by_lp);
-                    }
-                    order.truncate(k);
-                    order.sort_unstable_by(by_lp);
-                    let top = order
-                        .iter()
-                        .map(|&id| self.token_logprob(id, lp[id as usize]))
-                        .collect();
-                    (Some(self.token_logprob(next, lp[next as usize])), top)
-                }
+            let token = match self.next_token(&mut seq, &logits)? {
+                Next::EndOfSequence => return Ok(EngineFinish::EndOfSequence),
+                Next::Token(token) => token,
             };
-            let text = decoder.push(&self.tokenizer, next).map_err(engine_error)?;
+            let next = token.id;
             generated += 1;
-            *counts.entry(next).or_default() += 1;
-            let flow = on_token(GeneratedToken {
-                id: next,
-                text,
-                logprob,
-                top_logprobs,
-            });
-            if flow.is_break() {
+            if on_token(token).is_break() {
                 return Ok(EngineFinish::Stopped);
             }
             if generated >= request.max_tokens {
@@ -339,6 +493,21 @@ where
             logits.clear();
             logits.extend_from_slice(model.forward(&[next]).map_err(engine_error)?);
         }
+    }
+
+    fn batch(&self, max_batch: usize) -> Result<Option<Box<dyn EngineBatch + '_>>, EngineError> {
+        let model = self.model.lock();
+        let mut config = BatchConfig::for_model(&model, max_batch);
+        if let Some(bytes) = self.kv_budget {
+            config.kv_budget = bytes;
+        }
+        let batcher = Batcher::new(&model, config).map_err(engine_error)?;
+        drop(model);
+        Ok(Some(Box::new(LlamaBatch {
+            engine: self,
+            batcher,
+            seqs: HashMap::new(),
+        })))
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {

@@ -1,11 +1,15 @@
 //! The queue in front of the model: request handlers submit jobs, one worker thread owns the
-//! model's time and runs them in arrival order, one sequence at a time.
+//! model's time.
 //!
-//! The seam for continuous batching (issue 7) is [`Worker::run`]: today it takes one job and
-//! drives it to the end; a batching worker would instead admit up to `max_batch` generate jobs,
-//! step them together one token per pass, and feed each job's events through the same
-//! [`SequenceSink`]. Handlers, events and cancellation stay as they are.
+//! With an engine that batches ([`Engine::batch`]) the worker runs continuous batching: it
+//! moves every submitted generate job into the engine's batch (up to `max_batch` run
+//! together, one pass over the weights per step; the rest wait there for room), steps the
+//! batch, and between steps takes new jobs, runs embeddings and cancels the sequences whose
+//! client has gone, which frees their KV cache at once. Without batching it runs jobs one at a
+//! time in arrival order. Either way each sequence's tokens go through its own
+//! [`SequenceOutput`] (stop strings, latency metrics, events).
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -16,7 +20,9 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest};
+use crate::engine::{
+    CancelToken, Engine, EngineBatch, EngineError, EngineFinish, GeneratedToken, GenerationRequest,
+};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::stop::StopMatcher;
@@ -119,6 +125,7 @@ impl Scheduler {
             metrics: metrics.clone(),
             waiting: waiting.clone(),
             cancel_all: cancel_all.clone(),
+            max_batch: max_batch.max(1),
         };
         let handle = std::thread::Builder::new()
             .name("gdsllm-model".into())
@@ -134,7 +141,7 @@ impl Scheduler {
         }
     }
 
-    /// The future batch limit (`--max-batch`); sequences run one at a time today.
+    /// The most sequences decoded together (`--max-batch`).
     pub fn max_batch(&self) -> usize {
         self.max_batch
     }
@@ -212,32 +219,245 @@ struct Worker {
     metrics: Arc<Metrics>,
     waiting: Arc<AtomicUsize>,
     cancel_all: CancelToken,
+    max_batch: usize,
+}
+
+/// A generate job inside the engine's batch.
+struct Batched {
+    job: GenerateJob,
+    out: SequenceOutput,
+    /// Whether it has left the batch's queue (its queue time is recorded then).
+    admitted: bool,
 }
 
 impl Worker {
     fn run(self, jobs: crossbeam_channel::Receiver<Job>) {
+        let engine = self.engine.clone();
+        let batch = std::panic::catch_unwind(AssertUnwindSafe(|| engine.batch(self.max_batch)));
+        match batch {
+            Ok(Ok(Some(batch))) => self.run_batched(&*engine, batch, jobs),
+            Ok(Ok(None)) => self.run_serial(jobs),
+            Ok(Err(err)) => {
+                tracing::warn!("batched decoding unavailable ({err}); one sequence at a time");
+                self.run_serial(jobs)
+            }
+            Err(_) => {
+                tracing::error!("the model panicked setting up batching; one sequence at a time");
+                self.run_serial(jobs)
+            }
+        }
+    }
+
+    /// Takes a job off the channel: counts it out of the channel's waiting jobs and records
+    /// how long it queued there.
+    fn took(&self, queued: Instant) {
+        let left = self.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+        self.metrics.set_waiting(left);
+        self.metrics.queue_time(queued.elapsed().as_secs_f64());
+    }
+
+    fn run_serial(self, jobs: crossbeam_channel::Receiver<Job>) {
         for job in jobs {
-            let left = self.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
-            self.metrics.set_waiting(left);
             // `running` drops back before the last event goes out, so a client that has its
             // answer never sees itself still counted.
             match job {
                 Job::Generate(job, queued) => {
-                    self.metrics.queue_time(queued.elapsed().as_secs_f64());
+                    self.took(queued);
                     self.metrics.set_running(1);
                     let last = self.run_generate(&job, queued);
                     self.metrics.set_running(0);
                     let _ = job.events.send(last);
                 }
                 Job::Embed(job, queued) => {
-                    self.metrics.queue_time(queued.elapsed().as_secs_f64());
-                    self.metrics.set_running(1);
-                    let result = self.run_embed(&job);
-                    self.metrics.set_running(0);
-                    let _ = job.reply.send(result);
+                    self.took(queued);
+                    self.run_embed_job(job, 1);
                 }
             }
         }
+    }
+
+    fn run_embed_job(&self, job: EmbedJob, running_after: usize) {
+        self.metrics.set_running(running_after);
+        let result = self.run_embed(&job);
+        self.metrics.set_running(running_after.saturating_sub(1));
+        let _ = job.reply.send(result);
+    }
+
+    /// Continuous batching: jobs join the engine's batch between steps and leave it when they
+    /// end or their client goes away.
+    fn run_batched<'e>(
+        &self,
+        engine: &'e dyn Engine,
+        mut batch: Box<dyn EngineBatch + 'e>,
+        jobs: crossbeam_channel::Receiver<Job>,
+    ) {
+        let mut active: HashMap<u64, Batched> = HashMap::new();
+        loop {
+            // Wait for work only when there is nothing to step.
+            if active.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => self.take_job(job, &mut *batch, &mut active),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = jobs.try_recv() {
+                self.take_job(job, &mut *batch, &mut active);
+            }
+            self.cancel_gone(&mut *batch, &mut active);
+            if active.is_empty() {
+                continue;
+            }
+            let stepped = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                batch.step(&mut |id, token| match active.get_mut(&id) {
+                    Some(b) => {
+                        b.out
+                            .on_token(token, &b.job.events, &self.metrics, &self.cancel_all)
+                    }
+                    None => ControlFlow::Break(()),
+                })
+            }));
+            let ended = match stepped {
+                Ok(Ok(ended)) => ended,
+                Ok(Err(err)) => {
+                    tracing::error!("batched generation failed: {err}");
+                    self.fail_all(&mut *batch, &mut active, || err_event(&err));
+                    continue;
+                }
+                Err(_) => {
+                    tracing::error!("the model panicked during batched generation");
+                    self.fail_all(&mut *batch, &mut active, || {
+                        Event::Failed(ApiError::internal("the model panicked"))
+                    });
+                    // The batch may be half-way through a step: start a fresh one.
+                    match engine.batch(self.max_batch) {
+                        Ok(Some(fresh)) => batch = fresh,
+                        _ => {
+                            tracing::error!("batching could not restart; one sequence at a time");
+                            return self.run_serial_rest(jobs);
+                        }
+                    }
+                    continue;
+                }
+            };
+            for (&id, b) in active.iter_mut().filter(|(_, b)| !b.admitted) {
+                if b.out.generated > 0 || batch.is_running(id) {
+                    b.admitted = true;
+                    self.metrics
+                        .queue_time(b.out.queued.elapsed().as_secs_f64());
+                }
+            }
+            self.update_gauges(&*batch);
+            for (id, finish) in ended {
+                let Some(mut b) = active.remove(&id) else {
+                    continue;
+                };
+                if !b.admitted {
+                    self.metrics
+                        .queue_time(b.out.queued.elapsed().as_secs_f64());
+                }
+                let last = b.out.finish(finish, &b.job.events, &self.metrics);
+                let _ = b.job.events.send(last);
+            }
+        }
+    }
+
+    /// The worker's serial loop for the jobs left after batching broke down.
+    fn run_serial_rest(&self, jobs: crossbeam_channel::Receiver<Job>) {
+        let serial = Worker {
+            engine: self.engine.clone(),
+            metrics: self.metrics.clone(),
+            waiting: self.waiting.clone(),
+            cancel_all: self.cancel_all.clone(),
+            max_batch: 1,
+        };
+        serial.run_serial(jobs);
+    }
+
+    fn update_gauges(&self, batch: &dyn EngineBatch) {
+        self.metrics.set_running(batch.running());
+        self.metrics
+            .set_waiting(self.waiting.load(Ordering::SeqCst) + batch.waiting());
+    }
+
+    /// A job from the channel: an embedding runs now (between steps); a generate job joins the
+    /// batch.
+    fn take_job(&self, job: Job, batch: &mut dyn EngineBatch, active: &mut HashMap<u64, Batched>) {
+        match job {
+            Job::Embed(job, queued) => {
+                self.took(queued);
+                self.run_embed_job(job, batch.running() + 1);
+            }
+            Job::Generate(job, queued) => {
+                let left = self.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
+                self.metrics.set_waiting(left + batch.waiting());
+                if job.cancel.is_cancelled() || self.cancel_all.is_cancelled() {
+                    self.metrics.cancelled();
+                    let _ = job.events.send(Event::Done {
+                        finish: FinishReason::Cancelled,
+                        completion_tokens: 0,
+                    });
+                    return;
+                }
+                match batch.add(&job.request) {
+                    Ok(id) => {
+                        self.metrics.prompt_tokens(job.request.prompt.len());
+                        let out = SequenceOutput::new(&job.stop, queued);
+                        active.insert(
+                            id,
+                            Batched {
+                                job,
+                                out,
+                                admitted: false,
+                            },
+                        );
+                        self.update_gauges(batch);
+                    }
+                    Err(err) => {
+                        let _ = job.events.send(err_event(&err));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Cancels the sequences whose client has gone (or all, at shutdown): their caches are
+    /// freed before the next step.
+    fn cancel_gone(&self, batch: &mut dyn EngineBatch, active: &mut HashMap<u64, Batched>) {
+        let all = self.cancel_all.is_cancelled();
+        let gone: Vec<u64> = active
+            .iter()
+            .filter(|(_, b)| all || b.job.cancel.is_cancelled() || b.job.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        for id in &gone {
+            batch.cancel(*id);
+        }
+        self.update_gauges(batch);
+        for id in gone {
+            let b = active.remove(&id).expect("listed above");
+            self.metrics.cancelled();
+            tracing::info!(tokens = b.out.generated, "sequence cancelled");
+            let _ = b.job.events.send(Event::Done {
+                finish: FinishReason::Cancelled,
+                completion_tokens: b.out.generated,
+            });
+        }
+    }
+
+    fn fail_all(
+        &self,
+        batch: &mut dyn EngineBatch,
+        active: &mut HashMap<u64, Batched>,
+        event: impl Fn() -> Event,
+    ) {
+        for (id, b) in active.drain() {
+            batch.cancel(id);
+            let _ = b.job.events.send(event());
+        }
+        self.update_gauges(batch);
     }
 
     /// Runs one sequence, sending its deltas; returns its last event.
@@ -250,50 +470,20 @@ impl Worker {
             };
         }
         self.metrics.prompt_tokens(job.request.prompt.len());
-        let mut sink = SequenceSink {
-            stop: StopMatcher::new(&job.stop),
-            events: &job.events,
-            metrics: &self.metrics,
-            cancel_all: &self.cancel_all,
-            queued,
-            last_token: None,
-            generated: 0,
-            hit_stop_string: false,
-        };
+        let mut out = SequenceOutput::new(&job.stop, queued);
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            self.engine
-                .generate(&job.request, &job.cancel, &mut |t| sink.on_token(t))
+            self.engine.generate(&job.request, &job.cancel, &mut |t| {
+                out.on_token(t, &job.events, &self.metrics, &self.cancel_all)
+            })
         }));
         let finish = match result {
-            Ok(Ok(EngineFinish::EndOfSequence)) => FinishReason::Stop,
-            Ok(Ok(EngineFinish::MaxTokens | EngineFinish::ContextFull)) => FinishReason::Length,
-            Ok(Ok(EngineFinish::Stopped)) if sink.hit_stop_string => FinishReason::Stop,
-            Ok(Ok(EngineFinish::Stopped)) => FinishReason::Cancelled,
-            Ok(Err(err)) => {
-                tracing::error!("generation failed: {err}");
-                return Event::Failed(err.into());
-            }
+            Ok(finish) => finish,
             Err(_) => {
                 tracing::error!("the model panicked during generation");
                 return Event::Failed(ApiError::internal("the model panicked"));
             }
         };
-        if finish == FinishReason::Cancelled {
-            self.metrics.cancelled();
-            tracing::info!(tokens = sink.generated, "sequence cancelled");
-        } else if !sink.hit_stop_string {
-            let rest = sink.stop.flush();
-            if !rest.is_empty() {
-                let _ = job.events.send(Event::Delta {
-                    text: rest,
-                    token: None,
-                });
-            }
-        }
-        Event::Done {
-            finish,
-            completion_tokens: sink.generated,
-        }
+        out.finish(finish, &job.events, &self.metrics)
     }
 
     fn run_embed(&self, job: &EmbedJob) -> Result<Vec<Vec<f32>>, ApiError> {
@@ -317,37 +507,56 @@ impl Worker {
     }
 }
 
+fn err_event(err: &EngineError) -> Event {
+    let err = match err {
+        EngineError::InvalidInput(m) => EngineError::InvalidInput(m.clone()),
+        EngineError::Failed(m) => EngineError::Failed(m.clone()),
+    };
+    Event::Failed(err.into())
+}
+
 /// Turns a running sequence's tokens into events: stop strings, latency metrics, and noticing
-/// that the client has gone.
-pub struct SequenceSink<'a> {
+/// that the client has gone; then its last event.
+pub struct SequenceOutput {
     stop: StopMatcher,
-    events: &'a mpsc::UnboundedSender<Event>,
-    metrics: &'a Metrics,
-    cancel_all: &'a CancelToken,
     queued: Instant,
     last_token: Option<Instant>,
     generated: usize,
     hit_stop_string: bool,
 }
 
-impl SequenceSink<'_> {
-    fn on_token(&mut self, token: GeneratedToken) -> ControlFlow<()> {
+impl SequenceOutput {
+    fn new(stop: &[String], queued: Instant) -> SequenceOutput {
+        SequenceOutput {
+            stop: StopMatcher::new(stop),
+            queued,
+            last_token: None,
+            generated: 0,
+            hit_stop_string: false,
+        }
+    }
+
+    fn on_token(
+        &mut self,
+        token: GeneratedToken,
+        events: &mpsc::UnboundedSender<Event>,
+        metrics: &Metrics,
+        cancel_all: &CancelToken,
+    ) -> ControlFlow<()> {
         let now = Instant::now();
         match self.last_token {
-            None => self
-                .metrics
-                .time_to_first_token((now - self.queued).as_secs_f64()),
-            Some(prev) => self.metrics.inter_token((now - prev).as_secs_f64()),
+            None => metrics.time_to_first_token((now - self.queued).as_secs_f64()),
+            Some(prev) => metrics.inter_token((now - prev).as_secs_f64()),
         }
         self.last_token = Some(now);
         self.generated += 1;
-        self.metrics.generated_token();
+        metrics.generated_token();
         let outcome = self.stop.push(&token.text);
-        let sent = self.events.send(Event::Delta {
+        let sent = events.send(Event::Delta {
             text: outcome.emit,
             token: Some(token),
         });
-        if sent.is_err() || self.cancel_all.is_cancelled() {
+        if sent.is_err() || cancel_all.is_cancelled() {
             return ControlFlow::Break(());
         }
         if outcome.stopped {
@@ -355,5 +564,41 @@ impl SequenceSink<'_> {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
+    }
+
+    /// The last event of a sequence that ended with `finish` (sending the text held back for
+    /// a stop string that never came).
+    fn finish(
+        &mut self,
+        finish: Result<EngineFinish, EngineError>,
+        events: &mpsc::UnboundedSender<Event>,
+        metrics: &Metrics,
+    ) -> Event {
+        let finish = match finish {
+            Ok(EngineFinish::EndOfSequence) => FinishReason::Stop,
+            Ok(EngineFinish::MaxTokens | EngineFinish::ContextFull) => FinishReason::Length,
+            Ok(EngineFinish::Stopped) if self.hit_stop_string => FinishReason::Stop,
+            Ok(EngineFinish::Stopped) => FinishReason::Cancelled,
+            Err(err) => {
+                tracing::error!("generation failed: {err}");
+                return Event::Failed(err.into());
+            }
+        };
+        if finish == FinishReason::Cancelled {
+            metrics.cancelled();
+            tracing::info!(tokens = self.generated, "sequence cancelled");
+        } else if !self.hit_stop_string {
+            let rest = self.stop.flush();
+            if !rest.is_empty() {
+                let _ = events.send(Event::Delta {
+                    text: rest,
+                    token: None,
+                });
+            }
+        }
+        Event::Done {
+            finish,
+            completion_tokens: self.generated,
+        }
     }
 }

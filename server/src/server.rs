@@ -30,8 +30,8 @@ pub struct ServerConfig {
     pub aliases: Vec<String>,
     /// Inserted as the first message of a chat that has no system message.
     pub system_prompt: Option<String>,
-    /// The most sequences decoded together once batching exists (issue 7); today sequences run
-    /// one at a time in arrival order.
+    /// The most sequences decoded together (continuous batching, when the engine has it;
+    /// otherwise sequences run one at a time in arrival order).
     pub max_batch: usize,
     /// Largest request body in bytes (413 above it).
     pub body_limit: usize,

@@ -658,7 +658,12 @@ fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_tokens_and_engine_stats() {
-    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    metrics_count(FakeEngine::new()).await;
+    metrics_count(FakeEngine::batching(Duration::ZERO)).await;
+}
+
+async fn metrics_count(engine: FakeEngine) {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(engine)).await;
     let mut body = chat_body("hi");
     body["max_tokens"] = json!(3);
     post(&ts, "/v1/chat/completions", &body).await;
@@ -771,7 +776,12 @@ async fn wait_for_metric(ts: &TestServer, name: &str, want: f64) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_disconnects_cancels_its_sequence() {
-    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(40)));
+    disconnect_cancels(FakeEngine::slow(Duration::from_millis(40))).await;
+    disconnect_cancels(FakeEngine::batching(Duration::from_millis(40))).await;
+}
+
+async fn disconnect_cancels(engine: FakeEngine) {
+    let engine = Arc::new(engine);
     let ts = TestServer::start(ServerConfig::default(), engine.clone()).await;
     let mut body = chat_body("long story");
     body["stream"] = json!(true);
@@ -821,12 +831,34 @@ async fn a_client_that_disconnects_cancels_its_sequence() {
         wait_for_metric(&ts, "gdsllm_requests_cancelled_total", 2.0).await,
         2.0
     );
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_running", 0.0).await,
+        0.0
+    );
     ts.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_streams_each_get_their_own_answer() {
-    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    concurrent_streams(FakeEngine::new(), ServerConfig::default()).await;
+}
+
+/// With batching, the streams run together, never more than `--max-batch` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_streams_run_together_within_max_batch() {
+    let engine = FakeEngine::batching(Duration::from_millis(5));
+    let config = ServerConfig {
+        max_batch: 4,
+        ..ServerConfig::default()
+    };
+    let engine = concurrent_streams(engine, config).await;
+    assert_eq!(*engine.most_running.lock(), 4);
+    assert_eq!(engine.produced.lock().len(), 24);
+}
+
+async fn concurrent_streams(engine: FakeEngine, config: ServerConfig) -> Arc<FakeEngine> {
+    let engine = Arc::new(engine);
+    let ts = TestServer::start(config, engine.clone()).await;
     let prompts: Vec<String> = (0..24).map(|i| format!("question number {i}")).collect();
     let tasks: Vec<_> = prompts
         .iter()
@@ -863,13 +895,22 @@ async fn concurrent_streams_each_get_their_own_answer() {
         let expected = FakeEngine::expected(&chat_prompt(&user(p)), usize::MAX).0;
         assert_eq!(got, expected, "{p}");
     }
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_running", 0.0).await,
+        0.0
+    );
     ts.shutdown().await;
+    engine
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_a_stream_finish_and_refuses_new_work() {
-    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(20)));
-    let mut ts = TestServer::start(ServerConfig::default(), engine).await;
+    shutdown_finishes(FakeEngine::slow(Duration::from_millis(20))).await;
+    shutdown_finishes(FakeEngine::batching(Duration::from_millis(20))).await;
+}
+
+async fn shutdown_finishes(engine: FakeEngine) {
+    let mut ts = TestServer::start(ServerConfig::default(), Arc::new(engine)).await;
     let mut body = chat_body("story");
     body["stream"] = json!(true);
     let resp = client()
@@ -893,7 +934,12 @@ async fn shutdown_lets_a_stream_finish_and_refuses_new_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_cancels_what_outlives_the_grace_period() {
-    let engine = Arc::new(FakeEngine::slow(Duration::from_millis(300)));
+    shutdown_cancels(FakeEngine::slow(Duration::from_millis(300))).await;
+    shutdown_cancels(FakeEngine::batching(Duration::from_millis(300))).await;
+}
+
+async fn shutdown_cancels(engine: FakeEngine) {
+    let engine = Arc::new(engine);
     let config = ServerConfig {
         shutdown_grace: Duration::from_millis(100),
         ..Default::default()

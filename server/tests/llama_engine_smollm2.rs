@@ -1,10 +1,13 @@
 //! The real engine on SmolLM2: hidden states against the LM head, log-probabilities against
-//! an independent log-softmax of the model's logits, and cancellation.
+//! an independent log-softmax of the model's logits, cancellation, and batched requests
+//! against one-at-a-time ones.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
-use gdsllm_server::{CancelToken, Engine, EngineFinish, GenerationRequest, SamplingParams};
+use gdsllm_server::{
+    CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, SamplingParams,
+};
 use llama::{CpuBackend, InMemoryWeights, Llama};
 use weights_format::{Model, names};
 
@@ -68,9 +71,14 @@ fn final_hidden_state_reproduces_the_logits() {
 #[test]
 fn logprobs_are_the_log_softmax_of_the_logits_and_cancel_stops() {
     let Some(dir) = model_dir() else { return };
-    let engine =
-        gdsllm_server::open_cpu(&dir, "smol", &residency::ResidencyOptions::default(), 128)
-            .unwrap();
+    let engine = gdsllm_server::open_cpu(
+        &dir,
+        "smol",
+        &residency::ResidencyOptions::default(),
+        128,
+        1,
+    )
+    .unwrap();
     let prompt = engine.tokenize("The capital of France is", true).unwrap();
 
     // Independent reference: the prompt's logits straight from the model, log-softmax in f64.
@@ -143,4 +151,129 @@ fn logprobs_are_the_log_softmax_of_the_logits_and_cancel_stops() {
         })
         .unwrap();
     assert_eq!((finish, m), (EngineFinish::Stopped, 1));
+}
+
+/// The engine's batch against its one-at-a-time `generate`: every request (greedy, penalised,
+/// seeded sampling, with log-probabilities) gets the same tokens, text and log-probabilities
+/// while batched with others; with a KV budget for two, the rest wait and complete later; a
+/// cancelled request leaves at once.
+#[test]
+fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
+    let Some(dir) = model_dir() else { return };
+    let options = residency::ResidencyOptions::default();
+    let context = 128;
+    let probe = gdsllm_server::open_cpu(&dir, "smol", &options, context, 4).unwrap();
+    let texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "1, 2, 3, 4,",
+        "The best way to learn a language is",
+    ];
+    let mut requests: Vec<GenerationRequest> = texts
+        .iter()
+        .map(|t| GenerationRequest {
+            prompt: probe.tokenize(t, true).unwrap(),
+            max_tokens: 10,
+            sampling: greedy(),
+            logprobs: None,
+        })
+        .collect();
+    requests[1].logprobs = Some(3);
+    requests[2].sampling.presence_penalty = 0.8;
+    requests[2].sampling.frequency_penalty = 0.4;
+    requests[3].sampling = SamplingParams {
+        temperature: 0.9,
+        seed: Some(3),
+        ..SamplingParams::default()
+    };
+    requests[4].max_tokens = 14;
+    let alone: Vec<(Vec<GeneratedToken>, EngineFinish)> = requests
+        .iter()
+        .map(|r| {
+            let mut tokens = Vec::new();
+            let finish = probe
+                .generate(r, &CancelToken::new(), &mut |t| {
+                    tokens.push(t);
+                    ControlFlow::Continue(())
+                })
+                .unwrap();
+            (tokens, finish)
+        })
+        .collect();
+
+    // Room for two sequences of prompt + 13 positions at a time (the longest needs 24).
+    let longest = requests
+        .iter()
+        .map(|r| r.prompt.len() + r.max_tokens)
+        .max()
+        .unwrap();
+    let meta = Model::open(&dir).unwrap().metadata().clone();
+    let per_position = residency::kv_cache_bytes(&meta.config, 1, 4);
+    let engine = gdsllm_server::open_cpu(&dir, "smol", &options, context, 4)
+        .unwrap()
+        .with_kv_budget(per_position * (2 * longest as u64 + 1));
+    let mut batch = engine.batch(4).unwrap().expect("the llama engine batches");
+    let mut ids = Vec::new();
+    for r in &requests {
+        ids.push(batch.add(r).unwrap());
+    }
+    // One more that is cancelled once it runs.
+    let doomed = batch
+        .add(&GenerationRequest {
+            max_tokens: 30,
+            ..requests[0].clone()
+        })
+        .unwrap();
+    // One that could never fit is refused at once (a 400 for the server).
+    let too_big = batch.add(&GenerationRequest {
+        max_tokens: 100,
+        ..requests[0].clone()
+    });
+    assert!(
+        matches!(&too_big, Err(gdsllm_server::EngineError::InvalidInput(m)) if m.contains("KV budget")),
+        "{:?}",
+        too_big.err()
+    );
+    let mut got: Vec<Vec<GeneratedToken>> = vec![Vec::new(); requests.len()];
+    let mut ends: Vec<Option<EngineFinish>> = vec![None; requests.len()];
+    let mut most = 0;
+    let mut doomed_tokens = 0;
+    let mut doomed_cancelled = false;
+    while ends.iter().any(Option::is_none) || !doomed_cancelled {
+        let ended = batch
+            .step(&mut |id, t| {
+                match ids.iter().position(|&i| i == id) {
+                    Some(i) => got[i].push(t),
+                    None => doomed_tokens += 1,
+                }
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        most = most.max(batch.running() + ended.len());
+        if !doomed_cancelled && batch.is_running(doomed) && doomed_tokens >= 2 {
+            let before = batch.running();
+            batch.cancel(doomed);
+            doomed_cancelled = true;
+            assert_eq!(batch.running(), before - 1, "cancel frees the slot at once");
+        }
+        for (id, finish) in ended {
+            let i = ids
+                .iter()
+                .position(|&i| i == id)
+                .expect("not the cancelled one");
+            ends[i] = Some(finish.unwrap());
+        }
+    }
+    assert!(most <= 2, "the KV budget admits two at a time, saw {most}");
+    assert_eq!(doomed_tokens, 2, "nothing comes after the cancel");
+    for (i, ((tokens, finish), (want, want_finish))) in
+        got.iter().zip(&ends).zip(&alone).enumerate()
+    {
+        let text: String = tokens.iter().map(|t| t.text.as_str()).collect();
+        println!("request {i}: {text:?} ({finish:?})");
+        assert_eq!(tokens, want, "request {i}");
+        assert_eq!(finish.unwrap(), *want_finish, "request {i}");
+    }
+    assert_eq!((batch.running(), batch.waiting()), (0, 0));
 }

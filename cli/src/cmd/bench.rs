@@ -1,5 +1,6 @@
 //! `gdsllm bench`: prompt processing and generation speed, like llama-bench's pp and tg.
 
+use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{Backend, Llama, WeightSource};
 use serde_json::json;
 
@@ -30,6 +31,14 @@ pub struct Args {
     /// references (CUDA: d2d_read_gbps, d2d_read_write_gbps, pinned_h2d_gbps), residency.
     #[arg(long)]
     pub json: bool,
+    /// Batched decoding instead of pp/tg: for each batch size in the list (e.g. 1,4,8,16), that
+    /// many sequences with -p-token prompts are prefilled, then -n decode steps are timed, every
+    /// sequence gaining one token per step (one pass over the weights for all of them).
+    /// Reports aggregate tok/s (all sequences), per-sequence tok/s, the speedup over batch 1
+    /// and the weight bytes streamed per generated token. With --json: batch [{batch,
+    /// tok_per_s [per repetition], mean, best, per_seq_tok_per_s, bytes_per_token}].
+    #[arg(long, value_name = "N,N,...", value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub batch: Vec<u64>,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -45,25 +54,37 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let context = args.n_prompt + args.n_gen + 1;
+    let batch_sizes = batch_sizes(&args.batch);
+    let most = batch_sizes.iter().copied().max().unwrap_or(1);
+    let context = if batch_sizes.is_empty() {
+        args.n_prompt + args.n_gen + 1
+    } else {
+        batch_context(args.n_prompt, args.n_gen, most)
+    };
     match args.device.resolve()? {
         Device::Cpu => {
             let mut model =
-                crate::cmd::run::open_model(args.model.as_deref(), &args.residency, context)?;
+                crate::cmd::run::open_model(args.model.as_deref(), &args.residency, context, most)?;
             let open_s = model.load_seconds;
-            bench(
-                model.session.model_mut(),
-                &args,
-                open_s,
-                "host",
-                json!(null),
-            )
+            let llama = model.session.model_mut();
+            if !batch_sizes.is_empty() {
+                let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
+                let head = json!({
+                    "model": llama.metadata().source,
+                    "threads": rayon_threads(),
+                    "device": "cpu",
+                    "residency": llama.weights().residency_stats(),
+                });
+                return print_batches(&args, &rows, head);
+            }
+            bench(llama, &args, open_s, "host", json!(null))
         }
         Device::Cuda { ordinal, io } => {
             let mut model = crate::cmd::run::open_cuda_model(
                 args.model.as_deref(),
                 &args.residency,
                 context,
+                most + DEFAULT_PREFILL_CHUNK,
                 ordinal,
                 io,
             )?;
@@ -79,9 +100,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "pinned_h2d_gbps": h2d,
             });
             let io_name = llama.weights().memory().backend().name();
+            if !batch_sizes.is_empty() {
+                let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
+                let head = json!({
+                    "model": llama.metadata().source,
+                    "device": llama.backend().device_name(),
+                    "io_backend": io_name,
+                    "references": references,
+                    "residency": llama.weights().residency_stats(),
+                });
+                return print_batches(&args, &rows, head);
+            }
             bench(llama, &args, open_s, io_name, references)
         }
     }
+}
+
+/// Bytes the weight source has brought in so far: from disk, from the host tier, on demand.
+fn streamed_total<W: WeightSource>(weights: &W) -> u64 {
+    weights.residency_stats().map_or(0, |s| {
+        s.total.disk_bytes + s.total.host_copy_bytes + s.total.on_demand_bytes
+    })
 }
 
 /// Bytes of weights one decode step reads: every blob, except an untied embedding table of
@@ -98,9 +137,7 @@ fn weight_bytes_per_token<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u
 }
 
 fn streamed_bytes<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u64 {
-    llama.weights().residency_stats().map_or(0, |s| {
-        s.total.disk_bytes + s.total.host_copy_bytes + s.total.on_demand_bytes
-    })
+    streamed_total(llama.weights())
 }
 
 fn bench<B: Backend, W: WeightSource>(
@@ -196,6 +233,167 @@ fn bench<B: Backend, W: WeightSource>(
 
 fn rayon_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The batch sizes to run, in the order given, each once.
+fn batch_sizes(list: &[u64]) -> Vec<usize> {
+    let mut sizes: Vec<usize> = Vec::new();
+    for &b in list {
+        if !sizes.contains(&(b as usize)) {
+            sizes.push(b as usize);
+        }
+    }
+    sizes
+}
+
+/// The context for a batched run of up to `most` sequences: room for a prompt, the tokens
+/// sampled while the other prompts are still being prefilled (one per prefill step, with the
+/// default chunk) and the timed decode steps; and at least `most` rows plus a chunk, which a
+/// model whose pass holds `context` rows (the CUDA one) needs to keep the default chunk.
+fn batch_context(n_prompt: usize, n_gen: usize, most: usize) -> usize {
+    let prefill_steps = (most * n_prompt.max(1)).div_ceil(DEFAULT_PREFILL_CHUNK);
+    (n_prompt + n_gen + prefill_steps + 2).max(most + DEFAULT_PREFILL_CHUNK)
+}
+
+/// One batch size's results.
+struct BatchRow {
+    batch: usize,
+    /// Aggregate tokens per second of each repetition.
+    tok_per_s: Vec<f64>,
+    bytes_per_token: f64,
+}
+
+/// Batched decoding over any backend and weight source: for each size, `size` sequences with
+/// different prompts of `n_prompt` tokens are prefilled (untimed), then `n_gen` steps in which
+/// every sequence decodes are timed. `streamed` reads the weight source's total bytes brought
+/// in so far (0 for resident weights).
+fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
+    llama: &mut llama::Llama<B, W>,
+    sizes: &[usize],
+    args: &Args,
+    streamed: impl Fn(&W) -> u64,
+) -> anyhow::Result<Vec<BatchRow>> {
+    use std::collections::HashSet;
+    let vocab = llama.config().vocab_size as u32;
+    let reps = args.repetitions.max(1);
+    let n_prompt = args.n_prompt.max(1);
+    let mut rows = Vec::new();
+    for &size in sizes {
+        let mut config = llama::BatchConfig::for_model(llama, size);
+        config.prefill_chunk = config
+            .prefill_chunk
+            .min(llama.max_rows().saturating_sub(size).max(1));
+        let prefill_steps = (size * n_prompt).div_ceil(config.prefill_chunk);
+        // Nobody may finish inside the timed steps.
+        let max_new = args.n_gen + prefill_steps + 2;
+        if n_prompt + max_new > llama.context() {
+            anyhow::bail!(
+                "batch {size}: {n_prompt} prompt + {max_new} tokens exceed the context {}",
+                llama.context()
+            );
+        }
+        let (mut tok_per_s, mut bytes, mut tokens) = (Vec::new(), 0u64, 0usize);
+        for _ in 0..reps {
+            let mut batcher = llama::Batcher::new(llama, config)?;
+            for s in 0..size as u32 {
+                // Ordinary text-like ids (past the specials), different for each sequence.
+                let base = 300.min(vocab / 2);
+                let prompt = (0..n_prompt as u32)
+                    .map(|i| base + (i * 7919 + s * 104_729) % (vocab - base))
+                    .collect();
+                batcher.submit(prompt, max_new)?;
+            }
+            let greedy = |_: llama::SeqId, l: &[f32]| {
+                l.iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(i, _)| i as u32)
+            };
+            let mut started: HashSet<llama::SeqId> = HashSet::new();
+            while started.len() < size {
+                batcher.step(llama, |id, l| {
+                    started.insert(id);
+                    greedy(id, l)
+                })?;
+            }
+            let before = streamed(llama.weights());
+            let mut n = 0usize;
+            let t = std::time::Instant::now();
+            for _ in 0..args.n_gen {
+                let ended = batcher.step(llama, |id, l| {
+                    n += 1;
+                    greedy(id, l)
+                })?;
+                debug_assert!(ended.is_empty());
+            }
+            let seconds = t.elapsed().as_secs_f64();
+            bytes += streamed(llama.weights()) - before;
+            tokens += n;
+            tok_per_s.push(n as f64 / seconds.max(1e-9));
+        }
+        rows.push(BatchRow {
+            batch: size,
+            tok_per_s,
+            bytes_per_token: bytes as f64 / tokens.max(1) as f64,
+        });
+    }
+    Ok(rows)
+}
+
+/// The batched-decoding table, or one JSON object (`head` plus `batch`).
+fn print_batches(
+    args: &Args,
+    rows: &[BatchRow],
+    mut head: serde_json::Value,
+) -> anyhow::Result<()> {
+    let base = rows
+        .iter()
+        .find(|r| r.batch == 1)
+        .map(|r| mean(&r.tok_per_s));
+    if args.json {
+        head["n_prompt"] = json!(args.n_prompt);
+        head["n_gen"] = json!(args.n_gen);
+        head["batch"] = rows
+            .iter()
+            .map(|r| {
+                let m = mean(&r.tok_per_s);
+                json!({
+                    "batch": r.batch,
+                    "tok_per_s": r.tok_per_s,
+                    "mean": m,
+                    "best": best(&r.tok_per_s),
+                    "per_seq_tok_per_s": m / r.batch as f64,
+                    "speedup_vs_batch1": base.map(|b| m / b),
+                    "bytes_per_token": r.bytes_per_token,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&head)?);
+        return Ok(());
+    }
+    println!(
+        "| batch | aggregate tok/s (mean) |   best | per-seq tok/s | x batch 1 | MB streamed / token |"
+    );
+    for r in rows {
+        let m = mean(&r.tok_per_s);
+        let speedup = base.map_or("-".to_string(), |b| format!("{:.2}", m / b));
+        println!(
+            "| {:>5} | {:>22.1} | {:>6.1} | {:>13.1} | {:>9} | {:>19.3} |",
+            r.batch,
+            m,
+            best(&r.tok_per_s),
+            m / r.batch as f64,
+            speedup,
+            r.bytes_per_token / 1e6
+        );
+    }
+    println!(
+        "prompts of {} tokens; {} timed decode steps per repetition, {} repetitions",
+        args.n_prompt,
+        args.n_gen,
+        args.repetitions.max(1)
+    );
+    Ok(())
 }
 
 /// The llama-bench-style table of prompt-processing and generation rates.

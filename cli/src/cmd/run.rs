@@ -2,11 +2,13 @@
 //! CPU backend with weights streamed through residency.
 
 use std::io::{BufRead, Write};
+use std::path::Path;
 
 use anyhow::{Context, bail};
+use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{
-    Backend, CpuModel, GenerateOptions, Generation, LoadedModel, Message, SamplerConfig,
-    WeightSource,
+    Backend, BatchConfig, CpuModel, GenerateOptions, Generation, LoadedModel, Message,
+    SamplerConfig, WeightSource,
 };
 use serde_json::json;
 use weights_format::Model;
@@ -24,9 +26,14 @@ pub struct Args {
     /// first use).
     #[arg(short, long)]
     pub model: Option<String>,
-    /// The prompt for a raw completion; without it, start an interactive chat.
-    #[arg(short, long)]
+    /// The prompt for a raw completion; without it (and -f), start an interactive chat.
+    #[arg(short, long, conflicts_with = "file")]
     pub prompt: Option<String>,
+    /// A file of prompts, one per line (blank lines are skipped; `-` reads stdin): each gets a
+    /// raw completion, all decoded together in one batch sharing each pass over the weights.
+    /// Prints every completion under a `=== [N] prompt` header, in input order.
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: Option<std::path::PathBuf>,
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
@@ -60,7 +67,9 @@ pub struct Args {
     /// Print one JSON object instead of streaming text: prompt_tokens, tokens, text,
     /// finish_reason, device, timings {load_s, prompt_s, prompt_tok_per_s, gen_tok_per_s,
     /// time_to_first_token_s (from the start of the command)}, io {backend, bytes_read, gb_per_s},
-    /// residency (statistics). Needs -p.
+    /// residency (statistics). Needs -p or -f; with -f, one object per prompt and line, in input
+    /// order: index, prompt, prompt_tokens, tokens, text, finish_reason, timings {prompt_s,
+    /// gen_s, gen_tok_per_s}.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -99,18 +108,51 @@ pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
     }
 }
 
-/// Opens the model on the CPU backend with residency options for its KV cache.
+/// Opens the model on the CPU backend with residency options for the KV caches of `sequences`
+/// sequences decoded together (1 for a single prompt).
 pub fn open_model(
     model: Option<&str>,
     residency: &ResidencyArgs,
     ctx_size: usize,
+    sequences: usize,
 ) -> anyhow::Result<CpuModel> {
     let dir = model_dir(model)?;
     let context = context_for(&dir, ctx_size)?;
     let config = Model::open(&dir)?.config().clone();
-    let reserved = residency::kv_cache_bytes(&config, context as u64, 4);
+    let sequences = sequences.max(1);
+    let reserved = residency::kv_cache_bytes(&config, context as u64, 4) * sequences as u64;
     let options = residency.options(reserved);
-    llama::load_cpu(&dir, &options, context).with_context(|| format!("loading {}", dir.display()))
+    llama::load_cpu_rows(&dir, &options, context, rows_per_pass(sequences, context))
+        .with_context(|| format!("loading {}", dir.display()))
+}
+
+/// Positions one pass must hold: the whole prompt for one sequence; for a batch, a row per
+/// sequence plus a prefill chunk.
+fn rows_per_pass(sequences: usize, context: usize) -> usize {
+    if sequences > 1 {
+        sequences + DEFAULT_PREFILL_CHUNK
+    } else {
+        context
+    }
+}
+
+/// Prompts of a `-f` file: one per line, blank lines skipped; `-` is stdin.
+fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin()).context("reading prompts from stdin")?
+    } else {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("reading prompts from {}", path.display()))?
+    };
+    let prompts: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(str::to_owned)
+        .collect();
+    if prompts.is_empty() {
+        bail!("{}: no prompts (one per line)", path.display());
+    }
+    Ok(prompts)
 }
 
 /// `ctx_size`, or the model's context length when 0.
@@ -126,42 +168,60 @@ fn context_for(dir: &std::path::Path, ctx_size: usize) -> anyhow::Result<usize> 
     })
 }
 
-/// Opens the model on CUDA device `ordinal`; residency plans what stays in device memory.
+/// Opens the model on CUDA device `ordinal` for `sequences` sequences decoded together;
+/// residency plans what stays in device memory.
 pub fn open_cuda_model(
     model: Option<&str>,
     residency: &ResidencyArgs,
     ctx_size: usize,
+    sequences: usize,
     ordinal: usize,
     io: residency::IoChoice,
 ) -> anyhow::Result<llama::backend::cuda::CudaModel> {
     let dir = model_dir(model)?;
     let context = context_for(&dir, ctx_size)?;
-    // The loader reserves the KV cache and activations itself (it knows their device layout).
+    // The loader reserves the KV caches and activations itself (it knows their device layout).
     let options = residency.options(0);
-    llama::backend::cuda::load_cuda(&dir, &options, context, ordinal, io)
+    llama::backend::cuda::load_cuda(&dir, &options, context, sequences, ordinal, io)
         .with_context(|| format!("loading {} on CUDA device {ordinal}", dir.display()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.json && args.prompt.is_none() {
-        bail!("--json needs -p PROMPT (the interactive chat has no single result to print)");
+    if args.json && args.prompt.is_none() && args.file.is_none() {
+        bail!(
+            "--json needs -p PROMPT or -f FILE (the interactive chat has no single result to print)"
+        );
     }
     let started = std::time::Instant::now();
+    let prompts = args.file.as_deref().map(read_prompts).transpose()?;
+    let sequences = prompts.as_ref().map_or(1, Vec::len);
     match args.device.resolve()? {
         Device::Cpu => {
-            let model = open_model(args.model.as_deref(), &args.residency, args.ctx_size)?;
-            run_model(model, &args, "host", started)
+            let model = open_model(
+                args.model.as_deref(),
+                &args.residency,
+                args.ctx_size,
+                sequences,
+            )?;
+            match &prompts {
+                Some(texts) => complete_file(model, &args, texts),
+                None => run_model(model, &args, "host", started),
+            }
         }
         Device::Cuda { ordinal, io } => {
             let model = open_cuda_model(
                 args.model.as_deref(),
                 &args.residency,
                 args.ctx_size,
+                sequences,
                 ordinal,
                 io,
             )?;
             let io_name = model.session.model().weights().memory().backend().name();
-            run_model(model, &args, io_name, started)
+            match &prompts {
+                Some(texts) => complete_file(model, &args, texts),
+                None => run_model(model, &args, io_name, started),
+            }
         }
     }
 }
@@ -213,6 +273,66 @@ fn complete<B: Backend, W: WeightSource>(
     // started (resolving and loading the model, encoding, prefill) except the decode loop.
     let ttft = started.elapsed().as_secs_f64() - generation.generation_seconds;
     report(model, &generation, json, io_backend, ttft)
+}
+
+/// `-f`: every prompt of the file in one batch; results in input order.
+fn complete_file<B: Backend, W: WeightSource>(
+    mut model: LoadedModel<B, W>,
+    args: &Args,
+    texts: &[String],
+) -> anyhow::Result<()> {
+    let prompts = texts
+        .iter()
+        .map(|t| model.session.encode_prompt(t))
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = GenerateOptions {
+        max_tokens: args.n_predict,
+        sampler: args.sampler(),
+        stop: args.stop.clone(),
+    };
+    let started = std::time::Instant::now();
+    let session = &mut model.session;
+    let config = BatchConfig::for_model(session.model(), texts.len());
+    let (llama, tokenizer) = session.parts_mut();
+    let generations =
+        llama::generate_batch(llama, tokenizer, &prompts, &options, config, |_, _| {})?;
+    let seconds = started.elapsed().as_secs_f64();
+    let mut stdout = std::io::stdout().lock();
+    for (i, (text, g)) in texts.iter().zip(&generations).enumerate() {
+        if args.json {
+            let line = json!({
+                "index": i,
+                "prompt": text,
+                "prompt_tokens": g.prompt_tokens,
+                "tokens": g.tokens,
+                "text": g.text,
+                "finish_reason": g.finish_reason,
+                "timings": {
+                    "prompt_s": g.prompt_seconds,
+                    "gen_s": g.generation_seconds,
+                    "gen_tok_per_s": g.generation_tokens_per_second(),
+                },
+            });
+            writeln!(stdout, "{line}")?;
+        } else {
+            writeln!(stdout, "=== [{}] {text}", i + 1)?;
+            writeln!(stdout, "{}", g.text)?;
+        }
+    }
+    let generated: usize = generations.iter().map(|g| g.tokens.len()).sum();
+    let stats = model
+        .session
+        .model()
+        .weights()
+        .residency_stats()
+        .unwrap_or_default();
+    tracing::info!(
+        "{} prompts in one batch: {generated} tokens generated in {seconds:.2} s ({:.1} tok/s in all); read {:.1} MB",
+        texts.len(),
+        generated as f64 / seconds.max(1e-9),
+        (stats.total.disk_bytes + stats.total.on_demand_bytes) as f64 / 1e6
+    );
+    Ok(())
 }
 
 fn report<B: Backend, W: WeightSource>(

@@ -55,10 +55,17 @@ pub struct Args {
     /// System message inserted at the start of every chat request that has none.
     #[arg(long, value_name = "TEXT", env = "GDSLLM_SYSTEM_PROMPT")]
     pub system_prompt: Option<String>,
-    /// Most sequences decoded together. Batched decoding is not implemented yet: requests
-    /// queue and run one at a time in arrival order; this will be the batch limit.
+    /// Most sequences decoded together: running requests share each pass over the weights
+    /// (continuous batching; new requests join between steps, their prompts prefilled in
+    /// chunks alongside the running ones). Requests beyond it wait in arrival order.
     #[arg(long, value_name = "N", env = "GDSLLM_MAX_BATCH", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub max_batch: u64,
+    /// KV-cache memory all running sequences may hold together, e.g. 2GiB; `auto`: room for
+    /// --max-batch sequences at the full --ctx-size. Each request reserves its prompt plus
+    /// max_tokens positions when it starts; while the budget is full, new requests wait (a
+    /// request that would not fit even alone gets a 400).
+    #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
+    pub kv_budget: KvBudget,
     /// Context size in tokens per sequence (prompt + reply); 0: the model's full context.
     /// Longer prompts get a 400 that gives both numbers.
     #[arg(
@@ -90,6 +97,17 @@ pub struct Args {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     residency::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// `--kv-budget`: a size, or `auto` (None).
+#[derive(Debug, Clone, Copy)]
+pub struct KvBudget(pub Option<u64>);
+
+fn parse_kv_budget(s: &str) -> Result<KvBudget, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(KvBudget(None));
+    }
+    parse_size(s).map(|b| KvBudget(Some(b)))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -124,8 +142,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let device = args.device.resolve()?;
-    let reserved = residency::kv_cache_bytes(&model_config, context as u64, 4);
-    let options = args.residency.options(reserved);
+    let max_batch = args.max_batch as usize;
+    let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
+        residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
+    });
+    let options = args.residency.options(kv_budget);
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -163,12 +184,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
             let engine: Result<Arc<dyn gdsllm_server::Engine>, _> = match device {
-                Device::Cpu => gdsllm_server::open_cpu(&dir, model_id, &options, context)
-                    .map(|e| Arc::new(e) as Arc<dyn gdsllm_server::Engine>),
-                Device::Cuda { ordinal, io } => {
-                    gdsllm_server::open_cuda(&dir, model_id, &options, context, ordinal, io)
-                        .map(|e| Arc::new(e) as Arc<dyn gdsllm_server::Engine>)
+                Device::Cpu => {
+                    gdsllm_server::open_cpu(&dir, model_id, &options, context, max_batch).map(|e| {
+                        Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>
+                    })
                 }
+                Device::Cuda { ordinal, io } => gdsllm_server::open_cuda(
+                    &dir, model_id, &options, context, max_batch, ordinal, io,
+                )
+                .map(|e| Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>),
             };
             match engine {
                 Ok(engine) => {

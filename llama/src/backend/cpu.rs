@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use weights_format::DType;
 
 use super::kernels::{self, QK};
-use super::{AttentionShape, Backend, WeightView};
+use super::{AttentionSeq, AttentionShape, Backend, RowGroup, WeightView};
 
 /// Multi-threaded CPU backend on the global rayon pool.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +31,70 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// `out = x · Wᵀ` for the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it
+/// (see [`kernels::matmul_rows`]).
+fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) {
+    let rows = wide.len();
+    let (m, k) = (w.rows, w.cols);
+    let row_bytes = w.row_bytes();
+    let x = &x[..rows * k];
+    let needs_sums = matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && wide.contains(&false);
+    let mut xsums = Vec::new();
+    if needs_sums {
+        let mut one = Vec::new();
+        for xr in x.chunks_exact(k) {
+            kernels::block_sums(xr, &mut one);
+            xsums.extend_from_slice(&one);
+        }
+    }
+    debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
+    let chunk = rows_per_task(m, k * rows);
+    let task = |(ci, o): (usize, &mut [f32])| {
+        let first = ci * chunk;
+        let n_rows = o.len() / rows;
+        let wb = &w.bytes[first * row_bytes..(first + n_rows) * row_bytes];
+        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, wide, o);
+    };
+    if rows == 1 {
+        out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
+    } else {
+        // Each task owns whole weight rows, so it writes a transposed [m, rows] block.
+        let mut out_t = vec![0f32; m * rows];
+        out_t
+            .par_chunks_mut(chunk * rows)
+            .enumerate()
+            .for_each(task);
+        for (i, col) in out_t.chunks_exact(rows).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                out[r * m + i] = *v;
+            }
+        }
+    }
+}
+
+/// Rotary embedding of whole rows of `width` values, the first at position `pos0`.
+fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq: &[f32]) {
+    let half = head_dim / 2;
+    let mut cos = vec![0f32; half];
+    let mut sin = vec![0f32; half];
+    for (r, xr) in x.chunks_exact_mut(width).enumerate() {
+        let pos = (pos0 + r) as f32;
+        for i in 0..half {
+            let angle = pos * inv_freq[i];
+            cos[i] = angle.cos();
+            sin[i] = angle.sin();
+        }
+        for head in xr.chunks_exact_mut(head_dim) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * cos[i] - x2 * sin[i];
+                b[i] = x2 * cos[i] + x1 * sin[i];
+            }
+        }
+    }
 }
 
 impl Backend for CpuBackend {
@@ -79,42 +143,8 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, w: WeightView<'_>, out: &mut Vec<f32>) {
-        let (m, k) = (w.rows, w.cols);
-        let row_bytes = w.row_bytes();
-        let x = &x[..rows * k];
-        let needs_sums =
-            matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && rows < kernels::DECODE_ONCE_MIN_ROWS;
-        let mut xsums = Vec::new();
-        if needs_sums {
-            let mut one = Vec::new();
-            for xr in x.chunks_exact(k) {
-                kernels::block_sums(xr, &mut one);
-                xsums.extend_from_slice(&one);
-            }
-        }
-        debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
-        let chunk = rows_per_task(m, k * rows);
-        let task = |(ci, o): (usize, &mut [f32])| {
-            let first = ci * chunk;
-            let n_rows = o.len() / rows;
-            let wb = &w.bytes[first * row_bytes..(first + n_rows) * row_bytes];
-            kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, rows, o);
-        };
-        if rows == 1 {
-            out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
-        } else {
-            // Each task owns whole weight rows, so it writes a transposed [m, rows] block.
-            let mut out_t = vec![0f32; m * rows];
-            out_t
-                .par_chunks_mut(chunk * rows)
-                .enumerate()
-                .for_each(task);
-            for (i, col) in out_t.chunks_exact(rows).enumerate() {
-                for (r, v) in col.iter().enumerate() {
-                    out[r * m + i] = *v;
-                }
-            }
-        }
+        let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
+        matmul_rows_of(x, &wide, w, out);
     }
 
     fn matmul_many(
@@ -146,7 +176,7 @@ impl Backend for CpuBackend {
         tasks.into_par_iter().for_each(|(w, first, o)| {
             let rb = w.row_bytes();
             let wb = &w.bytes[first * rb..(first + o.len()) * rb];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, 1, o);
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, &[false], o);
         });
     }
 
@@ -159,26 +189,28 @@ impl Backend for CpuBackend {
         pos0: usize,
         inv_freq: &[f32],
     ) {
-        let half = head_dim / 2;
         let width = n_heads * head_dim;
-        let mut cos = vec![0f32; half];
-        let mut sin = vec![0f32; half];
-        for (r, xr) in x[..rows * width].chunks_exact_mut(width).enumerate() {
-            let pos = (pos0 + r) as f32;
-            for i in 0..half {
-                let angle = pos * inv_freq[i];
-                cos[i] = angle.cos();
-                sin[i] = angle.sin();
-            }
-            for head in xr.chunks_exact_mut(head_dim) {
-                let (a, b) = head.split_at_mut(half);
-                for i in 0..half {
-                    let (x1, x2) = (a[i], b[i]);
-                    a[i] = x1 * cos[i] - x2 * sin[i];
-                    b[i] = x2 * cos[i] + x1 * sin[i];
-                }
-            }
-        }
+        rope_rows(&mut x[..rows * width], width, head_dim, pos0, inv_freq);
+    }
+
+    fn rope_at(
+        &self,
+        x: &mut Vec<f32>,
+        row0: usize,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        inv_freq: &[f32],
+    ) {
+        let width = n_heads * head_dim;
+        rope_rows(
+            &mut x[row0 * width..(row0 + rows) * width],
+            width,
+            head_dim,
+            pos0,
+            inv_freq,
+        );
     }
 
     fn copy_rows(
@@ -204,6 +236,23 @@ impl Backend for CpuBackend {
         shape: AttentionShape,
         out: &mut Vec<f32>,
     ) {
+        let seq = AttentionSeq {
+            row0: 0,
+            rows,
+            pos0,
+            k_cache,
+            v_cache,
+        };
+        self.attention_batch(q, &[seq], shape, out);
+    }
+
+    fn attention_batch(
+        &self,
+        q: &Vec<f32>,
+        seqs: &[AttentionSeq<'_, Vec<f32>>],
+        shape: AttentionShape,
+        out: &mut Vec<f32>,
+    ) {
         let AttentionShape {
             n_heads,
             n_kv_heads,
@@ -212,14 +261,26 @@ impl Backend for CpuBackend {
         let group = n_heads / n_kv_heads;
         let kv_width = n_kv_heads * head_dim;
         let scale = 1.0 / (head_dim as f32).sqrt();
+        // The sequence of each query row, so that one parallel region covers every (row, head)
+        // pair of the batch; each pair is computed exactly as it is for a sequence alone.
+        let rows = seqs.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
+        let mut row_seq = vec![usize::MAX; rows];
+        for (i, s) in seqs.iter().enumerate() {
+            row_seq[s.row0..s.row0 + s.rows].fill(i);
+        }
         out[..rows * n_heads * head_dim]
             .par_chunks_mut(head_dim)
             .enumerate()
             .for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
-                let (r, h) = (idx / n_heads, idx % n_heads);
+                let (row, h) = (idx / n_heads, idx % n_heads);
+                let Some(s) = seqs.get(row_seq[row]) else {
+                    return;
+                };
+                let (k_cache, v_cache) = (s.k_cache, s.v_cache);
+                let r = row - s.row0;
                 let kv_off = (h / group) * head_dim;
                 let qh = &q[idx * head_dim..(idx + 1) * head_dim];
-                let len = pos0 + r + 1;
+                let len = s.pos0 + r + 1;
                 scores.clear();
                 scores.extend((0..len).map(|t| {
                     let kt = &k_cache[t * kv_width + kv_off..t * kv_width + kv_off + head_dim];
@@ -238,6 +299,31 @@ impl Backend for CpuBackend {
                     kernels::axpy(s * inv, vt, o);
                 }
             });
+    }
+
+    fn matmul_batch(
+        &self,
+        x: &Vec<f32>,
+        groups: &[RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut Vec<f32>],
+    ) {
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        let wide: Vec<bool> = groups
+            .iter()
+            .flat_map(|g| std::iter::repeat_n(g.solo_rows >= kernels::DECODE_ONCE_MIN_ROWS, g.rows))
+            .collect();
+        // When every row would use the kernel that `rows` rows get anyway, this is an ordinary
+        // matmul (a single sequence, or a batch of decode rows below the threshold).
+        if wide
+            .iter()
+            .all(|&w| w == (rows >= kernels::DECODE_ONCE_MIN_ROWS))
+        {
+            return self.matmul_many(x, rows, ws, outs);
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul_rows_of(x, &wide, *w, out);
+        }
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {

@@ -212,6 +212,79 @@ fn dot_q4_1<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
     sum32(&acc) + offsets.iter().sum::<f32>()
 }
 
+/// One block of one activation row in the quantized kernels: `acc += d·(q·x)` lane by lane,
+/// the product first, as [`dot_q8_0`], [`dot_q4_0`] and [`dot_q4_1`] do.
+#[inline(always)]
+fn block_step<const FMA: bool>(q: &[f32; 32], d: f32, x: &[f32], acc: &mut [f32; 32]) {
+    let xb: &[f32; 32] = x.try_into().unwrap();
+    let mut p = [0f32; 32];
+    for j in 0..32 {
+        p[j] = q[j] * xb[j];
+    }
+    for j in 0..32 {
+        acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
+    }
+}
+
+/// [`dot_q8_0`] of one weight row with `R` activation rows at once: each block is widened once
+/// and then used for every row, each row's sums taking exactly the steps of `dot_q8_0`, so each
+/// result is bit for bit that of `dot_q8_0`.
+#[inline(always)]
+fn dot_q8_0_rows<const FMA: bool, const R: usize>(row: &[u8], x: [&[f32]; R]) -> [f32; R] {
+    let mut acc = [[0f32; 32]; R];
+    for (i, b) in row.chunks_exact(34).enumerate() {
+        let b: &[u8; 34] = b.try_into().unwrap();
+        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        let mut q = [0f32; 32];
+        for j in 0..32 {
+            q[j] = (b[2 + j] as i8) as f32;
+        }
+        for r in 0..R {
+            block_step::<FMA>(&q, d, &x[r][i * QK..(i + 1) * QK], &mut acc[r]);
+        }
+    }
+    std::array::from_fn(|r| sum32(&acc[r]))
+}
+
+/// [`dot_q4_1`] (`MIN`) or [`dot_q4_0`] of one weight row with `R` activation rows at once, bit
+/// for bit (see [`dot_q8_0_rows`]).
+#[inline(always)]
+fn dot_q4_rows<const FMA: bool, const MIN: bool, const R: usize>(
+    row: &[u8],
+    x: [&[f32]; R],
+    xsum: [&[f32]; R],
+) -> [f32; R] {
+    let block_bytes = if MIN { 20 } else { 18 };
+    let mut acc = [[0f32; 32]; R];
+    let mut offsets = [[0f32; 4]; R];
+    for (i, b) in row.chunks_exact(block_bytes).enumerate() {
+        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        let (scale, qs) = if MIN {
+            (f16_bits_to_f32(u16::from_le_bytes([b[2], b[3]])), &b[4..20])
+        } else {
+            (d, &b[2..18])
+        };
+        let qs: &[u8; 16] = qs.try_into().unwrap();
+        let mut q = [0f32; 32];
+        for j in 0..16 {
+            q[j] = (qs[j] & 0xF) as f32;
+            q[j + 16] = (qs[j] >> 4) as f32;
+        }
+        for r in 0..R {
+            block_step::<FMA>(&q, d, &x[r][i * QK..(i + 1) * QK], &mut acc[r]);
+            offsets[r][i & 3] = fmadd::<FMA>(scale, xsum[r][i], offsets[r][i & 3]);
+        }
+    }
+    std::array::from_fn(|r| {
+        let o = offsets[r].iter().sum::<f32>();
+        if MIN {
+            sum32(&acc[r]) + o
+        } else {
+            sum32(&acc[r]) - 8.0 * o
+        }
+    })
+}
+
 /// Decodes one weight row into `out` (a row is whole blocks, so no partial block is handled).
 #[inline(always)]
 fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
@@ -281,44 +354,72 @@ fn matmul_rows_impl<const FMA: bool>(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
-    n: usize,
+    wide: &[bool],
     out_t: &mut [f32],
 ) {
-    if n >= DECODE_ONCE_MIN_ROWS {
-        let mut tmp = vec![0f32; cols];
-        for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
+    let n = wide.len();
+    let any_wide = wide.contains(&true);
+    let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
+    let narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
+    // Rows that must round as single rows (the decode rows of a batch) go four at a time
+    // through one widening of each quantized block.
+    let grouped = matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
+    let blocks = cols / QK;
+    let xr = |r: usize| &x[r * cols..(r + 1) * cols];
+    let xs = |r: usize| -> &[f32] {
+        if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
+            &xsums[r * blocks..(r + 1) * blocks]
+        } else {
+            &[]
+        }
+    };
+    for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
+        if any_wide {
             dequant_row(dtype, row, &mut tmp);
-            for (o, xr) in out.iter_mut().zip(x.chunks_exact(cols)) {
-                *o = dot_f32::<FMA>(&tmp, xr);
+            for r in (0..n).filter(|&r| wide[r]) {
+                out[r] = dot_f32::<FMA>(&tmp, xr(r));
             }
         }
-        return;
-    }
-    for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
-        for (r, o) in out.iter_mut().enumerate() {
-            let xr = &x[r * cols..(r + 1) * cols];
-            let xs = if matches!(dtype, DType::Q4_0 | DType::Q4_1) {
-                &xsums[r * (cols / QK)..(r + 1) * (cols / QK)]
-            } else {
-                &[]
-            };
-            *o = match dtype {
-                DType::F32 => dot_f32_bytes::<FMA>(row, xr),
-                DType::F16 => dot_half_bytes::<FMA, false>(row, xr),
-                DType::Bf16 => dot_half_bytes::<FMA, true>(row, xr),
-                DType::Q8_0 => dot_q8_0::<FMA>(row, xr),
-                DType::Q4_0 => dot_q4_0::<FMA>(row, xr, xs),
-                DType::Q4_1 => dot_q4_1::<FMA>(row, xr, xs),
+        let mut fours = narrow.chunks_exact(4);
+        if grouped {
+            for c in &mut fours {
+                let rows = [c[0], c[1], c[2], c[3]];
+                let got = match dtype {
+                    DType::Q8_0 => dot_q8_0_rows::<FMA, 4>(row, rows.map(xr)),
+                    DType::Q4_0 => dot_q4_rows::<FMA, false, 4>(row, rows.map(xr), rows.map(xs)),
+                    _ => dot_q4_rows::<FMA, true, 4>(row, rows.map(xr), rows.map(xs)),
+                };
+                for (r, v) in rows.into_iter().zip(got) {
+                    out[r] = v;
+                }
+            }
+        }
+        let rest = if grouped {
+            fours.remainder()
+        } else {
+            &narrow[..]
+        };
+        for &r in rest {
+            out[r] = match dtype {
+                DType::F32 => dot_f32_bytes::<FMA>(row, xr(r)),
+                DType::F16 => dot_half_bytes::<FMA, false>(row, xr(r)),
+                DType::Bf16 => dot_half_bytes::<FMA, true>(row, xr(r)),
+                DType::Q8_0 => dot_q8_0::<FMA>(row, xr(r)),
+                DType::Q4_0 => dot_q4_0::<FMA>(row, xr(r), xs(r)),
+                DType::Q4_1 => dot_q4_1::<FMA>(row, xr(r), xs(r)),
             };
         }
     }
 }
 
 /// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
-/// `row_bytes` long, `cols` values) and the `n` activation rows of `x`. `xsums` holds the
-/// per-block sums of each activation row (needed by q4_0 and q4_1 when `n` is small; may be
-/// empty otherwise). The output is transposed (weight row major) so that each task of the
-/// caller owns a contiguous slice.
+/// `row_bytes` long, `cols` values) and the `n = wide.len()` activation rows of `x`. A row with
+/// `wide[r]` is dotted with the weight row decoded once to f32 (the kernel for
+/// [`DECODE_ONCE_MIN_ROWS`] or more rows); the others straight from the blocks (fewer rows).
+/// The two round differently, so the caller picks per row to reproduce a given row count's
+/// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
+/// for rows that are not wide; may be empty otherwise). The output is transposed (weight row
+/// major) so that each task of the caller owns a contiguous slice.
 #[allow(clippy::too_many_arguments)]
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
@@ -333,13 +434,13 @@ pub fn matmul_rows(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
-    n: usize,
+    wide: &[bool],
     out_t: &mut [f32],
 ) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
     } else {
-        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, n, out_t)
+        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
     }
 }
 

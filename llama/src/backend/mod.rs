@@ -66,6 +66,28 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// Rows of a batched matmul that belong to one sequence: `rows` consecutive activation rows,
+/// and the row count a single-sequence pass computes the same positions with (`solo_rows`: the
+/// whole prompt during its prefill, however the batch chunks it; 1 when decoding). A backend
+/// whose kernels depend on the row count (the CPU one decodes quantized weight rows once for 4
+/// or more rows) uses it to give every row exactly the result it would have alone, so a
+/// sequence's output does not depend on what it is batched with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowGroup {
+    pub rows: usize,
+    pub solo_rows: usize,
+}
+
+/// One sequence's part of a batched attention: query rows `row0 .. row0+rows` at positions
+/// `pos0 ..` against that sequence's own caches (`[capacity, n_kv_heads·head_dim]` each).
+pub struct AttentionSeq<'a, Buf> {
+    pub row0: usize,
+    pub rows: usize,
+    pub pos0: usize,
+    pub k_cache: &'a Buf,
+    pub v_cache: &'a Buf,
+}
+
 /// The operations of one forward pass. Every activation is f32 and row-major; `rows` is the
 /// number of token positions processed together (the whole prompt during prefill, 1 while
 /// decoding) and only the first `rows · width` values of a buffer are read or written.
@@ -162,6 +184,77 @@ pub trait Backend: Send + Sync {
         shape: AttentionShape,
         out: &mut Self::Buf,
     );
+
+    /// Bytes one KV-cache value takes in a buffer from [`Backend::alloc_kv`] (4 for f32), for
+    /// the KV memory budget of batched decoding.
+    fn kv_value_bytes(&self) -> usize {
+        4
+    }
+
+    /// [`Backend::matmul_many`] over the rows of several sequences (`groups` in row order,
+    /// covering rows `0 .. Σ rows`): one pass over each weight serves them all. Every row must
+    /// come out exactly as a `matmul` of `solo_rows` rows computes it (see [`RowGroup`]). The
+    /// default is one `matmul_many` over all rows, which is right for a backend whose results
+    /// do not depend on the row count.
+    fn matmul_batch(
+        &self,
+        x: &Self::Buf,
+        groups: &[RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut Self::Buf],
+    ) {
+        let rows = groups.iter().map(|g| g.rows).sum();
+        self.matmul_many(x, rows, ws, outs);
+    }
+
+    /// [`Backend::rope`] on rows `row0 .. row0+rows` of `x` (one sequence of a batch, at
+    /// positions `pos0 ..`). The default ropes in place when `row0` is 0 and otherwise copies
+    /// the rows through a temporary buffer; backends that can address rows override it.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_at(
+        &self,
+        x: &mut Self::Buf,
+        row0: usize,
+        rows: usize,
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        inv_freq: &[f32],
+    ) {
+        if row0 == 0 {
+            return self.rope(x, rows, n_heads, head_dim, pos0, inv_freq);
+        }
+        let width = n_heads * head_dim;
+        let mut tmp = self.alloc(rows * width);
+        self.copy_rows(x, row0, &mut tmp, 0, rows, width);
+        self.rope(&mut tmp, rows, n_heads, head_dim, pos0, inv_freq);
+        self.copy_rows(&tmp, 0, x, row0, rows, width);
+    }
+
+    /// [`Backend::attention`] for several sequences at once, each with its own rows of `q` and
+    /// `out` and its own caches. The default calls `attention` per sequence (straight on `q`
+    /// and `out` when the sequence starts at row 0, else through temporary buffers); backends
+    /// override it to run all sequences in one launch or parallel region.
+    fn attention_batch(
+        &self,
+        q: &Self::Buf,
+        seqs: &[AttentionSeq<'_, Self::Buf>],
+        shape: AttentionShape,
+        out: &mut Self::Buf,
+    ) {
+        let width = shape.n_heads * shape.head_dim;
+        for s in seqs {
+            if s.row0 == 0 {
+                self.attention(q, s.rows, s.k_cache, s.v_cache, s.pos0, shape, out);
+                continue;
+            }
+            let mut tq = self.alloc(s.rows * width);
+            let mut tout = self.alloc(s.rows * width);
+            self.copy_rows(q, s.row0, &mut tq, 0, s.rows, width);
+            self.attention(&tq, s.rows, s.k_cache, s.v_cache, s.pos0, shape, &mut tout);
+            self.copy_rows(&tout, 0, out, s.row0, s.rows, width);
+        }
+    }
 
     /// SiLU-gated FFN activation: `gate = silu(gate) · up` over `len` values.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);

@@ -33,7 +33,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         for chunk in tokens.chunks(self.max_rows) {
             // The pass leaves the chunk's residual stream in `state.x`; only its last row was
             // normed, so the output norm is applied again to all rows.
-            self.forward_pass(chunk)?;
+            self.single_pass(chunk)?;
             let rows = chunk.len();
             let guard = self.weights.acquire(self.layout.output)?;
             let blob = &self.metadata.blobs[self.layout.output];

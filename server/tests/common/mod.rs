@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdsllm_server::{
-    CancelToken, ChatMessage, Engine, EngineError, EngineFinish, EngineStats, GeneratedToken,
-    GenerationRequest, Server, ServerConfig, TokenLogprob,
+    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
+    GeneratedToken, GenerationRequest, Server, ServerConfig, TokenLogprob,
 };
 use parking_lot::Mutex;
 
@@ -29,6 +29,10 @@ pub struct FakeEngine {
     pub rendered: Mutex<Vec<Vec<ChatMessage>>>,
     /// Tokens handed out per generate call (to see where cancelled sequences stopped).
     pub produced: Mutex<Vec<usize>>,
+    /// Whether `batch` gives a batch (continuous batching) instead of `None`.
+    pub batching: bool,
+    /// The most sequences a batch step has run at once.
+    pub most_running: Mutex<usize>,
 }
 
 impl FakeEngine {
@@ -39,6 +43,17 @@ impl FakeEngine {
             requests: Mutex::new(Vec::new()),
             rendered: Mutex::new(Vec::new()),
             produced: Mutex::new(Vec::new()),
+            batching: false,
+            most_running: Mutex::new(0),
+        }
+    }
+
+    /// Like [`FakeEngine::slow`] with continuous batching: each step takes `delay` and gives
+    /// every running sequence its next word.
+    pub fn batching(delay: Duration) -> FakeEngine {
+        FakeEngine {
+            batching: true,
+            ..FakeEngine::slow(delay)
         }
     }
 
@@ -79,6 +94,94 @@ impl FakeEngine {
             .collect();
         s.push_str("<assistant>");
         s
+    }
+}
+
+/// The fake's words as a batch: the same tokens and finishes as `generate`, one word per
+/// sequence per step.
+struct FakeBatch<'a> {
+    engine: &'a FakeEngine,
+    max_batch: usize,
+    next_id: u64,
+    waiting: Vec<(u64, GenerationRequest)>,
+    /// (id, request, words given)
+    running: Vec<(u64, GenerationRequest, usize)>,
+}
+
+impl EngineBatch for FakeBatch<'_> {
+    fn add(&mut self, request: &GenerationRequest) -> Result<u64, EngineError> {
+        self.engine.requests.lock().push(request.clone());
+        self.next_id += 1;
+        self.waiting.push((self.next_id, request.clone()));
+        Ok(self.next_id)
+    }
+
+    fn cancel(&mut self, id: u64) {
+        self.waiting.retain(|w| w.0 != id);
+        if let Some(i) = self.running.iter().position(|r| r.0 == id) {
+            let (_, _, given) = self.running.remove(i);
+            self.engine.produced.lock().push(given);
+        }
+    }
+
+    fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(u64, GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<Vec<(u64, Result<EngineFinish, EngineError>)>, EngineError> {
+        while self.running.len() < self.max_batch && !self.waiting.is_empty() {
+            let (id, request) = self.waiting.remove(0);
+            self.running.push((id, request, 0));
+        }
+        {
+            let mut most = self.engine.most_running.lock();
+            *most = (*most).max(self.running.len());
+        }
+        if !self.running.is_empty() {
+            std::thread::sleep(self.engine.token_delay);
+        }
+        let mut ended = Vec::new();
+        for (id, request, given) in &mut self.running {
+            let start = (request.prompt.iter().map(|&t| t as u64).sum::<u64>() % 4) as usize;
+            let i = *given;
+            let finish = if start + i == SCRIPT.len() {
+                Some(EngineFinish::EndOfSequence)
+            } else if i == request.max_tokens {
+                Some(EngineFinish::MaxTokens)
+            } else {
+                let word = SCRIPT[start + i];
+                let token = GeneratedToken {
+                    id: 100 + (start + i) as u32,
+                    text: word.to_string(),
+                    logprob: None,
+                    top_logprobs: Vec::new(),
+                };
+                *given += 1;
+                on_token(*id, token)
+                    .is_break()
+                    .then_some(EngineFinish::Stopped)
+            };
+            if let Some(f) = finish {
+                ended.push((*id, Ok(f)));
+            }
+        }
+        for (id, _) in &ended {
+            let i = self.running.iter().position(|r| r.0 == *id).unwrap();
+            let (_, _, given) = self.running.remove(i);
+            self.engine.produced.lock().push(given);
+        }
+        Ok(ended)
+    }
+
+    fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn is_running(&self, id: u64) -> bool {
+        self.running.iter().any(|r| r.0 == id)
     }
 }
 
@@ -166,6 +269,19 @@ impl Engine for FakeEngine {
         }
         let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
         Ok(v.iter().map(|x| x / norm).collect())
+    }
+
+    fn batch(&self, max_batch: usize) -> Result<Option<Box<dyn EngineBatch + '_>>, EngineError> {
+        if !self.batching {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(FakeBatch {
+            engine: self,
+            max_batch,
+            next_id: 0,
+            waiting: Vec::new(),
+            running: Vec::new(),
+        })))
     }
 
     fn stats(&self) -> EngineStats {

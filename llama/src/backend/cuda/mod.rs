@@ -35,7 +35,8 @@ use crate::weights::WeightSource;
 
 pub use compile::kernel_cache_dir;
 pub use streamed::{
-    CudaBlobGuard, CudaModel, CudaWeights, GPU_MAX_ROWS, device_reserved_bytes, load_cuda,
+    CudaBlobGuard, CudaModel, CudaWeights, GPU_MAX_ROWS, device_reserved_bytes,
+    kv_cache_device_bytes, load_cuda,
 };
 
 /// Threads per block of the row-wise kernels (rmsnorm, attention): the kernels assume 256.
@@ -438,6 +439,61 @@ impl CudaBackend {
         }
     }
 
+    /// `out = x · Wᵀ` for `rows` rows at device addresses `xp`/`op`; `solo_rows` is the row
+    /// count whose numerics the rows must have (cuBLAS from [`CUBLAS_MIN_ROWS`] on, the matmul
+    /// kernel below it).
+    fn matmul_ptr(&self, xp: u64, rows: usize, w: &WeightView<'_>, op: u64, solo_rows: usize) {
+        let Some(wd) = self.weight(w) else { return };
+        if solo_rows >= CUBLAS_MIN_ROWS
+            && w.dtype != DType::F32
+            && let Some(blas) = &self.blas
+        {
+            return match w.dtype {
+                DType::F16 => self.matmul_cublas(blas, xp, rows, w, wd.ptr, DType::F16, op),
+                DType::Bf16 => {
+                    let Some(tmp) = self.dequantize(w, wd.ptr, DType::F32) else {
+                        return;
+                    };
+                    let ptr = tmp.device_ptr(&self.stream).0;
+                    self.matmul_cublas(blas, xp, rows, w, ptr, DType::F32, op);
+                    drop(tmp);
+                }
+                _ => {
+                    let Some(tmp) = self.dequantize(w, wd.ptr, DType::F16) else {
+                        return;
+                    };
+                    let ptr = tmp.device_ptr(&self.stream).0;
+                    self.matmul_cublas(blas, xp, rows, w, ptr, DType::F16, op);
+                    // Freed in stream order, after the GEMM that reads it.
+                    drop(tmp);
+                }
+            };
+        }
+        let (rows_i, m, k) = (rows as i32, w.rows as i32, w.cols as i32);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize]);
+        b.arg(&xp)
+            .arg(&rows_i)
+            .arg(&wd.ptr)
+            .arg(&m)
+            .arg(&k)
+            .arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (w.rows as u32).div_ceil(MM_WARPS * MM_WROWS),
+                (rows as u32).div_ceil(MM_ROWS),
+                1,
+            ),
+            block_dim: (MM_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows·k values, out rows·m, the weight m rows of k values in whole
+        // blocks of its dtype (checked when the view was made).
+        let r = unsafe { b.launch(cfg) };
+        self.check("matmul kernel", r);
+    }
+
     /// A bf16 or quantized weight matrix as f16 or f32 (`to`), in a temporary (stream-ordered)
     /// allocation of raw bytes.
     fn dequantize(&self, w: &WeightView<'_>, w_ptr: u64, to: DType) -> Option<CudaSlice<u8>> {
@@ -536,21 +592,18 @@ impl CudaBackend {
     fn matmul_cublas(
         &self,
         blas: &cudarc::cublas::CudaBlas,
-        x: &CudaBuf,
+        xp: u64,
         rows: usize,
         w: &WeightView<'_>,
         w_ptr: u64,
         w_type: DType,
-        out: &mut CudaBuf,
+        op: u64,
     ) {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
         };
         let (m, k) = (w.rows, w.cols);
         let n = rows * k;
-        let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
-            return;
-        };
         // x in the weights' type: f32 as it is, else a rounded copy.
         let (x_in, x16, data_type) = if w_type == DType::F32 {
             (xp, None, cudaDataType::CUDA_R_32F)
@@ -767,58 +820,52 @@ impl Backend for CudaBackend {
         if self.failed() || rows == 0 {
             return;
         }
-        let Some(wd) = self.weight(&w) else { return };
-        if rows >= CUBLAS_MIN_ROWS
-            && w.dtype != DType::F32
-            && let Some(blas) = &self.blas
-        {
-            return match w.dtype {
-                DType::F16 => self.matmul_cublas(blas, x, rows, &w, wd.ptr, DType::F16, out),
-                DType::Bf16 => {
-                    let Some(tmp) = self.dequantize(&w, wd.ptr, DType::F32) else {
-                        return;
-                    };
-                    let ptr = tmp.device_ptr(&self.stream).0;
-                    self.matmul_cublas(blas, x, rows, &w, ptr, DType::F32, out);
-                    drop(tmp);
-                }
-                _ => {
-                    let Some(tmp) = self.dequantize(&w, wd.ptr, DType::F16) else {
-                        return;
-                    };
-                    let ptr = tmp.device_ptr(&self.stream).0;
-                    self.matmul_cublas(blas, x, rows, &w, ptr, DType::F16, out);
-                    // Freed in stream order, after the GEMM that reads it.
-                    drop(tmp);
-                }
-            };
-        }
         let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
             return;
         };
-        let (rows_i, m, k) = (rows as i32, w.rows as i32, w.cols as i32);
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize]);
-        b.arg(&xp)
-            .arg(&rows_i)
-            .arg(&wd.ptr)
-            .arg(&m)
-            .arg(&k)
-            .arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (w.rows as u32).div_ceil(MM_WARPS * MM_WROWS),
-                (rows as u32).div_ceil(MM_ROWS),
-                1,
-            ),
-            block_dim: (MM_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: x holds rows·k values, out rows·m, the weight m rows of k values in whole
-        // blocks of its dtype (checked when the view was made).
-        let r = unsafe { b.launch(cfg) };
-        self.check("matmul kernel", r);
+        self.matmul_ptr(xp, rows, &w, op, rows);
+    }
+
+    /// One pass over each weight for a batch, every row computed as its sequence alone would
+    /// compute it: runs of sequences whose solo pass has fewer than [`CUBLAS_MIN_ROWS`] rows
+    /// (decoding) share one launch of the matmul kernel, whose result per row does not depend on
+    /// the row count; a sequence prefilling a prompt of at least that many rows gets its own
+    /// cuBLAS GEMM, as alone.
+    fn matmul_batch(
+        &self,
+        x: &CudaBuf,
+        groups: &[crate::backend::RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut CudaBuf],
+    ) {
+        if self.failed() {
+            return;
+        }
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            let mut row0 = 0;
+            let mut i = 0;
+            while i < groups.len() {
+                let kernel_rows = groups[i].solo_rows < CUBLAS_MIN_ROWS;
+                let mut rows = 0;
+                while i < groups.len() && (groups[i].solo_rows < CUBLAS_MIN_ROWS) == kernel_rows {
+                    rows += groups[i].rows;
+                    i += 1;
+                    if !kernel_rows {
+                        break; // one GEMM per prefilling sequence
+                    }
+                }
+                if rows > 0 {
+                    let (Some(xp), Some(op)) =
+                        (self.ptr(x, row0 * w.cols), self.ptr(out, row0 * w.rows))
+                    else {
+                        return;
+                    };
+                    let solo = if kernel_rows { 1 } else { CUBLAS_MIN_ROWS };
+                    self.matmul_ptr(xp, rows, w, op, solo);
+                }
+                row0 += rows;
+            }
+        }
     }
 
     fn rope(

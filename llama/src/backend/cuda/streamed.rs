@@ -33,11 +33,16 @@ pub const GPU_MAX_ROWS: usize = 512;
 /// (f32) and a margin for kernels and temporaries take besides the weights.
 pub fn device_reserved_bytes(config: &LlamaConfig, context: usize, max_rows: usize) -> u64 {
     let c = config;
-    let kv = (c.n_layers * 2 * context * c.kv_dim() * 2) as u64;
+    let kv = kv_cache_device_bytes(c, context);
     let per_row = 3 * c.dim + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.ffn_dim;
     let activations = ((max_rows * per_row + 2 * c.dim + c.vocab_size) * 4) as u64;
     let margin = 256 << 20;
     kv + activations + margin
+}
+
+/// Bytes of one sequence's f16 KV cache of `context` positions.
+pub fn kv_cache_device_bytes(config: &LlamaConfig, context: usize) -> u64 {
+    (config.n_layers * 2 * context * config.kv_dim() * 2) as u64
 }
 
 /// A device-side release fence: an event recorded on the compute stream after the last kernel
@@ -147,14 +152,17 @@ impl WeightSource for CudaWeights {
 /// A model on a CUDA GPU.
 pub type CudaModel = LoadedModel<CudaBackend, CudaWeights>;
 
-/// Opens `dir` on CUDA device `ordinal` with a KV cache of `context` positions (0: the model's
-/// context length). What stays resident and what streams is residency's plan for `options`
-/// (`--vram-budget`, `--host-cache`, …); the KV cache, activations and a margin are reserved
-/// first. `io` picks the `gds-io` backend (auto: cuFile where GDS works, else bounce).
+/// Opens `dir` on CUDA device `ordinal` with KV caches of `context` positions (0: the model's
+/// context length) for `sequences` sequences decoded together (1: one at a time). What stays
+/// resident and what streams is residency's plan for `options` (`--vram-budget`,
+/// `--host-cache`, …); the KV caches, activations and a margin are reserved first. `io` picks
+/// how blobs reach device memory (auto: cuFile where GDS DMA works, else O_DIRECT through a
+/// pinned staging buffer).
 pub fn load_cuda(
     dir: impl AsRef<Path>,
     options: &ResidencyOptions,
     context: usize,
+    sequences: usize,
     ordinal: usize,
     io: residency::IoChoice,
 ) -> Result<CudaModel, LlamaError> {
@@ -162,9 +170,16 @@ pub fn load_cuda(
     let files = ModelFiles::open(dir.as_ref())?;
     let context = files.context(context);
     let config = LlamaConfig::from_model_config(&files.metadata.config)?;
-    let max_rows = context.min(GPU_MAX_ROWS);
+    let sequences = sequences.max(1);
+    // A batch's pass holds one row per sequence plus a prefill chunk.
+    let max_rows = if sequences > 1 {
+        sequences + crate::batch::DEFAULT_PREFILL_CHUNK
+    } else {
+        context.min(GPU_MAX_ROWS)
+    };
     let mut options = options.clone();
-    options.reserved_bytes = device_reserved_bytes(&config, context, max_rows);
+    options.reserved_bytes = device_reserved_bytes(&config, context, max_rows)
+        + (sequences as u64 - 1) * kv_cache_device_bytes(&config, context);
     let backend = CudaBackend::new(ordinal)?;
     let (residency, memory) = Residency::open_gpu(&files.model, &options, ordinal, io)?;
     let plan = residency.plan();

@@ -1,0 +1,570 @@
+//! Batched decoding (issue 7): every sequence of a batch gives exactly the tokens it gives alone,
+//! whatever it is batched with and whenever it joins; a pass streams the same bytes whatever
+//! the batch size; the scheduler makes requests wait (never fail) when the KV budget is full,
+//! frees a cancelled sequence's cache at once and keeps decoding while prompts are prefilled.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
+use llama::{
+    Backend, BatchConfig, Batcher, CpuBackend, GenerateOptions, InMemoryWeights, Llama,
+    SamplerConfig, SeqEnd, SeqId, Session, Tokenizer, WeightSource, generate_batch,
+};
+use residency::{HostCache, Residency, ResidencyOptions};
+use weights_format::{DType, Model};
+
+/// A small model with random weights: tiny logit margins, so any difference in rounding
+/// between a batch and a sequence alone would show up as a different token.
+fn synth_model(dir: &Path, dtype: DType, tied: bool) {
+    synth_layers(dir, dtype, tied, 3)
+}
+
+fn synth_layers(dir: &Path, dtype: DType, tied: bool, n_layers: u32) {
+    let shape = SynthShape {
+        n_layers,
+        hidden_size: 128,
+        ffn_dim: 320,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        vocab_size: 512,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        context_length: 256,
+        tie_word_embeddings: tied,
+    };
+    let opts = SynthOptions {
+        shape,
+        dtype,
+        seed: 11,
+        threads: 1,
+        shape_name: "batch-test".into(),
+    };
+    synth(dir, &opts, &mut |_| {}).expect("synth");
+}
+
+fn in_memory(dir: &Path, context: usize, max_rows: usize) -> Llama<CpuBackend, InMemoryWeights> {
+    let model = Model::open(dir).unwrap();
+    let meta = model.metadata().clone();
+    let weights = InMemoryWeights::read_dir(dir, &meta).unwrap();
+    Llama::new(CpuBackend::new(), weights, meta, context, max_rows).unwrap()
+}
+
+/// A synthetic model in a temporary directory (kept while the first value lives), in memory.
+fn synth_in_memory(
+    name: &str,
+    dtype: DType,
+    tied: bool,
+) -> (tempfile::TempDir, Llama<CpuBackend, InMemoryWeights>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join(name);
+    synth_model(&dir, dtype, tied);
+    let model = in_memory(&dir, 256, 256);
+    (tmp, model)
+}
+
+/// First index of the largest logit.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Greedy tokens of `prompt` alone, the way `Session::generate` drives the model: the whole
+/// prompt in one pass, then one pass per token.
+fn solo_greedy<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    model.truncate(0);
+    let mut logits = model.forward(prompt).unwrap().to_vec();
+    let mut out = Vec::new();
+    loop {
+        let t = argmax(&logits);
+        out.push(t);
+        if out.len() == n {
+            return out;
+        }
+        logits = model.forward(&[t]).unwrap().to_vec();
+    }
+}
+
+fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (seed * 131 + i * 7919) % (vocab - 3))
+        .collect()
+}
+
+/// A request of the ragged workload: arrives before step `at`.
+struct Req {
+    at: usize,
+    prompt: Vec<u32>,
+    max_new: usize,
+}
+
+/// Runs `reqs` through a batcher with greedy sampling; returns each request's tokens and how
+/// it ended, and the most sequences seen running at once.
+fn run_batched<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
+    config: BatchConfig,
+    reqs: &[Req],
+) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
+    let mut batcher = Batcher::new(model, config).unwrap();
+    let mut ids: HashMap<SeqId, usize> = HashMap::new();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
+    let mut ends: Vec<Option<SeqEnd>> = vec![None; reqs.len()];
+    let mut most = 0;
+    let mut step = 0;
+    while ends.iter().any(Option::is_none) {
+        for (i, r) in reqs.iter().enumerate() {
+            if r.at == step {
+                ids.insert(batcher.submit(r.prompt.clone(), r.max_new).unwrap(), i);
+            }
+        }
+        let finished = batcher
+            .step(model, |id, logits| {
+                let t = argmax(logits);
+                tokens[ids[&id]].push(t);
+                Some(t)
+            })
+            .unwrap();
+        most = most.max(batcher.running() + finished.len());
+        for f in finished {
+            assert!(ends[ids[&f.id]].replace(f.end).is_none(), "ended twice");
+        }
+        step += 1;
+        assert!(step < 10_000, "the batch never finished");
+    }
+    let out = tokens
+        .into_iter()
+        .zip(ends)
+        .map(|(t, e)| (t, e.unwrap()))
+        .collect();
+    (out, most)
+}
+
+fn ragged_requests(vocab: u32) -> Vec<Req> {
+    // Prompt lengths on both sides of the CPU kernel's 4-row threshold and longer than the
+    // prefill chunk; different lengths of output; arrivals while others run.
+    [
+        (0, 1, 12),
+        (0, 3, 7),
+        (0, 23, 15),
+        (2, 4, 5),
+        (3, 9, 10),
+        (5, 40, 9),
+        (9, 2, 6),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (at, len, max_new))| Req {
+        at,
+        prompt: prompt(i as u32, len, vocab),
+        max_new,
+    })
+    .collect()
+}
+
+/// The ragged workload through a batcher (4 at a time, prefill chunks of 8) against each
+/// request alone on the same model.
+fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, label: &str) {
+    let vocab = model.config().vocab_size as u32;
+    let reqs = ragged_requests(vocab);
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
+        .collect();
+    let config = BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        ..BatchConfig::for_model(model, 4)
+    };
+    let (batched, most) = run_batched(model, config, &reqs);
+    println!("{label}: up to {most} sequences per pass");
+    assert!(most >= 3, "the sequences did not overlap");
+    for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
+        assert_eq!(*end, SeqEnd::Length);
+        assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
+    }
+}
+
+#[test]
+fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [
+        (DType::Q4_1, true),
+        (DType::Q8_0, false),
+        (DType::F16, true),
+    ] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        ragged_batch_equals_solo(
+            &mut in_memory(&dir, 256, 256),
+            &format!("cpu {dtype} tied={tied}"),
+        );
+    }
+}
+
+/// The same on the CUDA backend (weights resident, the trait's default batched ops unless the
+/// backend overrides them). Opt-in like `cuda_ops`: `GDSLLM_GPU_TESTS=1` and the `cuda`
+/// feature (`cargo test -p llama --features cuda --test batch cuda`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        let mut model = llama::backend::cuda::open_resident(&dir, 0, 256).unwrap();
+        ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
+    }
+}
+
+/// Total weight bytes residency has brought in, once its reader has stopped (the ring is full
+/// of the next pass's blobs), so that a window between two calls covers whole passes.
+fn settled_bytes(r: &Residency) -> u64 {
+    let total = |r: &Residency| {
+        let t = r.stats().total;
+        t.disk_bytes + t.host_copy_bytes + t.on_demand_bytes
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = total(r);
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = total(r);
+        if now == last || Instant::now() > deadline {
+            return now;
+        }
+        last = now;
+    }
+}
+
+#[test]
+fn bytes_streamed_per_decode_step_do_not_grow_with_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("streamed");
+    // More layers than the staging ring has slots, so every pass reads every layer again; a
+    // tied embedding table is one blob per pass (an untied one is read row by row, 80 bytes
+    // per token here, which is per token by nature).
+    synth_layers(&dir, DType::Q4_1, true, 8);
+    let options = ResidencyOptions {
+        resident_layers: Some(0),
+        host_cache: HostCache::Off,
+        ..ResidencyOptions::default()
+    };
+    let steps = 6;
+    let mut per_step = Vec::new();
+    for batch in [1usize, 4, 8] {
+        let model_files = Model::open(&dir).unwrap();
+        let residency = Residency::open_host(&model_files, &options).unwrap();
+        assert_eq!(residency.plan().resident_layers, 0);
+        let meta = model_files.metadata().clone();
+        let mut model = Llama::new(CpuBackend::new(), residency, meta, 64, 64).unwrap();
+        let vocab = model.config().vocab_size as u32;
+        let mut batcher = Batcher::new(&model, BatchConfig::for_model(&model, batch)).unwrap();
+        for i in 0..batch {
+            batcher.submit(prompt(i as u32, 5, vocab), 40).unwrap();
+        }
+        // The first step prefills every prompt; from then on each step decodes every sequence.
+        batcher.step(&mut model, |_, l| Some(argmax(l))).unwrap();
+        let before = settled_bytes(model.weights());
+        let mut tokens = 0;
+        for _ in 0..steps {
+            let ended = batcher
+                .step(&mut model, |_, l| {
+                    tokens += 1;
+                    Some(argmax(l))
+                })
+                .unwrap();
+            assert!(ended.is_empty());
+        }
+        let bytes = settled_bytes(model.weights()) - before;
+        assert_eq!(tokens, batch * steps);
+        println!(
+            "batch {batch}: {} bytes streamed per decode step, {} per generated token",
+            bytes / steps as u64,
+            bytes / tokens as u64
+        );
+        per_step.push(bytes / steps as u64);
+    }
+    assert!(per_step[0] > 0, "nothing was streamed");
+    assert!(
+        per_step.iter().all(|&b| b == per_step[0]),
+        "bytes per step changed with the batch size: {per_step:?}"
+    );
+}
+
+#[test]
+fn kv_budget_exhaustion_makes_requests_wait_and_they_complete_later() {
+    let (_tmp, mut model) = synth_in_memory("budget", DType::Q4_1, true);
+    let vocab = model.config().vocab_size as u32;
+    // Five requests of 10 + 8 - 1 = 17 positions each; room for two at a time.
+    let reqs: Vec<Req> = (0..5)
+        .map(|i| Req {
+            at: 0,
+            prompt: prompt(i, 10, vocab),
+            max_new: 8,
+        })
+        .collect();
+    let per_seq = model.kv_cache_bytes(17);
+    let config = BatchConfig {
+        max_batch: 8,
+        prefill_chunk: 64,
+        kv_budget: 2 * per_seq + per_seq / 2,
+    };
+    let mut batcher = Batcher::new(&model, config).unwrap();
+    for r in &reqs {
+        batcher.submit(r.prompt.clone(), r.max_new).unwrap();
+    }
+    batcher.step(&mut model, |_, l| Some(argmax(l))).unwrap();
+    assert_eq!((batcher.running(), batcher.waiting()), (2, 3));
+    assert_eq!(batcher.kv_used(), 2 * per_seq);
+    drop(batcher);
+
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| solo_greedy(&mut model, &r.prompt, r.max_new))
+        .collect();
+    let (batched, most) = run_batched(&mut model, config, &reqs);
+    assert_eq!(most, 2, "the budget admits two at a time");
+    for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
+        assert_eq!(*end, SeqEnd::Length, "request {i}");
+        assert_eq!(tokens, want, "request {i} differs from alone");
+    }
+
+    // A request that could never fit is refused at once; the others are not disturbed.
+    let mut batcher = Batcher::new(&model, config).unwrap();
+    let err = batcher.submit(prompt(9, 10, vocab), 200).unwrap_err();
+    assert!(matches!(err, llama::LlamaError::KvBudget { .. }), "{err}");
+    assert!(err.to_string().contains("KV budget"), "{err}");
+    assert!(batcher.submit(Vec::new(), 4).is_err());
+    assert!(batcher.submit(vec![vocab], 4).is_err());
+    assert!(batcher.submit(prompt(1, 300, vocab), 4).is_err());
+    assert!(batcher.is_idle());
+}
+
+#[test]
+fn cancelling_a_sequence_frees_its_kv_at_once_and_lets_the_next_in() {
+    let (_tmp, mut model) = synth_in_memory("cancel", DType::Q8_0, true);
+    let vocab = model.config().vocab_size as u32;
+    let per_seq = model.kv_cache_bytes(12 + 20 - 1);
+    let config = BatchConfig {
+        max_batch: 8,
+        prefill_chunk: 64,
+        kv_budget: 2 * per_seq,
+    };
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(i, 12, vocab)).collect();
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| solo_greedy(&mut model, p, 20))
+        .collect();
+    let mut batcher = Batcher::new(&model, config).unwrap();
+    let ids: Vec<SeqId> = prompts
+        .iter()
+        .map(|p| batcher.submit(p.clone(), 20).unwrap())
+        .collect();
+    let mut tokens: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut greedy = |batcher: &mut Batcher<CpuBackend>, model: &mut Llama<_, _>| {
+        batcher
+            .step(model, |id, l| {
+                let t = argmax(l);
+                tokens.entry(id).or_default().push(t);
+                Some(t)
+            })
+            .unwrap()
+    };
+    for _ in 0..3 {
+        assert!(greedy(&mut batcher, &mut model).is_empty());
+    }
+    assert_eq!((batcher.running(), batcher.waiting()), (2, 1));
+    assert_eq!(batcher.kv_used(), 2 * per_seq);
+
+    // Cancelling the first frees its cache before any further step.
+    assert!(batcher.cancel(ids[0]));
+    assert_eq!(batcher.kv_used(), per_seq);
+    assert_eq!((batcher.running(), batcher.waiting()), (1, 1));
+    assert!(!batcher.cancel(ids[0]), "cancelled twice");
+
+    let mut ended = HashMap::new();
+    while !batcher.is_idle() {
+        for f in greedy(&mut batcher, &mut model) {
+            ended.insert(f.id, f.end);
+        }
+        assert!(batcher.kv_used() <= config.kv_budget);
+    }
+    assert_eq!(batcher.kv_used(), 0);
+    assert!(
+        !ended.contains_key(&ids[0]),
+        "a cancelled sequence is not reported"
+    );
+    assert_eq!(tokens[&ids[0]].len(), 3);
+    assert_eq!(tokens[&ids[0]][..], solo[0][..3]);
+    for i in 1..3 {
+        assert_eq!(ended[&ids[i]], SeqEnd::Length);
+        assert_eq!(tokens[&ids[i]], solo[i], "sequence {i}");
+    }
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_while_running_sequences_keep_decoding() {
+    let (_tmp, mut model) = synth_in_memory("chunks", DType::Q4_1, true);
+    let vocab = model.config().vocab_size as u32;
+    let short = prompt(1, 6, vocab);
+    let long = prompt(2, 100, vocab);
+    let solo_short = solo_greedy(&mut model, &short, 30);
+    let solo_long = solo_greedy(&mut model, &long, 5);
+    let config = BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 16,
+        ..BatchConfig::for_model(&model, 4)
+    };
+    let mut batcher = Batcher::new(&model, config).unwrap();
+    let a = batcher.submit(short, 30).unwrap();
+    let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let mut step = |batcher: &mut Batcher<CpuBackend>, model: &mut Llama<_, _>| {
+        let mut this: HashMap<SeqId, usize> = HashMap::new();
+        batcher
+            .step(model, |id, l| {
+                let t = argmax(l);
+                got.entry(id).or_default().push(t);
+                *this.entry(id).or_default() += 1;
+                Some(t)
+            })
+            .unwrap();
+        this
+    };
+    step(&mut batcher, &mut model);
+    let b = batcher.submit(long, 5).unwrap();
+    // 100 prompt tokens in chunks of 16 take 7 steps; the short sequence gets a token in each.
+    let mut steps_to_first = 0;
+    loop {
+        let this = step(&mut batcher, &mut model);
+        steps_to_first += 1;
+        assert_eq!(this.get(&a), Some(&1), "the running sequence was held back");
+        if this.contains_key(&b) {
+            break;
+        }
+    }
+    assert_eq!(steps_to_first, 100usize.div_ceil(16));
+    while !batcher.is_idle() {
+        step(&mut batcher, &mut model);
+    }
+    assert_eq!(got[&a], solo_short);
+    assert_eq!(got[&b], solo_long);
+}
+
+fn tokenizer(dir: &Path) -> Tokenizer {
+    let model = Model::open(dir).unwrap();
+    Tokenizer::from_file(dir.join(&model.metadata().tokenizer)).unwrap()
+}
+
+fn greedy_options(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop: Vec::new(),
+    }
+}
+
+/// `generate_batch` against `Session::generate` on the same prompts one at a time: tokens,
+/// text and finish reason.
+fn batch_equals_session(
+    dir: &Path,
+    prompts: &[Vec<u32>],
+    options: &GenerateOptions,
+    config_batch: usize,
+) {
+    let mut session = Session::new(in_memory(dir, 256, 256), tokenizer(dir));
+    let alone: Vec<_> = prompts
+        .iter()
+        .map(|p| session.generate(p, options, |_| {}).unwrap())
+        .collect();
+    let tokenizer = tokenizer(dir);
+    let mut model = in_memory(dir, 256, 256);
+    let config = BatchConfig {
+        prefill_chunk: 7,
+        ..BatchConfig::for_model(&model, config_batch)
+    };
+    let mut streamed = vec![String::new(); prompts.len()];
+    let batched = generate_batch(
+        &mut model,
+        &tokenizer,
+        prompts,
+        options,
+        config,
+        |i, piece| streamed[i].push_str(piece),
+    )
+    .unwrap();
+    for (i, (b, a)) in batched.iter().zip(&alone).enumerate() {
+        println!("prompt {i}: {:?} ({:?})", b.text, b.finish_reason);
+        assert_eq!(b.tokens, a.tokens, "prompt {i}");
+        assert_eq!(b.text, a.text, "prompt {i}");
+        assert_eq!(streamed[i], a.text, "prompt {i} streamed");
+        assert_eq!(b.finish_reason, a.finish_reason, "prompt {i}");
+        assert_eq!(b.prompt_tokens, prompts[i]);
+    }
+}
+
+#[test]
+fn generate_batch_equals_session_on_a_synthetic_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("text");
+    synth_model(&dir, DType::Q4_1, true);
+    let vocab = 512;
+    let prompts: Vec<Vec<u32>> = [2usize, 17, 5, 30, 1]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| prompt(i as u32 + 20, n, vocab))
+        .collect();
+    batch_equals_session(&dir, &prompts, &greedy_options(10), 3);
+    // Seeded sampling too: each sequence has its own sampler with the same seed.
+    let sampled = GenerateOptions {
+        sampler: SamplerConfig {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplerConfig::greedy()
+        },
+        ..greedy_options(10)
+    };
+    batch_equals_session(&dir, &prompts, &sampled, 5);
+}
+
+#[test]
+fn smollm2_batch_equals_each_prompt_alone() {
+    let Some(dir) = common::model_dir() else {
+        return;
+    };
+    let dir: PathBuf = dir;
+    let golden = common::golden();
+    let tokenizer = tokenizer(&dir);
+    let mut prompts: Vec<Vec<u32>> = golden["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| common::ids(&c["input_ids"]))
+        .collect();
+    prompts.push(
+        tokenizer
+            .encode("Once upon a time, in a land far away,")
+            .unwrap(),
+    );
+    prompts.push(tokenizer.encode("1, 2, 3,").unwrap());
+    let options = GenerateOptions {
+        stop: vec!["\n\n".into()],
+        ..greedy_options(16)
+    };
+    batch_equals_session(&dir, &prompts, &options, 4);
+}
