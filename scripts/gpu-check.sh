@@ -202,13 +202,11 @@ if has batch; then
     python3 - "$j" >>"$WORK_DIR/lines" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
-rows = d.get("batches") or d.get("batch") or []
-base = None
+rows = d["batch"]
+base = next((r["mean"] for r in rows if r["batch"] == 1), None)
 for r in rows:
-    agg = r.get("aggregate_tok_per_s") or r.get("aggregate", {}).get("tok_per_s")
-    b = r.get("batch") or r.get("batch_size")
-    base = base or agg
-    print(f"7b f16 streamed 4GiB batch {b}: {agg:.3f} tok/s aggregate ({agg/base:.1f}x batch 1), {r.get('bytes_per_token', r.get('streamed_bytes_per_token', 0))/1e9:.2f} GB streamed per generated token")
+    x = f"{r['mean']/base:.1f}x batch 1" if base else "no batch 1"
+    print(f"7b f16 streamed 4GiB batch {r['batch']}: {r['mean']:.3f} tok/s aggregate ({x}), {r['per_seq_tok_per_s']:.3f} per sequence, {r['bytes_per_token']/1e9:.3f} GB streamed per generated token")
 PY
     tail -n 3 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
   else
@@ -221,8 +219,8 @@ if has serve; then
   model="$WORK_DIR/llama7b-${SERVE_DTYPE:-q4_1}"
   [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "${SERVE_DTYPE:-q4_1}" "$model" >&2 || status=1
   step "gdsllm serve --device cuda on 7b ${SERVE_DTYPE:-q4_1}, --vram-budget 4GiB"
-  "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 512 \
-      --max-batch "${SERVE_MAX_BATCH:-32}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
+  "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 256 \
+      --max-batch "${SERVE_MAX_BATCH:-8}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
   spid=$!
   url=""
   for _ in $(seq 1 120); do

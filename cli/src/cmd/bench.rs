@@ -84,7 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 args.model.as_deref(),
                 &args.residency,
                 context,
-                most + DEFAULT_PREFILL_CHUNK,
+                most,
                 ordinal,
                 io,
             )?;
@@ -248,11 +248,11 @@ fn batch_sizes(list: &[u64]) -> Vec<usize> {
 
 /// The context for a batched run of up to `most` sequences: room for a prompt, the tokens
 /// sampled while the other prompts are still being prefilled (one per prefill step, with the
-/// default chunk) and the timed decode steps; and at least `most` rows plus a chunk, which a
-/// model whose pass holds `context` rows (the CUDA one) needs to keep the default chunk.
+/// default chunk) and the timed decode steps. (Both loaders size a batch's pass, `most` rows
+/// plus a chunk, apart from the context, so a 7B model's KV caches stay small.)
 fn batch_context(n_prompt: usize, n_gen: usize, most: usize) -> usize {
     let prefill_steps = (most * n_prompt.max(1)).div_ceil(DEFAULT_PREFILL_CHUNK);
-    (n_prompt + n_gen + prefill_steps + 2).max(most + DEFAULT_PREFILL_CHUNK)
+    n_prompt + n_gen + prefill_steps + 2
 }
 
 /// One batch size's results.

@@ -704,6 +704,11 @@ impl Backend for CudaBackend {
         }
     }
 
+    /// The KV cache is f16 (see `alloc_kv`).
+    fn kv_value_bytes(&self) -> usize {
+        2
+    }
+
     /// The KV cache is f16 on the device: half the memory and bandwidth of f32.
     fn alloc_kv(&self, len: usize) -> CudaBuf {
         match self.stream.alloc_zeros::<u16>(len.max(1)) {
