@@ -228,7 +228,12 @@ pub fn convert(
             path: out.to_path_buf(),
         });
     }
+    let started = std::time::Instant::now();
     let source = open_source(input)?;
+    tracing::debug!(
+        "source opened in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     if !exists {
         return write_model(&source, out, options.dtype, progress);
     }
@@ -270,6 +275,7 @@ pub fn write_model(
     dtype: TargetDType,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, ConvertError> {
+    let started = std::time::Instant::now();
     let mut writer = ModelWriter::create(out)?;
     progress.start(source.total_bytes());
     let mut raw = Vec::new();
@@ -316,6 +322,11 @@ pub fn write_model(
         }
         blob_writer.finish()?;
     }
+    tracing::debug!(
+        "blobs written in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    let started = std::time::Instant::now();
     writer.add_file(TOKENIZER_FILE, &source.tokenizer_json)?;
     let chat_template = match &source.chat_template {
         Some(template) => {
@@ -334,6 +345,10 @@ pub fn write_model(
         chat_template,
         provenance,
     )?;
+    tracing::debug!(
+        "side files and finish in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     progress.finish();
     Ok(ConvertReport {
         out: out.to_path_buf(),

@@ -144,7 +144,12 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
 
 /// Opens a GGUF file as a conversion source.
 pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
+    let started = std::time::Instant::now();
     let gguf = GgufFile::open(path)?;
+    tracing::debug!(
+        "gguf header parsed in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     let config = config_from_gguf(&gguf)?;
 
     let mut used = std::collections::HashSet::new();
@@ -178,7 +183,12 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
         });
     }
 
+    let started = std::time::Instant::now();
     let tokenizer_json = tokenizer_json_from_gguf(&gguf)?.into_bytes();
+    tracing::debug!(
+        "tokenizer.json built in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     let chat_template = gguf.opt_str("tokenizer.chat_template")?.map(str::to_string);
     let mut source = Map::new();
     source.insert("format".into(), Value::String("gguf".into()));

@@ -142,6 +142,8 @@ impl ModelWriter {
         chat_template: Option<ChatTemplateRef>,
         source: serde_json::Map<String, serde_json::Value>,
     ) -> Result<Model, FormatError> {
+        let started = std::time::Instant::now();
+        let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
         let n_layers = config.n_layers;
         let mut blobs = std::mem::take(&mut self.blobs);
         blobs.sort_by_key(|b| layout::blob_kind(&b.file).map(|k| blob_sort_key(k, n_layers)));
@@ -167,7 +169,11 @@ impl ModelWriter {
         );
         std::fs::write(&sum_path, sum).map_err(|e| FormatError::io(&sum_path, e))?;
 
+        tracing::debug!("metadata.json written in {:.1} ms", ms(started));
+        let started = std::time::Instant::now();
         let staged = Model::open(&self.temp)?;
+        tracing::debug!("staged model validated in {:.1} ms", ms(started));
+        let started = std::time::Instant::now();
 
         let paths: Vec<PathBuf> = self
             .files
@@ -178,6 +184,8 @@ impl ModelWriter {
             .collect();
         sync_files(&paths)?;
         sync_dir(&self.temp)?;
+        tracing::debug!("{} files synced in {:.1} ms", paths.len(), ms(started));
+        let started = std::time::Instant::now();
         // rename(2) silently replaces an empty directory; refuse that as `create` did.
         if self.out.symlink_metadata().is_ok() {
             return Err(FormatError::OutputExists {
@@ -188,6 +196,7 @@ impl ModelWriter {
         self.finished = true;
         let parent = self.temp.parent().unwrap_or(Path::new("."));
         sync_dir(parent)?;
+        tracing::debug!("renamed into place in {:.1} ms", ms(started));
         Ok(staged.moved_to(self.out.clone()))
     }
 }
