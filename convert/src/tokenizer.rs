@@ -1,10 +1,13 @@
 //! Building a Hugging Face `tokenizer.json` from GGUF tokenizer metadata, and finding chat
 //! templates.
 //!
-//! The JSON is assembled with `serde_json` (whose maps are sorted, so the output is
-//! deterministic); it is checked by loading it with the `tokenizers` crate in the tests.
+//! The JSON is written with `serde_json`, every object's keys in sorted order, so the output is
+//! deterministic; it is checked by loading it with the `tokenizers` crate in the tests.
 
-use serde_json::{Map, Value, json};
+use std::collections::HashMap;
+
+use serde::{Serialize, Serializer};
+use serde_json::{Value, json};
 
 use crate::gguf::{GgufError, GgufFile};
 
@@ -70,12 +73,13 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
     }
     let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
 
-    let mut vocab = Map::new();
-    for (id, token) in tokens.iter().enumerate() {
-        if let Some(first) = vocab.insert(token.to_string(), json!(id)) {
-            // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only
-            // map a string to one id, so keep the first like Hugging Face does.
-            let first = first.as_u64().unwrap_or(0) as usize;
+    // First id of every token string. A few GGUF vocabularies repeat unused placeholder
+    // pieces; the tokenizer can only map a string to one id, so keep the first like Hugging
+    // Face does.
+    let mut first_id: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+    for (id, &token) in tokens.iter().enumerate() {
+        if let Some(&first) = first_id.get(token) {
+            let first = first as usize;
             if type_of(id) == 1 && type_of(first) == 1 {
                 return Err(TokenizerError::DuplicateToken {
                     path,
@@ -84,9 +88,12 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
                     second: id,
                 });
             }
-            vocab.insert(token.to_string(), json!(first));
+        } else {
+            first_id.insert(token, id as u32);
         }
     }
+    let mut vocab: Vec<(&str, u32)> = first_id.iter().map(|(&t, &id)| (t, id)).collect();
+    vocab.sort_unstable_by(|a, b| a.0.cmp(b.0));
 
     let added_tokens: Vec<Value> = tokens
         .iter()
@@ -156,18 +163,18 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
                 "trim_offsets": true,
                 "use_regex": true,
             });
-            let model_json = json!({
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": null,
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": false,
-                "byte_fallback": false,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges,
-            });
+            let model_json = BpeModel {
+                byte_fallback: false,
+                continuing_subword_prefix: None,
+                dropout: None,
+                end_of_word_suffix: None,
+                fuse_unk: false,
+                ignore_merges: false,
+                merges: Merges::Joined(merges),
+                kind: "BPE",
+                unk_token: None,
+                vocab: Vocab(vocab),
+            };
             (pre_tokenizer, decoder, model_json)
         }
         "llama" => {
@@ -183,14 +190,14 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
                 });
             }
             let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
-            let merges = merges_from_scores(&tokens, &scores, &vocab);
+            let merges = merges_from_scores(&tokens, &scores, &first_id);
             let unk = (0..tokens.len())
                 .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
                 .or(gguf
                     .opt_u32("tokenizer.ggml.unknown_token_id")?
                     .map(|u| u as usize))
                 .and_then(|id| tokens.get(id))
-                .map(|t| t.to_string());
+                .copied();
             let pre_tokenizer = json!({
                 "type": "Metaspace",
                 "replacement": "\u{2581}",
@@ -206,18 +213,18 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
                     {"type": "Strip", "content": " ", "start": 1, "stop": 0},
                 ],
             });
-            let model_json = json!({
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": unk,
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": true,
-                "byte_fallback": true,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges,
-            });
+            let model_json = BpeModel {
+                byte_fallback: true,
+                continuing_subword_prefix: None,
+                dropout: None,
+                end_of_word_suffix: None,
+                fuse_unk: true,
+                ignore_merges: false,
+                merges: Merges::Pairs(merges),
+                kind: "BPE",
+                unk_token: unk,
+                vocab: Vocab(vocab),
+            };
             (pre_tokenizer, decoder, model_json)
         }
         other => {
@@ -228,41 +235,91 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
         }
     };
 
-    let tokenizer = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_tokens,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
-        "decoder": decoder,
-        "model": model_json,
-    });
-    Ok(serde_json::to_string(&tokenizer).expect("a serde_json::Value always serialises"))
+    let tokenizer = TokenizerJson {
+        added_tokens,
+        decoder,
+        model: model_json,
+        normalizer: None,
+        padding: None,
+        post_processor: None,
+        pre_tokenizer,
+        truncation: None,
+        version: "1.0",
+    };
+    Ok(serde_json::to_string(&tokenizer).expect("the tokenizer always serialises"))
+}
+
+// The structs below serialize exactly like the `serde_json::Value` objects they stand for, whose
+// keys are sorted: their fields must stay in sorted key order (a test re-sorts the output and
+// compares). They exist so that the 50k-entry vocabulary and merge list are written straight
+// from the GGUF strings instead of being copied into a tree of `Value`s first.
+
+#[derive(Serialize)]
+struct TokenizerJson<'a> {
+    added_tokens: Vec<Value>,
+    decoder: Value,
+    model: BpeModel<'a>,
+    normalizer: Option<()>,
+    padding: Option<()>,
+    post_processor: Option<()>,
+    pre_tokenizer: Value,
+    truncation: Option<()>,
+    version: &'static str,
+}
+
+#[derive(Serialize)]
+struct BpeModel<'a> {
+    byte_fallback: bool,
+    continuing_subword_prefix: Option<()>,
+    dropout: Option<()>,
+    end_of_word_suffix: Option<()>,
+    fuse_unk: bool,
+    ignore_merges: bool,
+    merges: Merges<'a>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    unk_token: Option<&'a str>,
+    vocab: Vocab<'a>,
+}
+
+/// Token → id, sorted by token.
+struct Vocab<'a>(Vec<(&'a str, u32)>);
+
+impl Serialize for Vocab<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|&(token, id)| (token, id)))
+    }
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Merges<'a> {
+    /// GGUF's `"left right"` strings, as they are.
+    Joined(Vec<&'a str>),
+    /// `[left, right]` pairs.
+    Pairs(Vec<[&'a str; 2]>),
 }
 
 /// SentencePiece BPE has no merge list, only a score per piece. The merges are every split of
 /// a piece into two pieces that are both in the vocabulary, ranked by the score of the merged
 /// piece (higher first), ties broken by the ids of the parts: the rule Hugging Face's
 /// `SentencePieceExtractor` uses, so the result matches their converted tokenizers.
-fn merges_from_scores(tokens: &[&str], scores: &[f32], vocab: &Map<String, Value>) -> Vec<Value> {
-    let id_of = |s: &str| vocab.get(s).and_then(Value::as_u64);
-    let mut merges: Vec<(f32, u64, u64, String, String)> = Vec::new();
-    for (token, &score) in tokens.iter().zip(scores) {
-        let boundaries: Vec<usize> = token.char_indices().map(|(i, _)| i).skip(1).collect();
-        for cut in boundaries {
+fn merges_from_scores<'a>(
+    tokens: &[&'a str],
+    scores: &[f32],
+    first_id: &HashMap<&str, u32>,
+) -> Vec<[&'a str; 2]> {
+    let mut merges: Vec<(f32, u32, u32, [&'a str; 2])> = Vec::new();
+    for (&token, &score) in tokens.iter().zip(scores) {
+        for (cut, _) in token.char_indices().skip(1) {
             let (left, right) = token.split_at(cut);
-            if let (Some(l), Some(r)) = (id_of(left), id_of(right)) {
-                merges.push((score, l, r, left.to_string(), right.to_string()));
+            if let (Some(&l), Some(&r)) = (first_id.get(left), first_id.get(right)) {
+                merges.push((score, l, r, [left, right]));
             }
         }
     }
     merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    merges
-        .into_iter()
-        .map(|(_, _, _, l, r)| json!([l, r]))
-        .collect()
+    merges.into_iter().map(|(_, _, _, pair)| pair).collect()
 }
 
 /// The chat template of a `tokenizer_config.json`: either a string, or a list of

@@ -63,6 +63,9 @@ fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     let path = tmp.path().join("spm.gguf");
     b.write_to(&path).unwrap();
     let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    // Written as `serde_json` writes a `Value`: every object's keys sorted.
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(serde_json::to_string(&value).unwrap(), json);
     let tokenizer: Tokenizer = json.parse().unwrap();
 
     let enc = tokenizer.encode("hello world", false).unwrap();
