@@ -285,6 +285,27 @@ pub fn write_model(
         let mut blob_writer = writer.begin_blob(&blob.file)?;
         for t in &blob.tensors {
             let (path, file) = &source.files[t.file];
+            let target = match dtype.dtype() {
+                // Norms and other vectors stay f32 whatever the matrices become.
+                Some(_) if t.shape.len() == 1 => DType::F32,
+                Some(d) => d,
+                None => t.dtype,
+            };
+            if target == t.dtype && t.unpermute_heads.is_none() {
+                // Bit for bit: read straight into the writer's staging buffer.
+                let mut tensor = blob_writer.begin_tensor(&t.name, target, &t.shape)?;
+                let mut offset = t.offset;
+                tensor.fill_with(|piece| {
+                    file.read_exact_at(piece, offset)
+                        .map_err(|e| ConvertError::io(path, e))?;
+                    offset += piece.len() as u64;
+                    Ok::<(), ConvertError>(())
+                })?;
+                tensor.finish()?;
+                tensors += 1;
+                progress.advance(t.length);
+                continue;
+            }
             raw.resize(t.length as usize, 0);
             file.read_exact_at(&mut raw, t.offset)
                 .map_err(|e| ConvertError::io(path, e))?;
@@ -300,12 +321,6 @@ pub fn write_model(
                 std::mem::swap(&mut raw, &mut converted);
                 data = &raw;
             }
-            let target = match dtype.dtype() {
-                // Norms and other vectors stay f32 whatever the matrices become.
-                Some(_) if t.shape.len() == 1 => DType::F32,
-                Some(d) => d,
-                None => t.dtype,
-            };
             if target != t.dtype {
                 reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
                     ConvertError::BadTensor {
