@@ -421,10 +421,11 @@ impl<'m> BlobWriter<'m> {
     }
 }
 
-/// Bytes per disk write: large enough to keep the disk busy, a multiple of [`ALIGNMENT`].
-const CHUNK: usize = 8 << 20;
+/// Bytes per disk write, a multiple of [`ALIGNMENT`]. With writes overlapping the reads, 2 MiB
+/// keeps the disk as busy as 8 MiB did, starts it sooner and touches less fresh memory.
+const CHUNK: usize = 2 << 20;
 /// Staging buffers: one being filled while the others wait for or are in a disk write.
-const STAGES: usize = 3;
+const STAGES: usize = 4;
 
 /// A [`CHUNK`]-byte buffer starting at a 4 KiB boundary, as O_DIRECT requires.
 struct Stage {
@@ -757,7 +758,7 @@ impl TensorWriter<'_, '_> {
     }
 
     /// Produces the rest of the tensor in place: `fill` is handed successive pieces of the
-    /// staging buffer (at most 8 MiB each, in order) and must fill each one completely, for
+    /// staging buffer (at most 2 MiB each, in order) and must fill each one completely, for
     /// example with a positioned read from the source file, so the bytes are not copied again.
     /// An error from `fill` makes the blob unusable and is returned as it is.
     pub fn fill_with<E: From<FormatError>>(
