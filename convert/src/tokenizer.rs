@@ -52,201 +52,265 @@ pub enum TokenizerError {
 /// BOS is never added by the post-processor: whether to prepend it is recorded in the model
 /// config (`add_bos_token`), so that a prompt never gets it twice.
 pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerError> {
-    let path = gguf.path().display().to_string();
-    let model = gguf.require_str("tokenizer.ggml.model")?;
-    let tokens = gguf
-        .opt_str_array("tokenizer.ggml.tokens")?
-        .ok_or_else(|| GgufError::MissingKey {
-            path: gguf.path().to_path_buf(),
-            key: "tokenizer.ggml.tokens".into(),
-        })?;
-    let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
-    if let Some(types) = &token_types
-        && types.len() != tokens.len()
-    {
-        return Err(TokenizerError::LengthMismatch {
-            path,
-            key: "tokenizer.ggml.token_type",
-            found: types.len(),
-            tokens: tokens.len(),
-        });
-    }
-    let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
+    Ok(GgufTokenizer::from_gguf(gguf)?.to_json())
+}
 
-    // First id of every token string. A few GGUF vocabularies repeat unused placeholder
-    // pieces; the tokenizer can only map a string to one id, so keep the first like Hugging
-    // Face does.
-    let mut first_id: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
-    for (id, &token) in tokens.iter().enumerate() {
-        if let Some(&first) = first_id.get(token) {
-            let first = first as usize;
-            if type_of(id) == 1 && type_of(first) == 1 {
-                return Err(TokenizerError::DuplicateToken {
-                    path,
-                    token: token.to_string(),
-                    first,
-                    second: id,
-                });
-            }
-        } else {
-            first_id.insert(token, id as u32);
+/// A GGUF tokenizer whose metadata has been checked: [`GgufTokenizer::to_json`] cannot fail.
+/// Checking is the cheap part, so a converter can refuse a bad tokenizer before writing
+/// anything and build the JSON while the weights are being written.
+pub struct GgufTokenizer<'g> {
+    tokens: Vec<&'g str>,
+    token_types: Option<Vec<i64>>,
+    /// First id of every token string.
+    first_id: HashMap<&'g str, u32>,
+    model: TokenizerModel<'g>,
+}
+
+enum TokenizerModel<'g> {
+    /// Byte-level BPE with its merge list (`"left right"` strings).
+    Gpt2 {
+        merges: Vec<&'g str>,
+        pre: PreTokenizer,
+    },
+    /// SentencePiece pieces with scores, turned into byte-fallback BPE.
+    Llama {
+        scores: Vec<f32>,
+        unk: Option<&'g str>,
+    },
+}
+
+enum PreTokenizer {
+    /// `smollm`: digits split one by one, then GPT-2 byte level.
+    Smollm,
+    /// `gpt2`, `default`: GPT-2 byte level.
+    Gpt2,
+    /// `llama-bpe`, `llama3`: Llama 3's split regex, then byte level without its regex.
+    Llama3,
+}
+
+impl<'g> GgufTokenizer<'g> {
+    /// Reads and checks the `tokenizer.ggml.*` keys.
+    pub fn from_gguf(gguf: &'g GgufFile) -> Result<GgufTokenizer<'g>, TokenizerError> {
+        let path = gguf.path().display().to_string();
+        let model = gguf.require_str("tokenizer.ggml.model")?;
+        let tokens = gguf
+            .opt_str_array("tokenizer.ggml.tokens")?
+            .ok_or_else(|| GgufError::MissingKey {
+                path: gguf.path().to_path_buf(),
+                key: "tokenizer.ggml.tokens".into(),
+            })?;
+        let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
+        if let Some(types) = &token_types
+            && types.len() != tokens.len()
+        {
+            return Err(TokenizerError::LengthMismatch {
+                path,
+                key: "tokenizer.ggml.token_type",
+                found: types.len(),
+                tokens: tokens.len(),
+            });
         }
-    }
-    let mut vocab: Vec<(&str, u32)> = first_id.iter().map(|(&t, &id)| (t, id)).collect();
-    vocab.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
 
-    let added_tokens: Vec<Value> = tokens
-        .iter()
-        .enumerate()
-        .filter(|&(id, _)| matches!(type_of(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
-        .map(|(id, content)| {
-            json!({
-                "id": id,
-                "content": content,
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": true,
-            })
-        })
-        .collect();
-
-    let (pre_tokenizer, decoder, model_json) = match model {
-        "gpt2" => {
-            let merges = gguf
-                .opt_str_array("tokenizer.ggml.merges")?
-                .ok_or_else(|| GgufError::MissingKey {
-                    path: gguf.path().to_path_buf(),
-                    key: "tokenizer.ggml.merges".into(),
-                })?;
-            let pre = gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
-            let byte_level = |use_regex: bool| {
-                json!({
-                    "type": "ByteLevel",
-                    "add_prefix_space": false,
-                    "trim_offsets": true,
-                    "use_regex": use_regex,
-                })
-            };
-            let pre_tokenizer = match pre {
-                "smollm" => json!({
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {"type": "Digits", "individual_digits": true},
-                        byte_level(true),
-                    ],
-                }),
-                "gpt2" | "default" => byte_level(true),
-                "llama-bpe" | "llama3" => json!({
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {
-                            "type": "Split",
-                            "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
-                            "behavior": "Isolated",
-                            "invert": false,
-                        },
-                        byte_level(false),
-                    ],
-                }),
-                other => {
-                    return Err(TokenizerError::UnsupportedPreTokenizer {
+        // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only map
+        // a string to one id, so keep the first like Hugging Face does.
+        let mut first_id: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
+        for (id, &token) in tokens.iter().enumerate() {
+            if let Some(&first) = first_id.get(token) {
+                let first = first as usize;
+                if type_of(id) == 1 && type_of(first) == 1 {
+                    return Err(TokenizerError::DuplicateToken {
                         path,
-                        pre: other.to_string(),
+                        token: token.to_string(),
+                        first,
+                        second: id,
                     });
                 }
-            };
-            let decoder = json!({
-                "type": "ByteLevel",
-                "add_prefix_space": true,
-                "trim_offsets": true,
-                "use_regex": true,
-            });
-            let model_json = BpeModel {
-                byte_fallback: false,
-                continuing_subword_prefix: None,
-                dropout: None,
-                end_of_word_suffix: None,
-                fuse_unk: false,
-                ignore_merges: false,
-                merges: Merges::Joined(merges),
-                kind: "BPE",
-                unk_token: None,
-                vocab: Vocab(vocab),
-            };
-            (pre_tokenizer, decoder, model_json)
+            } else {
+                first_id.insert(token, id as u32);
+            }
         }
-        "llama" => {
-            let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
-            if let Some(s) = &scores
-                && s.len() != tokens.len()
-            {
-                return Err(TokenizerError::LengthMismatch {
+
+        let model = match model {
+            "gpt2" => {
+                let merges = gguf
+                    .opt_str_array("tokenizer.ggml.merges")?
+                    .ok_or_else(|| GgufError::MissingKey {
+                        path: gguf.path().to_path_buf(),
+                        key: "tokenizer.ggml.merges".into(),
+                    })?;
+                let pre = match gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default") {
+                    "smollm" => PreTokenizer::Smollm,
+                    "gpt2" | "default" => PreTokenizer::Gpt2,
+                    "llama-bpe" | "llama3" => PreTokenizer::Llama3,
+                    other => {
+                        return Err(TokenizerError::UnsupportedPreTokenizer {
+                            path,
+                            pre: other.to_string(),
+                        });
+                    }
+                };
+                TokenizerModel::Gpt2 { merges, pre }
+            }
+            "llama" => {
+                let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
+                if let Some(s) = &scores
+                    && s.len() != tokens.len()
+                {
+                    return Err(TokenizerError::LengthMismatch {
+                        path,
+                        key: "tokenizer.ggml.scores",
+                        found: s.len(),
+                        tokens: tokens.len(),
+                    });
+                }
+                let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
+                let unk = (0..tokens.len())
+                    .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
+                    .or(gguf
+                        .opt_u32("tokenizer.ggml.unknown_token_id")?
+                        .map(|u| u as usize))
+                    .and_then(|id| tokens.get(id))
+                    .copied();
+                TokenizerModel::Llama { scores, unk }
+            }
+            other => {
+                return Err(TokenizerError::UnsupportedModel {
                     path,
-                    key: "tokenizer.ggml.scores",
-                    found: s.len(),
-                    tokens: tokens.len(),
+                    model: other.to_string(),
                 });
             }
-            let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
-            let merges = merges_from_scores(&tokens, &scores, &first_id);
-            let unk = (0..tokens.len())
-                .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
-                .or(gguf
-                    .opt_u32("tokenizer.ggml.unknown_token_id")?
-                    .map(|u| u as usize))
-                .and_then(|id| tokens.get(id))
-                .copied();
-            let pre_tokenizer = json!({
-                "type": "Metaspace",
-                "replacement": "\u{2581}",
-                "prepend_scheme": "first",
-                "split": false,
-            });
-            let decoder = json!({
-                "type": "Sequence",
-                "decoders": [
-                    {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                    {"type": "ByteFallback"},
-                    {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-                ],
-            });
-            let model_json = BpeModel {
-                byte_fallback: true,
-                continuing_subword_prefix: None,
-                dropout: None,
-                end_of_word_suffix: None,
-                fuse_unk: true,
-                ignore_merges: false,
-                merges: Merges::Pairs(merges),
-                kind: "BPE",
-                unk_token: unk,
-                vocab: Vocab(vocab),
-            };
-            (pre_tokenizer, decoder, model_json)
-        }
-        other => {
-            return Err(TokenizerError::UnsupportedModel {
-                path,
-                model: other.to_string(),
-            });
-        }
-    };
+        };
+        Ok(GgufTokenizer {
+            tokens,
+            token_types,
+            first_id,
+            model,
+        })
+    }
 
-    let tokenizer = TokenizerJson {
-        added_tokens,
-        decoder,
-        model: model_json,
-        normalizer: None,
-        padding: None,
-        post_processor: None,
-        pre_tokenizer,
-        truncation: None,
-        version: "1.0",
-    };
-    Ok(serde_json::to_string(&tokenizer).expect("the tokenizer always serialises"))
+    /// The text of `tokenizer.json`.
+    pub fn to_json(&self) -> String {
+        let type_of = |id: usize| self.token_types.as_ref().map_or(1, |t| t[id]);
+        let mut vocab: Vec<(&str, u32)> = self.first_id.iter().map(|(&t, &id)| (t, id)).collect();
+        vocab.sort_unstable_by(|a, b| a.0.cmp(b.0));
+
+        let added_tokens: Vec<Value> = self
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|&(id, _)| matches!(type_of(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+            .map(|(id, content)| {
+                json!({
+                    "id": id,
+                    "content": content,
+                    "single_word": false,
+                    "lstrip": false,
+                    "rstrip": false,
+                    "normalized": false,
+                    "special": true,
+                })
+            })
+            .collect();
+
+        let (pre_tokenizer, decoder, model) = match &self.model {
+            TokenizerModel::Gpt2 { merges, pre } => {
+                let byte_level = |use_regex: bool| {
+                    json!({
+                        "type": "ByteLevel",
+                        "add_prefix_space": false,
+                        "trim_offsets": true,
+                        "use_regex": use_regex,
+                    })
+                };
+                let pre_tokenizer = match pre {
+                    PreTokenizer::Smollm => json!({
+                        "type": "Sequence",
+                        "pretokenizers": [
+                            {"type": "Digits", "individual_digits": true},
+                            byte_level(true),
+                        ],
+                    }),
+                    PreTokenizer::Gpt2 => byte_level(true),
+                    PreTokenizer::Llama3 => json!({
+                        "type": "Sequence",
+                        "pretokenizers": [
+                            {
+                                "type": "Split",
+                                "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
+                                "behavior": "Isolated",
+                                "invert": false,
+                            },
+                            byte_level(false),
+                        ],
+                    }),
+                };
+                let decoder = json!({
+                    "type": "ByteLevel",
+                    "add_prefix_space": true,
+                    "trim_offsets": true,
+                    "use_regex": true,
+                });
+                let model = BpeModel {
+                    byte_fallback: false,
+                    continuing_subword_prefix: None,
+                    dropout: None,
+                    end_of_word_suffix: None,
+                    fuse_unk: false,
+                    ignore_merges: false,
+                    merges: Merges::Joined(merges),
+                    kind: "BPE",
+                    unk_token: None,
+                    vocab: Vocab(vocab),
+                };
+                (pre_tokenizer, decoder, model)
+            }
+            TokenizerModel::Llama { scores, unk } => {
+                let merges = merges_from_scores(&self.tokens, scores, &self.first_id);
+                let pre_tokenizer = json!({
+                    "type": "Metaspace",
+                    "replacement": "\u{2581}",
+                    "prepend_scheme": "first",
+                    "split": false,
+                });
+                let decoder = json!({
+                    "type": "Sequence",
+                    "decoders": [
+                        {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                        {"type": "ByteFallback"},
+                        {"type": "Fuse"},
+                        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                    ],
+                });
+                let model = BpeModel {
+                    byte_fallback: true,
+                    continuing_subword_prefix: None,
+                    dropout: None,
+                    end_of_word_suffix: None,
+                    fuse_unk: true,
+                    ignore_merges: false,
+                    merges: Merges::Pairs(merges),
+                    kind: "BPE",
+                    unk_token: *unk,
+                    vocab: Vocab(vocab),
+                };
+                (pre_tokenizer, decoder, model)
+            }
+        };
+
+        let tokenizer = TokenizerJson {
+            added_tokens,
+            decoder,
+            model,
+            normalizer: None,
+            padding: None,
+            post_processor: None,
+            pre_tokenizer,
+            truncation: None,
+            version: "1.0",
+        };
+        serde_json::to_string(&tokenizer).expect("the tokenizer always serialises")
+    }
 }
 
 // The structs below serialize exactly like the `serde_json::Value` objects they stand for, whose
@@ -295,7 +359,7 @@ impl Serialize for Vocab<'_> {
 #[serde(untagged)]
 enum Merges<'a> {
     /// GGUF's `"left right"` strings, as they are.
-    Joined(Vec<&'a str>),
+    Joined(&'a [&'a str]),
     /// `[left, right]` pairs.
     Pairs(Vec<[&'a str; 2]>),
 }

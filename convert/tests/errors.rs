@@ -267,6 +267,26 @@ fn missing_keys_and_tensors_are_named() {
 }
 
 #[test]
+fn tokenizer_that_cannot_be_built_fails_the_conversion_and_leaves_nothing() {
+    // tokenizer.json is built while the blobs are written; its error must still stop the
+    // conversion and clean up.
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = TinyLlama::new(2, true).gguf(DType::F32).to_bytes();
+    let key = b"tokenizer.ggml.model";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    let value = at + bytes[at..].windows(4).position(|w| w == b"gpt2").unwrap();
+    let mut renamed = bytes.clone();
+    renamed[value..value + 4].copy_from_slice(b"gpt9");
+    let path = tmp.path().join("badtok.gguf");
+    std::fs::write(&path, &renamed).unwrap();
+    let msg = convert_err(&path, &tmp.path().join("out"));
+    assert!(
+        msg.contains("badtok.gguf") && msg.contains("\"gpt9\" is not supported"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn unwritable_output_is_named_and_existing_output_is_kept() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("tiny.gguf");
