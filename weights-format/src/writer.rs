@@ -463,6 +463,8 @@ struct WriteJob {
 struct WriteDone {
     stage: Stage,
     result: Result<(), (Arc<Path>, std::io::Error)>,
+    /// How long the write took.
+    busy: std::time::Duration,
 }
 
 /// The blob write thread and the staging buffers shared by all blobs of a model. Writes are
@@ -476,6 +478,11 @@ struct WritePipeline {
     free: Vec<Stage>,
     allocated: usize,
     in_flight: usize,
+    /// For the debug log: writes done, time spent in them, and time the producer waited for
+    /// a free buffer (high when the disk is the bottleneck).
+    writes: usize,
+    write_busy: std::time::Duration,
+    waited: std::time::Duration,
     /// The first failed write, reported once in full and then by name.
     failed: Option<String>,
     unreported: Option<FormatError>,
@@ -502,7 +509,9 @@ impl WritePipeline {
             self.allocated += 1;
             return Ok(Stage::new());
         }
+        let started = std::time::Instant::now();
         self.wait_one()?;
+        self.waited += started.elapsed();
         self.check()?;
         Ok(self.free.pop().expect("a completed write frees its buffer"))
     }
@@ -523,14 +532,17 @@ impl WritePipeline {
                 .name("blob-writer".into())
                 .spawn(move || {
                     for job in job_rx {
+                        let started = std::time::Instant::now();
                         let result = job
                             .file
                             .write_all_at(&job.stage.bytes()[..job.len], job.offset)
                             .map_err(|e| (job.path, e));
+                        let busy = started.elapsed();
                         if done_tx
                             .send(WriteDone {
                                 stage: job.stage,
                                 result,
+                                busy,
                             })
                             .is_err()
                         {
@@ -586,6 +598,8 @@ impl WritePipeline {
 
     fn complete(&mut self, done: WriteDone) {
         self.in_flight -= 1;
+        self.writes += 1;
+        self.write_busy += done.busy;
         self.free.push(done.stage);
         if let Err((path, e)) = done.result
             && self.failed.is_none()
@@ -613,6 +627,12 @@ impl WritePipeline {
         while self.in_flight > 0 {
             self.wait_one()?;
         }
+        tracing::debug!(
+            "{} blob writes took {:.1} ms; waited {:.1} ms for a free staging buffer",
+            self.writes,
+            self.write_busy.as_secs_f64() * 1e3,
+            self.waited.as_secs_f64() * 1e3
+        );
         self.check()
     }
 
