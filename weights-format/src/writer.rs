@@ -257,9 +257,12 @@ fn sync_dir(dir: &Path) -> Result<(), FormatError> {
 
 impl Drop for ModelWriter {
     fn drop(&mut self) {
-        // No write may land after the directory is gone.
-        self.pipeline.shut_down();
-        if !self.finished {
+        if self.finished {
+            // Every write completed in finish(): the idle thread exits on its own.
+            self.pipeline.jobs = None;
+        } else {
+            // No write may land after the directory is gone.
+            self.pipeline.shut_down();
             let _ = std::fs::remove_dir_all(&self.temp);
         }
     }
