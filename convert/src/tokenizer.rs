@@ -61,8 +61,8 @@ pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerErro
 pub struct GgufTokenizer<'g> {
     tokens: Vec<&'g str>,
     token_types: Option<Vec<i64>>,
-    /// First id of every token string.
-    first_id: HashMap<&'g str, u32>,
+    /// Every distinct token string with its first id, sorted by string.
+    vocab: Vec<(&'g str, u32)>,
     model: TokenizerModel<'g>,
 }
 
@@ -113,22 +113,38 @@ impl<'g> GgufTokenizer<'g> {
         let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
 
         // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only map
-        // a string to one id, so keep the first like Hugging Face does.
-        let mut first_id: HashMap<&str, u32> = HashMap::with_capacity(tokens.len());
-        for (id, &token) in tokens.iter().enumerate() {
-            if let Some(&first) = first_id.get(token) {
-                let first = first as usize;
-                if type_of(id) == 1 && type_of(first) == 1 {
-                    return Err(TokenizerError::DuplicateToken {
-                        path,
-                        token: token.to_string(),
-                        first,
-                        second: id,
-                    });
+        // a string to one id, so keep the first like Hugging Face does. Two normal tokens with
+        // the same string are an error; the one reported is the first such repeat in id order.
+        let mut by_token: Vec<(u64, &str, u32)> = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, &t)| (sort_prefix(t), t, id as u32))
+            .collect();
+        // The 8-byte prefix settles most comparisons without comparing whole strings.
+        by_token.sort_unstable_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+        let mut vocab: Vec<(&str, u32)> = Vec::with_capacity(tokens.len());
+        let mut repeat: Option<(usize, usize)> = None;
+        for &(_, token, id) in &by_token {
+            match vocab.last() {
+                Some(&(last, first)) if last == token => {
+                    let (first, id) = (first as usize, id as usize);
+                    if type_of(id) == 1
+                        && type_of(first) == 1
+                        && repeat.is_none_or(|(_, second)| id < second)
+                    {
+                        repeat = Some((first, id));
+                    }
                 }
-            } else {
-                first_id.insert(token, id as u32);
+                _ => vocab.push((token, id)),
             }
+        }
+        if let Some((first, second)) = repeat {
+            return Err(TokenizerError::DuplicateToken {
+                path,
+                token: tokens[second].to_string(),
+                first,
+                second,
+            });
         }
 
         let model = match model {
@@ -184,7 +200,7 @@ impl<'g> GgufTokenizer<'g> {
         Ok(GgufTokenizer {
             tokens,
             token_types,
-            first_id,
+            vocab,
             model,
         })
     }
@@ -192,8 +208,7 @@ impl<'g> GgufTokenizer<'g> {
     /// The text of `tokenizer.json`.
     pub fn to_json(&self) -> String {
         let type_of = |id: usize| self.token_types.as_ref().map_or(1, |t| t[id]);
-        let mut vocab: Vec<(&str, u32)> = self.first_id.iter().map(|(&t, &id)| (t, id)).collect();
-        vocab.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let vocab = &self.vocab;
 
         let added_tokens: Vec<Value> = self
             .tokens
@@ -266,7 +281,8 @@ impl<'g> GgufTokenizer<'g> {
                 (pre_tokenizer, decoder, model)
             }
             TokenizerModel::Llama { scores, unk } => {
-                let merges = merges_from_scores(&self.tokens, scores, &self.first_id);
+                let first_id: HashMap<&str, u32> = vocab.iter().copied().collect();
+                let merges = merges_from_scores(&self.tokens, scores, &first_id);
                 let pre_tokenizer = json!({
                     "type": "Metaspace",
                     "replacement": "\u{2581}",
@@ -347,7 +363,7 @@ struct BpeModel<'a> {
 }
 
 /// Token → id, sorted by token.
-struct Vocab<'a>(Vec<(&'a str, u32)>);
+struct Vocab<'a>(&'a [(&'a str, u32)]);
 
 impl Serialize for Vocab<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
@@ -362,6 +378,14 @@ enum Merges<'a> {
     Joined(&'a [&'a str]),
     /// `[left, right]` pairs.
     Pairs(Vec<[&'a str; 2]>),
+}
+
+/// The first 8 bytes of `s`, zero-padded, as a number that orders like the bytes do.
+fn sort_prefix(s: &str) -> u64 {
+    let mut prefix = [0u8; 8];
+    let n = s.len().min(8);
+    prefix[..n].copy_from_slice(&s.as_bytes()[..n]);
+    u64::from_be_bytes(prefix)
 }
 
 /// SentencePiece BPE has no merge list, only a score per piece. The merges are every split of
