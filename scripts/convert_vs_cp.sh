@@ -1,55 +1,57 @@
 #!/usr/bin/env bash
 # Times `gdsllm convert IN OUT` against `cp IN OUT && sync -f OUT` on the same disk, in
-# interleaved pairs (order alternating), as in BENCHMARKS.md's convert section.
+# interleaved rounds (order rotating), as in BENCHMARKS.md's convert section.
 #
 # Usage: scripts/convert_vs_cp.sh IN.gguf [ROUNDS] [SCRATCH_DIR]
-#   GDSLLM=path/to/gdsllm (default target/release/gdsllm), EXTRA="--dtype keep" (convert flags).
+#   GDSLLM=path/to/gdsllm (default target/release/gdsllm)
+#   GDSLLM_OLD=path/to/another/gdsllm: also time that binary in each round (before/after)
+#   EXTRA="--dtype keep": extra convert flags
 # Each run starts with earlier outputs removed and flushed, and the source read once into the
 # page cache; it ends with the output on disk (convert fsyncs every file; cp is followed by
-# `sync -f`). Prints one line per pair and the convert ÷ cp throughput ratio.
+# `sync -f`). Prints one line per round with the convert ÷ cp throughput ratio.
 set -euo pipefail
 
 in=${1:?usage: convert_vs_cp.sh IN.gguf [ROUNDS] [SCRATCH_DIR]}
 rounds=${2:-5}
 scratch=${3:-$(dirname "$in")}
 gdsllm=${GDSLLM:-target/release/gdsllm}
+old=${GDSLLM_OLD:-}
 work=$(mktemp -d "$scratch/.convert-vs-cp.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-prepare() {
+# Prints the seconds one run took.
+time_run() {
     rm -rf "$work/out" "$work/copy"
     sync -f "$work"
     cat "$in" >/dev/null
-}
-
-time_convert() {
-    prepare
     local t0=$EPOCHREALTIME
+    case $1 in
+    cp)
+        cp "$in" "$work/copy"
+        sync -f "$work/copy"
+        ;;
     # shellcheck disable=SC2086
-    "$gdsllm" convert "$in" "$work/out" ${EXTRA:-} >/dev/null
+    new) RUST_LOG=${RUST_LOG:-warn} "$gdsllm" convert "$in" "$work/out" ${EXTRA:-} >/dev/null ;;
+    # shellcheck disable=SC2086
+    old) RUST_LOG=${RUST_LOG:-warn} "$old" convert "$in" "$work/out" ${EXTRA:-} >/dev/null ;;
+    esac
     echo "$EPOCHREALTIME - $t0" | bc -l
 }
 
-time_cp() {
-    prepare
-    local t0=$EPOCHREALTIME
-    cp "$in" "$work/copy"
-    sync -f "$work/copy"
-    echo "$EPOCHREALTIME - $t0" | bc -l
-}
-
-bytes=$(stat -c %s "$in")
-echo "input: $in ($bytes bytes), $rounds pairs, scratch $scratch"
+kinds=(new cp)
+[[ -n $old ]] && kinds=(new old cp)
+echo "input: $in ($(stat -c %s "$in") bytes), $rounds rounds, scratch $scratch"
 for ((i = 0; i < rounds; i++)); do
-    if ((i % 2 == 0)); then
-        c=$(time_convert)
-        p=$(time_cp)
-        order="convert, cp"
-    else
-        p=$(time_cp)
-        c=$(time_convert)
-        order="cp, convert"
+    declare -A took=()
+    line="round $((i + 1)):"
+    for ((k = 0; k < ${#kinds[@]}; k++)); do
+        kind=${kinds[$(((i + k) % ${#kinds[@]}))]}
+        took[$kind]=$(time_run "$kind")
+        line+=$(printf ' %s %.3f s,' "$kind" "${took[$kind]}")
+    done
+    line+=$(printf ' convert/cp throughput %.2f' "$(echo "${took[cp]} / ${took[new]}" | bc -l)")
+    if [[ -n $old ]]; then
+        line+=$(printf ' (old %.2f)' "$(echo "${took[cp]} / ${took[old]}" | bc -l)")
     fi
-    printf 'pair %d (%s): convert %.3f s, cp+sync %.3f s, convert/cp throughput %.2f\n' \
-        "$((i + 1))" "$order" "$c" "$p" "$(echo "$p / $c" | bc -l)"
+    echo "$line, load $(cut -d' ' -f1 /proc/loadavg)"
 done
