@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter, quant};
 
-use crate::gguf::GgufError;
-use crate::tokenizer::TokenizerError;
+use crate::gguf::{GgufError, GgufFile};
+use crate::tokenizer::{GgufTokenizer, TokenizerError};
 
 /// File name of the tokenizer inside a converted model.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -166,7 +166,7 @@ pub struct PlannedBlob {
 #[derive(Debug)]
 pub struct SourceModel {
     pub config: ModelConfig,
-    pub tokenizer_json: Vec<u8>,
+    pub tokenizer: TokenizerSource,
     pub chat_template: Option<String>,
     /// Provenance written into `metadata.json`; contains no absolute paths or times so that
     /// converting twice gives identical bytes.
@@ -174,6 +174,16 @@ pub struct SourceModel {
     pub blobs: Vec<PlannedBlob>,
     /// Input files the tensors are read from, with their paths.
     pub files: Vec<(PathBuf, File)>,
+}
+
+/// Where `tokenizer.json` comes from.
+#[derive(Debug)]
+pub enum TokenizerSource {
+    /// The file as it is (Hugging Face directories ship one).
+    Json(Vec<u8>),
+    /// Built from the metadata of this GGUF file ([`GgufTokenizer`]) while [`write_model`]
+    /// writes the blobs.
+    Gguf(Box<GgufFile>),
 }
 
 impl SourceModel {
@@ -228,7 +238,12 @@ pub fn convert(
             path: out.to_path_buf(),
         });
     }
+    let started = std::time::Instant::now();
     let source = open_source(input)?;
+    tracing::debug!(
+        "source opened in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     if !exists {
         return write_model(&source, out, options.dtype, progress);
     }
@@ -270,53 +285,50 @@ pub fn write_model(
     dtype: TargetDType,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, ConvertError> {
+    let ms = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e3;
+    let started = std::time::Instant::now();
     let mut writer = ModelWriter::create(out)?;
     progress.start(source.total_bytes());
-    let mut raw = Vec::new();
-    let mut converted = Vec::new();
-    let mut tensors = 0;
-    for blob in &source.blobs {
-        let mut blob_writer = writer.begin_blob(&blob.file)?;
-        for t in &blob.tensors {
-            let (path, file) = &source.files[t.file];
-            raw.resize(t.length as usize, 0);
-            file.read_exact_at(&mut raw, t.offset)
-                .map_err(|e| ConvertError::io(path, e))?;
-            let mut data: &[u8] = &raw;
-            if let Some(n_heads) = t.unpermute_heads {
-                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
-                std::mem::swap(&mut raw, &mut converted);
-                data = &raw;
+    // A tokenizer built from GGUF metadata takes tens of milliseconds of CPU, which another
+    // core spends while the blobs stream. It is taken as soon as it is done, so that one that
+    // cannot be built stops the conversion after at most one more blob.
+    let (tensors, built) = std::thread::scope(|scope| {
+        let mut building = match &source.tokenizer {
+            TokenizerSource::Json(_) => None,
+            TokenizerSource::Gguf(gguf) => Some(scope.spawn(move || {
+                let started = std::time::Instant::now();
+                let json = GgufTokenizer::from_gguf(gguf).map(|t| t.to_json());
+                tracing::debug!("tokenizer.json built in {:.1} ms", ms(started));
+                json
+            })),
+        };
+        let join = |thread: std::thread::ScopedJoinHandle<'_, _>| {
+            thread
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        };
+        let mut built = None;
+        let tensors = write_blobs(source, &mut writer, dtype, progress, &mut || {
+            if let Some(thread) = building.take_if(|t| t.is_finished()) {
+                built = Some(join(thread)?);
             }
-            let target = match dtype.dtype() {
-                // Norms and other vectors stay f32 whatever the matrices become.
-                Some(_) if t.shape.len() == 1 => DType::F32,
-                Some(d) => d,
-                None => t.dtype,
-            };
-            if target != t.dtype {
-                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
-                data = &converted;
-            }
-            blob_writer.write_tensor(&t.name, target, &t.shape, data)?;
-            tensors += 1;
-            progress.advance(t.length);
-        }
-        blob_writer.finish()?;
-    }
-    writer.add_file(TOKENIZER_FILE, &source.tokenizer_json)?;
+            Ok(())
+        });
+        let built = match building {
+            Some(thread) => Some(join(thread)),
+            None => built.map(Ok),
+        };
+        (tensors, built)
+    });
+    let tensors = tensors?;
+    tracing::debug!("blobs written in {:.1} ms", ms(started));
+    let started = std::time::Instant::now();
+    let tokenizer_json: std::borrow::Cow<[u8]> = match (&source.tokenizer, built) {
+        (_, Some(built)) => built?.into_bytes().into(),
+        (TokenizerSource::Json(bytes), None) => bytes.into(),
+        (TokenizerSource::Gguf(_), None) => unreachable!("a GGUF tokenizer is always built"),
+    };
+    writer.add_file(TOKENIZER_FILE, &tokenizer_json)?;
     let chat_template = match &source.chat_template {
         Some(template) => {
             writer.add_file(CHAT_TEMPLATE_FILE, template.as_bytes())?;
@@ -334,6 +346,7 @@ pub fn write_model(
         chat_template,
         provenance,
     )?;
+    tracing::debug!("side files and finish in {:.1} ms", ms(started));
     progress.finish();
     Ok(ConvertReport {
         out: out.to_path_buf(),
@@ -342,6 +355,78 @@ pub fn write_model(
         source_bytes: source.total_bytes(),
         written_bytes: model.metadata().blobs.iter().map(|b| b.length).sum(),
     })
+}
+
+/// Streams every planned tensor into `writer`; returns how many were written.
+/// `between_blobs` runs after each blob; an error from it stops the conversion.
+fn write_blobs(
+    source: &SourceModel,
+    writer: &mut ModelWriter,
+    dtype: TargetDType,
+    progress: &dyn Progress,
+    between_blobs: &mut dyn FnMut() -> Result<(), ConvertError>,
+) -> Result<usize, ConvertError> {
+    let mut raw = Vec::new();
+    let mut converted = Vec::new();
+    let mut tensors = 0;
+    for blob in &source.blobs {
+        let mut blob_writer = writer.begin_blob(&blob.file)?;
+        for t in &blob.tensors {
+            let (path, file) = &source.files[t.file];
+            let target = match dtype.dtype() {
+                // Norms and other vectors stay f32 whatever the matrices become.
+                Some(_) if t.shape.len() == 1 => DType::F32,
+                Some(d) => d,
+                None => t.dtype,
+            };
+            if target == t.dtype && t.unpermute_heads.is_none() {
+                // Bit for bit: read straight into the writer's staging buffer.
+                let mut tensor = blob_writer.begin_tensor(&t.name, target, &t.shape)?;
+                let mut offset = t.offset;
+                tensor.fill_with(|piece| {
+                    file.read_exact_at(piece, offset)
+                        .map_err(|e| ConvertError::io(path, e))?;
+                    offset += piece.len() as u64;
+                    Ok::<(), ConvertError>(())
+                })?;
+                tensor.finish()?;
+                tensors += 1;
+                progress.advance(t.length);
+                continue;
+            }
+            raw.resize(t.length as usize, 0);
+            file.read_exact_at(&mut raw, t.offset)
+                .map_err(|e| ConvertError::io(path, e))?;
+            let mut data: &[u8] = &raw;
+            if let Some(n_heads) = t.unpermute_heads {
+                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
+                    ConvertError::BadTensor {
+                        path: path.clone(),
+                        tensor: t.source_name.clone(),
+                        reason,
+                    }
+                })?;
+                std::mem::swap(&mut raw, &mut converted);
+                data = &raw;
+            }
+            if target != t.dtype {
+                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
+                    ConvertError::BadTensor {
+                        path: path.clone(),
+                        tensor: t.source_name.clone(),
+                        reason,
+                    }
+                })?;
+                data = &converted;
+            }
+            blob_writer.write_tensor(&t.name, target, &t.shape, data)?;
+            tensors += 1;
+            progress.advance(t.length);
+        }
+        blob_writer.finish()?;
+        between_blobs()?;
+    }
+    Ok(tensors)
 }
 
 /// Undoes llama.cpp's Q/K row permutation. llama.cpp stored HF row `h*hd + j*hd/2 + i` at

@@ -3,13 +3,17 @@
 //! trusted.
 //!
 //! The header (metadata key/values and tensor infos) is parsed into memory; tensor data is
-//! never loaded wholesale: [`GgufFile::read_tensor`] does one positioned read per tensor.
+//! never loaded wholesale: [`GgufFile::read_tensor`] does one positioned read per tensor. Large
+//! arrays (a tokenizer's ~100k strings) are checked while the header is read but kept as the
+//! file's bytes, and become [`GgufValue`]s only if asked for as such: the typed accessors read
+//! them in place, so opening a file does not allocate a string per token.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::{BufRead, BufReader, Read};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use weights_format::DType;
 
@@ -21,6 +25,8 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 pub const MAX_DIMS: u32 = 4;
 /// Arrays nested deeper than this are refused, so a crafted file cannot exhaust the stack.
 const MAX_ARRAY_NESTING: u32 = 8;
+/// Top-level arrays of scalars or strings with at least this many elements are kept as bytes.
+const RAW_ARRAY_MIN: u64 = 256;
 
 /// Why a GGUF file could not be read. Every variant names the file; most name the byte offset
 /// or the metadata key involved.
@@ -326,10 +332,105 @@ pub struct GgufFile {
     version: u32,
     alignment: u64,
     data_offset: u64,
-    metadata: Vec<(String, GgufValue)>,
+    metadata: Vec<(String, Slot)>,
     key_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
+}
+
+/// A metadata value as kept in memory.
+#[derive(Debug)]
+enum Slot {
+    Parsed(GgufValue),
+    Raw(RawArray),
+}
+
+impl Slot {
+    fn value(&self) -> &GgufValue {
+        match self {
+            Slot::Parsed(v) => v,
+            Slot::Raw(raw) => raw.value(),
+        }
+    }
+}
+
+/// A large array of scalars or strings, kept as encoded in the file (strings with their u64
+/// length prefixes). Checked when the header was read: every string is UTF-8 and every bool
+/// 0 or 1, so reading it cannot fail.
+struct RawArray {
+    elem: GgufValueType,
+    count: usize,
+    bytes: Vec<u8>,
+    value: OnceLock<GgufValue>,
+}
+
+impl std::fmt::Debug for RawArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawArray")
+            .field("elem", &self.elem)
+            .field("count", &self.count)
+            .field("bytes", &self.bytes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RawArray {
+    /// The array as a [`GgufValue`], built on first use.
+    fn value(&self) -> &GgufValue {
+        self.value.get_or_init(|| {
+            let items = match self.elem {
+                GgufValueType::String => self
+                    .strs()
+                    .map(|s| GgufValue::String(s.to_string()))
+                    .collect(),
+                _ => self.scalars().collect(),
+            };
+            GgufValue::Array(self.elem, items)
+        })
+    }
+
+    /// The elements of a string array.
+    fn strs(&self) -> impl Iterator<Item = &str> {
+        debug_assert_eq!(self.elem, GgufValueType::String);
+        let mut rest = self.bytes.as_slice();
+        (0..self.count).map(move |_| {
+            let (len, tail) = rest.split_at(8);
+            let len = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+            let (s, tail) = tail.split_at(len);
+            rest = tail;
+            std::str::from_utf8(s).expect("checked when the header was read")
+        })
+    }
+
+    /// The elements of an array of scalars.
+    fn scalars(&self) -> impl Iterator<Item = GgufValue> {
+        let size = self.elem.min_encoded_len() as usize;
+        self.bytes
+            .chunks_exact(size)
+            .map(|b| decode_scalar(self.elem, b))
+    }
+}
+
+/// A scalar from its `min_encoded_len()` little-endian bytes (a bool byte already checked).
+fn decode_scalar(t: GgufValueType, b: &[u8]) -> GgufValue {
+    use GgufValueType as T;
+    let b8 = || <[u8; 8]>::try_from(b).expect("8 bytes");
+    let b4 = || <[u8; 4]>::try_from(b).expect("4 bytes");
+    let b2 = || <[u8; 2]>::try_from(b).expect("2 bytes");
+    match t {
+        T::U8 => GgufValue::U8(b[0]),
+        T::I8 => GgufValue::I8(b[0] as i8),
+        T::Bool => GgufValue::Bool(b[0] != 0),
+        T::U16 => GgufValue::U16(u16::from_le_bytes(b2())),
+        T::I16 => GgufValue::I16(i16::from_le_bytes(b2())),
+        T::U32 => GgufValue::U32(u32::from_le_bytes(b4())),
+        T::I32 => GgufValue::I32(i32::from_le_bytes(b4())),
+        T::F32 => GgufValue::F32(f32::from_le_bytes(b4())),
+        T::U64 => GgufValue::U64(u64::from_le_bytes(b8())),
+        T::I64 => GgufValue::I64(i64::from_le_bytes(b8())),
+        T::F64 => GgufValue::F64(f64::from_le_bytes(b8())),
+        T::String | T::Array => unreachable!("{t:?} is not a scalar type"),
+    }
 }
 
 /// Sequential reader over the header with every read checked against the file length.
@@ -357,14 +458,20 @@ impl HeaderReader<'_> {
     fn bytes<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Result<[u8; N], GgufError> {
         self.need(N as u64, what)?;
         let mut buf = [0u8; N];
+        self.read_into(&mut buf)?;
+        Ok(buf)
+    }
+
+    /// Fills `buf`; callers have checked with [`HeaderReader::need`] that the file holds it.
+    fn read_into(&mut self, buf: &mut [u8]) -> Result<(), GgufError> {
         self.reader
-            .read_exact(&mut buf)
+            .read_exact(buf)
             .map_err(|source| GgufError::Io {
                 path: self.path.to_path_buf(),
                 error: source,
             })?;
-        self.pos += N as u64;
-        Ok(buf)
+        self.pos += buf.len() as u64;
+        Ok(())
     }
 
     fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, GgufError> {
@@ -381,18 +488,144 @@ impl HeaderReader<'_> {
         self.need(len, what)?;
         let start = self.pos;
         let mut buf = vec![0u8; len as usize];
-        self.reader
-            .read_exact(&mut buf)
-            .map_err(|source| GgufError::Io {
-                path: self.path.to_path_buf(),
-                error: source,
-            })?;
-        self.pos += len;
-        String::from_utf8(buf).map_err(|_| GgufError::Invalid {
+        self.read_into(&mut buf)?;
+        String::from_utf8(buf).map_err(|_| self.not_utf8(start, what))
+    }
+
+    fn not_utf8(&self, offset: u64, what: &dyn Fn() -> String) -> GgufError {
+        GgufError::Invalid {
             path: self.path.to_path_buf(),
-            offset: start,
+            offset,
             what: format!("{} is not valid UTF-8", what()),
+        }
+    }
+
+    /// Reads an array's element type and count, refusing counts the file cannot hold.
+    fn array_header(
+        &mut self,
+        depth: u32,
+        what: &dyn Fn() -> String,
+    ) -> Result<(GgufValueType, u64), GgufError> {
+        let offset = self.pos;
+        if depth >= MAX_ARRAY_NESTING {
+            return Err(self.invalid(
+                offset,
+                format!(
+                    "{}: arrays nested more than {MAX_ARRAY_NESTING} deep",
+                    what()
+                ),
+            ));
+        }
+        let type_id = self.u32(what)?;
+        let elem_type = GgufValueType::from_id(type_id).ok_or_else(|| {
+            self.invalid(offset, format!("{}: array element type {type_id}", what()))
+        })?;
+        let count_offset = self.pos;
+        let count = self.u64(what)?;
+        let min_len = count.checked_mul(elem_type.min_encoded_len());
+        match min_len {
+            Some(n) if n <= self.file_len.saturating_sub(self.pos) => Ok((elem_type, count)),
+            _ => Err(GgufError::Truncated {
+                path: self.path.to_path_buf(),
+                offset: count_offset,
+                needed: min_len.unwrap_or(u64::MAX),
+                file_len: self.file_len,
+                what: format!("{} (array of {count} {elem_type:?})", what()),
+            }),
+        }
+    }
+
+    /// Reads the elements of an array of scalars or strings as they are encoded, checking
+    /// them exactly as [`HeaderReader::value`] would.
+    fn raw_array(
+        &mut self,
+        elem: GgufValueType,
+        count: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<RawArray, GgufError> {
+        let mut bytes = Vec::new();
+        if elem == GgufValueType::String {
+            self.raw_strings(count, what, &mut bytes)?;
+        } else {
+            let len = count * elem.min_encoded_len();
+            self.need(len, what)?;
+            let start = self.pos;
+            bytes.resize(len as usize, 0);
+            self.read_into(&mut bytes)?;
+            if elem == GgufValueType::Bool
+                && let Some(i) = bytes.iter().position(|&b| b > 1)
+            {
+                return Err(self.invalid(
+                    start + i as u64,
+                    format!("{}: bool byte {}", what(), bytes[i]),
+                ));
+            }
+        }
+        Ok(RawArray {
+            elem,
+            count: count as usize,
+            bytes,
+            value: OnceLock::new(),
         })
+    }
+
+    /// Appends `count` length-prefixed strings to `out`. The strings that lie whole in the read
+    /// buffer are checked there and copied in one go; one that crosses its end takes the
+    /// checked path of [`HeaderReader::string`].
+    fn raw_strings(
+        &mut self,
+        count: u64,
+        what: &dyn Fn() -> String,
+        out: &mut Vec<u8>,
+    ) -> Result<(), GgufError> {
+        let mut left = count;
+        while left > 0 {
+            let buf = self.reader.buffer();
+            let mut used = 0usize;
+            let mut bad_utf8 = None;
+            while left > 0 {
+                let Some(len) = buf.get(used..used + 8) else {
+                    break;
+                };
+                let len = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+                let start = used + 8;
+                let Some(end) = usize::try_from(len)
+                    .ok()
+                    .and_then(|len| start.checked_add(len))
+                    .filter(|&end| end <= buf.len())
+                else {
+                    break;
+                };
+                if std::str::from_utf8(&buf[start..end]).is_err() {
+                    bad_utf8 = Some(start);
+                    break;
+                }
+                used = end;
+                left -= 1;
+            }
+            out.extend_from_slice(&buf[..used]);
+            self.reader.consume(used);
+            self.pos += used as u64;
+            if let Some(start) = bad_utf8 {
+                return Err(self.not_utf8(self.pos + (start - used) as u64, what));
+            }
+            if left == 0 {
+                break;
+            }
+            // The next string crosses the end of the buffer.
+            let len = self.u64(what)?;
+            self.need(len, what)?;
+            let start = self.pos;
+            out.extend_from_slice(&len.to_le_bytes());
+            let at = out.len();
+            out.resize(at + len as usize, 0);
+            self.read_into(&mut out[at..])?;
+            if std::str::from_utf8(&out[at..]).is_err() {
+                return Err(self.not_utf8(start, what));
+            }
+            left -= 1;
+        }
+        Ok(())
     }
 
     fn value(
@@ -403,21 +636,10 @@ impl HeaderReader<'_> {
     ) -> Result<GgufValue, GgufError> {
         use GgufValueType as T;
         Ok(match value_type {
-            T::U8 => GgufValue::U8(self.bytes::<1>(what)?[0]),
-            T::I8 => GgufValue::I8(self.bytes::<1>(what)?[0] as i8),
-            T::U16 => GgufValue::U16(u16::from_le_bytes(self.bytes(what)?)),
-            T::I16 => GgufValue::I16(i16::from_le_bytes(self.bytes(what)?)),
-            T::U32 => GgufValue::U32(self.u32(what)?),
-            T::I32 => GgufValue::I32(i32::from_le_bytes(self.bytes(what)?)),
-            T::F32 => GgufValue::F32(f32::from_le_bytes(self.bytes(what)?)),
-            T::U64 => GgufValue::U64(self.u64(what)?),
-            T::I64 => GgufValue::I64(i64::from_le_bytes(self.bytes(what)?)),
-            T::F64 => GgufValue::F64(f64::from_le_bytes(self.bytes(what)?)),
             T::Bool => {
                 let offset = self.pos;
                 match self.bytes::<1>(what)?[0] {
-                    0 => GgufValue::Bool(false),
-                    1 => GgufValue::Bool(true),
+                    b @ (0 | 1) => GgufValue::Bool(b == 1),
                     b => {
                         return Err(self.invalid(offset, format!("{}: bool byte {b}", what())));
                     }
@@ -425,42 +647,32 @@ impl HeaderReader<'_> {
             }
             T::String => GgufValue::String(self.string(what)?),
             T::Array => {
-                let offset = self.pos;
-                if depth >= MAX_ARRAY_NESTING {
-                    return Err(self.invalid(
-                        offset,
-                        format!(
-                            "{}: arrays nested more than {MAX_ARRAY_NESTING} deep",
-                            what()
-                        ),
-                    ));
-                }
-                let type_id = self.u32(what)?;
-                let elem_type = GgufValueType::from_id(type_id).ok_or_else(|| {
-                    self.invalid(offset, format!("{}: array element type {type_id}", what()))
-                })?;
-                let count_offset = self.pos;
-                let count = self.u64(what)?;
-                let min_len = count.checked_mul(elem_type.min_encoded_len());
-                match min_len {
-                    Some(n) if n <= self.file_len.saturating_sub(self.pos) => {}
-                    _ => {
-                        return Err(GgufError::Truncated {
-                            path: self.path.to_path_buf(),
-                            offset: count_offset,
-                            needed: min_len.unwrap_or(u64::MAX),
-                            file_len: self.file_len,
-                            what: format!("{} (array of {count} {elem_type:?})", what()),
-                        });
-                    }
-                }
-                let mut items = Vec::with_capacity(count as usize);
-                for _ in 0..count {
-                    items.push(self.value(elem_type, depth + 1, what)?);
-                }
-                GgufValue::Array(elem_type, items)
+                let (elem_type, count) = self.array_header(depth, what)?;
+                self.array_items(elem_type, count, depth, what)?
+            }
+            scalar => {
+                let mut buf = [0u8; 8];
+                let buf = &mut buf[..scalar.min_encoded_len() as usize];
+                self.need(buf.len() as u64, what)?;
+                self.read_into(buf)?;
+                decode_scalar(scalar, buf)
             }
         })
+    }
+
+    /// The elements of an array at `depth` whose header has been read.
+    fn array_items(
+        &mut self,
+        elem_type: GgufValueType,
+        count: u64,
+        depth: u32,
+        what: &dyn Fn() -> String,
+    ) -> Result<GgufValue, GgufError> {
+        let mut items = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            items.push(self.value(elem_type, depth + 1, what)?);
+        }
+        Ok(GgufValue::Array(elem_type, items))
     }
 
     fn invalid(&self, offset: u64, what: String) -> GgufError {
@@ -537,7 +749,16 @@ impl GgufFile {
                     format!("metadata key {key}: value type {type_id} (valid: 0-12)"),
                 )
             })?;
-            let value = r.value(value_type, 0, &what)?;
+            let value = if value_type == GgufValueType::Array {
+                let (elem, count) = r.array_header(0, &what)?;
+                if count >= RAW_ARRAY_MIN && elem != GgufValueType::Array {
+                    Slot::Raw(r.raw_array(elem, count, &what)?)
+                } else {
+                    Slot::Parsed(r.array_items(elem, count, 0, &what)?)
+                }
+            } else {
+                Slot::Parsed(r.value(value_type, 0, &what)?)
+            };
             if key_index.insert(key.clone(), metadata.len()).is_some() {
                 return Err(GgufError::DuplicateKey {
                     path: path.clone(),
@@ -550,13 +771,13 @@ impl GgufFile {
 
         let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
             None => DEFAULT_ALIGNMENT,
-            Some((_, v)) => match v.as_u64() {
+            Some((_, v)) => match v.value().as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() => a,
                 _ => {
                     return Err(GgufError::WrongKeyType {
                         path: path.clone(),
                         key: "general.alignment".into(),
-                        found: v.describe(),
+                        found: v.value().describe(),
                         expected: "a power of two",
                     });
                 }
@@ -701,11 +922,15 @@ impl GgufFile {
     }
 
     /// All metadata in file order.
-    pub fn metadata(&self) -> &[(String, GgufValue)] {
-        &self.metadata
+    pub fn metadata(&self) -> impl Iterator<Item = (&str, &GgufValue)> {
+        self.metadata.iter().map(|(k, v)| (k.as_str(), v.value()))
     }
 
     pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.slot(key).map(Slot::value)
+    }
+
+    fn slot(&self, key: &str) -> Option<&Slot> {
         self.key_index.get(key).map(|&i| &self.metadata[i].1)
     }
 
@@ -788,6 +1013,11 @@ impl GgufFile {
 
     /// An optional array whose elements are all strings.
     pub fn opt_str_array(&self, key: &str) -> Result<Option<Vec<&str>>, GgufError> {
+        if let Some(Slot::Raw(raw)) = self.slot(key)
+            && raw.elem == GgufValueType::String
+        {
+            return Ok(Some(raw.strs().collect()));
+        }
         match self.get(key) {
             None => Ok(None),
             Some(v @ GgufValue::Array(_, items)) => items
@@ -802,6 +1032,16 @@ impl GgufFile {
 
     /// An optional array of integers.
     pub fn opt_int_array(&self, key: &str) -> Result<Option<Vec<i64>>, GgufError> {
+        if let Some(Slot::Raw(raw)) = self.slot(key)
+            && raw.elem != GgufValueType::String
+        {
+            return raw
+                .scalars()
+                .map(|v| v.as_i64())
+                .collect::<Option<Vec<_>>>()
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, raw.value(), "an array of integers"));
+        }
         match self.get(key) {
             None => Ok(None),
             Some(v @ GgufValue::Array(_, items)) => items
@@ -816,6 +1056,16 @@ impl GgufFile {
 
     /// An optional array of numbers.
     pub fn opt_f32_array(&self, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
+        if let Some(Slot::Raw(raw)) = self.slot(key)
+            && raw.elem != GgufValueType::String
+        {
+            return raw
+                .scalars()
+                .map(|v| v.as_f64().map(|x| x as f32))
+                .collect::<Option<Vec<_>>>()
+                .map(Some)
+                .ok_or_else(|| self.wrong(key, raw.value(), "an array of numbers"));
+        }
         match self.get(key) {
             None => Ok(None),
             Some(v @ GgufValue::Array(_, items)) => items

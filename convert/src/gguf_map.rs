@@ -7,9 +7,8 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use weights_format::{ModelConfig, RopeScaling, names};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, plan_blobs};
+use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
 use crate::gguf::{GgufError, GgufFile};
-use crate::tokenizer::tokenizer_json_from_gguf;
 
 /// The GGUF tensor name of one of our tensors.
 pub fn gguf_tensor_name(name: &str, layer: Option<u32>) -> String {
@@ -144,7 +143,12 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
 
 /// Opens a GGUF file as a conversion source.
 pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
+    let started = std::time::Instant::now();
     let gguf = GgufFile::open(path)?;
+    tracing::debug!(
+        "gguf header parsed in {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     let config = config_from_gguf(&gguf)?;
 
     let mut used = std::collections::HashSet::new();
@@ -178,7 +182,6 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
         });
     }
 
-    let tokenizer_json = tokenizer_json_from_gguf(&gguf)?.into_bytes();
     let chat_template = gguf.opt_str("tokenizer.chat_template")?.map(str::to_string);
     let mut source = Map::new();
     source.insert("format".into(), Value::String("gguf".into()));
@@ -198,7 +201,7 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
     })?;
     Ok(SourceModel {
         config,
-        tokenizer_json,
+        tokenizer: TokenizerSource::Gguf(Box::new(gguf)),
         chat_template,
         source,
         blobs,

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use weights_format::{DType, ModelConfig, RopeScaling, names};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, plan_blobs};
+use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
 use crate::tokenizer::chat_template_from_tokenizer_config;
 
 /// safetensors refuses headers above 100 MB; so do we, before allocating.
@@ -421,7 +421,7 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
     );
     Ok(SourceModel {
         config,
-        tokenizer_json,
+        tokenizer: TokenizerSource::Json(tokenizer_json),
         chat_template,
         source,
         blobs,

@@ -1,10 +1,13 @@
 //! Building a Hugging Face `tokenizer.json` from GGUF tokenizer metadata, and finding chat
 //! templates.
 //!
-//! The JSON is assembled with `serde_json` (whose maps are sorted, so the output is
-//! deterministic); it is checked by loading it with the `tokenizers` crate in the tests.
+//! The JSON is written with `serde_json`, every object's keys in sorted order, so the output is
+//! deterministic; it is checked by loading it with the `tokenizers` crate in the tests.
 
-use serde_json::{Map, Value, json};
+use std::collections::HashMap;
+
+use serde::{Serialize, Serializer};
+use serde_json::{Value, json};
 
 use crate::gguf::{GgufError, GgufFile};
 
@@ -49,220 +52,362 @@ pub enum TokenizerError {
 /// BOS is never added by the post-processor: whether to prepend it is recorded in the model
 /// config (`add_bos_token`), so that a prompt never gets it twice.
 pub fn tokenizer_json_from_gguf(gguf: &GgufFile) -> Result<String, TokenizerError> {
-    let path = gguf.path().display().to_string();
-    let model = gguf.require_str("tokenizer.ggml.model")?;
-    let tokens = gguf
-        .opt_str_array("tokenizer.ggml.tokens")?
-        .ok_or_else(|| GgufError::MissingKey {
-            path: gguf.path().to_path_buf(),
-            key: "tokenizer.ggml.tokens".into(),
-        })?;
-    let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
-    if let Some(types) = &token_types
-        && types.len() != tokens.len()
-    {
-        return Err(TokenizerError::LengthMismatch {
-            path,
-            key: "tokenizer.ggml.token_type",
-            found: types.len(),
-            tokens: tokens.len(),
-        });
-    }
-    let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
+    Ok(GgufTokenizer::from_gguf(gguf)?.to_json())
+}
 
-    let mut vocab = Map::new();
-    for (id, token) in tokens.iter().enumerate() {
-        if let Some(first) = vocab.insert(token.to_string(), json!(id)) {
-            // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only
-            // map a string to one id, so keep the first like Hugging Face does.
-            let first = first.as_u64().unwrap_or(0) as usize;
-            if type_of(id) == 1 && type_of(first) == 1 {
-                return Err(TokenizerError::DuplicateToken {
-                    path,
-                    token: token.to_string(),
-                    first,
-                    second: id,
-                });
-            }
-            vocab.insert(token.to_string(), json!(first));
+/// A GGUF tokenizer whose metadata has been checked: [`GgufTokenizer::to_json`] cannot fail.
+/// Checking is the cheap part, so a converter can refuse a bad tokenizer before writing
+/// anything and build the JSON while the weights are being written.
+pub struct GgufTokenizer<'g> {
+    tokens: Vec<&'g str>,
+    token_types: Option<Vec<i64>>,
+    /// Every distinct token string with its first id, sorted by string.
+    vocab: Vec<(&'g str, u32)>,
+    model: TokenizerModel<'g>,
+}
+
+enum TokenizerModel<'g> {
+    /// Byte-level BPE with its merge list (`"left right"` strings).
+    Gpt2 {
+        merges: Vec<&'g str>,
+        pre: PreTokenizer,
+    },
+    /// SentencePiece pieces with scores, turned into byte-fallback BPE.
+    Llama {
+        scores: Vec<f32>,
+        unk: Option<&'g str>,
+    },
+}
+
+enum PreTokenizer {
+    /// `smollm`: digits split one by one, then GPT-2 byte level.
+    Smollm,
+    /// `gpt2`, `default`: GPT-2 byte level.
+    Gpt2,
+    /// `llama-bpe`, `llama3`: Llama 3's split regex, then byte level without its regex.
+    Llama3,
+}
+
+impl<'g> GgufTokenizer<'g> {
+    /// Reads and checks the `tokenizer.ggml.*` keys.
+    pub fn from_gguf(gguf: &'g GgufFile) -> Result<GgufTokenizer<'g>, TokenizerError> {
+        let path = gguf.path().display().to_string();
+        let model = gguf.require_str("tokenizer.ggml.model")?;
+        let tokens = gguf
+            .opt_str_array("tokenizer.ggml.tokens")?
+            .ok_or_else(|| GgufError::MissingKey {
+                path: gguf.path().to_path_buf(),
+                key: "tokenizer.ggml.tokens".into(),
+            })?;
+        let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
+        if let Some(types) = &token_types
+            && types.len() != tokens.len()
+        {
+            return Err(TokenizerError::LengthMismatch {
+                path,
+                key: "tokenizer.ggml.token_type",
+                found: types.len(),
+                tokens: tokens.len(),
+            });
         }
-    }
+        let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
 
-    let added_tokens: Vec<Value> = tokens
-        .iter()
-        .enumerate()
-        .filter(|&(id, _)| matches!(type_of(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
-        .map(|(id, content)| {
-            json!({
-                "id": id,
-                "content": content,
-                "single_word": false,
-                "lstrip": false,
-                "rstrip": false,
-                "normalized": false,
-                "special": true,
-            })
-        })
-        .collect();
+        // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only map
+        // a string to one id, so keep the first like Hugging Face does. Two normal tokens with
+        // the same string are an error; the one reported is the first such repeat in id order.
+        let mut by_token: Vec<(u64, &str, u32)> = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, &t)| (sort_prefix(t), t, id as u32))
+            .collect();
+        // The 8-byte prefix settles most comparisons without comparing whole strings.
+        by_token.sort_unstable_by(|a, b| (a.0, a.1, a.2).cmp(&(b.0, b.1, b.2)));
+        let mut vocab: Vec<(&str, u32)> = Vec::with_capacity(tokens.len());
+        let mut repeat: Option<(usize, usize)> = None;
+        for &(_, token, id) in &by_token {
+            match vocab.last() {
+                Some(&(last, first)) if last == token => {
+                    let (first, id) = (first as usize, id as usize);
+                    if type_of(id) == 1
+                        && type_of(first) == 1
+                        && repeat.is_none_or(|(_, second)| id < second)
+                    {
+                        repeat = Some((first, id));
+                    }
+                }
+                _ => vocab.push((token, id)),
+            }
+        }
+        if let Some((first, second)) = repeat {
+            return Err(TokenizerError::DuplicateToken {
+                path,
+                token: tokens[second].to_string(),
+                first,
+                second,
+            });
+        }
 
-    let (pre_tokenizer, decoder, model_json) = match model {
-        "gpt2" => {
-            let merges = gguf
-                .opt_str_array("tokenizer.ggml.merges")?
-                .ok_or_else(|| GgufError::MissingKey {
-                    path: gguf.path().to_path_buf(),
-                    key: "tokenizer.ggml.merges".into(),
-                })?;
-            let pre = gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
-            let byte_level = |use_regex: bool| {
-                json!({
-                    "type": "ByteLevel",
-                    "add_prefix_space": false,
-                    "trim_offsets": true,
-                    "use_regex": use_regex,
-                })
-            };
-            let pre_tokenizer = match pre {
-                "smollm" => json!({
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {"type": "Digits", "individual_digits": true},
-                        byte_level(true),
-                    ],
-                }),
-                "gpt2" | "default" => byte_level(true),
-                "llama-bpe" | "llama3" => json!({
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {
-                            "type": "Split",
-                            "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
-                            "behavior": "Isolated",
-                            "invert": false,
-                        },
-                        byte_level(false),
-                    ],
-                }),
-                other => {
-                    return Err(TokenizerError::UnsupportedPreTokenizer {
+        let model = match model {
+            "gpt2" => {
+                let merges = gguf
+                    .opt_str_array("tokenizer.ggml.merges")?
+                    .ok_or_else(|| GgufError::MissingKey {
+                        path: gguf.path().to_path_buf(),
+                        key: "tokenizer.ggml.merges".into(),
+                    })?;
+                let pre = match gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default") {
+                    "smollm" => PreTokenizer::Smollm,
+                    "gpt2" | "default" => PreTokenizer::Gpt2,
+                    "llama-bpe" | "llama3" => PreTokenizer::Llama3,
+                    other => {
+                        return Err(TokenizerError::UnsupportedPreTokenizer {
+                            path,
+                            pre: other.to_string(),
+                        });
+                    }
+                };
+                TokenizerModel::Gpt2 { merges, pre }
+            }
+            "llama" => {
+                let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
+                if let Some(s) = &scores
+                    && s.len() != tokens.len()
+                {
+                    return Err(TokenizerError::LengthMismatch {
                         path,
-                        pre: other.to_string(),
+                        key: "tokenizer.ggml.scores",
+                        found: s.len(),
+                        tokens: tokens.len(),
                     });
                 }
-            };
-            let decoder = json!({
-                "type": "ByteLevel",
-                "add_prefix_space": true,
-                "trim_offsets": true,
-                "use_regex": true,
-            });
-            let model_json = json!({
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": null,
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": false,
-                "byte_fallback": false,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges,
-            });
-            (pre_tokenizer, decoder, model_json)
-        }
-        "llama" => {
-            let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
-            if let Some(s) = &scores
-                && s.len() != tokens.len()
-            {
-                return Err(TokenizerError::LengthMismatch {
+                let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
+                let unk = (0..tokens.len())
+                    .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
+                    .or(gguf
+                        .opt_u32("tokenizer.ggml.unknown_token_id")?
+                        .map(|u| u as usize))
+                    .and_then(|id| tokens.get(id))
+                    .copied();
+                TokenizerModel::Llama { scores, unk }
+            }
+            other => {
+                return Err(TokenizerError::UnsupportedModel {
                     path,
-                    key: "tokenizer.ggml.scores",
-                    found: s.len(),
-                    tokens: tokens.len(),
+                    model: other.to_string(),
                 });
             }
-            let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
-            let merges = merges_from_scores(&tokens, &scores, &vocab);
-            let unk = (0..tokens.len())
-                .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
-                .or(gguf
-                    .opt_u32("tokenizer.ggml.unknown_token_id")?
-                    .map(|u| u as usize))
-                .and_then(|id| tokens.get(id))
-                .map(|t| t.to_string());
-            let pre_tokenizer = json!({
-                "type": "Metaspace",
-                "replacement": "\u{2581}",
-                "prepend_scheme": "first",
-                "split": false,
-            });
-            let decoder = json!({
-                "type": "Sequence",
-                "decoders": [
-                    {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                    {"type": "ByteFallback"},
-                    {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-                ],
-            });
-            let model_json = json!({
-                "type": "BPE",
-                "dropout": null,
-                "unk_token": unk,
-                "continuing_subword_prefix": null,
-                "end_of_word_suffix": null,
-                "fuse_unk": true,
-                "byte_fallback": true,
-                "ignore_merges": false,
-                "vocab": vocab,
-                "merges": merges,
-            });
-            (pre_tokenizer, decoder, model_json)
-        }
-        other => {
-            return Err(TokenizerError::UnsupportedModel {
-                path,
-                model: other.to_string(),
-            });
-        }
-    };
+        };
+        Ok(GgufTokenizer {
+            tokens,
+            token_types,
+            vocab,
+            model,
+        })
+    }
 
-    let tokenizer = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_tokens,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
-        "decoder": decoder,
-        "model": model_json,
-    });
-    Ok(serde_json::to_string(&tokenizer).expect("a serde_json::Value always serialises"))
+    /// The text of `tokenizer.json`.
+    pub fn to_json(&self) -> String {
+        let type_of = |id: usize| self.token_types.as_ref().map_or(1, |t| t[id]);
+        let vocab = &self.vocab;
+
+        let added_tokens: Vec<Value> = self
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|&(id, _)| matches!(type_of(id), TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
+            .map(|(id, content)| {
+                json!({
+                    "id": id,
+                    "content": content,
+                    "single_word": false,
+                    "lstrip": false,
+                    "rstrip": false,
+                    "normalized": false,
+                    "special": true,
+                })
+            })
+            .collect();
+
+        let (pre_tokenizer, decoder, model) = match &self.model {
+            TokenizerModel::Gpt2 { merges, pre } => {
+                let byte_level = |use_regex: bool| {
+                    json!({
+                        "type": "ByteLevel",
+                        "add_prefix_space": false,
+                        "trim_offsets": true,
+                        "use_regex": use_regex,
+                    })
+                };
+                let pre_tokenizer = match pre {
+                    PreTokenizer::Smollm => json!({
+                        "type": "Sequence",
+                        "pretokenizers": [
+                            {"type": "Digits", "individual_digits": true},
+                            byte_level(true),
+                        ],
+                    }),
+                    PreTokenizer::Gpt2 => byte_level(true),
+                    PreTokenizer::Llama3 => json!({
+                        "type": "Sequence",
+                        "pretokenizers": [
+                            {
+                                "type": "Split",
+                                "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
+                                "behavior": "Isolated",
+                                "invert": false,
+                            },
+                            byte_level(false),
+                        ],
+                    }),
+                };
+                let decoder = json!({
+                    "type": "ByteLevel",
+                    "add_prefix_space": true,
+                    "trim_offsets": true,
+                    "use_regex": true,
+                });
+                let model = BpeModel {
+                    byte_fallback: false,
+                    continuing_subword_prefix: None,
+                    dropout: None,
+                    end_of_word_suffix: None,
+                    fuse_unk: false,
+                    ignore_merges: false,
+                    merges: Merges::Joined(merges),
+                    kind: "BPE",
+                    unk_token: None,
+                    vocab: Vocab(vocab),
+                };
+                (pre_tokenizer, decoder, model)
+            }
+            TokenizerModel::Llama { scores, unk } => {
+                let first_id: HashMap<&str, u32> = vocab.iter().copied().collect();
+                let merges = merges_from_scores(&self.tokens, scores, &first_id);
+                let pre_tokenizer = json!({
+                    "type": "Metaspace",
+                    "replacement": "\u{2581}",
+                    "prepend_scheme": "first",
+                    "split": false,
+                });
+                let decoder = json!({
+                    "type": "Sequence",
+                    "decoders": [
+                        {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                        {"type": "ByteFallback"},
+                        {"type": "Fuse"},
+                        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+                    ],
+                });
+                let model = BpeModel {
+                    byte_fallback: true,
+                    continuing_subword_prefix: None,
+                    dropout: None,
+                    end_of_word_suffix: None,
+                    fuse_unk: true,
+                    ignore_merges: false,
+                    merges: Merges::Pairs(merges),
+                    kind: "BPE",
+                    unk_token: *unk,
+                    vocab: Vocab(vocab),
+                };
+                (pre_tokenizer, decoder, model)
+            }
+        };
+
+        let tokenizer = TokenizerJson {
+            added_tokens,
+            decoder,
+            model,
+            normalizer: None,
+            padding: None,
+            post_processor: None,
+            pre_tokenizer,
+            truncation: None,
+            version: "1.0",
+        };
+        serde_json::to_string(&tokenizer).expect("the tokenizer always serialises")
+    }
+}
+
+// The structs below serialize exactly like the `serde_json::Value` objects they stand for, whose
+// keys are sorted: their fields must stay in sorted key order (a test re-sorts the output and
+// compares). They exist so that the 50k-entry vocabulary and merge list are written straight
+// from the GGUF strings instead of being copied into a tree of `Value`s first.
+
+#[derive(Serialize)]
+struct TokenizerJson<'a> {
+    added_tokens: Vec<Value>,
+    decoder: Value,
+    model: BpeModel<'a>,
+    normalizer: Option<()>,
+    padding: Option<()>,
+    post_processor: Option<()>,
+    pre_tokenizer: Value,
+    truncation: Option<()>,
+    version: &'static str,
+}
+
+#[derive(Serialize)]
+struct BpeModel<'a> {
+    byte_fallback: bool,
+    continuing_subword_prefix: Option<()>,
+    dropout: Option<()>,
+    end_of_word_suffix: Option<()>,
+    fuse_unk: bool,
+    ignore_merges: bool,
+    merges: Merges<'a>,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    unk_token: Option<&'a str>,
+    vocab: Vocab<'a>,
+}
+
+/// Token → id, sorted by token.
+struct Vocab<'a>(&'a [(&'a str, u32)]);
+
+impl Serialize for Vocab<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|&(token, id)| (token, id)))
+    }
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Merges<'a> {
+    /// GGUF's `"left right"` strings, as they are.
+    Joined(&'a [&'a str]),
+    /// `[left, right]` pairs.
+    Pairs(Vec<[&'a str; 2]>),
+}
+
+/// The first 8 bytes of `s`, zero-padded, as a number that orders like the bytes do.
+fn sort_prefix(s: &str) -> u64 {
+    let mut prefix = [0u8; 8];
+    let n = s.len().min(8);
+    prefix[..n].copy_from_slice(&s.as_bytes()[..n]);
+    u64::from_be_bytes(prefix)
 }
 
 /// SentencePiece BPE has no merge list, only a score per piece. The merges are every split of
 /// a piece into two pieces that are both in the vocabulary, ranked by the score of the merged
 /// piece (higher first), ties broken by the ids of the parts: the rule Hugging Face's
 /// `SentencePieceExtractor` uses, so the result matches their converted tokenizers.
-fn merges_from_scores(tokens: &[&str], scores: &[f32], vocab: &Map<String, Value>) -> Vec<Value> {
-    let id_of = |s: &str| vocab.get(s).and_then(Value::as_u64);
-    let mut merges: Vec<(f32, u64, u64, String, String)> = Vec::new();
-    for (token, &score) in tokens.iter().zip(scores) {
-        let boundaries: Vec<usize> = token.char_indices().map(|(i, _)| i).skip(1).collect();
-        for cut in boundaries {
+fn merges_from_scores<'a>(
+    tokens: &[&'a str],
+    scores: &[f32],
+    first_id: &HashMap<&str, u32>,
+) -> Vec<[&'a str; 2]> {
+    let mut merges: Vec<(f32, u32, u32, [&'a str; 2])> = Vec::new();
+    for (&token, &score) in tokens.iter().zip(scores) {
+        for (cut, _) in token.char_indices().skip(1) {
             let (left, right) = token.split_at(cut);
-            if let (Some(l), Some(r)) = (id_of(left), id_of(right)) {
-                merges.push((score, l, r, left.to_string(), right.to_string()));
+            if let (Some(&l), Some(&r)) = (first_id.get(left), first_id.get(right)) {
+                merges.push((score, l, r, [left, right]));
             }
         }
     }
     merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    merges
-        .into_iter()
-        .map(|(_, _, _, l, r)| json!([l, r]))
-        .collect()
+    merges.into_iter().map(|(_, _, _, pair)| pair).collect()
 }
 
 /// The chat template of a `tokenizer_config.json`: either a string, or a list of

@@ -267,6 +267,26 @@ fn missing_keys_and_tensors_are_named() {
 }
 
 #[test]
+fn tokenizer_that_cannot_be_built_fails_the_conversion_and_leaves_nothing() {
+    // tokenizer.json is built while the blobs are written; its error must still stop the
+    // conversion and clean up.
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = TinyLlama::new(2, true).gguf(DType::F32).to_bytes();
+    let key = b"tokenizer.ggml.model";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap();
+    let value = at + bytes[at..].windows(4).position(|w| w == b"gpt2").unwrap();
+    let mut renamed = bytes.clone();
+    renamed[value..value + 4].copy_from_slice(b"gpt9");
+    let path = tmp.path().join("badtok.gguf");
+    std::fs::write(&path, &renamed).unwrap();
+    let msg = convert_err(&path, &tmp.path().join("out"));
+    assert!(
+        msg.contains("badtok.gguf") && msg.contains("\"gpt9\" is not supported"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn unwritable_output_is_named_and_existing_output_is_kept() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("tiny.gguf");
@@ -300,4 +320,149 @@ fn unwritable_output_is_named_and_existing_output_is_kept() {
     std::fs::write(&path, b"GGUF").unwrap();
     convert(&path, &out, &forced, &NoProgress).unwrap_err();
     weights_format::Model::open(&out).unwrap();
+}
+
+/// A GGUF with arrays large enough to be kept as bytes: a string array bigger than the 1 MiB
+/// read buffer, so strings cross its end, and arrays of scalars.
+fn large_arrays_gguf() -> (GgufBuilder, Vec<String>) {
+    let strings: Vec<String> = (0..70_000)
+        .map(|i| format!("tok{i}-é{}", "x".repeat(i % 23)))
+        .collect();
+    let array = |t, items: Vec<GgufValue>| GgufValue::Array(t, items);
+    let mut b = GgufBuilder::new();
+    b.kv(
+        "strings",
+        array(
+            GgufValueType::String,
+            strings
+                .iter()
+                .map(|s| GgufValue::String(s.clone()))
+                .collect(),
+        ),
+    )
+    .kv(
+        "ints",
+        array(
+            GgufValueType::I32,
+            (0..300).map(|i| GgufValue::I32(i * 7 - 1000)).collect(),
+        ),
+    )
+    .kv(
+        "floats",
+        array(
+            GgufValueType::F32,
+            (0..300).map(|i| GgufValue::F32(i as f32 * 0.5)).collect(),
+        ),
+    )
+    .kv(
+        "bools.key",
+        array(
+            GgufValueType::Bool,
+            (0..300).map(|i| GgufValue::Bool(i % 3 == 0)).collect(),
+        ),
+    )
+    .kv(
+        "huge",
+        array(
+            GgufValueType::U64,
+            (0..300).map(|_| GgufValue::U64(u64::MAX)).collect(),
+        ),
+    );
+    b.tensor("t", DType::F32, &[2, 3], vec![0; 24]);
+    (b, strings)
+}
+
+#[test]
+fn large_arrays_read_in_place_match_what_was_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("big.gguf");
+    let (b, strings) = large_arrays_gguf();
+    b.write_to(&path).unwrap();
+    let f = GgufFile::open(&path).unwrap();
+    let got = f.opt_str_array("strings").unwrap().unwrap();
+    assert_eq!(got.len(), strings.len());
+    assert!(got.iter().zip(&strings).all(|(a, b)| a == b));
+    let GgufValue::Array(GgufValueType::String, items) = f.get("strings").unwrap() else {
+        panic!("strings is not a string array");
+    };
+    assert_eq!(items[69_999], GgufValue::String(strings[69_999].clone()));
+    let ints = f.opt_int_array("ints").unwrap().unwrap();
+    assert_eq!(ints, (0..300).map(|i| i * 7 - 1000).collect::<Vec<i64>>());
+    let floats = f.opt_f32_array("floats").unwrap().unwrap();
+    assert_eq!(floats, (0..300).map(|i| i as f32 * 0.5).collect::<Vec<_>>());
+    assert_eq!(
+        f.get("bools.key"),
+        Some(&GgufValue::Array(
+            GgufValueType::Bool,
+            (0..300).map(|i| GgufValue::Bool(i % 3 == 0)).collect()
+        ))
+    );
+    // The same type errors as for parsed arrays.
+    let err = f.opt_int_array("huge").unwrap_err().to_string();
+    assert!(
+        err.contains("an array of 300 U64") && err.contains("expected an array of integers"),
+        "{err}"
+    );
+    let err = f.opt_f32_array("strings").unwrap_err().to_string();
+    assert!(err.contains("an array of 70000 String"), "{err}");
+    let err = f.opt_str_array("ints").unwrap_err().to_string();
+    assert!(err.contains("expected an array of strings"), "{err}");
+    assert_eq!(f.metadata().count(), 5);
+    assert_eq!(f.tensor("t").unwrap().shape, vec![2, 3]);
+}
+
+#[test]
+fn large_arrays_are_checked_when_the_header_is_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("big.gguf");
+    let (b, strings) = large_arrays_gguf();
+    let bytes = b.to_bytes();
+    let find = |needle: &[u8]| {
+        bytes
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .unwrap()
+    };
+
+    // Invalid UTF-8 in a string past the first read buffer.
+    let bad = find(strings[60_000].as_bytes());
+    let mut broken = bytes.clone();
+    broken[bad] = 0xff;
+    std::fs::write(&path, &broken).unwrap();
+    let err = GgufFile::open(&path).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("offset {bad}:")) && err.contains("strings is not valid UTF-8"),
+        "{err}"
+    );
+
+    // A bool byte that is neither 0 nor 1: key, type, element type, count, then the bytes.
+    let bools = find(b"bools.key") + "bools.key".len() + 4 + 4 + 8;
+    let mut broken = bytes.clone();
+    broken[bools + 150] = 2;
+    std::fs::write(&path, &broken).unwrap();
+    let err = GgufFile::open(&path).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("offset {}:", bools + 150)) && err.contains("bool byte 2"),
+        "{err}"
+    );
+
+    // Cut inside each array.
+    // (Past the smallest size 70k strings can have, so that the array header is accepted.)
+    let array = find(b"strings") + "strings".len() + 4 + 4 + 8;
+    for cut in (array + 70_000 * 8..bools).step_by(100_003) {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let err = GgufFile::open(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("truncated at offset") && err.contains("key strings"),
+            "cut {cut}: {err}"
+        );
+    }
+    for cut in [bools + 1, bools + 299] {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let err = GgufFile::open(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("truncated at offset") && err.contains("bools.key"),
+            "cut {cut}: {err}"
+        );
+    }
 }

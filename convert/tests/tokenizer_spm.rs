@@ -63,6 +63,9 @@ fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     let path = tmp.path().join("spm.gguf");
     b.write_to(&path).unwrap();
     let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    // Written as `serde_json` writes a `Value`: every object's keys sorted.
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(serde_json::to_string(&value).unwrap(), json);
     let tokenizer: Tokenizer = json.parse().unwrap();
 
     let enc = tokenizer.encode("hello world", false).unwrap();
@@ -89,4 +92,48 @@ fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     // Control tokens are special added tokens, matched whole.
     let enc = tokenizer.encode("<s>hello", false).unwrap();
     assert_eq!(enc.get_ids()[0], id("<s>"));
+}
+
+/// Writes a llama-model GGUF vocabulary of `(piece, type)` and builds its tokenizer.
+fn build(vocab: &[(&str, i32)]) -> Result<String, String> {
+    let mut b = GgufBuilder::new();
+    b.kv("tokenizer.ggml.model", GgufValue::String("llama".into()))
+        .kv(
+            "tokenizer.ggml.tokens",
+            GgufValue::Array(
+                GgufValueType::String,
+                vocab
+                    .iter()
+                    .map(|v| GgufValue::String(v.0.into()))
+                    .collect(),
+            ),
+        )
+        .kv(
+            "tokenizer.ggml.token_type",
+            GgufValue::Array(
+                GgufValueType::I32,
+                vocab.iter().map(|v| GgufValue::I32(v.1)).collect(),
+            ),
+        );
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("dup.gguf");
+    b.write_to(&path).unwrap();
+    tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn repeated_pieces_keep_the_first_id_and_repeated_normal_pieces_are_refused() {
+    // A repeat involving a control piece is kept out of the vocabulary: "a" stays id 1.
+    let json = build(&[("<unk>", 2), ("a", 1), ("b", 1), ("a", 3), ("ab", 1)]).unwrap();
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let vocab = value["model"]["vocab"].as_object().unwrap();
+    assert_eq!(vocab.len(), 4);
+    assert_eq!(vocab["a"], 1);
+    // Two normal pieces with the same string: the first such repeat in id order is named
+    // (not the first in string order).
+    let err = build(&[("<unk>", 2), ("z", 1), ("z", 1), ("a", 1), ("a", 1)]).unwrap_err();
+    assert!(
+        err.contains("token \"z\" appears twice") && err.contains("ids 1 and 2"),
+        "{err}"
+    );
 }

@@ -259,3 +259,89 @@ fn missing_parent_directory_is_named() {
         "{err}"
     );
 }
+
+/// Writes a tiny model with a 40k-token vocabulary (a 10 MB embedding, several staging
+/// buffers), every tensor either handed over whole or filled in place with `fill_with`.
+fn write_wide(out: &std::path::Path, fill: bool) -> Model {
+    let mut config = tiny_config(true);
+    config.vocab_size = 40_000;
+    let mut w = ModelWriter::create(out).unwrap();
+    for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
+        let kind = layout::blob_kind(file).unwrap();
+        let mut blob = w.begin_blob(file).unwrap();
+        for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
+            let data = tensor_bytes(DType::F32, &spec.shape, (i * 100 + j) as u64);
+            if !fill {
+                blob.write_tensor(spec.name, DType::F32, &spec.shape, &data)
+                    .unwrap();
+                continue;
+            }
+            let mut t = blob
+                .begin_tensor(spec.name, DType::F32, &spec.shape)
+                .unwrap();
+            let mut pos = 0;
+            let mut pieces = 0;
+            t.fill_with(|piece| {
+                assert!(!piece.is_empty() && piece.len() <= 2 << 20);
+                piece.copy_from_slice(&data[pos..pos + piece.len()]);
+                pos += piece.len();
+                pieces += 1;
+                Ok::<(), FormatError>(())
+            })
+            .unwrap();
+            assert_eq!(pos, data.len());
+            if data.len() > 2 << 20 {
+                assert!(pieces > 1, "a 10 MB tensor spans staging buffers");
+            }
+            t.finish().unwrap();
+        }
+        blob.finish().unwrap();
+    }
+    w.add_file("tokenizer.json", b"{}").unwrap();
+    w.finish(config, "tokenizer.json", None, Default::default())
+        .unwrap()
+}
+
+#[test]
+fn tensor_filled_in_place_equals_tensor_written_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = write_wide(&tmp.path().join("whole"), false);
+    let filled = write_wide(&tmp.path().join("filled"), true);
+    assert_eq!(filled.metadata(), whole.metadata());
+    assert!(whole.metadata().blobs[0].length > 2 << 20);
+    for blob in &whole.metadata().blobs {
+        let a = std::fs::read(tmp.path().join("whole").join(&blob.file)).unwrap();
+        let b = std::fs::read(tmp.path().join("filled").join(&blob.file)).unwrap();
+        assert!(a == b, "{} differs", blob.file);
+    }
+    filled.verify().unwrap();
+}
+
+#[test]
+fn failed_fill_makes_the_blob_unusable_and_leaves_nothing() {
+    #[derive(Debug)]
+    enum SourceError {
+        Read,
+        Format,
+    }
+    impl From<FormatError> for SourceError {
+        fn from(_: FormatError) -> SourceError {
+            SourceError::Format
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let mut w = ModelWriter::create(&out).unwrap();
+    let mut blob = w.begin_blob(names::EMBED_BLOB).unwrap();
+    let mut t = blob
+        .begin_tensor(names::TOKEN_EMBD, DType::F32, &[128, 64])
+        .unwrap();
+    let err = t.fill_with(|_| Err(SourceError::Read)).unwrap_err();
+    assert!(matches!(err, SourceError::Read), "{err:?}");
+    drop(t);
+    let err = blob.finish().unwrap_err();
+    assert!(err.to_string().contains("unusable"), "{err}");
+    drop(w);
+    assert!(!out.exists());
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
