@@ -253,6 +253,24 @@ fn synth_model(
     gdsllm_convert::synth::synth(dir, &opts, &mut |_| {}).expect("synth");
 }
 
+/// A small GQA model (8 query heads over 2 KV heads) with an untied LM head: the paths the
+/// SmolLM2 shape does not exercise.
+fn small_untied_shape(n_layers: usize) -> gdsllm_convert::synth::SynthShape {
+    gdsllm_convert::synth::SynthShape {
+        n_layers: n_layers as _,
+        hidden_size: 256,
+        ffn_dim: 704,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 32,
+        vocab_size: 2048,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        context_length: 512,
+        tie_word_embeddings: false,
+    }
+}
+
 fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
@@ -337,19 +355,7 @@ fn small_untied_f16_model_matches_cpu() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("small-f16");
-    let shape = gdsllm_convert::synth::SynthShape {
-        n_layers: 4,
-        hidden_size: 256,
-        ffn_dim: 704,
-        n_heads: 8,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab_size: 2048,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 512,
-        tie_word_embeddings: false,
-    };
+    let shape = small_untied_shape(4);
     synth_model(&dir, shape, DType::F16, "small-f16");
     compare_model(&dir, "small f16 untied");
 }
@@ -485,19 +491,7 @@ fn streamed_small_untied_f16_gives_the_resident_tokens() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("small-f16");
-    let shape = gdsllm_convert::synth::SynthShape {
-        n_layers: 6,
-        hidden_size: 256,
-        ffn_dim: 704,
-        n_heads: 8,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab_size: 2048,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 512,
-        tie_word_embeddings: false,
-    };
+    let shape = small_untied_shape(6);
     synth_model(&dir, shape, DType::F16, "small-f16");
     streamed_matches_resident(&dir, "small f16 untied");
 }

@@ -163,22 +163,8 @@ impl DeviceMemory for GpuMemory {
             bytes: capacity,
             what: what.to_string(),
         };
-        let mut current = self.used.load(Ordering::Acquire);
-        loop {
-            let next = current.checked_add(capacity).ok_or_else(fail)?;
-            if next > self.budget {
-                return Err(fail());
-            }
-            match self
-                .used
-                .compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    self.peak.fetch_max(next, Ordering::AcqRel);
-                    break;
-                }
-                Err(actual) => current = actual,
-            }
+        if !crate::memory::reserve(&self.used, &self.peak, capacity, self.budget) {
+            return Err(fail());
         }
         match self.files.io.alloc(capacity as usize) {
             Ok(buf) => Ok(Box::new(GpuBuffer {

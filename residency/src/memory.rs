@@ -136,22 +136,8 @@ impl DeviceMemory for CpuMemory {
             bytes: capacity,
             what: what.to_string(),
         };
-        let mut current = self.used.load(Ordering::Acquire);
-        loop {
-            let next = current.checked_add(capacity).ok_or_else(fail)?;
-            if next > limit {
-                return Err(fail());
-            }
-            match self
-                .used
-                .compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    self.peak.fetch_max(next, Ordering::AcqRel);
-                    break;
-                }
-                Err(actual) => current = actual,
-            }
+        if !reserve(&self.used, &self.peak, capacity, limit) {
+            return Err(fail());
         }
         match AlignedBuf::zeroed(capacity as usize) {
             Ok(buf) => Ok(Box::new(CpuBuffer {
@@ -171,6 +157,24 @@ impl DeviceMemory for CpuMemory {
 
     fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
+    }
+}
+
+/// Adds `bytes` to `used` if the sum stays within `limit` (and raises `peak`); false otherwise.
+/// Lock-free, so allocations from several threads never exceed the limit together.
+pub(crate) fn reserve(used: &AtomicU64, peak: &AtomicU64, bytes: u64, limit: u64) -> bool {
+    let mut current = used.load(Ordering::Acquire);
+    loop {
+        let Some(next) = current.checked_add(bytes).filter(|&n| n <= limit) else {
+            return false;
+        };
+        match used.compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                peak.fetch_max(next, Ordering::AcqRel);
+                return true;
+            }
+            Err(actual) => current = actual,
+        }
     }
 }
 
