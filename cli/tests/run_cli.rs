@@ -33,32 +33,33 @@ fn gdsllm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gdsllm"))
 }
 
-#[test]
-fn run_json_greedy_matches_reference_and_reports_timings_io_residency() {
-    let Some(dir) = model_dir() else { return };
-    let case = &golden()["prompts"][0];
-    let out = gdsllm()
-        .args(["run", "-m"])
-        .arg(&dir)
-        .args([
-            "-p",
-            case["prompt"].as_str().unwrap(),
-            "--temp",
-            "0",
-            "-n",
-            "8",
-            "-c",
-            "64",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+/// Runs `cmd`, asserts it succeeded (showing its stderr if not) and returns its stdout.
+fn stdout_of(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    out.stdout
+}
+
+#[test]
+fn run_json_greedy_matches_reference_and_reports_timings_io_residency() {
+    let Some(dir) = model_dir() else { return };
+    let case = &golden()["prompts"][0];
+    let stdout = stdout_of(gdsllm().args(["run", "-m"]).arg(&dir).args([
+        "-p",
+        case["prompt"].as_str().unwrap(),
+        "--temp",
+        "0",
+        "-n",
+        "8",
+        "-c",
+        "64",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     assert_eq!(v["prompt_tokens"], case["input_ids"]);
     let want: Vec<_> = case["greedy_ids"].as_array().unwrap()[..8].to_vec();
     assert_eq!(v["tokens"].as_array().unwrap(), &want);
@@ -78,29 +79,19 @@ fn run_json_greedy_matches_reference_and_reports_timings_io_residency() {
 fn run_streams_text_to_stdout_and_same_seed_repeats() {
     let Some(dir) = model_dir() else { return };
     let run = |seed: &str| {
-        let out = gdsllm()
-            .args(["run", "-m"])
-            .arg(&dir)
-            .args([
-                "-p",
-                "Once upon a time",
-                "-n",
-                "16",
-                "-c",
-                "64",
-                "--temp",
-                "1",
-                "--seed",
-                seed,
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        let stdout = stdout_of(gdsllm().args(["run", "-m"]).arg(&dir).args([
+            "-p",
+            "Once upon a time",
+            "-n",
+            "16",
+            "-c",
+            "64",
+            "--temp",
+            "1",
+            "--seed",
+            seed,
+        ]));
+        String::from_utf8(stdout).unwrap()
     };
     let a = run("5");
     assert!(!a.trim().is_empty());
@@ -168,18 +159,13 @@ fn chat_reads_stdin_until_bye() {
 #[test]
 fn bench_json_reports_pp_tg_and_load() {
     let Some(dir) = model_dir() else { return };
-    let out = gdsllm()
-        .args(["bench", "-m"])
-        .arg(&dir)
-        .args(["-p", "16", "-n", "4", "-r", "1", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        gdsllm()
+            .args(["bench", "-m"])
+            .arg(&dir)
+            .args(["-p", "16", "-n", "4", "-r", "1", "--json"]),
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     assert!(v["pp"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["load"]["bytes"].as_u64().unwrap() > 0);
@@ -212,13 +198,7 @@ fn run_file_decodes_every_line_in_one_batch_and_prints_them_in_order() {
         if json {
             cmd.arg("--json");
         }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        String::from_utf8(stdout_of(&mut cmd)).unwrap()
     };
     let stdout = run(true);
     let objects: Vec<serde_json::Value> = stdout
@@ -255,32 +235,22 @@ fn run_file_decodes_every_line_in_one_batch_and_prints_them_in_order() {
 #[test]
 fn bench_batch_reports_aggregate_per_sequence_and_bytes_per_token() {
     let Some(dir) = model_dir() else { return };
-    let out = gdsllm()
-        .args(["bench", "-m"])
-        .arg(&dir)
-        .args([
-            "-p",
-            "8",
-            "-n",
-            "4",
-            "-r",
-            "1",
-            "--batch",
-            "1,4",
-            "--resident-layers",
-            "0",
-            "--host-cache",
-            "off",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = stdout_of(gdsllm().args(["bench", "-m"]).arg(&dir).args([
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--batch",
+        "1,4",
+        "--resident-layers",
+        "0",
+        "--host-cache",
+        "off",
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let rows = v["batch"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{v}");
     for (r, size) in rows.iter().zip([1, 4]) {

@@ -220,6 +220,27 @@ impl InMemoryWeights {
     }
 }
 
+/// `len` bytes of blob `index` (whose bytes are `blob`) from `offset`, or an error naming the
+/// blob when the range is past its end: `read_range` of the weight sources held in memory.
+pub(crate) fn copy_range(
+    blob: &[u8],
+    index: usize,
+    offset: u64,
+    len: usize,
+) -> Result<Vec<u8>, LlamaError> {
+    usize::try_from(offset)
+        .ok()
+        .and_then(|o| blob.get(o..o.checked_add(len)?))
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| LlamaError::Weights {
+            blob: format!("#{index}"),
+            message: format!(
+                "range {offset}+{len} is past the end ({} bytes)",
+                blob.len()
+            ),
+        })
+}
+
 impl WeightSource for InMemoryWeights {
     type Guard<'a> = &'a [u8];
 
@@ -228,18 +249,7 @@ impl WeightSource for InMemoryWeights {
     }
 
     fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError> {
-        let blob = self.blob(index)?;
-        usize::try_from(offset)
-            .ok()
-            .and_then(|o| blob.get(o..o.checked_add(len)?))
-            .map(<[u8]>::to_vec)
-            .ok_or_else(|| LlamaError::Weights {
-                blob: format!("#{index}"),
-                message: format!(
-                    "range {offset}+{len} is past the end ({} bytes)",
-                    blob.len()
-                ),
-            })
+        copy_range(self.blob(index)?, index, offset, len)
     }
 
     fn end_pass(&self) {}

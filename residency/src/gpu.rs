@@ -48,7 +48,6 @@ fn io_error(file: &str, err: impl std::fmt::Display) -> ResidencyError {
 struct GpuFiles {
     io: DeviceIo,
     files: Vec<GdsFile>,
-    names: Vec<String>,
     /// `Some` when disk reads go through the host path and this pinned buffer (see the module
     /// documentation); grown to the largest blob read.
     staging: Option<Mutex<Option<PinnedHostBuf>>>,
@@ -112,7 +111,6 @@ impl GpuMemory {
             files: Arc::new(GpuFiles {
                 io,
                 files,
-                names: meta.blobs.iter().map(|b| b.file.clone()).collect(),
                 staging: staged.then(|| Mutex::new(None)),
             }),
             budget,
@@ -253,7 +251,6 @@ impl DeviceBuffer for GpuBuffer {
                 .map_err(|e| io_error(&source.blob_name(blob), e))?;
             return Ok(Completion::done());
         }
-        let name = files.names.get(blob).map_or("?", String::as_str);
         let file = files.files.get(blob).ok_or(ResidencyError::UnknownBlob {
             blob,
             count: files.files.len(),
@@ -262,7 +259,7 @@ impl DeviceBuffer for GpuBuffer {
         let record = files
             .io
             .read(file, 0, aligned, &self.buf, 0)
-            .map_err(|e| io_error(name, e))?;
+            .map_err(|e| io_error(&source.blob_name(blob), e))?;
         tracing::trace!(
             blob,
             bytes = record.bytes,

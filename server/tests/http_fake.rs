@@ -678,79 +678,32 @@ async fn metrics_count(engine: FakeEngine) {
         .text()
         .await
         .unwrap();
-    assert_eq!(
-        metric(
-            &text,
-            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}"
-        ),
-        Some(2.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(
-            &text,
-            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"404\"}"
-        ),
-        Some(1.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_generation_tokens_total"),
-        Some(6.0),
-        "{text}"
-    );
     let prompt = chat_prompt(&user("hi")).len() as f64;
-    assert_eq!(
-        metric(&text, "gdsllm_prompt_tokens_total"),
-        Some(2.0 * prompt),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_time_to_first_token_seconds_count"),
-        Some(2.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_inter_token_latency_seconds_count"),
-        Some(4.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_requests_running"),
-        Some(0.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_requests_waiting"),
-        Some(0.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_weight_bytes_total{tier=\"disk\"}"),
-        Some(4096.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_weight_bytes_total{tier=\"host\"}"),
-        Some(8192.0),
-        "{text}"
-    );
-    assert_eq!(metric(&text, "gdsllm_io_gbps"), Some(2.5), "{text}");
-    assert_eq!(
-        metric(&text, "gdsllm_residency_hits_total"),
-        Some(7.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_residency_misses_total"),
-        Some(3.0),
-        "{text}"
-    );
-    assert_eq!(
-        metric(&text, "gdsllm_compute_stall_seconds"),
-        Some(0.25),
-        "{text}"
-    );
+    let expected = [
+        (
+            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
+            2.0,
+        ),
+        (
+            "gdsllm_requests_total{endpoint=\"/v1/chat/completions\",status=\"404\"}",
+            1.0,
+        ),
+        ("gdsllm_generation_tokens_total", 6.0),
+        ("gdsllm_prompt_tokens_total", 2.0 * prompt),
+        ("gdsllm_time_to_first_token_seconds_count", 2.0),
+        ("gdsllm_inter_token_latency_seconds_count", 4.0),
+        ("gdsllm_requests_running", 0.0),
+        ("gdsllm_requests_waiting", 0.0),
+        ("gdsllm_weight_bytes_total{tier=\"disk\"}", 4096.0),
+        ("gdsllm_weight_bytes_total{tier=\"host\"}", 8192.0),
+        ("gdsllm_io_gbps", 2.5),
+        ("gdsllm_residency_hits_total", 7.0),
+        ("gdsllm_residency_misses_total", 3.0),
+        ("gdsllm_compute_stall_seconds", 0.25),
+    ];
+    for (name, want) in expected {
+        assert_eq!(metric(&text, name), Some(want), "{name}\n{text}");
+    }
     ts.shutdown().await;
 }
 

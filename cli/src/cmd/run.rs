@@ -117,8 +117,7 @@ pub fn open_model(
     sequences: usize,
 ) -> anyhow::Result<CpuModel> {
     let dir = model_dir(model)?;
-    let context = context_for(&dir, ctx_size)?;
-    let config = Model::open(&dir)?.config().clone();
+    let (context, config) = context_for(&dir, ctx_size)?;
     let sequences = sequences.max(1);
     let reserved = residency::kv_cache_bytes(&config, context as u64, 4) * sequences as u64;
     let options = residency.options(reserved);
@@ -155,17 +154,21 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     Ok(prompts)
 }
 
-/// `ctx_size`, or the model's context length when 0.
-fn context_for(dir: &std::path::Path, ctx_size: usize) -> anyhow::Result<usize> {
+/// `ctx_size` (or the model's context length when 0) and the model's config.
+fn context_for(
+    dir: &std::path::Path,
+    ctx_size: usize,
+) -> anyhow::Result<(usize, weights_format::ModelConfig)> {
     let config = Model::open(dir)
         .with_context(|| format!("{}: invalid model", dir.display()))?
         .config()
         .clone();
-    Ok(if ctx_size == 0 {
+    let context = if ctx_size == 0 {
         config.context_length as usize
     } else {
         ctx_size
-    })
+    };
+    Ok((context, config))
 }
 
 /// Opens the model on CUDA device `ordinal` for `sequences` sequences decoded together;
@@ -179,7 +182,7 @@ pub fn open_cuda_model(
     io: residency::IoChoice,
 ) -> anyhow::Result<llama::backend::cuda::CudaModel> {
     let dir = model_dir(model)?;
-    let context = context_for(&dir, ctx_size)?;
+    let (context, _) = context_for(&dir, ctx_size)?;
     // The loader reserves the KV caches and activations itself (it knows their device layout).
     let options = residency.options(0);
     llama::backend::cuda::load_cuda(&dir, &options, context, sequences, ordinal, io)

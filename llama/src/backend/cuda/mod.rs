@@ -35,8 +35,7 @@ use crate::weights::WeightSource;
 
 pub use compile::kernel_cache_dir;
 pub use streamed::{
-    CudaBlobGuard, CudaModel, CudaWeights, GPU_MAX_ROWS, device_reserved_bytes,
-    kv_cache_device_bytes, load_cuda,
+    CudaBlobGuard, CudaModel, CudaWeights, GPU_MAX_ROWS, device_reserved_bytes, load_cuda,
 };
 
 /// Threads per block of the row-wise kernels (rmsnorm, attention): the kernels assume 256.
@@ -663,6 +662,29 @@ impl CudaBackend {
         drop(x16);
     }
 
+    /// `kernel(x, y, len)` over `len` values, updating `x` from `y` in place (swiglu, add).
+    fn in_place(
+        &self,
+        kernel: &CudaFunction,
+        what: &str,
+        x: &mut CudaBuf,
+        y: &CudaBuf,
+        len: usize,
+    ) {
+        if self.failed() || len == 0 {
+            return;
+        }
+        let (Some(xp), Some(yp)) = (self.ptr(x, 0), self.ptr(y, 0)) else {
+            return;
+        };
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(kernel);
+        b.arg(&xp).arg(&yp).arg(&n);
+        // SAFETY: both buffers hold at least len values; the kernels touch elements < n.
+        let r = unsafe { b.launch(self.elementwise(len)) };
+        self.check(what, r);
+    }
+
     /// Converts `n` elements from `src` (+`src_off`) into `dst` (+`dst_off`), f32 or f16 each.
     fn copy(&self, src: &CudaBuf, src_off: usize, dst: &CudaBuf, dst_off: usize, n: usize) {
         let (Some(s), Some(d)) = (self.ptr(src, src_off), self.ptr(dst, dst_off)) else {
@@ -999,33 +1021,11 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) {
-        if self.failed() || len == 0 {
-            return;
-        }
-        let (Some(g), Some(u)) = (self.ptr(gate, 0), self.ptr(up, 0)) else {
-            return;
-        };
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.kernels.swiglu);
-        b.arg(&g).arg(&u).arg(&n);
-        // SAFETY: both buffers hold at least len values.
-        let r = unsafe { b.launch(self.elementwise(len)) };
-        self.check("swiglu kernel", r);
+        self.in_place(&self.kernels.swiglu, "swiglu", gate, up, len);
     }
 
     fn add(&self, x: &mut CudaBuf, y: &CudaBuf, len: usize) {
-        if self.failed() || len == 0 {
-            return;
-        }
-        let (Some(xp), Some(yp)) = (self.ptr(x, 0), self.ptr(y, 0)) else {
-            return;
-        };
-        let n = len as u64;
-        let mut b = self.stream.launch_builder(&self.kernels.add);
-        b.arg(&xp).arg(&yp).arg(&n);
-        // SAFETY: both buffers hold at least len values.
-        let r = unsafe { b.launch(self.elementwise(len)) };
-        self.check("add kernel", r);
+        self.in_place(&self.kernels.add, "add", x, y, len);
     }
 }
 
@@ -1057,18 +1057,7 @@ impl WeightSource for DeviceWeights {
     }
 
     fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError> {
-        let blob = self.acquire(index)?;
-        usize::try_from(offset)
-            .ok()
-            .and_then(|o| blob.get(o..o.checked_add(len)?))
-            .map(<[u8]>::to_vec)
-            .ok_or_else(|| LlamaError::Weights {
-                blob: format!("#{index}"),
-                message: format!(
-                    "range {offset}+{len} is past the end ({} bytes)",
-                    blob.len()
-                ),
-            })
+        crate::weights::copy_range(self.acquire(index)?, index, offset, len)
     }
 
     fn end_pass(&self) {}

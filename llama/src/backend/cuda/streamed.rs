@@ -29,20 +29,21 @@ use crate::weights::{BlobBytes, WeightSource};
 /// prefill speed (512 rows already fill the matmul kernels).
 pub const GPU_MAX_ROWS: usize = 512;
 
-/// Bytes of device memory the KV cache (f16), the activation buffers of `max_rows` positions
-/// (f32) and a margin for kernels and temporaries take besides the weights.
-pub fn device_reserved_bytes(config: &LlamaConfig, context: usize, max_rows: usize) -> u64 {
-    let c = config;
-    let kv = kv_cache_device_bytes(c, context);
+/// Bytes of device memory the f16 KV caches of `sequences` sequences of `context` positions,
+/// the activation buffers of `max_rows` positions (f32) and a margin for kernels and
+/// temporaries take besides the weights.
+pub fn device_reserved_bytes(
+    model: &weights_format::ModelConfig,
+    context: usize,
+    sequences: usize,
+    max_rows: usize,
+) -> Result<u64, LlamaError> {
+    let c = LlamaConfig::from_model_config(model)?;
+    let kv = residency::kv_cache_bytes(model, context as u64, 2) * sequences as u64;
     let per_row = 3 * c.dim + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.ffn_dim;
     let activations = ((max_rows * per_row + 2 * c.dim + c.vocab_size) * 4) as u64;
     let margin = 256 << 20;
-    kv + activations + margin
-}
-
-/// Bytes of one sequence's f16 KV cache of `context` positions.
-pub fn kv_cache_device_bytes(config: &LlamaConfig, context: usize) -> u64 {
-    (config.n_layers * 2 * context * config.kv_dim() * 2) as u64
+    Ok(kv + activations + margin)
 }
 
 /// A device-side release fence: an event recorded on the compute stream after the last kernel
@@ -169,7 +170,6 @@ pub fn load_cuda(
     let started = Instant::now();
     let files = ModelFiles::open(dir.as_ref())?;
     let context = files.context(context);
-    let config = LlamaConfig::from_model_config(&files.metadata.config)?;
     let sequences = sequences.max(1);
     // A batch's pass holds one row per sequence plus a prefill chunk.
     let max_rows = if sequences > 1 {
@@ -178,8 +178,8 @@ pub fn load_cuda(
         context.min(GPU_MAX_ROWS)
     };
     let mut options = options.clone();
-    options.reserved_bytes = device_reserved_bytes(&config, context, max_rows)
-        + (sequences as u64 - 1) * kv_cache_device_bytes(&config, context);
+    options.reserved_bytes =
+        device_reserved_bytes(&files.metadata.config, context, sequences, max_rows)?;
     let backend = CudaBackend::new(ordinal)?;
     let (residency, memory) = Residency::open_gpu(&files.model, &options, ordinal, io)?;
     let plan = residency.plan();
