@@ -105,6 +105,12 @@ pub struct Llama<B: Backend, W: WeightSource> {
     logits: Vec<f32>,
     /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
     batch_logits: Vec<f32>,
+    /// Decode steps run op by op so far: recording one waits for the first.
+    eager_decode_steps: usize,
+    /// Whether the backend holds a recording of this model's decode step.
+    step_recorded: bool,
+    /// Set when recording failed: every step then runs op by op.
+    recording_failed: bool,
 }
 
 impl<B: Backend, W: WeightSource> Llama<B, W> {
@@ -161,6 +167,9 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             pos: 0,
             logits,
             batch_logits: Vec::new(),
+            eager_decode_steps: 0,
+            step_recorded: false,
+            recording_failed: false,
         })
     }
 
@@ -267,7 +276,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     }
 
     /// One pass of the single sequence over `tokens` at positions `pos ..`, on the model's own
-    /// cache.
+    /// cache. A decode step goes through the backend's recorded step when it can record one
+    /// (see [`Llama::step_mode`]).
     fn single_pass(&mut self, tokens: &[u32]) -> Result<(), LlamaError> {
         if self.kv_cache.is_empty() {
             let len = self.context * self.config.kv_dim();
@@ -275,6 +285,47 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 .map(|_| (self.backend.alloc_kv(len), self.backend.alloc_kv(len)))
                 .collect();
         }
+        let mode = self.step_mode(tokens.len());
+        let ran = self.single_pass_as(tokens, mode)?;
+        match mode {
+            PassMode::Eager if tokens.len() == 1 => self.eager_decode_steps += 1,
+            PassMode::Record if ran => self.step_recorded = true,
+            PassMode::Record => {
+                tracing::debug!("the decode step could not be recorded; decoding op by op");
+                self.recording_failed = true;
+            }
+            // The backend dropped its recording (it replaced a buffer the step used): record
+            // again at the next step.
+            PassMode::Replay if !ran => self.step_recorded = false,
+            _ => {}
+        }
+        if !ran {
+            self.single_pass_as(tokens, PassMode::Eager)?;
+        }
+        self.pos += tokens.len();
+        Ok(())
+    }
+
+    /// How a single-sequence pass of `rows` positions runs: a decode step is recorded once the
+    /// weights are all resident (their addresses never change) and one step has run op by op
+    /// (which creates every buffer a step creates lazily), then replayed.
+    fn step_mode(&self, rows: usize) -> PassMode {
+        if rows != 1
+            || self.recording_failed
+            || !self.backend.records_steps()
+            || !self.weights.all_resident()
+        {
+            PassMode::Eager
+        } else if self.step_recorded {
+            PassMode::Replay
+        } else if self.eager_decode_steps >= 1 {
+            PassMode::Record
+        } else {
+            PassMode::Eager
+        }
+    }
+
+    fn single_pass_as(&mut self, tokens: &[u32], mode: PassMode) -> Result<bool, LlamaError> {
         let mut kv = std::mem::take(&mut self.kv_cache);
         let mut logits = std::mem::take(&mut self.logits);
         let mut seg = [Segment {
@@ -284,12 +335,10 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             solo_rows: tokens.len(),
             logits: true,
         }];
-        let done = self.forward_pass(tokens, &mut seg, &mut logits);
+        let done = self.forward_pass(tokens, &mut seg, &mut logits, mode);
         self.kv_cache = kv;
         self.logits = logits;
-        done?;
-        self.pos += tokens.len();
-        Ok(())
+        done
     }
 
     /// Runs several sequences through one pass over the weights: each entry's tokens at
@@ -355,7 +404,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             })
             .collect();
         let mut logits = std::mem::take(&mut self.batch_logits);
-        let done = self.forward_pass(&tokens, &mut segs, &mut logits);
+        let done = self.forward_pass(&tokens, &mut segs, &mut logits, PassMode::Eager);
         self.batch_logits = logits;
         done?;
         for s in seqs.iter_mut() {
@@ -372,19 +421,25 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             s.last_norm = be.alloc(n * c.dim);
             s.logits = be.alloc(n * c.vocab_size);
             s.logit_rows = n;
+            // A recorded decode step wrote into the buffers just replaced.
+            be.forget_step();
+            self.step_recorded = false;
         }
     }
 
     /// One pass over all weights for `tokens` (at most `max_rows`): the rows of each segment in
     /// turn, each at its own positions in its own cache. The logits after each segment that
     /// asks for them go to `logits_out` (`[n, vocab]`). The matmuls take all rows together: that
-    /// is what shares the pass over the weights.
+    /// is what shares the pass over the weights. The embedding always runs op by op; what
+    /// follows it runs as `mode` says (a recorded decode step has one segment of one row).
+    /// Ok(false): the recorded step was not available and nothing after the embedding ran.
     fn forward_pass(
         &mut self,
         tokens: &[u32],
         segs: &mut [Segment<'_, B>],
         logits_out: &mut Vec<f32>,
-    ) -> Result<(), LlamaError> {
+        mode: PassMode,
+    ) -> Result<bool, LlamaError> {
         let n_logits = segs.iter().filter(|s| s.logits).count();
         self.ensure_logit_rows(n_logits);
         let c = &self.config;
@@ -437,7 +492,30 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             None
         };
 
-        for (l, &blob_index) in self.layout.layers.iter().enumerate() {
+        // What follows the embedding runs op by op, is recorded (then replayed) or is replayed.
+        let pos = segs.first().map_or(0, |g| g.pos0);
+        let mut capture = None;
+        match mode {
+            PassMode::Eager => {}
+            PassMode::Record => {
+                if !be.begin_step_capture(pos) {
+                    return Ok(false);
+                }
+                // Ends the recording on every way out, errors included.
+                capture = Some(StepCapture { backend: be });
+            }
+            PassMode::Replay => {
+                if !be.replay_step(pos) {
+                    return Ok(false);
+                }
+            }
+        }
+        let layers = if mode == PassMode::Replay {
+            &[][..]
+        } else {
+            &self.layout.layers[..]
+        };
+        for (l, &blob_index) in layers.iter().enumerate() {
             let guard = self.weights.acquire(blob_index)?;
             let blob = &blobs[blob_index];
             let attn_norm = tensor(blob, &guard, names::ATTN_NORM, &[dim])?; // [dim]
@@ -462,26 +540,18 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             // ([capacity, kv_dim] each).
             for (g, &r0) in segs.iter_mut().zip(&row0) {
                 let (k_cache, v_cache) = &mut g.kv[l];
-                be.rope_at(
+                be.rope_store_kv(
                     &mut s.q,
-                    r0,
-                    g.rows,
-                    c.n_heads,
-                    c.head_dim,
-                    g.pos0,
-                    &c.rope_inv_freq,
-                );
-                be.rope_at(
                     &mut s.k,
+                    &s.v,
                     r0,
                     g.rows,
-                    c.n_kv_heads,
-                    c.head_dim,
                     g.pos0,
+                    shape,
                     &c.rope_inv_freq,
+                    k_cache,
+                    v_cache,
                 );
-                be.copy_rows(&s.k, r0, k_cache, g.pos0, g.rows, kv_dim);
-                be.copy_rows(&s.v, r0, v_cache, g.pos0, g.rows, kv_dim);
             }
             let attn: Vec<AttentionSeq<'_, B::Buf>> = segs
                 .iter()
@@ -495,8 +565,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 })
                 .collect();
             be.attention_batch(&s.q, &attn, shape, &mut s.att);
-            be.matmul_batch(&s.att, &groups, &[wo], &mut [&mut s.xb2]);
-            be.add(&mut s.x, &s.xb2, rows * dim);
+            be.matmul_add_batch(&s.att, &groups, wo, &mut s.xb2, &mut s.x);
 
             // FFN: x += W_down · (silu(W_gate·n) ⊙ W_up·n), n = rmsnorm(x)
             be.rmsnorm(&s.x, rows, ffn_norm, eps, &mut s.xb);
@@ -507,16 +576,19 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 &mut [&mut s.hb, &mut s.hb2],
             );
             be.swiglu(&mut s.hb, &s.hb2, rows * ffn);
-            be.matmul_batch(&s.hb, &groups, &[w_down], &mut [&mut s.xb2]);
-            be.add(&mut s.x, &s.xb2, rows * dim);
+            be.matmul_add_batch(&s.hb, &groups, w_down, &mut s.xb2, &mut s.x);
         }
 
         // Only the last position's logits of each segment are needed (prefill samples after
         // the prompt). The output blob is taken even when none are, to keep the pass's order.
-        let output_guard = self.weights.acquire(self.layout.output)?;
-        if n_logits > 0 {
+        let output_guard = if mode == PassMode::Replay {
+            None
+        } else {
+            Some(self.weights.acquire(self.layout.output)?)
+        };
+        if let Some(output_guard) = output_guard.as_ref().filter(|_| n_logits > 0) {
             let output_blob = &blobs[self.layout.output];
-            let output_norm = tensor(output_blob, &output_guard, names::OUTPUT_NORM, &[dim])?; // [dim]
+            let output_norm = tensor(output_blob, output_guard, names::OUTPUT_NORM, &[dim])?; // [dim]
             let mut i = 0;
             for (g, &r0) in segs.iter().zip(&row0) {
                 if g.logits {
@@ -529,7 +601,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 Some(g) => tensor(embed_blob, g, names::TOKEN_EMBD, &[c.vocab_size, dim])?, // [vocab, dim]
                 None => tensor(
                     output_blob,
-                    &output_guard,
+                    output_guard,
                     names::OUTPUT,
                     &[c.vocab_size, dim],
                 )?, // [vocab, dim]
@@ -545,6 +617,14 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 &[head],
                 &mut [&mut s.logits],
             );
+        }
+        if let Some(capture) = capture.take() {
+            // Recorded, not run: run it now.
+            if !(capture.finish() && be.replay_step(pos)) {
+                return Ok(false);
+            }
+        }
+        if n_logits > 0 {
             logits_out.resize(n_logits * c.vocab_size, 0.0);
             be.read(&s.logits, logits_out);
         } else {
@@ -554,6 +634,37 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         drop(output_guard);
         drop(embed_guard);
         self.weights.end_pass();
-        Ok(())
+        Ok(true)
+    }
+}
+
+/// How the ops of a pass after the embedding run (see [`Backend::begin_step_capture`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PassMode {
+    /// Launched one by one.
+    Eager,
+    /// Recorded as the model's decode step, then replayed.
+    Record,
+    /// The recorded decode step replayed.
+    Replay,
+}
+
+/// A recording in progress: dropping it (an early return) ends it and discards the step.
+struct StepCapture<'b, B: Backend> {
+    backend: &'b B,
+}
+
+impl<B: Backend> StepCapture<'_, B> {
+    /// Ends the recording: whether a step was recorded.
+    fn finish(self) -> bool {
+        let this = std::mem::ManuallyDrop::new(self);
+        this.backend.end_step_capture()
+    }
+}
+
+impl<B: Backend> Drop for StepCapture<'_, B> {
+    fn drop(&mut self) {
+        self.backend.end_step_capture();
+        self.backend.forget_step();
     }
 }

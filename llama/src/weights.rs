@@ -69,6 +69,13 @@ pub trait WeightSource {
     fn residency_stats(&self) -> Option<residency::ResidencyStats> {
         None
     }
+
+    /// Whether every blob stays where it is for the model's lifetime (nothing streams): then
+    /// a blob's address never changes, so a recorded decode step may keep using it, and
+    /// acquiring the whole embedding table costs nothing.
+    fn all_resident(&self) -> bool {
+        false
+    }
 }
 
 /// Blob indices of one model, in streaming order.

@@ -187,6 +187,113 @@ fn rope_swiglu_add_match_reference() {
 }
 
 /// Rounds through f16, as the device's KV cache stores values.
+/// The fused launches against the separate reference ops: Q/K/V-style weights sharing one
+/// matmul launch, the matmul that accumulates into the residual stream, and RoPE with the KV
+/// cache stores in one kernel. Also: a row's matmul result does not depend on how many rows
+/// share the launch (batched decoding relies on it), bit for bit.
+#[test]
+fn fused_launches_match_reference() {
+    use llama::backend::RowGroup;
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    for dtype in ALL {
+        let (m1, m2, k) = (40, 72, 576);
+        let (w1, w2) = (
+            weights(&mut rng, dtype, m1, k),
+            weights(&mut rng, dtype, m2, k),
+        );
+        let (v1, v2) = (
+            WeightView::host(dtype, m1, k, &w1),
+            WeightView::host(dtype, m2, k, &w2),
+        );
+        for rows in [1, 5, 9] {
+            let x = random(&mut rng, rows * k);
+            let base = random(&mut rng, rows * m1);
+            let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
+            ReferenceBackend.matmul(&x, rows, v1, &mut want1);
+            ReferenceBackend.matmul(&x, rows, v2, &mut want2);
+            let xd = up(&be, &x);
+            let (mut o1, mut o2) = (be.alloc(rows * m1), be.alloc(rows * m2));
+            be.matmul_many(&xd, rows, &[v1, v2], &mut [&mut o1, &mut o2]);
+            let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
+                .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
+            println!(
+                "matmul_many {dtype:?} 2 weights rows={rows}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e})"
+            );
+            assert!(d < MATMUL_TOL, "matmul_many {dtype:?} rows={rows}: {d}");
+
+            let groups = [RowGroup {
+                rows,
+                solo_rows: rows,
+            }];
+            let mut acc = up(&be, &base);
+            let mut scratch = be.alloc(rows * m1);
+            be.matmul_add_batch(&xd, &groups, v1, &mut scratch, &mut acc);
+            let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
+            let d = max_rel_diff(&down(&be, &acc, rows * m1), &want);
+            println!(
+                "matmul_add_batch {dtype:?} rows={rows}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e})"
+            );
+            assert!(
+                d < MATMUL_TOL,
+                "matmul_add_batch {dtype:?} rows={rows}: {d}"
+            );
+
+            // Row by row alone, the same bits.
+            let all = down(&be, &o1, rows * m1);
+            for r in 0..rows {
+                let xr = up(&be, &x[r * k..(r + 1) * k]);
+                let mut o = be.alloc(m1);
+                be.matmul(&xr, 1, v1, &mut o);
+                assert_eq!(
+                    down(&be, &o, m1),
+                    all[r * m1..(r + 1) * m1],
+                    "{dtype:?}: row {r} of {rows} differs from the row alone"
+                );
+            }
+        }
+    }
+    println!("matmul: every row of 5- and 9-row launches equals the row alone, bit for bit");
+
+    let shape = AttentionShape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 32,
+    };
+    let (total_rows, row0, rows, pos0, capacity) = (5, 1, 3, 40, 64);
+    let (q_dim, kv_dim) = (8 * 32, 2 * 32);
+    let inv = rope_inv_freq(32, 10000.0, None);
+    let (q, k, v) = (
+        random(&mut rng, total_rows * q_dim),
+        random(&mut rng, total_rows * kv_dim),
+        random(&mut rng, total_rows * kv_dim),
+    );
+    let (mut rq, mut rk) = (q.clone(), k.clone());
+    let (mut rkc, mut rvc) = (vec![0f32; capacity * kv_dim], vec![0f32; capacity * kv_dim]);
+    ReferenceBackend.rope_store_kv(
+        &mut rq, &mut rk, &v, row0, rows, pos0, shape, &inv, &mut rkc, &mut rvc,
+    );
+    let (mut dq, mut dk, dv) = (up(&be, &q), up(&be, &k), up(&be, &v));
+    let (mut kc, mut vc) = (
+        be.alloc_kv(capacity * kv_dim),
+        be.alloc_kv(capacity * kv_dim),
+    );
+    be.rope_store_kv(
+        &mut dq, &mut dk, &dv, row0, rows, pos0, shape, &inv, &mut kc, &mut vc,
+    );
+    let d = max_rel_diff(&down(&be, &dq, q.len()), &rq)
+        .max(max_rel_diff(&down(&be, &dk, k.len()), &rk));
+    println!("rope_store_kv q and k: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
+    assert!(d < ELEMENT_TOL, "rope_store_kv q/k: {d}");
+    // The caches are f16: compare with the reference's rounded to f16 (the same rounding).
+    let d = max_rel_diff(&down(&be, &kc, capacity * kv_dim), &via_f16(&rkc)).max(max_rel_diff(
+        &down(&be, &vc, capacity * kv_dim),
+        &via_f16(&rvc),
+    ));
+    println!("rope_store_kv f16 caches: max rel diff {d:.2e} (tol 1e-3: one f16 rounding)");
+    assert!(d < 1e-3, "rope_store_kv caches: {d}");
+}
+
 fn via_f16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect()
 }
@@ -437,14 +544,24 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
             .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
             .fold(0f32, f32::max);
         let stats = llama.weights().residency().stats();
+        let replays = llama.backend().step_replays();
         println!(
             "{label} {name}: {steps} greedy tokens equal: {}; max logit diff vs upload-once {max_diff:.1e} (tol 0); \
-             disk {} B, host tier {} B, io {}",
+             disk {} B, host tier {} B, io {}, {replays} decode steps replayed from a CUDA graph",
             tokens == want_tokens,
             stats.total.disk_bytes,
             stats.total.host_copy_bytes,
             llama.weights().memory().backend()
         );
+        if !streams {
+            // Everything resident: every decode step after the first (op by op) is a replay,
+            // the recording step included (a recording runs only when replayed).
+            assert_eq!(
+                replays,
+                steps as u64 - 1,
+                "{label} {name}: decode steps replayed from the CUDA graph"
+            );
+        }
         assert_eq!(tokens, want_tokens, "{label} {name}: tokens differ");
         assert_eq!(max_diff, 0.0, "{label} {name}: logits differ");
         if streams {

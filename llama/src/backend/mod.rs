@@ -256,6 +256,84 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// `out += x · wᵀ` over the rows of `groups` (the residual connections after the attention
+    /// output and FFN down projections), each row computed as [`Backend::matmul_batch`]
+    /// computes it. `scratch` holds at least as many values as the product and may be
+    /// overwritten. The default is `matmul_batch` into `scratch`, then [`Backend::add`]; a
+    /// backend may accumulate in the matmul itself and save a pass over the output.
+    fn matmul_add_batch(
+        &self,
+        x: &Self::Buf,
+        groups: &[RowGroup],
+        w: WeightView<'_>,
+        scratch: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        self.matmul_batch(x, groups, &[w], &mut [&mut *scratch]);
+        self.add(out, scratch, rows * w.rows);
+    }
+
+    /// The position-dependent steps of attention for one sequence: rows `row0 .. row0+rows` of
+    /// `q` and `k` get RoPE at positions `pos0 ..` ([`Backend::rope_at`]), then those rows of
+    /// `k` and `v` are stored at the same positions of `k_cache` and `v_cache`
+    /// (`[capacity, n_kv_heads·head_dim]`). The default is two `rope_at` and two
+    /// [`Backend::copy_rows`]; a backend may do it in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_store_kv(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        row0: usize,
+        rows: usize,
+        pos0: usize,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        k_cache: &mut Self::Buf,
+        v_cache: &mut Self::Buf,
+    ) {
+        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+        self.rope_at(q, row0, rows, shape.n_heads, hd, pos0, inv_freq);
+        self.rope_at(k, row0, rows, shape.n_kv_heads, hd, pos0, inv_freq);
+        self.copy_rows(k, row0, k_cache, pos0, rows, kv_dim);
+        self.copy_rows(v, row0, v_cache, pos0, rows, kv_dim);
+    }
+
+    /// Whether this backend can record a single-sequence decode step once and replay it
+    /// ([`Backend::begin_step_capture`]; CUDA graphs), which saves the per-op launch cost.
+    fn records_steps(&self) -> bool {
+        false
+    }
+
+    /// Starts recording the ops after the embedding of a single-sequence decode step at
+    /// position `pos`: the ops that follow are recorded, not run, and those that depend on the
+    /// position ([`Backend::rope_store_kv`], one-row [`Backend::attention`]) read it from the
+    /// step parameter that [`Backend::replay_step`] sets. No op may read results back
+    /// ([`Backend::read`]) until [`Backend::end_step_capture`]. False when recording cannot
+    /// start; nothing is recorded then.
+    fn begin_step_capture(&self, pos: usize) -> bool {
+        let _ = pos;
+        false
+    }
+
+    /// Ends the recording: whether a step was recorded (an op that cannot be recorded
+    /// abandons it). Nothing of the recorded step has run yet.
+    fn end_step_capture(&self) -> bool {
+        false
+    }
+
+    /// Runs the recorded step at position `pos` (after the step's embedding has been queued);
+    /// false when none is recorded (the backend drops a recording whose buffers it replaced).
+    /// Failures show in [`Backend::status`].
+    fn replay_step(&self, pos: usize) -> bool {
+        let _ = pos;
+        false
+    }
+
+    /// Drops the recorded step (the buffers it uses are about to be replaced).
+    fn forget_step(&self) {}
+
     /// SiLU-gated FFN activation: `gate = silu(gate) · up` over `len` values.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize);
 

@@ -8,12 +8,12 @@
 //! during a forward pass. A view over any other host memory is uploaded for that one op (the
 //! op tests, the rows of an untied embedding table).
 //!
-//! Streaming (next step): give `WeightView` an optional device location (the device pointer of
-//! its blob plus its offset) filled by a `WeightSource` over residency's `DeviceMemory`; `acquire` returns a
-//! guard holding the slot's device pointer after making this backend's stream wait on the
-//! slot's fill event (`cuStreamWaitEvent`, no host sync), and the guard's drop records a
-//! "layer done" event on the stream that the I/O side waits on before refilling that slot.
-//! Then the host copy and the address lookup below go away.
+//! Streaming: [`load_cuda`] gives views whose `device` address points into residency's
+//! device memory (see `streamed.rs` for the release fences that let a slot be refilled).
+//!
+//! Decoding with every weight resident records the step after the embedding once as a CUDA
+//! graph and replays it ([`Backend::begin_step_capture`]): the kernels that depend on the
+//! position read it from device memory, so one recording serves every position.
 //!
 //! Launch failures cannot be returned through the infallible [`Backend`] ops: the first one is
 //! recorded, every later op becomes a no-op, and [`Backend::status`] reports it after the pass.
@@ -42,11 +42,28 @@ pub use streamed::{
 const ROW_THREADS: u32 = 256;
 /// Threads per block of elementwise kernels.
 const ELEMENT_THREADS: u32 = 256;
-/// Warps per block, weight rows per warp (`MM_WROWS`) and input rows per block (`MM_ROWS`) of
-/// the matmul kernels.
+/// Warps per block (they split the columns), weight rows per block (`MM_WROWS`), input rows
+/// per block (`MM_ROWS`) and weights per launch (`MM_MAX_JOBS`) of the matmul kernels.
 const MM_WARPS: u32 = 4;
 const MM_WROWS: u32 = 4;
 const MM_ROWS: u32 = 8;
+const MM_MAX_JOBS: usize = 3;
+
+/// The weights one matmul launch multiplies the same input with: must match `MatmulJobs` in
+/// ops.cu (three pointers, three pointers, five ints; 72 bytes with padding).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct MatmulJobs {
+    w: [u64; MM_MAX_JOBS],
+    out: [u64; MM_MAX_JOBS],
+    m: [i32; MM_MAX_JOBS],
+    n_jobs: i32,
+    accumulate: i32,
+}
+
+// SAFETY: plain data with the C layout of the kernel's by-value parameter (`repr(C)`, no
+// pointers the host dereferences, every bit pattern valid).
+unsafe impl cudarc::driver::DeviceRepr for MatmulJobs {}
 
 /// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
 /// compute-bound there): f16 weights as they are; bf16 and quantized ones converted to f16 one
@@ -104,6 +121,7 @@ struct Kernels {
     embed_rows: CudaFunction,
     rmsnorm: CudaFunction,
     rope: CudaFunction,
+    rope_store_kv: CudaFunction,
     copy_f32: CudaFunction,
     copy_f32_to_f16: CudaFunction,
     copy_f32_to_bf16: CudaFunction,
@@ -129,6 +147,7 @@ impl Kernels {
             embed_rows: f("embed_rows")?,
             rmsnorm: f("rmsnorm")?,
             rope: f("rope")?,
+            rope_store_kv: f("rope_store_kv")?,
             copy_f32: f("copy_f32")?,
             copy_f32_to_f16: f("copy_f32_to_f16")?,
             copy_f32_to_bf16: f("copy_f32_to_bf16")?,
@@ -188,7 +207,35 @@ pub struct CudaBackend {
     inv_freq: Mutex<Option<(Vec<f32>, CudaSlice<f32>)>>,
     /// The first failure; later ops do nothing.
     error: Mutex<Option<String>>,
+    /// Partial results of the split decode attention, sized for the largest cache seen (a
+    /// recorded step keeps using it, so it is not reallocated per op).
+    attention_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// The recorded decode step and the state of a recording.
+    step: Mutex<StepRecording>,
+    /// Whether decode steps are recorded as CUDA graphs (`GDSLLM_CUDA_GRAPH=0` turns it off).
+    graphs: bool,
+    /// Decode steps replayed from the recording.
+    replays: std::sync::atomic::AtomicU64,
 }
+
+/// A decode step recorded as a CUDA graph ([`Backend::begin_step_capture`]).
+struct StepRecording {
+    /// The position the recorded step runs at (one i32 in device memory), written before each
+    /// replay: the kernels that depend on it read it there.
+    pos: CudaSlice<i32>,
+    capturing: bool,
+    /// Set when an op could not be recorded; the recording is then discarded.
+    broken: bool,
+    graph: Option<StepGraph>,
+}
+
+/// A CUDA graph owned by the backend.
+struct StepGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: the graph is a pair of driver handles with no thread affinity; the backend only
+// touches it with the `step` mutex held, which serialises every call on it as the CUDA graph
+// API requires.
+unsafe impl Send for StepGraph {}
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -251,6 +298,10 @@ impl CudaBackend {
             );
             None
         };
+        let pos = stream
+            .alloc_zeros::<i32>(1)
+            .map_err(|e| device_error(format!("allocating the step parameters: {e}")))?;
+        let graphs = std::env::var("GDSLLM_CUDA_GRAPH").map_or(true, |v| v != "0");
         Ok(CudaBackend {
             ctx,
             stream,
@@ -260,6 +311,15 @@ impl CudaBackend {
             blas,
             inv_freq: Mutex::new(None),
             error: Mutex::new(None),
+            attention_scratch: Mutex::new(None),
+            step: Mutex::new(StepRecording {
+                pos,
+                capturing: false,
+                broken: false,
+                graph: None,
+            }),
+            graphs,
+            replays: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -345,6 +405,17 @@ impl CudaBackend {
         Ok(bytes as f64 / best / 1e9)
     }
 
+    /// Decode steps run by replaying the recorded step (a CUDA graph) so far.
+    pub fn step_replays(&self) -> u64 {
+        self.replays.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether decode steps are recorded and replayed as CUDA graphs when the weights are all
+    /// resident (on unless `GDSLLM_CUDA_GRAPH=0`).
+    pub fn records_decode_steps(&self) -> bool {
+        self.graphs
+    }
+
     /// Bytes of weights held in device memory.
     pub fn resident_bytes(&self) -> usize {
         let resident = self.resident.lock().expect("not poisoned");
@@ -370,6 +441,25 @@ impl CudaBackend {
                 None
             }
         }
+    }
+
+    /// The device address of the recorded step's position while a step is being recorded
+    /// (the kernels that depend on the position read it there), else None.
+    fn step_pos_ptr(&self) -> Option<u64> {
+        let step = self.step.lock().expect("not poisoned");
+        step.capturing.then(|| step.pos.device_ptr(&self.stream).0)
+    }
+
+    /// Whether a step is being recorded.
+    fn capturing(&self) -> bool {
+        self.step.lock().expect("not poisoned").capturing
+    }
+
+    /// Abandons the recording in progress: `what` cannot be recorded (it would copy from host
+    /// memory or allocate). The ops still go into the recording, which is then discarded.
+    fn break_capture(&self, what: &str) {
+        tracing::debug!("{what} cannot be recorded in a CUDA graph; decoding op by op");
+        self.step.lock().expect("not poisoned").broken = true;
     }
 
     /// The device address of a buffer (+ `offset` elements).
@@ -406,6 +496,10 @@ impl CudaBackend {
                 }
             }
         }
+        if self.capturing() {
+            self.break_capture("a weight in host memory");
+            return None;
+        }
         let temp = self.check("uploading a weight", self.stream.clone_htod(w.bytes))?;
         let (ptr, _) = temp.device_ptr(&self.stream);
         Some(DeviceWeight {
@@ -420,6 +514,10 @@ impl CudaBackend {
             .as_ref()
             .is_none_or(|(host, _)| host.as_slice() != inv_freq)
         {
+            if self.capturing() {
+                self.break_capture("uploading RoPE frequencies");
+                return None;
+            }
             let dev = self.check(
                 "uploading RoPE frequencies",
                 self.stream.clone_htod(inv_freq),
@@ -438,59 +536,153 @@ impl CudaBackend {
         }
     }
 
-    /// `out = x · Wᵀ` for `rows` rows at device addresses `xp`/`op`; `solo_rows` is the row
-    /// count whose numerics the rows must have (cuBLAS from [`CUBLAS_MIN_ROWS`] on, the matmul
-    /// kernel below it).
-    fn matmul_ptr(&self, xp: u64, rows: usize, w: &WeightView<'_>, op: u64, solo_rows: usize) {
-        let Some(wd) = self.weight(w) else { return };
-        if solo_rows >= CUBLAS_MIN_ROWS
-            && w.dtype != DType::F32
-            && let Some(blas) = &self.blas
-        {
-            return match w.dtype {
-                DType::F16 => self.matmul_cublas(blas, xp, rows, w, wd.ptr, DType::F16, op),
-                DType::Bf16 => {
-                    let Some(tmp) = self.dequantize(w, wd.ptr, DType::F32) else {
-                        return;
-                    };
-                    let ptr = tmp.device_ptr(&self.stream).0;
-                    self.matmul_cublas(blas, xp, rows, w, ptr, DType::F32, op);
-                    drop(tmp);
-                }
-                _ => {
-                    let Some(tmp) = self.dequantize(w, wd.ptr, DType::F16) else {
-                        return;
-                    };
-                    let ptr = tmp.device_ptr(&self.stream).0;
-                    self.matmul_cublas(blas, xp, rows, w, ptr, DType::F16, op);
-                    // Freed in stream order, after the GEMM that reads it.
-                    drop(tmp);
-                }
-            };
+    /// `out (+)= x · Wᵀ` for each `(W, out)` of `jobs` (weights of the same input, so of the
+    /// same column count), `rows` rows at device addresses `xp` and `out`; `solo_rows` is the
+    /// row count whose numerics the rows must have (cuBLAS from [`CUBLAS_MIN_ROWS`] on, the
+    /// matmul kernel below it). Consecutive weights of one dtype share a kernel launch.
+    fn matmul_jobs(
+        &self,
+        xp: u64,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        solo_rows: usize,
+        accumulate: bool,
+    ) {
+        let blas = self.blas.as_ref().filter(|_| solo_rows >= CUBLAS_MIN_ROWS);
+        let mut start = 0;
+        while start < jobs.len() {
+            let first = jobs[start].0;
+            if let Some(blas) = blas
+                && first.dtype != DType::F32
+            {
+                self.matmul_blas(blas, xp, rows, first, jobs[start].1, accumulate);
+                start += 1;
+                continue;
+            }
+            let mut end = start + 1;
+            while end < jobs.len()
+                && end - start < MM_MAX_JOBS
+                && jobs[end].0.dtype == first.dtype
+                && blas.is_none()
+            {
+                end += 1;
+            }
+            self.launch_matmul(xp, rows, &jobs[start..end], accumulate);
+            start = end;
         }
-        let (rows_i, m, k) = (rows as i32, w.rows as i32, w.cols as i32);
+    }
+
+    /// One cuBLAS GEMM: f16 weights as they are, bf16 through an f32 copy, quantized ones
+    /// through an f16 copy (see [`CUBLAS_MIN_ROWS`]).
+    fn matmul_blas(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        xp: u64,
+        rows: usize,
+        w: &WeightView<'_>,
+        op: u64,
+        accumulate: bool,
+    ) {
+        let Some(wd) = self.weight(w) else { return };
+        let to = match w.dtype {
+            DType::F16 => {
+                return self.matmul_cublas(blas, xp, rows, w, wd.ptr, DType::F16, op, accumulate);
+            }
+            DType::Bf16 => DType::F32,
+            _ => DType::F16,
+        };
+        let Some(tmp) = self.dequantize(w, wd.ptr, to) else {
+            return;
+        };
+        let ptr = tmp.device_ptr(&self.stream).0;
+        self.matmul_cublas(blas, xp, rows, w, ptr, to, op, accumulate);
+        // Freed in stream order, after the GEMM that reads it.
+        drop(tmp);
+    }
+
+    /// One launch of the matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
+    fn launch_matmul(
+        &self,
+        xp: u64,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        accumulate: bool,
+    ) {
+        let mut params = MatmulJobs {
+            n_jobs: jobs.len() as i32,
+            accumulate: accumulate as i32,
+            ..MatmulJobs::default()
+        };
+        // Keeps temporary uploads (op tests) alive until the launch is queued.
+        let mut weights = Vec::with_capacity(jobs.len());
+        let mut blocks = 0;
+        for (i, (w, op)) in jobs.iter().enumerate() {
+            let Some(wd) = self.weight(w) else { return };
+            params.w[i] = wd.ptr;
+            params.out[i] = *op;
+            params.m[i] = w.rows as i32;
+            blocks += (w.rows as u32).div_ceil(MM_WROWS);
+            weights.push(wd);
+        }
+        let w = jobs[0].0;
+        let (rows_i, k) = (rows as i32, w.cols as i32);
         let mut b = self
             .stream
             .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize]);
-        b.arg(&xp)
-            .arg(&rows_i)
-            .arg(&wd.ptr)
-            .arg(&m)
-            .arg(&k)
-            .arg(&op);
+        b.arg(&xp).arg(&rows_i).arg(&k).arg(&params);
         let cfg = LaunchConfig {
-            grid_dim: (
-                (w.rows as u32).div_ceil(MM_WARPS * MM_WROWS),
-                (rows as u32).div_ceil(MM_ROWS),
-                1,
-            ),
+            grid_dim: (blocks, (rows as u32).div_ceil(MM_ROWS), 1),
             block_dim: (MM_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x holds rows·k values, out rows·m, the weight m rows of k values in whole
-        // blocks of its dtype (checked when the view was made).
+        // SAFETY: x holds rows·k values; each job's weight has m rows of k values in whole
+        // blocks of the shared dtype (checked when the views were made) and its output rows·m
+        // values; the grid covers ceil(m / MM_WROWS) blocks per job, as the kernel expects.
         let r = unsafe { b.launch(cfg) };
         self.check("matmul kernel", r);
+        drop(weights);
+    }
+
+    /// [`Backend::matmul_batch`], accumulating into the outputs when `accumulate`.
+    fn matmul_groups(
+        &self,
+        x: &CudaBuf,
+        groups: &[crate::backend::RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut CudaBuf],
+        accumulate: bool,
+    ) {
+        if self.failed() || ws.is_empty() {
+            return;
+        }
+        let mut row0 = 0;
+        let mut i = 0;
+        while i < groups.len() {
+            let kernel_rows = groups[i].solo_rows < CUBLAS_MIN_ROWS;
+            let mut rows = 0;
+            while i < groups.len() && (groups[i].solo_rows < CUBLAS_MIN_ROWS) == kernel_rows {
+                rows += groups[i].rows;
+                i += 1;
+                if !kernel_rows {
+                    break; // one GEMM per prefilling sequence
+                }
+            }
+            if rows > 0 {
+                let Some(xp) = self.ptr(x, row0 * ws[0].cols) else {
+                    return;
+                };
+                let mut jobs = Vec::with_capacity(ws.len());
+                for (w, out) in ws.iter().zip(outs.iter()) {
+                    let Some(op) = self.ptr(out, row0 * w.rows) else {
+                        return;
+                    };
+                    jobs.push((w, op));
+                }
+                let solo = if kernel_rows { 1 } else { CUBLAS_MIN_ROWS };
+                self.matmul_jobs(xp, rows, &jobs, solo, accumulate);
+            }
+            row0 += rows;
+        }
     }
 
     /// A bf16 or quantized weight matrix as f16 or f32 (`to`), in a temporary (stream-ordered)
@@ -518,7 +710,9 @@ impl CudaBackend {
     }
 
     /// One query row: the positions in chunks of [`ATT_SPLIT`] over (head, chunk) blocks, then
-    /// the chunks merged (see `attention_decode` in ops.cu).
+    /// the chunks merged (see `attention_decode` in ops.cu). While a step is recorded the grid
+    /// covers the whole cache (`capacity` positions) and the kernels read the position from the
+    /// step parameters; the chunks past it come out empty and the merge skips them.
     #[allow(clippy::too_many_arguments)]
     fn attention_decode(
         &self,
@@ -526,20 +720,20 @@ impl CudaBackend {
         kp: u64,
         vp: u64,
         pos0: usize,
+        capacity: usize,
         shape: AttentionShape,
         scale: f32,
         op: u64,
     ) {
-        let len = pos0 + 1;
-        let n_splits = len.div_ceil(ATT_SPLIT);
-        let part_len = shape.n_heads * n_splits * (2 + shape.head_dim);
-        let Some(part) = self.check(
-            "allocating attention partials",
-            self.stream.alloc_zeros::<f32>(part_len),
-        ) else {
+        let pos_dev = self.step_pos_ptr();
+        let n_splits = if pos_dev.is_some() {
+            capacity.max(pos0 + 1).div_ceil(ATT_SPLIT)
+        } else {
+            (pos0 + 1).div_ceil(ATT_SPLIT)
+        };
+        let Some(pp) = self.attention_partials(shape, capacity.max(pos0 + 1)) else {
             return;
         };
-        let pp = part.device_ptr(&self.stream).0;
         let (p0, nh, nkv, hd, split) = (
             pos0 as i32,
             shape.n_heads as i32,
@@ -547,11 +741,13 @@ impl CudaBackend {
             shape.head_dim as i32,
             ATT_SPLIT as i32,
         );
+        let pos_ptr = pos_dev.unwrap_or(0);
         let mut b = self.stream.launch_builder(&self.kernels.attention_decode);
         b.arg(&qp)
             .arg(&kp)
             .arg(&vp)
             .arg(&p0)
+            .arg(&pos_ptr)
             .arg(&nh)
             .arg(&nkv)
             .arg(&hd)
@@ -563,8 +759,10 @@ impl CudaBackend {
             block_dim: (ROW_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: q holds n_heads·head_dim values, the caches (pos0+1)·n_kv_heads·head_dim,
-        // `part` n_heads·n_splits·(2+head_dim); ATT_SPLIT <= the kernel's tile of 1024.
+        // SAFETY: q holds n_heads·head_dim values, the caches `capacity` positions of
+        // n_kv_heads·head_dim (the kernel reads only the first pos+1), the partials
+        // n_heads·n_splits·(2+head_dim) (`attention_partials` sized them for the capacity);
+        // ATT_SPLIT <= the kernel's tile of 1024.
         let r = unsafe { b.launch(cfg) };
         if self.check("attention_decode kernel", r).is_none() {
             return;
@@ -580,8 +778,27 @@ impl CudaBackend {
         // SAFETY: reads the partials written above, writes n_heads·head_dim values of out.
         let r = unsafe { b.launch(cfg) };
         self.check("attention_combine kernel", r);
-        // Freed in stream order after the combine.
-        drop(part);
+    }
+
+    /// The device address of room for the partial results of `attention_decode` over a cache
+    /// of `capacity` positions. The buffer grows to the largest cache seen and is then reused
+    /// by every layer and step (ops are stream-ordered); growing it drops a recorded step,
+    /// which used the old one, and is not possible while recording.
+    fn attention_partials(&self, shape: AttentionShape, capacity: usize) -> Option<u64> {
+        let need = shape.n_heads * capacity.div_ceil(ATT_SPLIT) * (2 + shape.head_dim);
+        let mut slot = self.attention_scratch.lock().expect("not poisoned");
+        if slot.as_ref().is_none_or(|b| b.len() < need) {
+            if self.capturing() {
+                self.break_capture("allocating attention partials");
+                return None;
+            }
+            self.forget_step();
+            *slot = Some(self.check(
+                "allocating attention partials",
+                self.stream.alloc_zeros::<f32>(need),
+            )?);
+        }
+        slot.as_ref().map(|b| b.device_ptr(&self.stream).0)
     }
 
     /// `out[rows, m] = x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or bf16) at
@@ -597,6 +814,7 @@ impl CudaBackend {
         w_ptr: u64,
         w_type: DType,
         op: u64,
+        accumulate: bool,
     ) {
         use cudarc::cublas::sys::{
             cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
@@ -628,7 +846,7 @@ impl CudaBackend {
             }
             (x16p, Some(x16), data_type)
         };
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: column-major view of the row-major operands: W is k×m (ld k) taken
         // transposed, x16 is k×rows (ld k), out is m×rows (ld m) = row-major [rows, m]. Every
         // pointer is a live device allocation of at least that extent (the weight view's
@@ -850,7 +1068,22 @@ impl Backend for CudaBackend {
         let (Some(xp), Some(op)) = (self.ptr(x, 0), self.ptr(out, 0)) else {
             return;
         };
-        self.matmul_ptr(xp, rows, &w, op, rows);
+        self.matmul_jobs(xp, rows, &[(&w, op)], rows, false);
+    }
+
+    /// Q/K/V and gate/up share one launch of the matmul kernel.
+    fn matmul_many(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut CudaBuf],
+    ) {
+        let group = crate::backend::RowGroup {
+            rows,
+            solo_rows: rows,
+        };
+        self.matmul_groups(x, &[group], ws, outs, false);
     }
 
     /// One pass over each weight for a batch, every row computed as its sequence alone would
@@ -865,34 +1098,19 @@ impl Backend for CudaBackend {
         ws: &[WeightView<'_>],
         outs: &mut [&mut CudaBuf],
     ) {
-        if self.failed() {
-            return;
-        }
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            let mut row0 = 0;
-            let mut i = 0;
-            while i < groups.len() {
-                let kernel_rows = groups[i].solo_rows < CUBLAS_MIN_ROWS;
-                let mut rows = 0;
-                while i < groups.len() && (groups[i].solo_rows < CUBLAS_MIN_ROWS) == kernel_rows {
-                    rows += groups[i].rows;
-                    i += 1;
-                    if !kernel_rows {
-                        break; // one GEMM per prefilling sequence
-                    }
-                }
-                if rows > 0 {
-                    let (Some(xp), Some(op)) =
-                        (self.ptr(x, row0 * w.cols), self.ptr(out, row0 * w.rows))
-                    else {
-                        return;
-                    };
-                    let solo = if kernel_rows { 1 } else { CUBLAS_MIN_ROWS };
-                    self.matmul_ptr(xp, rows, w, op, solo);
-                }
-                row0 += rows;
-            }
-        }
+        self.matmul_groups(x, groups, ws, outs, false);
+    }
+
+    /// The kernel adds to `out` as it writes (cuBLAS: β = 1); `scratch` is not used.
+    fn matmul_add_batch(
+        &self,
+        x: &CudaBuf,
+        groups: &[crate::backend::RowGroup],
+        w: WeightView<'_>,
+        _scratch: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) {
+        self.matmul_groups(x, groups, &[w], &mut [out], true);
     }
 
     fn rope(
@@ -997,7 +1215,11 @@ impl Backend for CudaBackend {
         );
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         if rows == 1 {
-            return self.attention_decode(qp, kp, vp, pos0, shape, scale, op);
+            let capacity = match kc {
+                CudaBuf::F16(c) => c.len() / (shape.n_kv_heads * shape.head_dim),
+                _ => pos0 + 1,
+            };
+            return self.attention_decode(qp, kp, vp, pos0, capacity, shape, scale, op);
         }
         let mut b = self.stream.launch_builder(&self.kernels.attention);
         b.arg(&qp)
@@ -1018,6 +1240,144 @@ impl Backend for CudaBackend {
         // (pos0+rows)·n_kv_heads·head_dim; head_dim <= 256 was checked above.
         let r = unsafe { b.launch(cfg) };
         self.check("attention kernel", r);
+    }
+
+    /// One launch: RoPE on the q and k rows, k and v stored in the f16 caches.
+    fn rope_store_kv(
+        &self,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &CudaBuf,
+        row0: usize,
+        rows: usize,
+        pos0: usize,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        k_cache: &mut CudaBuf,
+        v_cache: &mut CudaBuf,
+    ) {
+        if self.failed() || rows == 0 {
+            return;
+        }
+        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+        if !matches!((&*k_cache, &*v_cache), (CudaBuf::F16(_), CudaBuf::F16(_))) {
+            // f32 caches (from `alloc`): the separate ops convert as they copy.
+            self.rope_at(q, row0, rows, shape.n_heads, hd, pos0, inv_freq);
+            self.rope_at(k, row0, rows, shape.n_kv_heads, hd, pos0, inv_freq);
+            self.copy_rows(k, row0, k_cache, pos0, rows, kv_dim);
+            self.copy_rows(v, row0, v_cache, pos0, rows, kv_dim);
+            return;
+        }
+        let Some(f) = self.inv_freq_ptr(inv_freq) else {
+            return;
+        };
+        let (Some(qp), Some(kp), Some(vp), Some(kc), Some(vc)) = (
+            self.ptr(q, row0 * shape.n_heads * hd),
+            self.ptr(k, row0 * kv_dim),
+            self.ptr(v, row0 * kv_dim),
+            self.ptr(k_cache, 0),
+            self.ptr(v_cache, 0),
+        ) else {
+            return;
+        };
+        let pos_ptr = self.step_pos_ptr().unwrap_or(0);
+        let (rows_i, nh, nkv, hd_i, p0) = (
+            rows as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            hd as i32,
+            pos0 as i32,
+        );
+        let mut b = self.stream.launch_builder(&self.kernels.rope_store_kv);
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&rows_i)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd_i)
+            .arg(&p0)
+            .arg(&pos_ptr)
+            .arg(&f)
+            .arg(&kc)
+            .arg(&vc);
+        // SAFETY: q holds rows·n_heads·head_dim values from row0, k and v rows·kv_dim; the
+        // caches hold the positions pos0 .. pos0+rows (the forward pass checks the capacity),
+        // inv_freq head_dim/2 values.
+        let r = unsafe {
+            b.launch(self.elementwise(rows * (shape.n_heads + shape.n_kv_heads) * hd / 2))
+        };
+        self.check("rope_store_kv kernel", r);
+    }
+
+    fn records_steps(&self) -> bool {
+        self.graphs
+    }
+
+    fn begin_step_capture(&self, _pos: usize) -> bool {
+        if !self.graphs || self.failed() {
+            return false;
+        }
+        let mut step = self.step.lock().expect("not poisoned");
+        step.graph = None;
+        // Thread-local: the residency reader's driver calls on other threads stay legal.
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        match self.stream.begin_capture(mode) {
+            Ok(()) => {
+                step.capturing = true;
+                step.broken = false;
+                true
+            }
+            Err(e) => {
+                tracing::debug!("cuStreamBeginCapture: {e}; decoding op by op");
+                false
+            }
+        }
+    }
+
+    fn end_step_capture(&self) -> bool {
+        let mut step = self.step.lock().expect("not poisoned");
+        if !step.capturing {
+            return false;
+        }
+        step.capturing = false;
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        match self.stream.end_capture(flags) {
+            Ok(Some(graph)) if !step.broken && !self.failed() => {
+                step.graph = Some(StepGraph(graph));
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::debug!("recording the decode step: {e}; decoding op by op");
+                false
+            }
+        }
+    }
+
+    fn replay_step(&self, pos: usize) -> bool {
+        if self.failed() {
+            return false;
+        }
+        let mut step = self.step.lock().expect("not poisoned");
+        let StepRecording {
+            pos: param, graph, ..
+        } = &mut *step;
+        let Some(graph) = graph.as_ref() else {
+            return false;
+        };
+        let r = self.stream.memcpy_htod(&[pos as i32], param);
+        if self.check("writing the step position", r).is_none() {
+            return false;
+        }
+        let ran = self.check("cuGraphLaunch", graph.0.launch()).is_some();
+        self.replays
+            .fetch_add(ran as u64, std::sync::atomic::Ordering::Relaxed);
+        ran
+    }
+
+    fn forget_step(&self) {
+        self.step.lock().expect("not poisoned").graph = None;
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) {

@@ -148,6 +148,11 @@ impl WeightSource for CudaWeights {
     fn residency_stats(&self) -> Option<residency::ResidencyStats> {
         Some(self.residency.stats())
     }
+
+    fn all_resident(&self) -> bool {
+        let plan = self.residency.plan();
+        plan.disk_bytes_per_pass == 0 && plan.host_bytes_per_pass == 0
+    }
 }
 
 /// A model on a CUDA GPU.
