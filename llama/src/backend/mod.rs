@@ -293,11 +293,9 @@ pub trait Backend: Send + Sync {
         k_cache: &mut Self::Buf,
         v_cache: &mut Self::Buf,
     ) {
-        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
-        self.rope_at(q, row0, rows, shape.n_heads, hd, pos0, inv_freq);
-        self.rope_at(k, row0, rows, shape.n_kv_heads, hd, pos0, inv_freq);
-        self.copy_rows(k, row0, k_cache, pos0, rows, kv_dim);
-        self.copy_rows(v, row0, v_cache, pos0, rows, kv_dim);
+        rope_store_kv_separately(
+            self, q, k, v, row0, rows, pos0, shape, inv_freq, k_cache, v_cache,
+        );
     }
 
     /// Whether this backend can record a single-sequence decode step once and replay it
@@ -339,6 +337,29 @@ pub trait Backend: Send + Sync {
 
     /// `x += y` over `len` values (residual connections).
     fn add(&self, x: &mut Self::Buf, y: &Self::Buf, len: usize);
+}
+
+/// [`Backend::rope_store_kv`] as two [`Backend::rope_at`] and two [`Backend::copy_rows`]: the
+/// default, and what a backend that fuses them falls back to.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_store_kv_separately<B: Backend + ?Sized>(
+    be: &B,
+    q: &mut B::Buf,
+    k: &mut B::Buf,
+    v: &B::Buf,
+    row0: usize,
+    rows: usize,
+    pos0: usize,
+    shape: AttentionShape,
+    inv_freq: &[f32],
+    k_cache: &mut B::Buf,
+    v_cache: &mut B::Buf,
+) {
+    let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+    be.rope_at(q, row0, rows, shape.n_heads, hd, pos0, inv_freq);
+    be.rope_at(k, row0, rows, shape.n_kv_heads, hd, pos0, inv_freq);
+    be.copy_rows(k, row0, k_cache, pos0, rows, kv_dim);
+    be.copy_rows(v, row0, v_cache, pos0, rows, kv_dim);
 }
 
 /// Inverse RoPE frequencies `theta^(-2i/head_dim)`, `i < head_dim/2`, with Llama-3 style

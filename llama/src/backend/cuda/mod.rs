@@ -410,12 +410,6 @@ impl CudaBackend {
         self.replays.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether decode steps are recorded and replayed as CUDA graphs when the weights are all
-    /// resident (on unless `GDSLLM_CUDA_GRAPH=0`).
-    pub fn records_decode_steps(&self) -> bool {
-        self.graphs
-    }
-
     /// Bytes of weights held in device memory.
     pub fn resident_bytes(&self) -> usize {
         let resident = self.resident.lock().expect("not poisoned");
@@ -1262,11 +1256,9 @@ impl Backend for CudaBackend {
         let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
         if !matches!((&*k_cache, &*v_cache), (CudaBuf::F16(_), CudaBuf::F16(_))) {
             // f32 caches (from `alloc`): the separate ops convert as they copy.
-            self.rope_at(q, row0, rows, shape.n_heads, hd, pos0, inv_freq);
-            self.rope_at(k, row0, rows, shape.n_kv_heads, hd, pos0, inv_freq);
-            self.copy_rows(k, row0, k_cache, pos0, rows, kv_dim);
-            self.copy_rows(v, row0, v_cache, pos0, rows, kv_dim);
-            return;
+            return crate::backend::rope_store_kv_separately(
+                self, q, k, v, row0, rows, pos0, shape, inv_freq, k_cache, v_cache,
+            );
         }
         let Some(f) = self.inv_freq_ptr(inv_freq) else {
             return;
