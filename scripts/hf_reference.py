@@ -50,6 +50,13 @@ def main():
     t = time.time()
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
+    # `.to(dtype)` casts every floating buffer, the RoPE frequencies (`inv_freq`, or cos/sin
+    # caches in older transformers) included: they are not weights and are not saved, but
+    # rounded to bfloat16's 8-bit mantissa they turn the rotation angles by up to 2^-9 relative,
+    # which alone moved the 7B-shaped model's last logits by 1.29e-2 (L2 relative; 2.25e-3 in
+    # float16) on the H200. The reference keeps the float32 values that the config defines.
+    # (A Llama has no other buffers.)
+    rope_f32 = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
     model = model.to(dtype).eval()
     hf = os.path.join(a.out, "hf")
     os.makedirs(hf, exist_ok=True)
@@ -66,6 +73,11 @@ def main():
     gen = torch.Generator().manual_seed(a.seed + 1)
     prompt = torch.randint(3, shape["vocab_size"], (1, a.prompt_len), generator=gen).cuda()
     with torch.no_grad():
+        # What the rounded frequencies would have done to the reference, for the record.
+        rounded = ref(input_ids=prompt).logits[0, -1].float()
+        buffers = dict(ref.named_buffers())
+        for n, b in rope_f32.items():
+            buffers[n].copy_(b)
         out = ref(input_ids=prompt, use_cache=True)
         last = out.logits[0, -1].float()
         past, logits = out.past_key_values, last
@@ -77,6 +89,7 @@ def main():
             margins.append(float(top.values[0] - top.values[1]))
             out = ref(input_ids=nxt.view(1, 1), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1].float()
+        rope_rounding = float((rounded - last).norm() / last.norm())
     result = {
         "shape": a.shape,
         "dtype": a.dtype,
@@ -85,13 +98,15 @@ def main():
         "greedy_tokens": tokens,
         "greedy_margins": margins,
         "transformers_dtype_saved": a.dtype,
+        "rope_rounding_rel_l2": rope_rounding,
         "torch": torch.__version__,
         "save_seconds": saved_s,
     }
     with open(os.path.join(a.out, "reference.json"), "w") as f:
         json.dump(result, f)
     print(f"{a.shape} {a.dtype}: saved in {saved_s:.1f} s; greedy {tokens[:8]}...; "
-          f"min margin {min(margins):.3e}")
+          f"min margin {min(margins):.3e}; inv_freq rounded to {a.dtype} would move the last "
+          f"logits by {rope_rounding:.2e} (L2 relative)")
 
 
 if __name__ == "__main__":
