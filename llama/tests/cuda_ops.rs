@@ -67,7 +67,9 @@ fn down(be: &CudaBackend, buf: &CudaBuf, n: usize) -> Vec<f32> {
     out
 }
 
-/// f32 accumulation (in another order than the f64 reference) over up to 1536 products.
+/// f32 accumulation (in another order than the f64 reference) over up to 1536 products; for
+/// quantized weights on the kernel path also x as 16-bit integers per 32-value block (each
+/// value within 2^-16 of its block's largest, ~1e-5 of a dot product here).
 const MATMUL_TOL: f32 = 1e-4;
 /// Quantized weights through cuBLAS: each dequantized weight rounded to f16.
 const QUANT_GEMM_TOL: f32 = 2e-3;
@@ -167,15 +169,20 @@ fn rope_swiglu_add_match_reference() {
     println!("rope: max rel diff {d:.2e} (tol 1e-5)");
     assert!(d < 1e-5, "rope: {d}");
 
+    // Four values per thread (3008 = 94 blocks: also written quantized), four per thread
+    // without, and one per thread.
+    for n in [3008, 3000, 3001] {
+        let (g, u) = (random(&mut rng, n), random(&mut rng, n));
+        let mut want = g.clone();
+        ReferenceBackend.swiglu(&mut want, &u, n);
+        let mut gd = up(&be, &g);
+        be.swiglu(&mut gd, &up(&be, &u), n);
+        let d = max_rel_diff(&down(&be, &gd, n), &want);
+        println!("swiglu n={n}: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
+        assert!(d < ELEMENT_TOL, "swiglu n={n}: {d}");
+    }
     let n = 3000;
     let (g, u) = (random(&mut rng, n), random(&mut rng, n));
-    let mut want = g.clone();
-    ReferenceBackend.swiglu(&mut want, &u, n);
-    let mut gd = up(&be, &g);
-    be.swiglu(&mut gd, &up(&be, &u), n);
-    let d = max_rel_diff(&down(&be, &gd, n), &want);
-    println!("swiglu: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
-    assert!(d < ELEMENT_TOL, "swiglu: {d}");
 
     let mut want = g.clone();
     ReferenceBackend.add(&mut want, &u, n);
@@ -184,6 +191,98 @@ fn rope_swiglu_add_match_reference() {
     let d = max_rel_diff(&down(&be, &gd, n), &want);
     println!("add: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
     assert!(d < ELEMENT_TOL, "add: {d}");
+}
+
+/// rmsnorm and swiglu also write their output in the quantized matmuls' input format, and the
+/// quantized matmul reading that output next uses it instead of converting x itself: it must
+/// give the bits of a matmul over the same values uploaded afresh (converted by
+/// `quantize_x16`), and any op in between must make it convert again.
+#[test]
+fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(31);
+    let (rows, dim, ffn, m) = (3, 576, 1536, 40);
+    let norm = weights(&mut rng, DType::F32, 1, dim);
+    let nv = WeightView::host(DType::F32, 1, dim, &norm);
+    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let (w1, w2) = (
+            weights(&mut rng, dtype, m, dim),
+            weights(&mut rng, dtype, m, ffn),
+        );
+        let (v1, v2) = (
+            WeightView::host(dtype, m, dim, &w1),
+            WeightView::host(dtype, m, ffn, &w2),
+        );
+        // The same values through quantize_x16.
+        let fresh = |x: &[f32], k: usize, w: WeightView<'_>| {
+            let before = be.x16_launches();
+            let mut o = be.alloc(rows * m);
+            be.matmul(&up(&be, x), rows, w, &mut o);
+            let got = down(&be, &o, rows * m);
+            assert_eq!(
+                be.x16_launches(),
+                before + 1,
+                "{dtype:?} k={k}: quantize_x16 ran"
+            );
+            got
+        };
+
+        // (An allocation between them would count as an op: `o` comes first.)
+        let x = random(&mut rng, rows * dim);
+        let (mut h, mut o) = (be.alloc(rows * dim), be.alloc(rows * m));
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h);
+        let before = be.x16_launches();
+        be.matmul(&h, rows, v1, &mut o);
+        assert_eq!(
+            be.x16_launches(),
+            before,
+            "{dtype:?}: rmsnorm's quantized output used"
+        );
+        let h_values = down(&be, &h, rows * dim);
+        assert_eq!(
+            down(&be, &o, rows * m),
+            fresh(&h_values, dim, v1),
+            "{dtype:?} after rmsnorm"
+        );
+
+        let (g, u) = (random(&mut rng, rows * ffn), random(&mut rng, rows * ffn));
+        let (mut gd, mut o) = (up(&be, &g), be.alloc(rows * m));
+        be.swiglu(&mut gd, &up(&be, &u), rows * ffn);
+        let before = be.x16_launches();
+        be.matmul(&gd, rows, v2, &mut o);
+        assert_eq!(
+            be.x16_launches(),
+            before,
+            "{dtype:?}: swiglu's quantized output used"
+        );
+        let g_values = down(&be, &gd, rows * ffn);
+        assert_eq!(
+            down(&be, &o, rows * m),
+            fresh(&g_values, ffn, v2),
+            "{dtype:?} after swiglu"
+        );
+
+        // An op between the producer and the matmul: the stale quantized copy is not used.
+        let y = random(&mut rng, rows * dim);
+        let (mut h, mut o, yd) = (be.alloc(rows * dim), be.alloc(rows * m), up(&be, &y));
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h);
+        be.add(&mut h, &yd, rows * dim);
+        let before = be.x16_launches();
+        be.matmul(&h, rows, v1, &mut o);
+        assert_eq!(
+            be.x16_launches(),
+            before + 1,
+            "{dtype:?}: converted again after add"
+        );
+        let h_values = down(&be, &h, rows * dim);
+        let mut want = vec![0f32; rows * m];
+        ReferenceBackend.matmul(&h_values, rows, v1, &mut want);
+        let d = max_rel_diff(&down(&be, &o, rows * m), &want);
+        assert!(d < MATMUL_TOL, "{dtype:?} after rmsnorm + add: {d}");
+    }
+    println!(
+        "quantized matmul inputs written by rmsnorm and swiglu: the bits of quantize_x16's, and not reused after another op"
+    );
 }
 
 /// Rounds through f16, as the device's KV cache stores values.

@@ -145,7 +145,9 @@ mod tests {
     #[test]
     fn kernel_source_is_embedded() {
         // The matmul kernels are stamped out by a macro, the others written out.
-        assert!(OPS_SOURCE.contains("MATMUL_KERNEL(matmul_q4_1, 5)"));
+        assert!(OPS_SOURCE.contains("MATMUL_KERNELS(matmul_f16, 1)"));
+        assert!(OPS_SOURCE.contains("MATMUL_Q_KERNELS(matmul_q4_1, 5)"));
         assert!(OPS_SOURCE.contains("extern \"C\" __global__ void rope_store_kv("));
+        assert!(OPS_SOURCE.contains("extern \"C\" __global__ void quantize_x16("));
     }
 }

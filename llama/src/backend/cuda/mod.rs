@@ -42,6 +42,12 @@ pub use streamed::{
 const ROW_THREADS: u32 = 256;
 /// Threads per block of elementwise kernels.
 const ELEMENT_THREADS: u32 = 256;
+/// The most activations rmsnorm and swiglu also write quantized (see `x16_memo`): decoding
+/// batches of up to 64 sequences of a 16384-wide FFN; long prompts go to cuBLAS and do not
+/// read them.
+const X16_FUSED_MAX: usize = 1 << 20;
+/// Threads per block of `rmsnorm` (must match RMS_THREADS in ops.cu).
+const RMS_THREADS: u32 = 1024;
 /// Warps per block (they split the columns), weight rows per block (`MM_WROWS`), input rows
 /// per block (`MM_ROWS`) and weights per launch (`MM_MAX_JOBS`) of the matmul kernels.
 const MM_WARPS: u32 = 4;
@@ -59,6 +65,25 @@ struct MatmulJobs {
     m: [i32; MM_MAX_JOBS],
     n_jobs: i32,
     accumulate: i32,
+}
+
+/// What a matmul kernel reads as x: f32 rows, or (quantized weights) `quantize_x16`'s
+/// integers and block records, by device address.
+#[derive(Clone, Copy)]
+enum MatmulInput {
+    F32(u64),
+    Int16 { xq: u64, xs: u64 },
+}
+
+/// `n` f32 values at device address `x`, quantized at `xq`/`xs` by the op that wrote them (see
+/// `x16_memo`); valid while `ops_issued` is still `at`.
+#[derive(Clone, Copy, Debug)]
+struct X16Memo {
+    x: u64,
+    n: usize,
+    xq: u64,
+    xs: u64,
+    at: u64,
 }
 
 // SAFETY: plain data with the C layout of the kernel's by-value parameter (`repr(C)`, no
@@ -133,7 +158,9 @@ struct Kernels {
     attention_combine: CudaFunction,
     dequant_f16: CudaFunction,
     dequant_f32: CudaFunction,
-    matmul: [CudaFunction; 6],
+    quantize_x16: CudaFunction,
+    /// Per dtype code: the kernel for one input row per block, and for [`MM_ROWS`].
+    matmul: [[CudaFunction; 2]; 6],
 }
 
 impl Kernels {
@@ -159,13 +186,14 @@ impl Kernels {
             attention_combine: f("attention_combine")?,
             dequant_f16: f("dequant_f16")?,
             dequant_f32: f("dequant_f32")?,
+            quantize_x16: f("quantize_x16")?,
             matmul: [
-                f("matmul_f32")?,
-                f("matmul_f16")?,
-                f("matmul_bf16")?,
-                f("matmul_q8_0")?,
-                f("matmul_q4_0")?,
-                f("matmul_q4_1")?,
+                [f("matmul_f32_r1")?, f("matmul_f32_r8")?],
+                [f("matmul_f16_r1")?, f("matmul_f16_r8")?],
+                [f("matmul_bf16_r1")?, f("matmul_bf16_r8")?],
+                [f("matmul_q8_0_r1")?, f("matmul_q8_0_r8")?],
+                [f("matmul_q4_0_r1")?, f("matmul_q4_0_r8")?],
+                [f("matmul_q4_1_r1")?, f("matmul_q4_1_r8")?],
             ],
         })
     }
@@ -210,6 +238,18 @@ pub struct CudaBackend {
     /// Partial results of the split decode attention, sized for the largest cache seen (a
     /// recorded step keeps using it, so it is not reallocated per op).
     attention_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// The activations of the quantized matmuls as `quantize_x16_lanes` writes them, sized for
+    /// the largest input seen (reused like `attention_scratch`).
+    x16_scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// What the scratch holds when the last op was an rmsnorm or swiglu that also wrote its
+    /// output there, so that the quantized matmul reading that output next skips
+    /// `quantize_x16`.
+    x16_memo: Mutex<Option<X16Memo>>,
+    /// Counts every launch, copy and allocation on the stream (each passes [`Self::check`] or
+    /// [`Self::alloc`]): an [`X16Memo`] holds while this has not moved since it was made.
+    ops_issued: std::sync::atomic::AtomicU64,
+    /// Launches of `quantize_x16` (the inputs that no producer had quantized).
+    x16_launches: std::sync::atomic::AtomicU64,
     /// The recorded decode step and the state of a recording.
     step: Mutex<StepRecording>,
     /// Whether decode steps are recorded as CUDA graphs (`GDSLLM_CUDA_GRAPH=0` turns it off).
@@ -312,6 +352,10 @@ impl CudaBackend {
             inv_freq: Mutex::new(None),
             error: Mutex::new(None),
             attention_scratch: Mutex::new(None),
+            x16_scratch: Mutex::new(None),
+            x16_memo: Mutex::new(None),
+            ops_issued: std::sync::atomic::AtomicU64::new(0),
+            x16_launches: std::sync::atomic::AtomicU64::new(0),
             step: Mutex::new(StepRecording {
                 pos,
                 capturing: false,
@@ -361,6 +405,8 @@ impl CudaBackend {
 
     /// A device buffer holding `data` (tests, and callers that bring their own activations).
     pub fn upload(&self, data: &[f32]) -> Result<CudaBuf, LlamaError> {
+        self.ops_issued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream
             .clone_htod(data)
             .map(CudaBuf::F32)
@@ -410,6 +456,12 @@ impl CudaBackend {
         self.replays.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Inputs of quantized matmuls converted by a `quantize_x16` launch of their own so far
+    /// (those that rmsnorm or swiglu wrote in that form as they produced them are not counted).
+    pub fn x16_launches(&self) -> u64 {
+        self.x16_launches.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Bytes of weights held in device memory.
     pub fn resident_bytes(&self) -> usize {
         let resident = self.resident.lock().expect("not poisoned");
@@ -428,6 +480,8 @@ impl CudaBackend {
     }
 
     fn check<T, E: std::fmt::Display>(&self, what: &str, r: Result<T, E>) -> Option<T> {
+        self.ops_issued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match r {
             Ok(v) => Some(v),
             Err(e) => {
@@ -533,7 +587,8 @@ impl CudaBackend {
     /// `out (+)= x · Wᵀ` for each `(W, out)` of `jobs` (weights of the same input, so of the
     /// same column count), `rows` rows at device addresses `xp` and `out`; `solo_rows` is the
     /// row count whose numerics the rows must have (cuBLAS from [`CUBLAS_MIN_ROWS`] on, the
-    /// matmul kernel below it). Consecutive weights of one dtype share a kernel launch.
+    /// matmul kernels below it). Consecutive weights of one dtype share a kernel launch; the
+    /// quantized ones share one conversion of x (`quantize_x16`).
     fn matmul_jobs(
         &self,
         xp: u64,
@@ -542,7 +597,11 @@ impl CudaBackend {
         solo_rows: usize,
         accumulate: bool,
     ) {
+        let Some(&(first, _)) = jobs.first() else {
+            return;
+        };
         let blas = self.blas.as_ref().filter(|_| solo_rows >= CUBLAS_MIN_ROWS);
+        let mut x16 = self.x16_memo_for(xp, rows * first.cols);
         let mut start = 0;
         while start < jobs.len() {
             let first = jobs[start].0;
@@ -561,9 +620,94 @@ impl CudaBackend {
             {
                 end += 1;
             }
-            self.launch_matmul(xp, rows, &jobs[start..end], accumulate);
+            let x = if first.dtype.is_quantized() {
+                if x16.is_none() {
+                    x16 = self.quantize_x16(xp, rows * first.cols);
+                }
+                let Some((xq, xs)) = x16 else { return };
+                MatmulInput::Int16 { xq, xs }
+            } else {
+                MatmulInput::F32(xp)
+            };
+            self.launch_matmul(x, rows, &jobs[start..end], accumulate);
             start = end;
         }
+    }
+
+    /// Room in the reused scratch buffer for `n` activations (a multiple of 32) in the format of
+    /// `quantize_x16_lanes`: the device addresses of the 16-bit integers and of the per-block
+    /// (scale, sum, integer sum) records. Growing the buffer drops a recorded step (which used
+    /// the old one) and is not possible while recording: then None, and the recording is
+    /// abandoned when `needed` (the fused writes of rmsnorm and swiglu are optional).
+    fn x16_scratch(&self, n: usize, needed: bool) -> Option<(u64, u64)> {
+        let n_blocks = n / 32;
+        let (q_bytes, need) = (n_blocks * 64, n_blocks * 80);
+        let mut slot = self.x16_scratch.lock().expect("not poisoned");
+        if slot.as_ref().is_none_or(|b| b.len() < need) {
+            if self.capturing() {
+                if needed {
+                    self.break_capture("allocating quantized activations");
+                }
+                return None;
+            }
+            self.forget_step();
+            *slot = Some(self.check(
+                "allocating quantized activations",
+                self.stream.alloc_zeros::<u8>(need),
+            )?);
+        }
+        let xq = slot.as_ref()?.device_ptr(&self.stream).0;
+        Some((xq, xq + q_bytes as u64))
+    }
+
+    /// `n` activations at `xp` in the format of `quantize_x16_lanes`, in the scratch buffer.
+    fn quantize_x16(&self, xp: u64, n: usize) -> Option<(u64, u64)> {
+        let (xq, xs) = self.x16_scratch(n, true)?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.quantize_x16);
+        b.arg(&xp).arg(&n64).arg(&xq).arg(&xs);
+        // SAFETY: x holds n f32 values (n a multiple of 32; activation rows are 16-byte
+        // aligned); the scratch holds n/32 64-byte blocks of integers at xq and n/32 16-byte
+        // records at xs (16-byte aligned: n/32·64 is). One thread per 4 values.
+        let r = unsafe { b.launch(self.elementwise(n / 4)) };
+        self.check("quantize_x16 kernel", r)?;
+        self.x16_launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some((xq, xs))
+    }
+
+    /// Where the op just before this one left `n` activations at `xp` quantized, if it did:
+    /// the memo of an rmsnorm or swiglu when nothing was issued since, and `xp` lies in its
+    /// output at a whole block.
+    fn x16_memo_for(&self, xp: u64, n: usize) -> Option<(u64, u64)> {
+        let memo = (*self.x16_memo.lock().expect("not poisoned"))?;
+        let now = self.ops_issued.load(std::sync::atomic::Ordering::Relaxed);
+        let offset = xp.checked_sub(memo.x)? / 4;
+        let fits = now == memo.at
+            && xp >= memo.x
+            && (xp - memo.x).is_multiple_of(128)
+            && offset as usize + n <= memo.n;
+        fits.then(|| {
+            let block = offset / 32;
+            (memo.xq + block * 64, memo.xs + block * 16)
+        })
+    }
+
+    /// The scratch addresses a producer of `n` activations at `xp` writes their quantized form
+    /// to (when `n` is whole blocks and the scratch is there), or (0, 0): no fused write.
+    fn x16_fused_target(&self, n: usize) -> (u64, u64) {
+        if n == 0 || !n.is_multiple_of(32) || n > X16_FUSED_MAX {
+            return (0, 0);
+        }
+        self.x16_scratch(n, false).unwrap_or((0, 0))
+    }
+
+    /// After a launch that wrote `n` activations at `x` and, unless `xq` is 0, their
+    /// quantized form.
+    fn remember_x16(&self, x: u64, n: usize, (xq, xs): (u64, u64)) {
+        let at = self.ops_issued.load(std::sync::atomic::Ordering::Relaxed);
+        *self.x16_memo.lock().expect("not poisoned") =
+            (xq != 0).then_some(X16Memo { x, n, xq, xs, at });
     }
 
     /// One cuBLAS GEMM: f16 weights as they are, bf16 through an f32 copy, quantized ones
@@ -594,10 +738,10 @@ impl CudaBackend {
         drop(tmp);
     }
 
-    /// One launch of the matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
+    /// One launch of a matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
     fn launch_matmul(
         &self,
-        xp: u64,
+        x: MatmulInput,
         rows: usize,
         jobs: &[(&WeightView<'_>, u64)],
         accumulate: bool,
@@ -620,18 +764,31 @@ impl CudaBackend {
         }
         let w = jobs[0].0;
         let (rows_i, k) = (rows as i32, w.cols as i32);
+        // One input row per block when there is one: the kernel then keeps no accumulators
+        // for rows that do not exist.
+        let (variant, rows_per_block) = if rows == 1 { (0, 1) } else { (1, MM_ROWS) };
+        let (x0, x1) = match x {
+            MatmulInput::F32(xp) => (xp, None),
+            MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
+        };
         let mut b = self
             .stream
-            .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize]);
-        b.arg(&xp).arg(&rows_i).arg(&k).arg(&params);
+            .launch_builder(&self.kernels.matmul[dtype_code(w.dtype) as usize][variant]);
+        b.arg(&x0);
+        if let Some(xs) = &x1 {
+            b.arg(xs);
+        }
+        b.arg(&rows_i).arg(&k).arg(&params);
         let cfg = LaunchConfig {
-            grid_dim: (blocks, (rows as u32).div_ceil(MM_ROWS), 1),
+            grid_dim: (blocks, (rows as u32).div_ceil(rows_per_block), 1),
             block_dim: (MM_WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x holds rows·k values; each job's weight has m rows of k values in whole
-        // blocks of the shared dtype (checked when the views were made) and its output rows·m
-        // values; the grid covers ceil(m / MM_WROWS) blocks per job, as the kernel expects.
+        // SAFETY: x holds rows·k values (f32, or for quantized weights the 16-bit integers and
+        // block records of `quantize_x16` over them); each job's weight has m rows of k values
+        // in whole blocks of the shared dtype (checked when the views were made) and its output
+        // rows·m values; the grid covers ceil(m / MM_WROWS) blocks per job and the rows in
+        // groups of the variant's rows per block, as the kernel expects.
         let r = unsafe { b.launch(cfg) };
         self.check("matmul kernel", r);
         drop(weights);
@@ -929,6 +1086,9 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize) -> CudaBuf {
+        // A new buffer may sit where a quantized one was.
+        self.ops_issued
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match self.stream.alloc_zeros::<f32>(len.max(1)) {
             Ok(s) => CudaBuf::F32(s),
             Err(e) => {
@@ -1038,21 +1198,28 @@ impl Backend for CudaBackend {
             return;
         };
         let (dtype, dim) = (dtype_code(weight.dtype), weight.cols as i32);
+        let n = rows * weight.cols;
+        let (xq, xs) = self.x16_fused_target(n);
         let mut b = self.stream.launch_builder(&self.kernels.rmsnorm);
         b.arg(&xp)
             .arg(&w.ptr)
             .arg(&dtype)
             .arg(&dim)
             .arg(&eps)
-            .arg(&op);
+            .arg(&op)
+            .arg(&xq)
+            .arg(&xs);
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
+            block_dim: (RMS_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x and out hold rows·dim values, the weight dim values.
+        // SAFETY: x and out hold rows·dim values, the weight dim values; xq/xs are null or
+        // (dim a multiple of 32) the scratch's room for rows·dim quantized values.
         let r = unsafe { b.launch(cfg) };
-        self.check("rmsnorm kernel", r);
+        if self.check("rmsnorm kernel", r).is_some() {
+            self.remember_x16(op, n, (xq, xs));
+        }
     }
 
     fn matmul(&self, x: &CudaBuf, rows: usize, w: WeightView<'_>, out: &mut CudaBuf) {
@@ -1373,7 +1540,24 @@ impl Backend for CudaBackend {
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) {
-        self.in_place(&self.kernels.swiglu, "swiglu", gate, up, len);
+        if self.failed() || len == 0 {
+            return;
+        }
+        let (Some(gp), Some(up)) = (self.ptr(gate, 0), self.ptr(up, 0)) else {
+            return;
+        };
+        let (xq, xs) = self.x16_fused_target(len);
+        let n = len as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.swiglu);
+        b.arg(&gp).arg(&up).arg(&n).arg(&xq).arg(&xs);
+        let threads = if len.is_multiple_of(4) { len / 4 } else { len };
+        // SAFETY: both buffers hold at least len values; the kernel touches elements < n (four
+        // per thread when n is a multiple of 4); xq/xs are null or (n a multiple of 32) the
+        // scratch's room for n quantized values.
+        let r = unsafe { b.launch(self.elementwise(threads)) };
+        if self.check("swiglu kernel", r).is_some() {
+            self.remember_x16(gp, len, (xq, xs));
+        }
     }
 
     fn add(&self, x: &mut CudaBuf, y: &CudaBuf, len: usize) {

@@ -75,27 +75,121 @@ extern "C" __global__ void embed_rows(const u8* table, u64 row_bytes, int dtype,
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[(u64)r * dim + j] = load_elem(row, dtype, j);
 }
 
-// One block (256 threads) per row; f32 sum of squares as the CPU backend.
-extern "C" __global__ void rmsnorm(const float* x, const u8* weight, int dtype, int dim, float eps,
-                                   float* out) {
-    __shared__ float partial[32];
+// Activations of the quantized matmuls: each 32-value block of x as 16-bit integers
+// q = rn(x / d) with d = max|x| / 32767, so the products with the weights' 4- and 8-bit integers
+// are exact integer dot products (`dp2a`: two 16×8-bit products per instruction) and the only
+// rounding is x's, at most 2^-16 of its block's largest value (f16 keeps 2^-11 of each value).
+// This replaces a float conversion and an FMA per weight value, which bounded those kernels
+// well below the memory bandwidth. Per block, beside the 32 integers (`xq`, 64 bytes): d, Σx
+// (exact, for q4_1's offset m) and Σq (for q4_0's −8) in one float4 (`xs`). Blocks of
+// consecutive rows are contiguous (rows are whole blocks), so a block is addressed by its index
+// in the flat array.
+//
+// Eight consecutive lanes hold one block, four values each (lane t of the eight: values
+// 4t..4t+3); every lane of the warp must call this (it shuffles), `live` says whether the
+// lane's block exists. The kernels that produce a matmul's input (rmsnorm, swiglu) write this
+// as they write x, and `quantize_x16` does it for any other input, all through this function,
+// so the integers and sums are the same bits whichever kernel made them.
+__device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
+    int t = threadIdx.x % 8;
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    float sum = ((v.x + v.y) + v.z) + v.w;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int a = max(-32767, min(32767, __float2int_rn(v.x * inv)));
+    int b = max(-32767, min(32767, __float2int_rn(v.y * inv)));
+    int c = max(-32767, min(32767, __float2int_rn(v.z * inv)));
+    int d = max(-32767, min(32767, __float2int_rn(v.w * inv)));
+    int qsum = (a + b) + (c + d);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+    if (live) {
+        ((uint2*)(xq + block * 32))[t] =
+            make_uint2(((u32)a & 0xFFFFu) | ((u32)b << 16), ((u32)c & 0xFFFFu) | ((u32)d << 16));
+        if (t == 0) xs[block] = make_float4(amax / 32767.f, sum, __int_as_float(qsum), 0.f);
+    }
+}
+
+// x (n values, a multiple of 32) in the format above; one float4 per thread.
+extern "C" __global__ void quantize_x16(const float* x, u64 n, short* xq, float4* xs) {
+    u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    bool live = c < n / 4;
+    float4 v = live ? ((const float4*)x)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+    quantize_x16_lanes(v, live, c / 8, xq, xs);
+}
+
+// One block of RMS_THREADS per row, f32 sum of squares. Rows whose width is a multiple of 4
+// are read as float4 and kept in registers between the two passes (up to RMS_VEC per thread;
+// a 4096-wide row is one load per thread): with one row per block (decoding), the latency of
+// dependent loads, not bandwidth, is the cost. When `xq` is given (width a multiple of 32) the
+// normalized rows are also written for the quantized matmuls that read them next.
+#define RMS_THREADS 1024
+#define RMS_VEC 4
+// Values 4c..4c+3 of row r of rmsnorm's output from those of its input `t`.
+__device__ __forceinline__ void rmsnorm_store(float4 t, int c, int n4, int r, float scale, const u8* weight,
+                                              int dtype, float* orow, short* xq, float4* xs) {
+    bool live = c < n4;
+    float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (live) {
+        w = dtype == 0 ? ((const float4*)weight)[c]
+                       : make_float4(load_elem(weight, dtype, 4 * c), load_elem(weight, dtype, 4 * c + 1),
+                                     load_elem(weight, dtype, 4 * c + 2), load_elem(weight, dtype, 4 * c + 3));
+    }
+    float4 o = make_float4(t.x * scale * w.x, t.y * scale * w.y, t.z * scale * w.z, t.w * scale * w.w);
+    if (live) ((float4*)orow)[c] = o;
+    if (xq) quantize_x16_lanes(o, live, ((u64)r * n4 + c) / 8, xq, xs);
+}
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x, const u8* weight, int dtype,
+                                                                 int dim, float eps, float* out, short* xq,
+                                                                 float4* xs) {
+    __shared__ float partial[RMS_THREADS / 32];
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < dim; j += blockDim.x) ss += xr[j] * xr[j];
-    ss = warp_sum(ss);
+    float* orow = out + (u64)r * dim;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    bool vec = dim % 4 == 0;
+    int n4 = vec ? dim / 4 : 0;
+    float4 v[RMS_VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < RMS_VEC; i++) {
+        int c = threadIdx.x + i * RMS_THREADS;
+        v[i] = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
+    for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4; c += RMS_THREADS) {
+        float4 t = ((const float4*)xr)[c];
+        ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
+    ss = warp_sum(ss);
     if (lane == 0) partial[warp] = ss;
     __syncthreads();
     if (warp == 0) {
-        float v = lane < (int)(blockDim.x / 32) ? partial[lane] : 0.f;
-        v = warp_sum(v);
-        if (lane == 0) partial[0] = v;
+        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
+        p = warp_sum(p);
+        if (lane == 0) partial[0] = p;
     }
     __syncthreads();
     float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
-    for (int j = threadIdx.x; j < dim; j += blockDim.x)
-        out[(u64)r * dim + j] = xr[j] * scale * load_elem(weight, dtype, j);
+    // Whole warps run every step (quantize_x16_lanes shuffles); `c < n4` says which lanes hold
+    // values.
+    int n4_warps = (n4 + 31) / 32 * 32;
+#pragma unroll
+    for (int i = 0; i < RMS_VEC; i++) {
+        int c = threadIdx.x + i * RMS_THREADS;
+        if (c < n4_warps) rmsnorm_store(v[i], c, n4, r, scale, weight, dtype, orow, xq, xs);
+    }
+    for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4_warps; c += RMS_THREADS) {
+        float4 t = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        rmsnorm_store(t, c, n4, r, scale, weight, dtype, orow, xq, xs);
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS)
+        orow[j] = xr[j] * scale * load_elem(weight, dtype, j);
 }
 
 // The position a kernel starts at: `*pos_dev` when given (a recorded decode step reads it from
@@ -176,12 +270,27 @@ extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {
     if (i < n) dst[i] = h2f(src[i]);
 }
 
-extern "C" __global__ void swiglu(float* gate, const float* up, u64 n) {
+// gate = silu(gate) · up over n values, four per thread when n is a multiple of 4 (grid over
+// n / 4 threads, else n); with `xq` (n a multiple of 32) also written for the quantized matmul
+// that reads it next.
+extern "C" __global__ void swiglu(float* gate, const float* up, u64 n, short* xq, float4* xs) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float g = gate[i];
-        gate[i] = g / (1.f + expf(-g)) * up[i];
+    if (n % 4 != 0) {
+        if (i < n) {
+            float g = gate[i];
+            gate[i] = g / (1.f + expf(-g)) * up[i];
+        }
+        return;
     }
+    bool live = i < n / 4;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (live) {
+        float4 g = ((const float4*)gate)[i], u = ((const float4*)up)[i];
+        o = make_float4(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y,
+                        g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
+        ((float4*)gate)[i] = o;
+    }
+    if (xq) quantize_x16_lanes(o, live, i / 8, xq, xs);
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 n) {
@@ -383,13 +492,14 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16
 }
 
 // out[r, i] (+)= Σ_c x[r, c] · w[i, c] for up to MM_MAX_JOBS weights of one dtype read with the
-// same x (Q/K/V, gate/up): f32 accumulation, quantized blocks decoded in registers (no
-// dequantized copy of the weights). A block of MM_WARPS warps owns MM_WROWS weight rows of one
-// job and up to MM_ROWS input rows; its warps split the columns (warp w, lane l take the
-// 32-column blocks (it·MM_WARPS + w)·32 + l), so a 4096-column row is one step per lane with every
-// load issued at once, and each block's partial sums are added in a fixed order: a row's result
-// does not depend on how many rows are computed with it (batched decoding gives the solo
-// result). grid = (Σ_jobs ceil(m_j / MM_WROWS), ceil(rows / MM_ROWS)).
+// same x (Q/K/V, gate/up), f32 accumulation. A block of MM_WARPS warps owns MM_WROWS weight rows
+// of one job and up to NR input rows (1 when decoding one sequence, so the accumulators of unused
+// rows take no registers; MM_ROWS for batches); its warps split the columns (warp w, lane l take
+// the 8-value groups or 32-value blocks (it·MM_WARPS + w)·32 + l), so a 4096-column row is one
+// step per lane with every load issued at once. Each row's partial sums are added in a fixed
+// order and with explicit fmaf, the same in every NR variant: a row's result does not depend on
+// how many rows are computed with it (batched decoding gives the solo result).
+// grid = (Σ_jobs ceil(m_j / MM_WROWS), ceil(rows / NR)).
 #define MM_ROWS 8
 #define MM_WARPS 4
 #define MM_WROWS 4
@@ -404,93 +514,12 @@ struct MatmulJobs {
     int accumulate;  // out += x·Wᵀ (residual connections) instead of out = x·Wᵀ
 };
 
-// x[0..32] of one block as 8 float4 loads (a block's activations are 128-byte aligned).
-__device__ __forceinline__ void load_x32(const float* xb, float* v) {
-    const float4* x4 = (const float4*)xb;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        float4 t = x4[j];
-        v[4 * j] = t.x; v[4 * j + 1] = t.y; v[4 * j + 2] = t.z; v[4 * j + 3] = t.w;
-    }
-}
-
-// A quantized block's raw words, loaded before any arithmetic so that every weight row's loads
-// are in flight together. Blocks are read in the widest words their alignment allows (tensors
-// start 4096-aligned: q4_1's 20-byte blocks are 4-aligned, q8_0's 34 and q4_0's 18 only
-// 2-aligned), never byte by byte.
-template <int DTYPE> struct QBlock;
-template <> struct QBlock<3> { u16 h[17]; };
-template <> struct QBlock<4> { u16 h[9]; };
-template <> struct QBlock<5> { u32 w[5]; };
-
-template <int DTYPE> __device__ __forceinline__ constexpr int qblock_bytes() { return DTYPE == 3 ? 34 : DTYPE == 4 ? 18 : 20; }
-
-template <int DTYPE>
-__device__ __forceinline__ void load_qblock(const u8* p, QBlock<DTYPE>& q) {
-    if constexpr (DTYPE == 5) {
-#pragma unroll
-        for (int i = 0; i < 5; i++) q.w[i] = ((const u32*)p)[i];
-    } else {
-        constexpr int n = DTYPE == 3 ? 17 : 9;
-#pragma unroll
-        for (int i = 0; i < n; i++) q.h[i] = ((const u16*)p)[i];
-    }
-}
-
-// An integer 0 <= q < 2^23 minus `bias` as a float, exactly: 2^23 + q is the float whose
-// mantissa holds q, so one OR and one full-rate FADD replace the quarter-rate I2F conversion
-// (which bounded the quantized kernels: one per weight value).
-__device__ __forceinline__ float int_as_f(u32 q, float bias) { return __int_as_float(0x4B000000u | q) - bias; }
-#define F_2P23 8388608.f
-
-// Dot product of one block with its 32 activations `xv`; `xsum` = Σ xv (q4_1's offset term).
-__device__ __forceinline__ float qblock_dot(const QBlock<3>& q, const float* xv, float) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u32 v = q.h[1 + j];
-        // int8 b as (b + 128) - 128.
-        s += int_as_f((v & 0xFF) ^ 0x80, F_2P23 + 128.f) * xv[2 * j]
-           + int_as_f((v >> 8) ^ 0x80, F_2P23 + 128.f) * xv[2 * j + 1];
-    }
-    return h2f(q.h[0]) * s;
-}
-__device__ __forceinline__ float qblock_dot(const QBlock<4>& q, const float* xv, float) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        u32 v = q.h[1 + j];
-        s += int_as_f(v & 0xF, F_2P23 + 8.f) * xv[2 * j] + int_as_f((v >> 4) & 0xF, F_2P23 + 8.f) * xv[2 * j + 16]
-           + int_as_f((v >> 8) & 0xF, F_2P23 + 8.f) * xv[2 * j + 1] + int_as_f(v >> 12, F_2P23 + 8.f) * xv[2 * j + 17];
-    }
-    return h2f(q.h[0]) * s;
-}
-__device__ __forceinline__ float qblock_dot(const QBlock<5>& q, const float* xv, float xsum) {
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < 4; w++) {
-        u32 v = q.w[1 + w];
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-            s += int_as_f((v >> (8 * t)) & 0xF, F_2P23) * xv[4 * w + t]
-               + int_as_f((v >> (8 * t + 4)) & 0xF, F_2P23) * xv[4 * w + t + 16];
-        }
-    }
-    return h2f((u16)(q.w[0] & 0xFFFF)) * s + h2f((u16)(q.w[0] >> 16)) * xsum;
-}
-
-__device__ __forceinline__ float half_bits(u32 bits, int dtype) {
-    return dtype == 1 ? h2f((u16)bits) : bf2f((u16)bits);
-}
-
-template <int DTYPE>
-__device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
-    __shared__ float red[MM_WARPS][MM_ROWS][MM_WROWS];
-    // This block's job and its first weight row.
+// The weight, output and row count of this block's job; returns its first weight row.
+__device__ __forceinline__ int matmul_job(const MatmulJobs& jobs, const u8*& w, float*& out, int& m) {
     int cta = blockIdx.x;
-    const u8* w = jobs.w[0];
-    float* out = jobs.out[0];
-    int m = jobs.m[0];
+    w = jobs.w[0];
+    out = jobs.out[0];
+    m = jobs.m[0];
 #pragma unroll
     for (int j = 1; j < MM_MAX_JOBS; j++) {
         int ctas = (m + MM_WROWS - 1) / MM_WROWS;
@@ -501,15 +530,57 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
             m = jobs.m[j];
         }
     }
+    return cta * MM_WROWS;
+}
+
+// Warp sums, then the warps' partials in warp order, written (or added) to the outputs.
+template <int NR>
+__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], int nr, int nw, int r0,
+                                             int i0, float* out, int m, int accumulate) {
+    __shared__ float red[MM_WARPS][NR][MM_WROWS];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int i0 = cta * MM_WROWS;
-    if (i0 >= m) return;  // the whole block: no barrier is skipped by part of it
-    int nw = min(MM_WROWS, m - i0);
-    int r0 = blockIdx.y * MM_ROWS;
-    int nr = min(MM_ROWS, rows - r0);
-    float acc[MM_ROWS][MM_WROWS];
 #pragma unroll
-    for (int r = 0; r < MM_ROWS; r++)
+    for (int r = 0; r < NR; r++) {
+        if (r >= nr) continue;  // the same for the whole block
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++) {
+            float v = warp_sum(acc[r][j]);
+            if (lane == 0) red[warp][r][j] = v;
+        }
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < NR * MM_WROWS) {
+        int r = t / MM_WROWS, j = t % MM_WROWS;
+        if (r < nr && j < nw) {
+            float v = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < MM_WARPS; wi++) v += red[wi][r][j];
+            float* o = out + (u64)(r0 + r) * m + i0 + j;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}
+
+__device__ __forceinline__ float half_bits(u32 bits, int dtype) {
+    return dtype == 1 ? h2f((u16)bits) : bf2f((u16)bits);
+}
+
+// f32, f16 and bf16 weights with f32 activations.
+template <int DTYPE, int NR>
+__device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
+    const u8* w;
+    float* out;
+    int m;
+    int i0 = matmul_job(jobs, w, out, m);
+    if (i0 >= m) return;  // the whole block: no barrier is skipped by part of it
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int nw = min(MM_WROWS, m - i0);
+    int r0 = blockIdx.y * NR;
+    int nr = min(NR, rows - r0);
+    float acc[NR][MM_WROWS];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
 #pragma unroll
         for (int j = 0; j < MM_WROWS; j++) acc[r][j] = 0.f;
     const int step = MM_WARPS * 32;
@@ -535,14 +606,22 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
                 }
             }
 #pragma unroll
-            for (int r = 0; r < MM_ROWS; r++) {
+            for (int r = 0; r < NR; r++) {
                 if (r < nr) {
                     const float4* xr = (const float4*)(x + (u64)(r0 + r) * k + (u64)c8 * 8);
                     float4 a = xr[0], b = xr[1];
 #pragma unroll
-                    for (int j = 0; j < MM_WROWS; j++)
-                        acc[r][j] += wv[j][0] * a.x + wv[j][1] * a.y + wv[j][2] * a.z + wv[j][3] * a.w
-                                   + wv[j][4] * b.x + wv[j][5] * b.y + wv[j][6] * b.z + wv[j][7] * b.w;
+                    for (int j = 0; j < MM_WROWS; j++) {
+                        float s = wv[j][0] * a.x;
+                        s = fmaf(wv[j][1], a.y, s);
+                        s = fmaf(wv[j][2], a.z, s);
+                        s = fmaf(wv[j][3], a.w, s);
+                        s = fmaf(wv[j][4], b.x, s);
+                        s = fmaf(wv[j][5], b.y, s);
+                        s = fmaf(wv[j][6], b.z, s);
+                        s = fmaf(wv[j][7], b.w, s);
+                        acc[r][j] += s;
+                    }
                 }
             }
         }
@@ -552,77 +631,157 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
                 if (j >= nw) continue;
                 float wv = half_bits(((const u16*)(w0 + j * row_bytes))[c], DTYPE);
 #pragma unroll
-                for (int r = 0; r < MM_ROWS; r++)
-                    if (r < nr) acc[r][j] += wv * x[(u64)(r0 + r) * k + c];
+                for (int r = 0; r < NR; r++)
+                    if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
             }
         }
-    } else if constexpr (DTYPE == 0) {
+    } else {
         for (int c = warp * 32 + lane; c < k; c += step) {
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) {
                 if (j >= nw) continue;
                 float wv = ((const float*)(w + ((u64)(i0 + j) * k) * 4))[c];
 #pragma unroll
-                for (int r = 0; r < MM_ROWS; r++)
-                    if (r < nr) acc[r][j] += wv * x[(u64)(r0 + r) * k + c];
+                for (int r = 0; r < NR; r++)
+                    if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
             }
         }
+    }
+    matmul_store<NR>(acc, nr, nw, r0, i0, out, m, jobs.accumulate);
+}
+
+// A quantized block's raw words, loaded before any arithmetic so that every weight row's loads
+// are in flight together. Blocks are read in the widest words their alignment allows (tensors
+// start 4096-aligned: q4_1's 20-byte blocks are 4-aligned, q8_0's 34 and q4_0's 18 only
+// 2-aligned), never byte by byte.
+template <int DTYPE> struct QBlock;
+template <> struct QBlock<3> { u16 h[17]; };
+template <> struct QBlock<4> { u16 h[9]; };
+template <> struct QBlock<5> { u32 w[5]; };
+
+template <int DTYPE> __device__ __forceinline__ constexpr int qblock_bytes() { return DTYPE == 3 ? 34 : DTYPE == 4 ? 18 : 20; }
+
+template <int DTYPE>
+__device__ __forceinline__ void load_qblock(const u8* p, QBlock<DTYPE>& q) {
+    if constexpr (DTYPE == 5) {
+#pragma unroll
+        for (int i = 0; i < 5; i++) q.w[i] = ((const u32*)p)[i];
     } else {
-        int n_blocks = k / 32;
-        u64 row_bytes = (u64)n_blocks * qblock_bytes<DTYPE>();
-        const u8* w0 = w + (u64)i0 * row_bytes;
-        // Each lane reads its own block straight (staging a warp's blocks through shared
-        // memory with coalesced 16-byte loads measured slower on the H200).
-        for (int b = warp * 32 + lane; b < n_blocks; b += step) {
-            QBlock<DTYPE> q[MM_WROWS];
+        constexpr int n = DTYPE == 3 ? 17 : 9;
 #pragma unroll
-            for (int j = 0; j < MM_WROWS; j++)
-                load_qblock<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)b * qblock_bytes<DTYPE>(), q[j]);
-#pragma unroll
-            for (int r = 0; r < MM_ROWS; r++) {
-                if (r >= nr) continue;
-                float xv[32];
-                load_x32(x + (u64)(r0 + r) * k + b * 32, xv);
-                float xsum = 0.f;
-                if (DTYPE == 5) {
-#pragma unroll
-                    for (int t = 0; t < 16; t++) xsum += xv[t] + xv[t + 16];
-                }
-#pragma unroll
-                for (int j = 0; j < MM_WROWS; j++) acc[r][j] += qblock_dot(q[j], xv, xsum);
-            }
-        }
-    }
-    // Warp sums, then the warps' partials in warp order.
-#pragma unroll
-    for (int r = 0; r < MM_ROWS; r++) {
-        if (r >= nr) continue;  // the same for the whole block: decoding reduces one row
-#pragma unroll
-        for (int j = 0; j < MM_WROWS; j++) {
-            float v = warp_sum(acc[r][j]);
-            if (lane == 0) red[warp][r][j] = v;
-        }
-    }
-    __syncthreads();
-    int t = threadIdx.x;
-    if (t < MM_ROWS * MM_WROWS) {
-        int r = t / MM_WROWS, j = t % MM_WROWS;
-        if (r < nr && j < nw) {
-            float v = 0.f;
-#pragma unroll
-            for (int wi = 0; wi < MM_WARPS; wi++) v += red[wi][r][j];
-            float* o = out + (u64)(r0 + r) * m + i0 + j;
-            *o = jobs.accumulate ? *o + v : v;
-        }
+        for (int i = 0; i < n; i++) q.h[i] = ((const u16*)p)[i];
     }
 }
 
-#define MATMUL_KERNEL(NAME, DTYPE)                                                          \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                             \
-        NAME(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE>(x, rows, k, jobs); }
-MATMUL_KERNEL(matmul_f32, 0)
-MATMUL_KERNEL(matmul_f16, 1)
-MATMUL_KERNEL(matmul_bf16, 2)
-MATMUL_KERNEL(matmul_q8_0, 3)
-MATMUL_KERNEL(matmul_q4_0, 4)
-MATMUL_KERNEL(matmul_q4_1, 5)
+// Σ_i q_i · xq_i over a block, exactly: `xw` holds the block's 16-bit activations in pairs
+// (value 2i low, 2i+1 high); q8_0's bytes are signed, q4's nibbles 0..15 as stored (q4_0's −8
+// is applied by the caller). A q4 word t holds values 4t..4t+3 in its low nibbles and
+// 16+4t..16+4t+3 in its high ones.
+__device__ __forceinline__ int q4_word_idot(u32 v, int t, const int* xw, int s) {
+    u32 lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+    s = __dp2a_lo(xw[2 * t], (int)lo, s);
+    s = __dp2a_hi(xw[2 * t + 1], (int)lo, s);
+    s = __dp2a_lo(xw[8 + 2 * t], (int)hi, s);
+    return __dp2a_hi(xw[9 + 2 * t], (int)hi, s);
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<3>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) s = __dp2a_lo(xw[i], (int)q.h[1 + i], s);
+    return s;
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<4>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int t = 0; t < 4; t++) s = q4_word_idot((u32)q.h[1 + 2 * t] | ((u32)q.h[2 + 2 * t] << 16), t, xw, s);
+    return s;
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<5>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int t = 0; t < 4; t++) s = q4_word_idot(q.w[1 + t], t, xw, s);
+    return s;
+}
+
+// acc + (the block's weights) · (its activations), from the integer dot product: `xs` is the
+// block's (d, Σx, Σq as int bits) of `quantize_x16_lanes`.
+__device__ __forceinline__ float qblock_acc(const QBlock<3>& q, int dot, float4 xs, float acc) {
+    return fmaf(h2f(q.h[0]), xs.x * (float)dot, acc);
+}
+__device__ __forceinline__ float qblock_acc(const QBlock<4>& q, int dot, float4 xs, float acc) {
+    return fmaf(h2f(q.h[0]), xs.x * (float)(dot - 8 * __float_as_int(xs.z)), acc);
+}
+__device__ __forceinline__ float qblock_acc(const QBlock<5>& q, int dot, float4 xs, float acc) {
+    acc = fmaf(h2f((u16)(q.w[0] & 0xFFFF)), xs.x * (float)dot, acc);
+    return fmaf(h2f((u16)(q.w[0] >> 16)), xs.y, acc);
+}
+
+// q8_0, q4_0 and q4_1 weights read as stored (no dequantized copy), with the activations of
+// `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
+template <int DTYPE, int NR>
+__device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
+    const u8* w;
+    float* out;
+    int m;
+    int i0 = matmul_job(jobs, w, out, m);
+    if (i0 >= m) return;  // the whole block: no barrier is skipped by part of it
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int nw = min(MM_WROWS, m - i0);
+    int r0 = blockIdx.y * NR;
+    int nr = min(NR, rows - r0);
+    float acc[NR][MM_WROWS];
+#pragma unroll
+    for (int r = 0; r < NR; r++)
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++) acc[r][j] = 0.f;
+    int n_blocks = k / 32;
+    u64 row_bytes = (u64)n_blocks * qblock_bytes<DTYPE>();
+    const u8* w0 = w + (u64)i0 * row_bytes;
+    // Each lane reads its own block straight (staging a warp's blocks through shared memory
+    // with coalesced 16-byte loads measured slower on the H200).
+    for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
+        QBlock<DTYPE> q[MM_WROWS];
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++)
+            load_qblock<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)b * qblock_bytes<DTYPE>(), q[j]);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r >= nr) continue;
+            u64 xb = (u64)(r0 + r) * n_blocks + b;
+            int xw[16];
+            const uint4* xp = (const uint4*)(xq + xb * 32);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 t = xp[i];
+                xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
+            }
+            float4 s = xs[xb];
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
+        }
+    }
+    matmul_store<NR>(acc, nr, nw, r0, i0, out, m, jobs.accumulate);
+}
+
+// One kernel per weight dtype and row count per block: `_r1` for one input row (decoding one
+// sequence), `_r8` for MM_ROWS.
+#define MATMUL_KERNELS(NAME, DTYPE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, 1>(x, rows, k, jobs); } \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs); }
+#define MATMUL_Q_KERNELS(NAME, DTYPE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        matmul_q_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                              \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        matmul_q_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                        \
+    }
+MATMUL_KERNELS(matmul_f32, 0)
+MATMUL_KERNELS(matmul_f16, 1)
+MATMUL_KERNELS(matmul_bf16, 2)
+MATMUL_Q_KERNELS(matmul_q8_0, 3)
+MATMUL_Q_KERNELS(matmul_q4_0, 4)
+MATMUL_Q_KERNELS(matmul_q4_1, 5)
