@@ -22,6 +22,9 @@ pub fn cuda_driver_present() -> bool {
 #[derive(Clone, Debug)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
+    /// The non-blocking stream that host-to-device copies run on (made on first use, shared
+    /// by the clones).
+    copies: Arc<Mutex<Option<Arc<CudaStream>>>>,
 }
 
 impl Gpu {
@@ -38,7 +41,10 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(|err| GdsError::NoGpu {
             reason: format!("cannot open CUDA device {ordinal}: {err}"),
         })?;
-        Ok(Gpu { ctx })
+        Ok(Gpu {
+            ctx,
+            copies: Arc::new(Mutex::new(None)),
+        })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -68,6 +74,20 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(GdsError::cuda("cuCtxSetCurrent"))
+    }
+
+    /// The stream of [`GdsBuffer::copy_from_host`]. A copy on the legacy default stream (what
+    /// the synchronous `cuMemcpyHtoD` uses) is ordered against every blocking stream of the
+    /// context; on a non-blocking stream of its own it only waits for itself, so it overlaps
+    /// whatever compute the other streams run.
+    fn copy_stream(&self) -> Result<Arc<CudaStream>, GdsError> {
+        let mut slot = self.copies.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(stream) = slot.as_ref() {
+            return Ok(Arc::clone(stream));
+        }
+        let stream = self.new_stream()?;
+        *slot = Some(Arc::clone(&stream));
+        Ok(stream)
     }
 
     pub(crate) fn new_event(&self) -> Result<CudaEvent, GdsError> {
@@ -219,10 +239,15 @@ impl GdsBuffer {
         }
         self.wait_pending()?;
         self.gpu.bind()?;
+        let stream = self.gpu.copy_stream()?;
         // SAFETY: the destination range lies inside this live allocation (checked above) and
-        // `bytes` is a live host slice of exactly that length; the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, bytes) }
-            .map_err(GdsError::cuda("cuMemcpyHtoD"))
+        // `bytes` is a live host slice of exactly that length, borrowed until the stream has
+        // finished the copy below.
+        unsafe { result::memcpy_htod_async(self.ptr + offset as u64, bytes, stream.cu_stream()) }
+            .map_err(GdsError::cuda("cuMemcpyHtoDAsync"))?;
+        stream
+            .synchronize()
+            .map_err(GdsError::cuda("cuStreamSynchronize"))
     }
 
     pub(crate) fn set_pending(&self, event: CudaEvent) {
