@@ -844,18 +844,20 @@ impl CudaBackend {
             DType::F32 => (&self.kernels.dequant_f32, 4),
             _ => (&self.kernels.dequant_f16, 2),
         };
-        let tmp = self.check(
-            "allocating a converted weight matrix",
-            self.stream.alloc_zeros::<u8>(n * elem),
-        )?;
+        // Not zeroed first: that would be one more pass over the matrix.
+        // SAFETY: the kernel below writes all n·elem bytes before the GEMM that reads them (and
+        // if it fails to launch, the backend is poisoned and nothing reads them).
+        let tmp = self.check("allocating a converted weight matrix", unsafe {
+            self.stream.alloc::<u8>(n * elem)
+        })?;
         let out = tmp.device_ptr(&self.stream).0;
         let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
         let mut b = self.stream.launch_builder(kernel);
         b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
         // SAFETY: the weight holds n_blocks blocks of 32 values of its dtype (checked when the
         // view was made; rows of a model are whole multiples of 32) and `tmp` room for
-        // n_blocks·32 values of `to`.
-        let r = unsafe { b.launch(self.elementwise(n / 32)) };
+        // n_blocks·32 values of `to`; eight values per thread.
+        let r = unsafe { b.launch(self.elementwise(n / 8)) };
         self.check("dequant kernel", r)?;
         Some(tmp)
     }

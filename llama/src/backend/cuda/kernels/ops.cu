@@ -469,26 +469,39 @@ extern "C" __global__ void attention_combine(const float* part, int n_splits, in
     if (tid < head_dim) out[(u64)h * head_dim + tid] = num / denom;
 }
 
-// W[m, k] of any dtype as f16 (`out`, m·k values), one thread per 32 values: the operand of a
-// tensor-core GEMM for prefill (bf16 included: its 8-bit mantissa fits f16's 11, so only
-// weights below f16's normal range lose bits, and x stays in f16 instead of bf16's 8 bits).
-// A temporary of one matrix, freed after its GEMM.
+// W[m, k] of any dtype as f32 or f16 (`out`, m·k values), each value of `load_elem` rounded
+// once: the operand of a cuBLAS GEMM for prefill (bf16 as f32, quantized weights as f16), a
+// temporary of one matrix freed after its GEMM. Eight values per thread (grid over n_blocks·4
+// threads), so neighbouring threads read neighbouring bytes and write whole 16-byte words.
+__device__ __forceinline__ int block_bytes(int dtype) {
+    return dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
+}
+
 extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
-    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_blocks) return;
-    int bytes = dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
-    const u8* blk = w + b * bytes;
-    float* o = out + b * 32;
-    for (int j = 0; j < 32; j++) o[j] = load_elem(blk, dtype, j);
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_blocks * 4) return;
+    u64 b = i / 4;
+    int p = (int)(i % 4) * 8;
+    const u8* blk = w + b * block_bytes(dtype);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
+    float4* o = (float4*)(out + b * 32 + p);
+    o[0] = make_float4(v[0], v[1], v[2], v[3]);
+    o[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
 extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
-    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_blocks) return;
-    int bytes = dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
-    const u8* blk = w + b * bytes;
-    u16* o = out + b * 32;
-    for (int j = 0; j < 32; j++) o[j] = f2h(load_elem(blk, dtype, j));
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_blocks * 4) return;
+    u64 b = i / 4;
+    int p = (int)(i % 4) * 8;
+    const u8* blk = w + b * block_bytes(dtype);
+    u32 h[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        h[j] = (u32)f2h(load_elem(blk, dtype, p + 2 * j)) | ((u32)f2h(load_elem(blk, dtype, p + 2 * j + 1)) << 16);
+    *(uint4*)(out + b * 32 + p) = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // out[r, i] (+)= Σ_c x[r, c] · w[i, c] for up to MM_MAX_JOBS weights of one dtype read with the
