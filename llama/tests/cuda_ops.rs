@@ -227,40 +227,33 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
             got
         };
 
+        // The matmul right after a producer: no conversion of its own, and fresh's bits.
+        let check_used =
+            |label: &str, x: &CudaBuf, k: usize, w: WeightView<'_>, o: &mut CudaBuf| {
+                let before = be.x16_launches();
+                be.matmul(x, rows, w, o);
+                assert_eq!(
+                    be.x16_launches(),
+                    before,
+                    "{dtype:?}: {label}'s quantized output used"
+                );
+                let values = down(&be, x, rows * k);
+                assert_eq!(
+                    down(&be, o, rows * m),
+                    fresh(&values, k, w),
+                    "{dtype:?} after {label}"
+                );
+            };
         // (An allocation between them would count as an op: `o` comes first.)
         let x = random(&mut rng, rows * dim);
         let (mut h, mut o) = (be.alloc(rows * dim), be.alloc(rows * m));
         be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h);
-        let before = be.x16_launches();
-        be.matmul(&h, rows, v1, &mut o);
-        assert_eq!(
-            be.x16_launches(),
-            before,
-            "{dtype:?}: rmsnorm's quantized output used"
-        );
-        let h_values = down(&be, &h, rows * dim);
-        assert_eq!(
-            down(&be, &o, rows * m),
-            fresh(&h_values, dim, v1),
-            "{dtype:?} after rmsnorm"
-        );
+        check_used("rmsnorm", &h, dim, v1, &mut o);
 
         let (g, u) = (random(&mut rng, rows * ffn), random(&mut rng, rows * ffn));
         let (mut gd, mut o) = (up(&be, &g), be.alloc(rows * m));
         be.swiglu(&mut gd, &up(&be, &u), rows * ffn);
-        let before = be.x16_launches();
-        be.matmul(&gd, rows, v2, &mut o);
-        assert_eq!(
-            be.x16_launches(),
-            before,
-            "{dtype:?}: swiglu's quantized output used"
-        );
-        let g_values = down(&be, &gd, rows * ffn);
-        assert_eq!(
-            down(&be, &o, rows * m),
-            fresh(&g_values, ffn, v2),
-            "{dtype:?} after swiglu"
-        );
+        check_used("swiglu", &gd, ffn, v2, &mut o);
 
         // An op between the producer and the matmul: the stale quantized copy is not used.
         let y = random(&mut rng, rows * dim);

@@ -636,28 +636,43 @@ impl CudaBackend {
 
     /// Room in the reused scratch buffer for `n` activations (a multiple of 32) in the format of
     /// `quantize_x16_lanes`: the device addresses of the 16-bit integers and of the per-block
-    /// (scale, sum, integer sum) records. Growing the buffer drops a recorded step (which used
-    /// the old one) and is not possible while recording: then None, and the recording is
-    /// abandoned when `needed` (the fused writes of rmsnorm and swiglu are optional).
+    /// (scale, sum, integer sum) records. None while recording a step if the buffer would have
+    /// to grow; that abandons the recording only when `needed` (the fused writes of rmsnorm
+    /// and swiglu are optional).
     fn x16_scratch(&self, n: usize, needed: bool) -> Option<(u64, u64)> {
         let n_blocks = n / 32;
-        let (q_bytes, need) = (n_blocks * 64, n_blocks * 80);
-        let mut slot = self.x16_scratch.lock().expect("not poisoned");
-        if slot.as_ref().is_none_or(|b| b.len() < need) {
+        let xq = self.reused_buffer(
+            &self.x16_scratch,
+            n_blocks * 80,
+            "allocating quantized activations",
+            needed,
+        )?;
+        Some((xq, xq + (n_blocks * 64) as u64))
+    }
+
+    /// The device address of the buffer in `slot`, grown to at least `len` elements first
+    /// when it is smaller. Such buffers are reused by every layer and step (ops are
+    /// stream-ordered); growing one drops a recorded step, which used the old one, and is not
+    /// possible while recording: then None, and the recording is abandoned when `needed`.
+    fn reused_buffer<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        slot: &Mutex<Option<CudaSlice<T>>>,
+        len: usize,
+        what: &str,
+        needed: bool,
+    ) -> Option<u64> {
+        let mut slot = slot.lock().expect("not poisoned");
+        if slot.as_ref().is_none_or(|b| b.len() < len) {
             if self.capturing() {
                 if needed {
-                    self.break_capture("allocating quantized activations");
+                    self.break_capture(what);
                 }
                 return None;
             }
             self.forget_step();
-            *slot = Some(self.check(
-                "allocating quantized activations",
-                self.stream.alloc_zeros::<u8>(need),
-            )?);
+            *slot = Some(self.check(what, self.stream.alloc_zeros::<T>(len))?);
         }
-        let xq = slot.as_ref()?.device_ptr(&self.stream).0;
-        Some((xq, xq + q_bytes as u64))
+        slot.as_ref().map(|b| b.device_ptr(&self.stream).0)
     }
 
     /// `n` activations at `xp` in the format of `quantize_x16_lanes`, in the scratch buffer.
@@ -934,24 +949,15 @@ impl CudaBackend {
     }
 
     /// The device address of room for the partial results of `attention_decode` over a cache
-    /// of `capacity` positions. The buffer grows to the largest cache seen and is then reused
-    /// by every layer and step (ops are stream-ordered); growing it drops a recorded step,
-    /// which used the old one, and is not possible while recording.
+    /// of `capacity` positions (a [`Self::reused_buffer`] sized for the largest cache seen).
     fn attention_partials(&self, shape: AttentionShape, capacity: usize) -> Option<u64> {
         let need = shape.n_heads * capacity.div_ceil(ATT_SPLIT) * (2 + shape.head_dim);
-        let mut slot = self.attention_scratch.lock().expect("not poisoned");
-        if slot.as_ref().is_none_or(|b| b.len() < need) {
-            if self.capturing() {
-                self.break_capture("allocating attention partials");
-                return None;
-            }
-            self.forget_step();
-            *slot = Some(self.check(
-                "allocating attention partials",
-                self.stream.alloc_zeros::<f32>(need),
-            )?);
-        }
-        slot.as_ref().map(|b| b.device_ptr(&self.stream).0)
+        self.reused_buffer(
+            &self.attention_scratch,
+            need,
+            "allocating attention partials",
+            true,
+        )
     }
 
     /// `out[rows, m] = x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or bf16) at

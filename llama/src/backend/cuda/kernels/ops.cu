@@ -477,31 +477,36 @@ __device__ __forceinline__ int block_bytes(int dtype) {
     return dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
 }
 
-extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
+// This thread's eight values (8·(i % 4).. of block i / 4, which start at value 8·i), false
+// past the end.
+__device__ __forceinline__ bool dequant8(const u8* w, int dtype, u64 n_blocks, float* v, u64& at) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_blocks * 4) return;
-    u64 b = i / 4;
+    if (i >= n_blocks * 4) return false;
+    const u8* blk = w + (i / 4) * block_bytes(dtype);
     int p = (int)(i % 4) * 8;
-    const u8* blk = w + b * block_bytes(dtype);
-    float v[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
-    float4* o = (float4*)(out + b * 32 + p);
+    at = i * 8;
+    return true;
+}
+
+extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
+    float v[8];
+    u64 at;
+    if (!dequant8(w, dtype, n_blocks, v, at)) return;
+    float4* o = (float4*)(out + at);
     o[0] = make_float4(v[0], v[1], v[2], v[3]);
     o[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
 extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_blocks * 4) return;
-    u64 b = i / 4;
-    int p = (int)(i % 4) * 8;
-    const u8* blk = w + b * block_bytes(dtype);
+    float v[8];
+    u64 at;
+    if (!dequant8(w, dtype, n_blocks, v, at)) return;
     u32 h[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        h[j] = (u32)f2h(load_elem(blk, dtype, p + 2 * j)) | ((u32)f2h(load_elem(blk, dtype, p + 2 * j + 1)) << 16);
-    *(uint4*)(out + b * 32 + p) = make_uint4(h[0], h[1], h[2], h[3]);
+    for (int j = 0; j < 4; j++) h[j] = (u32)f2h(v[2 * j]) | ((u32)f2h(v[2 * j + 1]) << 16);
+    *(uint4*)(out + at) = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
 // out[r, i] (+)= Σ_c x[r, c] · w[i, c] for up to MM_MAX_JOBS weights of one dtype read with the
@@ -546,10 +551,31 @@ __device__ __forceinline__ int matmul_job(const MatmulJobs& jobs, const u8*& w, 
     return cta * MM_WROWS;
 }
 
+// The weight rows and input rows one block of a matmul kernel owns.
+struct MatmulTile {
+    const u8* w;  // the job's weight
+    float* out;   // the job's output
+    int m;        // the job's weight rows
+    int i0, nw;   // the block's first weight row, and how many it has (<= MM_WROWS)
+    int r0, nr;   // its first input row, and how many (<= NR)
+};
+
+// This block's tile; false when it has no weight rows (then the whole block returns, so no
+// barrier is skipped by part of it).
+template <int NR>
+__device__ __forceinline__ bool matmul_tile(const MatmulJobs& jobs, int rows, MatmulTile& t) {
+    t.i0 = matmul_job(jobs, t.w, t.out, t.m);
+    if (t.i0 >= t.m) return false;
+    t.nw = min(MM_WROWS, t.m - t.i0);
+    t.r0 = blockIdx.y * NR;
+    t.nr = min(NR, rows - t.r0);
+    return true;
+}
+
 // Warp sums, then the warps' partials in warp order, written (or added) to the outputs.
 template <int NR>
-__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], int nr, int nw, int r0,
-                                             int i0, float* out, int m, int accumulate) {
+__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], const MatmulTile& t, int accumulate) {
+    int nr = t.nr, nw = t.nw;
     __shared__ float red[MM_WARPS][NR][MM_WROWS];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -562,14 +588,14 @@ __device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], int nr,
         }
     }
     __syncthreads();
-    int t = threadIdx.x;
-    if (t < NR * MM_WROWS) {
-        int r = t / MM_WROWS, j = t % MM_WROWS;
+    int tid = threadIdx.x;
+    if (tid < NR * MM_WROWS) {
+        int r = tid / MM_WROWS, j = tid % MM_WROWS;
         if (r < nr && j < nw) {
             float v = 0.f;
 #pragma unroll
             for (int wi = 0; wi < MM_WARPS; wi++) v += red[wi][r][j];
-            float* o = out + (u64)(r0 + r) * m + i0 + j;
+            float* o = t.out + (u64)(t.r0 + r) * t.m + t.i0 + j;
             *o = accumulate ? *o + v : v;
         }
     }
@@ -582,25 +608,16 @@ __device__ __forceinline__ float half_bits(u32 bits, int dtype) {
 // f32, f16 and bf16 weights with f32 activations.
 template <int DTYPE, int NR>
 __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
-    const u8* w;
-    float* out;
-    int m;
-    int i0 = matmul_job(jobs, w, out, m);
-    if (i0 >= m) return;  // the whole block: no barrier is skipped by part of it
+    MatmulTile t;
+    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    const int nw = t.nw, nr = t.nr, r0 = t.r0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int nw = min(MM_WROWS, m - i0);
-    int r0 = blockIdx.y * NR;
-    int nr = min(NR, rows - r0);
-    float acc[NR][MM_WROWS];
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int j = 0; j < MM_WROWS; j++) acc[r][j] = 0.f;
+    float acc[NR][MM_WROWS] = {};
     const int step = MM_WARPS * 32;
     if constexpr (DTYPE == 1 || DTYPE == 2) {
         // 16-byte loads: 8 halves per lane per row and step.
         u64 row_bytes = (u64)k * 2;
-        const u8* w0 = w + (u64)i0 * row_bytes;
+        const u8* w0 = t.w + (u64)t.i0 * row_bytes;
         int k8 = (k % 8 == 0 && ((u64)w0 & 15) == 0) ? k / 8 : 0;
 #pragma unroll 2
         for (int c8 = warp * 32 + lane; c8 < k8; c8 += step) {
@@ -653,14 +670,14 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) {
                 if (j >= nw) continue;
-                float wv = ((const float*)(w + ((u64)(i0 + j) * k) * 4))[c];
+                float wv = ((const float*)(t.w + ((u64)(t.i0 + j) * k) * 4))[c];
 #pragma unroll
                 for (int r = 0; r < NR; r++)
                     if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
             }
         }
     }
-    matmul_store<NR>(acc, nr, nw, r0, i0, out, m, jobs.accumulate);
+    matmul_store<NR>(acc, t, jobs.accumulate);
 }
 
 // A quantized block's raw words, loaded before any arithmetic so that every weight row's loads
@@ -733,23 +750,14 @@ __device__ __forceinline__ float qblock_acc(const QBlock<5>& q, int dot, float4 
 // `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
 template <int DTYPE, int NR>
 __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
-    const u8* w;
-    float* out;
-    int m;
-    int i0 = matmul_job(jobs, w, out, m);
-    if (i0 >= m) return;  // the whole block: no barrier is skipped by part of it
+    MatmulTile t;
+    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    const int nw = t.nw, nr = t.nr, r0 = t.r0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int nw = min(MM_WROWS, m - i0);
-    int r0 = blockIdx.y * NR;
-    int nr = min(NR, rows - r0);
-    float acc[NR][MM_WROWS];
-#pragma unroll
-    for (int r = 0; r < NR; r++)
-#pragma unroll
-        for (int j = 0; j < MM_WROWS; j++) acc[r][j] = 0.f;
+    float acc[NR][MM_WROWS] = {};
     int n_blocks = k / 32;
     u64 row_bytes = (u64)n_blocks * qblock_bytes<DTYPE>();
-    const u8* w0 = w + (u64)i0 * row_bytes;
+    const u8* w0 = t.w + (u64)t.i0 * row_bytes;
     // Each lane reads its own block straight (staging a warp's blocks through shared memory
     // with coalesced 16-byte loads measured slower on the H200).
     for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
@@ -773,7 +781,7 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
             for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
         }
     }
-    matmul_store<NR>(acc, nr, nw, r0, i0, out, m, jobs.accumulate);
+    matmul_store<NR>(acc, t, jobs.accumulate);
 }
 
 // One kernel per weight dtype and row count per block: `_r1` for one input row (decoding one
