@@ -436,20 +436,29 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
     }
 }
 
-fn synth_model(
-    dir: &std::path::Path,
+/// A synthetic model of `shape` in `dtype` in a temporary directory (kept alive by the returned
+/// guard), or None when the GPU tests are not enabled.
+fn gpu_test_model(
     shape: gdsllm_convert::synth::SynthShape,
     dtype: DType,
-    name: &str,
-) {
+    shape_name: &str,
+) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    gpu()?;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
     let opts = gdsllm_convert::synth::SynthOptions {
         shape,
         dtype,
         seed: 7,
         threads: 0,
-        shape_name: name.to_string(),
+        shape_name: shape_name.to_string(),
     };
-    gdsllm_convert::synth::synth(dir, &opts, &mut |_| {}).expect("synth");
+    gdsllm_convert::synth::synth(&dir, &opts, &mut |_| {}).expect("synth");
+    Some((tmp, dir))
+}
+
+fn smollm2_shape() -> gdsllm_convert::synth::SynthShape {
+    gdsllm_convert::synth::SynthShape::preset("smollm2-135m").unwrap()
 }
 
 /// A small GQA model (8 query heads over 2 KV heads) with an untied LM head: the paths the
@@ -537,25 +546,17 @@ fn compare_model(dir: &std::path::Path, label: &str) {
 
 #[test]
 fn smollm2_shaped_q4_1_model_matches_cpu() {
-    if gpu().is_none() {
+    let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("smollm2-q4_1");
-    let shape = gdsllm_convert::synth::SynthShape::preset("smollm2-135m").unwrap();
-    synth_model(&dir, shape, DType::Q4_1, "smollm2-135m");
+    };
     compare_model(&dir, "smollm2-135m q4_1");
 }
 
 #[test]
 fn small_untied_f16_model_matches_cpu() {
-    if gpu().is_none() {
+    let Some((_tmp, dir)) = gpu_test_model(small_untied_shape(4), DType::F16, "small-f16") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("small-f16");
-    let shape = small_untied_shape(4);
-    synth_model(&dir, shape, DType::F16, "small-f16");
+    };
     compare_model(&dir, "small f16 untied");
 }
 
@@ -683,24 +684,16 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
 
 #[test]
 fn streamed_smollm2_shaped_q4_1_gives_the_resident_tokens() {
-    if gpu().is_none() {
+    let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("smollm2-q4_1");
-    let shape = gdsllm_convert::synth::SynthShape::preset("smollm2-135m").unwrap();
-    synth_model(&dir, shape, DType::Q4_1, "smollm2-135m");
+    };
     streamed_matches_resident(&dir, "smollm2-135m q4_1");
 }
 
 #[test]
 fn streamed_small_untied_f16_gives_the_resident_tokens() {
-    if gpu().is_none() {
+    let Some((_tmp, dir)) = gpu_test_model(small_untied_shape(6), DType::F16, "small-f16") else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("small-f16");
-    let shape = small_untied_shape(6);
-    synth_model(&dir, shape, DType::F16, "small-f16");
+    };
     streamed_matches_resident(&dir, "small f16 untied");
 }

@@ -19,14 +19,13 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use gds_io::{BackendKind, DeviceIo, GdsBuffer, GdsFile, IoChoice, IoTotals, PinnedHostBuf};
 use parking_lot::Mutex;
 use weights_format::Metadata;
 
 use crate::error::ResidencyError;
-use crate::memory::{Completion, DeviceBuffer, DeviceMemory, HostBlock};
+use crate::memory::{Completion, DeviceBuffer, DeviceMemory, HostBlock, Reservation, Usage};
 use crate::source::BlobSource;
 
 impl HostBlock for PinnedHostBuf {
@@ -57,8 +56,7 @@ struct GpuFiles {
 pub struct GpuMemory {
     files: Arc<GpuFiles>,
     budget: u64,
-    used: Arc<AtomicU64>,
-    peak: AtomicU64,
+    usage: Usage,
     /// Whether the host tier may be page-locked (falls back to pageable memory when pinning
     /// fails, e.g. under a low RLIMIT_MEMLOCK).
     pin_host: Mutex<bool>,
@@ -114,8 +112,7 @@ impl GpuMemory {
                 staging: staged.then(|| Mutex::new(None)),
             }),
             budget,
-            used: Arc::new(AtomicU64::new(0)),
-            peak: AtomicU64::new(0),
+            usage: Usage::default(),
             pin_host: Mutex::new(true),
         })
     }
@@ -161,17 +158,14 @@ impl DeviceMemory for GpuMemory {
             bytes: capacity,
             what: what.to_string(),
         };
-        if !crate::memory::reserve(&self.used, &self.peak, capacity, self.budget) {
-            return Err(fail());
-        }
+        let reservation = self.usage.reserve(capacity, self.budget).ok_or_else(fail)?;
         match self.files.io.alloc(capacity as usize) {
             Ok(buf) => Ok(Box::new(GpuBuffer {
                 buf,
                 files: Arc::clone(&self.files),
-                used: Arc::clone(&self.used),
+                _reservation: reservation,
             })),
             Err(err) => {
-                self.used.fetch_sub(capacity, Ordering::AcqRel);
                 tracing::debug!(what, bytes = capacity, "device allocation failed: {err}");
                 Err(fail())
             }
@@ -179,11 +173,11 @@ impl DeviceMemory for GpuMemory {
     }
 
     fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire)
+        self.usage.used()
     }
 
     fn peak(&self) -> u64 {
-        self.peak.load(Ordering::Acquire)
+        self.usage.peak()
     }
 
     fn alloc_host(&self, bytes: u64) -> Result<Box<dyn HostBlock>, ResidencyError> {
@@ -212,13 +206,7 @@ impl DeviceMemory for GpuMemory {
 struct GpuBuffer {
     buf: GdsBuffer,
     files: Arc<GpuFiles>,
-    used: Arc<AtomicU64>,
-}
-
-impl Drop for GpuBuffer {
-    fn drop(&mut self) {
-        self.used.fetch_sub(self.buf.len() as u64, Ordering::AcqRel);
-    }
+    _reservation: Reservation,
 }
 
 impl DeviceBuffer for GpuBuffer {

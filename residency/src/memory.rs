@@ -100,8 +100,7 @@ pub struct CpuMemory {
     /// Simulates a device that has less memory than the budget claims (another process took
     /// some): allocations beyond it fail.
     physical_limit: Option<u64>,
-    used: Arc<AtomicU64>,
-    peak: AtomicU64,
+    usage: Usage,
 }
 
 impl CpuMemory {
@@ -109,8 +108,7 @@ impl CpuMemory {
         CpuMemory {
             budget,
             physical_limit: None,
-            used: Arc::new(AtomicU64::new(0)),
-            peak: AtomicU64::new(0),
+            usage: Usage::default(),
         }
     }
 
@@ -136,57 +134,80 @@ impl DeviceMemory for CpuMemory {
             bytes: capacity,
             what: what.to_string(),
         };
-        if !reserve(&self.used, &self.peak, capacity, limit) {
-            return Err(fail());
-        }
+        let reservation = self.usage.reserve(capacity, limit).ok_or_else(fail)?;
         match AlignedBuf::zeroed(capacity as usize) {
             Ok(buf) => Ok(Box::new(CpuBuffer {
                 buf,
-                used: Arc::clone(&self.used),
+                _reservation: reservation,
             })),
-            Err(_) => {
-                self.used.fetch_sub(capacity, Ordering::AcqRel);
-                Err(fail())
-            }
+            Err(_) => Err(fail()),
         }
     }
 
     fn used(&self) -> u64 {
-        self.used.load(Ordering::Acquire)
+        self.usage.used()
     }
 
     fn peak(&self) -> u64 {
+        self.usage.peak()
+    }
+}
+
+/// The bytes a memory's live buffers hold against its limit, and the most they ever held.
+#[derive(Debug, Default)]
+pub(crate) struct Usage {
+    used: Arc<AtomicU64>,
+    peak: AtomicU64,
+}
+
+impl Usage {
+    /// Reserves `bytes` if the total stays within `limit` (and raises the peak); None
+    /// otherwise. Lock-free, so allocations from several threads never exceed the limit
+    /// together. The bytes are given back when the reservation is dropped.
+    pub(crate) fn reserve(&self, bytes: u64, limit: u64) -> Option<Reservation> {
+        let mut current = self.used.load(Ordering::Acquire);
+        loop {
+            let next = current.checked_add(bytes).filter(|&n| n <= limit)?;
+            match self
+                .used
+                .compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.peak.fetch_max(next, Ordering::AcqRel);
+                    return Some(Reservation {
+                        bytes,
+                        used: Arc::clone(&self.used),
+                    });
+                }
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
     }
 }
 
-/// Adds `bytes` to `used` if the sum stays within `limit` (and raises `peak`); false otherwise.
-/// Lock-free, so allocations from several threads never exceed the limit together.
-pub(crate) fn reserve(used: &AtomicU64, peak: &AtomicU64, bytes: u64, limit: u64) -> bool {
-    let mut current = used.load(Ordering::Acquire);
-    loop {
-        let Some(next) = current.checked_add(bytes).filter(|&n| n <= limit) else {
-            return false;
-        };
-        match used.compare_exchange(current, next, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => {
-                peak.fetch_max(next, Ordering::AcqRel);
-                return true;
-            }
-            Err(actual) => current = actual,
-        }
+/// Bytes counted in a [`Usage`] while this lives (a buffer holds its own).
+pub(crate) struct Reservation {
+    bytes: u64,
+    used: Arc<AtomicU64>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
 struct CpuBuffer {
     buf: AlignedBuf,
-    used: Arc<AtomicU64>,
-}
-
-impl Drop for CpuBuffer {
-    fn drop(&mut self) {
-        self.used.fetch_sub(self.buf.len() as u64, Ordering::AcqRel);
-    }
+    _reservation: Reservation,
 }
 
 impl DeviceBuffer for CpuBuffer {

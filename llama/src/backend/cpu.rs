@@ -189,8 +189,7 @@ impl Backend for CpuBackend {
         pos0: usize,
         inv_freq: &[f32],
     ) {
-        let width = n_heads * head_dim;
-        rope_rows(&mut x[..rows * width], width, head_dim, pos0, inv_freq);
+        self.rope_at(x, 0, rows, n_heads, head_dim, pos0, inv_freq);
     }
 
     fn rope_at(

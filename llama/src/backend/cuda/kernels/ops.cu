@@ -307,6 +307,49 @@ extern "C" __global__ void add(float* x, const float* y, u64 n) {
 // Dims of the output a lane of `attention_decode` accumulates: head_dim <= 8 · 32.
 // (Positions per chunk of `attention_decode`: ATT_SPLIT in cuda/mod.rs.)
 #define ATT_DPL 8
+// Scaled scores of one query head (`qs`, in shared memory) against positions t0..t0+n of the
+// f16 K cache into p[]: each warp scores whole positions (lanes over head_dim, coalesced).
+// Returns their maximum (NEG_INF when n is 0). Every thread of the block calls it.
+__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int t0, int n,
+                                                  int kv_width, int kvh, int head_dim, float scale,
+                                                  float* p, float* red) {
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    for (int t = warp; t < n; t += n_warps) {
+        const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
+        float s = 0.f;
+        for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
+        s = warp_sum(s);
+        if (lane == 0) p[t] = s * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = NEG_INF;
+    for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
+    __syncthreads();  // everyone has read red[] before it is reused
+    return m;
+}
+
+// p[t] = e^(p[t] − ref) for t < n; returns their sum. Every thread of the block calls it.
+__device__ __forceinline__ float attention_exp_sum(float* p, int n, float ref, float* red) {
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    float sum = 0.f;
+    for (int t = tid; t < n; t += blockDim.x) {
+        float e = expf(p[t] - ref);
+        p[t] = e;
+        sum += e;
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    sum = 0.f;
+    for (int w = 0; w < n_warps; w++) sum += red[w];
+    return sum;
+}
+
 extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache,
                                      int pos0, int n_heads, int n_kv_heads, int head_dim,
                                      float scale, float* out) {
@@ -318,7 +361,7 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     int kvh = h / (n_heads / n_kv_heads);
     int kv_width = n_kv_heads * head_dim;
     int len = pos0 + r + 1;
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    int tid = threadIdx.x;
     const float* qh = q + ((u64)r * n_heads + h) * head_dim;
     for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = qh[d];
     __syncthreads();
@@ -326,34 +369,9 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     float running_max = NEG_INF, running_sum = 0.f, acc = 0.f;
     for (int t0 = 0; t0 < len; t0 += ATT_TILE) {
         int n = min(ATT_TILE, len - t0);
-        for (int t = warp; t < n; t += n_warps) {
-            const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
-            float s = 0.f;
-            for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
-            s = warp_sum(s);
-            if (lane == 0) p[t] = s * scale;
-        }
-        __syncthreads();
-        float m = NEG_INF;
-        for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
-        m = warp_max(m);
-        if (lane == 0) red[warp] = m;
-        __syncthreads();
-        m = NEG_INF;
-        for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
+        float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
         float new_max = fmaxf(running_max, m);
-        __syncthreads();  // everyone has read red[] before it is reused
-        float tile_sum = 0.f;
-        for (int t = tid; t < n; t += blockDim.x) {
-            float e = expf(p[t] - new_max);
-            p[t] = e;
-            tile_sum += e;
-        }
-        tile_sum = warp_sum(tile_sum);
-        if (lane == 0) red[warp] = tile_sum;
-        __syncthreads();
-        tile_sum = 0.f;
-        for (int w = 0; w < n_warps; w++) tile_sum += red[w];
+        float tile_sum = attention_exp_sum(p, n, new_max, red);
         float rescale = expf(running_max - new_max);  // 0 on the first tile
         running_sum = running_sum * rescale + tile_sum;
         running_max = new_max;
@@ -393,33 +411,8 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
     float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
     for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = q[(u64)h * head_dim + d];
     __syncthreads();
-    for (int t = warp; t < n; t += n_warps) {
-        const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
-        float sc = 0.f;
-        for (int d = lane; d < head_dim; d += 32) sc += qs[d] * h2f(kt[d]);
-        sc = warp_sum(sc);
-        if (lane == 0) p[t] = sc * scale;
-    }
-    __syncthreads();
-    float m = NEG_INF;
-    for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = NEG_INF;
-    for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
-    __syncthreads();
-    float sum = 0.f;
-    for (int t = tid; t < n; t += blockDim.x) {
-        float e = expf(p[t] - m);
-        p[t] = e;
-        sum += e;
-    }
-    sum = warp_sum(sum);
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    sum = 0.f;
-    for (int w = 0; w < n_warps; w++) sum += red[w];
+    float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
+    float sum = attention_exp_sum(p, n, m, red);
     float acc[ATT_DPL];
 #pragma unroll
     for (int i = 0; i < ATT_DPL; i++) acc[i] = 0.f;
