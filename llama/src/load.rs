@@ -133,29 +133,24 @@ pub fn open(
 ) -> Result<OpenedModel, LlamaError> {
     let started = Instant::now();
     let files = ModelFiles::open(dir.as_ref())?;
+    let sizes = Sizes {
+        context: files.context(options.context),
+        sequences: options.sequences.max(1),
+    };
     match device {
-        Device::Cpu => Ok(OpenedModel::Cpu(Box::new(open_cpu(
-            files, options, started,
-        )?))),
+        Device::Cpu => open_cpu(files, sizes, options, started),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
-            let backend = CudaBackend::new(ordinal)?;
-            Ok(OpenedModel::Cuda(Box::new(open_cuda(
-                files, backend, options, started,
-            )?)))
+            open_cuda(files, CudaBackend::new(ordinal)?, sizes, options, started)
         }
         #[cfg(feature = "cuda")]
         Device::Auto { ordinal } => match CudaBackend::new(ordinal) {
-            Ok(backend) => Ok(OpenedModel::Cuda(Box::new(open_cuda(
-                files, backend, options, started,
-            )?))),
+            Ok(backend) => open_cuda(files, backend, sizes, options, started),
             Err(e) => {
                 tracing::info!(
                     "--device auto: computing on the CPU because CUDA is not usable: {e}"
                 );
-                Ok(OpenedModel::Cpu(Box::new(open_cpu(
-                    files, options, started,
-                )?)))
+                open_cpu(files, sizes, options, started)
             }
         },
         #[cfg(not(feature = "cuda"))]
@@ -167,46 +162,55 @@ pub fn open(
         #[cfg(not(feature = "cuda"))]
         Device::Auto { .. } => {
             tracing::info!("--device auto: computing on the CPU (this build has no CUDA backend)");
-            Ok(OpenedModel::Cpu(Box::new(open_cpu(
-                files, options, started,
-            )?)))
+            open_cpu(files, sizes, options, started)
         }
     }
 }
 
-/// Positions one CPU pass holds: the whole prompt of one sequence; for a batch, also a row per
-/// sequence plus a prefill chunk.
-fn cpu_rows_per_pass(context: usize, sequences: usize) -> usize {
-    if sequences > 1 {
-        context.max(sequences + DEFAULT_PREFILL_CHUNK)
-    } else {
-        context
+/// KV positions per sequence and sequences decoded together.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    context: usize,
+    sequences: usize,
+}
+
+/// Residency reserves `reserved_bytes` of its budget for what is not weights.
+fn reserving(options: &OpenOptions, reserved_bytes: u64) -> ResidencyOptions {
+    ResidencyOptions {
+        reserved_bytes,
+        ..options.residency.clone()
     }
 }
 
+/// The CPU's KV caches are f32; a pass holds the whole prompt of one sequence, and for a batch
+/// also a row per sequence plus a prefill chunk.
 fn open_cpu(
     files: ModelFiles,
+    Sizes { context, sequences }: Sizes,
     options: &OpenOptions,
     started: Instant,
-) -> Result<CpuModel, LlamaError> {
-    let context = files.context(options.context);
-    let sequences = options.sequences.max(1);
+) -> Result<OpenedModel, LlamaError> {
     let kv = options.kv_budget.unwrap_or_else(|| {
         residency::kv_cache_bytes(&files.metadata.config, context as u64, 4) * sequences as u64
     });
-    let residency_options = ResidencyOptions {
-        reserved_bytes: kv,
-        ..options.residency.clone()
+    let residency = Residency::open_host(&files.model, &reserving(options, kv))?;
+    let max_rows = if sequences > 1 {
+        context.max(sequences + DEFAULT_PREFILL_CHUNK)
+    } else {
+        context
     };
-    let residency = Residency::open_host(&files.model, &residency_options)?;
     let llama = Llama::new(
         CpuBackend::new(),
         Arc::new(residency),
         files.metadata.clone(),
         context,
-        cpu_rows_per_pass(context, sequences),
+        max_rows,
     )?;
-    Ok(files.finish(llama, "host".into(), started))
+    Ok(OpenedModel::Cpu(Box::new(files.finish(
+        llama,
+        "host".into(),
+        started,
+    ))))
 }
 
 /// Bytes of device memory the f16 KV caches of `sequences` sequences of `context` positions,
@@ -227,34 +231,30 @@ pub fn device_reserved_bytes(
 }
 
 /// What stays resident and what streams is residency's plan for the options (`--vram-budget`,
-/// `--host-cache`, …); the KV caches, activations and a margin are reserved first.
+/// `--host-cache`, …); the f16 KV caches, activations and a margin are reserved first. A pass
+/// holds up to [`GPU_MAX_ROWS`] prompt positions, or for a batch a row per sequence plus a
+/// prefill chunk.
 #[cfg(feature = "cuda")]
 fn open_cuda(
     files: ModelFiles,
     backend: CudaBackend,
+    Sizes { context, sequences }: Sizes,
     options: &OpenOptions,
     started: Instant,
-) -> Result<CudaModel, LlamaError> {
-    let context = files.context(options.context);
-    let sequences = options.sequences.max(1);
-    // A batch's pass holds one row per sequence plus a prefill chunk.
+) -> Result<OpenedModel, LlamaError> {
     let max_rows = if sequences > 1 {
         sequences + DEFAULT_PREFILL_CHUNK
     } else {
         context.min(GPU_MAX_ROWS)
     };
-    let residency_options = ResidencyOptions {
-        reserved_bytes: device_reserved_bytes(
-            &files.metadata.config,
-            context,
-            sequences,
-            max_rows,
-        )?,
-        ..options.residency.clone()
-    };
-    let ordinal = backend.ordinal();
-    let (residency, memory) =
-        Residency::open_gpu(&files.model, &residency_options, ordinal, options.io)?;
+    let config = &files.metadata.config;
+    let reserved = device_reserved_bytes(config, context, sequences, max_rows)?;
+    let (residency, memory) = Residency::open_gpu(
+        &files.model,
+        &reserving(options, reserved),
+        backend.ordinal(),
+        options.io,
+    )?;
     let plan = residency.plan();
     tracing::info!(
         device = backend.device_name(),
@@ -268,7 +268,9 @@ fn open_cuda(
     let io = memory.backend().name().to_string();
     let weights = CudaWeights::new(residency, memory, &backend);
     let llama = Llama::new(backend, weights, files.metadata.clone(), context, max_rows)?;
-    Ok(files.finish(llama, io, started))
+    Ok(OpenedModel::Cuda(Box::new(
+        files.finish(llama, io, started),
+    )))
 }
 
 /// Opens `dir` on CUDA device `ordinal` with every blob read into host memory and uploaded to

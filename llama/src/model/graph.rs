@@ -117,19 +117,6 @@ impl<'a> Layer<'a> {
     }
 }
 
-/// Layer `l`: the attention block, then the FFN block.
-pub(crate) fn layer<B: Backend>(
-    be: &B,
-    s: &mut State<B>,
-    segs: &mut [Segment<'_, B>],
-    p: &PassShape,
-    l: usize,
-    w: &Layer<'_>,
-) -> Result<(), LlamaError> {
-    attention_block(be, s, segs, p, l, w)?;
-    ffn_block(be, s, p, w)
-}
-
 /// `out = norm(x)` over `rows` rows with weight `w: [dim]`.
 pub(crate) fn norm<B: Backend>(
     be: &B,
@@ -145,104 +132,111 @@ pub(crate) fn norm<B: Backend>(
     Ok(())
 }
 
-/// Attention: `x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n)`, `n = norm(x)`, each segment at
-/// its own positions against its own cache (layer `l` of it).
-pub(crate) fn attention_block<B: Backend>(
-    be: &B,
-    s: &mut State<B>,
-    segs: &mut [Segment<'_, B>],
-    p: &PassShape,
-    l: usize,
-    w: &Layer<'_>,
-) -> Result<(), LlamaError> {
-    norm(be, p, &s.x, p.rows, w.w(LayerRole::AttnNorm)?, &mut s.xb)?; // [dim]
-    let wq = w.w(LayerRole::Q)?; // [n_heads·hd, dim]
-    let wk = w.w(LayerRole::K)?; // [n_kv·hd, dim]
-    let wv = w.w(LayerRole::V)?; // [n_kv·hd, dim]
-    be.matmul_batch(
-        &s.xb,
-        &p.groups,
-        &[wq, wk, wv],
-        &mut [&mut s.q, &mut s.k, &mut s.v],
-    )?;
-    // Each sequence's rows at its own positions, into its own cache ([capacity, kv_dim] each).
-    for g in segs.iter_mut() {
-        let (k_cache, v_cache) = &mut g.kv[l];
-        be.rope_store_kv(
-            &mut s.q,
-            &mut s.k,
-            &s.v,
-            g.row0,
-            g.rows,
-            g.pos0,
-            p.attention,
-            &s.inv_freq,
-            k_cache,
-            v_cache,
+/// One pass being computed: the backend, the activations, the sequences' rows and what they
+/// share.
+pub(crate) struct Graph<'g, 'k, B: Backend> {
+    pub be: &'g B,
+    pub s: &'g mut State<B>,
+    pub segs: &'g mut [Segment<'k, B>],
+    pub p: &'g PassShape,
+}
+
+impl<B: Backend> Graph<'_, '_, B> {
+    /// Layer `l`: the attention block, then the FFN block.
+    pub fn layer(&mut self, l: usize, w: &Layer<'_>) -> Result<(), LlamaError> {
+        self.attention(l, w)?;
+        self.ffn(w)
+    }
+
+    /// Attention: `x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n)`, `n = norm(x)`, each segment
+    /// at its own positions against its own cache (layer `l` of it).
+    fn attention(&mut self, l: usize, w: &Layer<'_>) -> Result<(), LlamaError> {
+        let (be, s, p) = (self.be, &mut *self.s, self.p);
+        norm(be, p, &s.x, p.rows, w.w(LayerRole::AttnNorm)?, &mut s.xb)?; // [dim]
+        let wq = w.w(LayerRole::Q)?; // [n_heads·hd, dim]
+        let wk = w.w(LayerRole::K)?; // [n_kv·hd, dim]
+        let wv = w.w(LayerRole::V)?; // [n_kv·hd, dim]
+        be.matmul_batch(
+            &s.xb,
+            &p.groups,
+            &[wq, wk, wv],
+            &mut [&mut s.q, &mut s.k, &mut s.v],
         )?;
+        // Each sequence's rows at its own positions, into its own cache ([capacity, kv_dim]
+        // each).
+        for g in self.segs.iter_mut() {
+            let (k_cache, v_cache) = &mut g.kv[l];
+            be.rope_store_kv(
+                &mut s.q,
+                &mut s.k,
+                &s.v,
+                g.row0,
+                g.rows,
+                g.pos0,
+                p.attention,
+                &s.inv_freq,
+                k_cache,
+                v_cache,
+            )?;
+        }
+        let seqs: Vec<AttentionSeq<'_, B::KvBuf>> = self
+            .segs
+            .iter()
+            .map(|g| AttentionSeq {
+                row0: g.row0,
+                rows: g.rows,
+                pos0: g.pos0,
+                k_cache: &g.kv[l].0,
+                v_cache: &g.kv[l].1,
+            })
+            .collect();
+        be.attention_batch(&s.q, &seqs, p.attention, &mut s.att)?;
+        let wo = w.w(LayerRole::AttnOutput)?; // [dim, n_heads·hd]
+        be.matmul_add_batch(&s.att, &p.groups, wo, &mut s.xb2, &mut s.x)?;
+        Ok(())
     }
-    let seqs: Vec<AttentionSeq<'_, B::KvBuf>> = segs
-        .iter()
-        .map(|g| AttentionSeq {
-            row0: g.row0,
-            rows: g.rows,
-            pos0: g.pos0,
-            k_cache: &g.kv[l].0,
-            v_cache: &g.kv[l].1,
-        })
-        .collect();
-    be.attention_batch(&s.q, &seqs, p.attention, &mut s.att)?;
-    let wo = w.w(LayerRole::AttnOutput)?; // [dim, n_heads·hd]
-    be.matmul_add_batch(&s.att, &p.groups, wo, &mut s.xb2, &mut s.x)?;
-    Ok(())
-}
 
-/// FFN: `x += W_down · (act(W_gate·n) ⊙ W_up·n)`, `n = norm(x)`.
-pub(crate) fn ffn_block<B: Backend>(
-    be: &B,
-    s: &mut State<B>,
-    p: &PassShape,
-    w: &Layer<'_>,
-) -> Result<(), LlamaError> {
-    norm(be, p, &s.x, p.rows, w.w(LayerRole::FfnNorm)?, &mut s.xb)?; // [dim]
-    let w_gate = w.w(LayerRole::Gate)?; // [ffn, dim]
-    let w_up = w.w(LayerRole::Up)?; // [ffn, dim]
-    be.matmul_batch(
-        &s.xb,
-        &p.groups,
-        &[w_gate, w_up],
-        &mut [&mut s.hb, &mut s.hb2],
-    )?;
-    match p.activation {
-        Activation::Silu => be.swiglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
+    /// FFN: `x += W_down · (act(W_gate·n) ⊙ W_up·n)`, `n = norm(x)`.
+    fn ffn(&mut self, w: &Layer<'_>) -> Result<(), LlamaError> {
+        let (be, s, p) = (self.be, &mut *self.s, self.p);
+        norm(be, p, &s.x, p.rows, w.w(LayerRole::FfnNorm)?, &mut s.xb)?; // [dim]
+        let w_gate = w.w(LayerRole::Gate)?; // [ffn, dim]
+        let w_up = w.w(LayerRole::Up)?; // [ffn, dim]
+        be.matmul_batch(
+            &s.xb,
+            &p.groups,
+            &[w_gate, w_up],
+            &mut [&mut s.hb, &mut s.hb2],
+        )?;
+        match p.activation {
+            Activation::Silu => be.swiglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
+        }
+        let w_down = w.w(LayerRole::Down)?; // [dim, ffn]
+        be.matmul_add_batch(&s.hb, &p.groups, w_down, &mut s.xb2, &mut s.x)?;
+        Ok(())
     }
-    let w_down = w.w(LayerRole::Down)?; // [dim, ffn]
-    be.matmul_add_batch(&s.hb, &p.groups, w_down, &mut s.xb2, &mut s.x)?;
-    Ok(())
-}
 
-/// The LM head for the last position of each segment that wants logits: those rows of `x`,
-/// normed, times `head: [vocab, dim]`, into `logits` (`[n, vocab]`, in segment order). Each
-/// row is one decode-like position, computed as it is alone.
-pub(crate) fn head<B: Backend>(
-    be: &B,
-    s: &mut State<B>,
-    segs: &[Segment<'_, B>],
-    p: &PassShape,
-    output_norm: WeightView<'_>,
-    head: WeightView<'_>,
-) -> Result<(), LlamaError> {
-    let mut n = 0;
-    for g in segs.iter().filter(|g| g.logits) {
-        be.copy_rows(&s.x, g.row0 + g.rows - 1, &mut s.last, n, 1, p.dim)?;
-        n += 1;
+    /// The LM head for the last position of each segment that wants logits: those rows of
+    /// `x`, normed, times `head: [vocab, dim]`, into `logits` (`[n, vocab]`, in segment
+    /// order). Each row is one decode-like position, computed as it is alone.
+    pub fn head(
+        &mut self,
+        output_norm: WeightView<'_>,
+        head: WeightView<'_>,
+    ) -> Result<(), LlamaError> {
+        let (be, s, p) = (self.be, &mut *self.s, self.p);
+        let mut n = 0;
+        for g in self.segs.iter().filter(|g| g.logits) {
+            be.copy_rows(&s.x, g.row0 + g.rows - 1, &mut s.last, n, 1, p.dim)?;
+            n += 1;
+        }
+        norm(be, p, &s.last, n, output_norm, &mut s.last_norm)?;
+        be.matmul_batch(
+            &s.last_norm,
+            &vec![RowGroup::solo(1); n],
+            &[head],
+            &mut [&mut s.logits],
+        )?;
+        Ok(())
     }
-    norm(be, p, &s.last, n, output_norm, &mut s.last_norm)?;
-    be.matmul_batch(
-        &s.last_norm,
-        &vec![RowGroup::solo(1); n],
-        &[head],
-        &mut [&mut s.logits],
-    )?;
-    Ok(())
 }

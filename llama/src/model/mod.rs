@@ -16,7 +16,7 @@ use crate::config::LlamaConfig;
 use crate::weights::{BlobBytes, WeightSource, WeightView};
 
 use arch::ModelTable;
-use graph::{Layer, PassShape, Segment, State};
+use graph::{Graph, Layer, PassShape, Segment, State};
 
 /// Per layer, a key and a value cache buffer.
 type KvLayers<B> = Vec<(<B as Backend>::KvBuf, <B as Backend>::KvBuf)>;
@@ -101,15 +101,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     ) -> Result<Self, LlamaError> {
         let config = LlamaConfig::from_model_config(&metadata.config)?;
         let table = ModelTable::resolve(&metadata, &config)?;
-        if context == 0 || context > config.context_length {
-            return Err(LlamaError::Config {
-                setting: "context",
-                message: format!(
-                    "{context} must be between 1 and the model's context_length {}",
-                    config.context_length
-                ),
-            });
-        }
+        between_1_and(
+            "context",
+            context,
+            config.context_length,
+            "the model's context_length",
+        )?;
         // A single sequence never has more than `context` rows, but a batch of them may.
         let max_rows = max_rows.max(1);
         let state = State::new(&backend, &config, max_rows)?;
@@ -173,15 +170,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
 
     /// An empty cache of `capacity` positions (1 ..= `context()`) for [`Llama::forward_batch`].
     pub fn new_kv_cache(&self, capacity: usize) -> Result<KvCache<B>, LlamaError> {
-        if capacity == 0 || capacity > self.context {
-            return Err(LlamaError::Config {
-                setting: "KV cache capacity",
-                message: format!(
-                    "{capacity} must be between 1 and the context {}",
-                    self.context
-                ),
-            });
-        }
+        between_1_and("KV cache capacity", capacity, self.context, "the context")?;
         Ok(KvCache {
             layers: self.alloc_kv_layers(capacity)?,
             kv_dim: self.config.kv_dim(),
@@ -396,6 +385,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             weights_stable: weights.all_resident(),
             generation: *generation,
         })?;
+        let mut g = Graph { be, s, segs, p: &p };
         let ran = (|| {
             for (l, layer) in table.layers.iter().enumerate() {
                 let guard = weights.acquire(layer.blob)?;
@@ -403,7 +393,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                     table: layer,
                     bytes: guard.bytes(),
                 };
-                graph::layer(be, s, segs, &p, l, &w)?;
+                g.layer(l, &w)?;
             }
             let out = &table.output;
             let output_guard = weights.acquire(out.blob)?;
@@ -419,7 +409,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                         });
                     }
                 };
-                graph::head(be, s, segs, &p, output_norm, head)?;
+                g.head(output_norm, head)?;
             }
             Ok::<_, LlamaError>(output_guard)
         })();
@@ -437,6 +427,22 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         weights.end_pass();
         Ok(())
     }
+}
+
+/// An error for `setting` unless `1 <= value <= max` (`max` being `what`).
+fn between_1_and(
+    setting: &'static str,
+    value: usize,
+    max: usize,
+    what: &str,
+) -> Result<(), LlamaError> {
+    if value == 0 || value > max {
+        return Err(LlamaError::Config {
+            setting,
+            message: format!("{value} must be between 1 and {what} {max}"),
+        });
+    }
+    Ok(())
 }
 
 /// The pass's inputs: the embeddings of `tokens` into `x` (`[rows, dim]`). A tied table is also

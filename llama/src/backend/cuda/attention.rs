@@ -2,11 +2,9 @@
 //! attention over the f16 cache — the tiled kernel for prompts, the split (flash-decoding)
 //! kernels for one query row.
 
-use cudarc::driver::LaunchConfig;
-
 use crate::backend::{AttentionSeq, AttentionShape, BackendError};
 
-use super::device::elementwise;
+use super::device::{blocks, elementwise};
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
 
 /// Threads per block of the attention kernels: they assume 256.
@@ -17,37 +15,21 @@ const ROW_THREADS: u32 = 256;
 const ATT_SPLIT: usize = 128;
 
 impl CudaBackend {
-    /// One launch: RoPE on the q and k rows `row0 ..`, k and v stored in the f16 caches at
-    /// positions `pos0 ..`. While a pass is recorded the kernel reads the position from the
-    /// pass parameters.
-    #[allow(clippy::too_many_arguments)]
+    /// One launch: RoPE on `rows` rows of q and k at device addresses `qp` and `kp`, then
+    /// those k and v (at `vp`) rows stored in the f16 caches at `kc`/`vc` at positions
+    /// `pos0 ..`, with the frequencies at `f`. While a pass is recorded the kernel reads the
+    /// position from the pass parameters.
     pub(super) fn rope_store_kv_launch(
         &self,
-        q: &CudaBuf,
-        k: &CudaBuf,
-        v: &CudaBuf,
-        row0: usize,
+        [qp, kp, vp, f, kc, vc]: [u64; 6],
         rows: usize,
         pos0: usize,
         shape: AttentionShape,
-        inv_freq: &CudaBuf,
-        k_cache: &CudaKvBuf,
-        v_cache: &CudaKvBuf,
     ) -> Result<(), BackendError> {
         if rows == 0 {
             return Ok(());
         }
-        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
-        let (qp, kp, vp) = (
-            self.addr(q, row0 * shape.n_heads * hd),
-            self.addr(k, row0 * kv_dim),
-            self.addr(v, row0 * kv_dim),
-        );
-        let (f, kc, vc) = (
-            self.addr(inv_freq, 0),
-            self.kv_addr(k_cache),
-            self.kv_addr(v_cache),
-        );
+        let hd = shape.head_dim;
         let pos_ptr = self.graphs.pos_param(&self.queue).unwrap_or(0);
         let (rows_i, nh, nkv, hd_i, p0) = (
             rows as i32,
@@ -71,9 +53,9 @@ impl CudaBackend {
             .arg(&f)
             .arg(&kc)
             .arg(&vc);
-        // SAFETY: q holds rows·n_heads·head_dim values from row0, k and v rows·kv_dim; the
-        // caches hold the positions pos0 .. pos0+rows (the forward pass checks the capacity),
-        // inv_freq head_dim/2 values.
+        // SAFETY: the caller passes live buffers: rows·n_heads·head_dim values at qp,
+        // rows·n_kv_heads·head_dim at kp and vp, head_dim/2 frequencies at f, and caches at
+        // kc/vc that hold the positions pos0 .. pos0+rows (the model checks the capacity).
         unsafe {
             b.run(elementwise(
                 rows * (shape.n_heads + shape.n_kv_heads) * hd / 2,
@@ -142,11 +124,7 @@ impl CudaBackend {
             .arg(&hd)
             .arg(&scale)
             .arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: ((rows * shape.n_heads) as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks(((rows * shape.n_heads) as u32, 1), ROW_THREADS);
         // SAFETY: q and out hold rows·n_heads·head_dim values, the caches at least
         // (pos0+rows)·n_kv_heads·head_dim; head_dim <= 256 was checked by the caller.
         unsafe { b.run(cfg) }
@@ -202,11 +180,7 @@ impl CudaBackend {
             .arg(&scale)
             .arg(&split)
             .arg(&pp);
-        let cfg = LaunchConfig {
-            grid_dim: (shape.n_heads as u32, n_splits as u32, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks((shape.n_heads as u32, n_splits as u32), ROW_THREADS);
         // SAFETY: q holds n_heads·head_dim values, the caches `capacity` positions of
         // n_kv_heads·head_dim (the kernel reads only the first pos+1), the partials
         // n_heads·n_splits·(2+head_dim) (sized above for the capacity); ATT_SPLIT <= the
@@ -217,11 +191,7 @@ impl CudaBackend {
             .queue
             .kernel(&self.kernels.attention_combine, "attention_combine kernel");
         b.arg(&pp).arg(&n_splits_i).arg(&hd).arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: (shape.n_heads as u32, 1, 1),
-            block_dim: (ROW_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks((shape.n_heads as u32, 1), ROW_THREADS);
         // SAFETY: reads the partials written above, writes n_heads·head_dim values of out.
         unsafe { b.run(cfg) }
     }

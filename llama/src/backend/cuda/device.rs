@@ -27,11 +27,7 @@ pub(super) const ELEMENT_THREADS: u32 = 256;
 
 /// A launch configuration of one thread per element, `n` elements.
 pub(super) fn elementwise(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(ELEMENT_THREADS), 1, 1),
-        block_dim: (ELEMENT_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    blocks(((n as u32).div_ceil(ELEMENT_THREADS), 1), ELEMENT_THREADS)
 }
 
 /// The dtype codes of the kernels (`common.cuh`). A new dtype is one more arm here and in
@@ -303,18 +299,13 @@ impl Queue {
     /// Device-to-device copy speed over `bytes`-byte buffers: (bytes read, bytes read + bytes
     /// written) per second, in GB/s, best of a few copies.
     pub fn measure_copy_gbps(&self, bytes: usize) -> Result<(f64, f64), BackendError> {
-        let err = |e| self.error("copy benchmark", e);
         let src = self.alloc_zeros::<u8>(bytes, "copy benchmark")?;
         let mut dst = self.alloc_zeros::<u8>(bytes, "copy benchmark")?;
-        let mut best = f64::MAX;
-        for _ in 0..6 {
-            self.synchronize()?;
-            let t = std::time::Instant::now();
-            self.issue();
-            self.stream.memcpy_dtod(&src, &mut dst).map_err(err)?;
-            self.synchronize()?;
-            best = best.min(t.elapsed().as_secs_f64());
-        }
+        let best = self.best_of(
+            6,
+            || self.stream.memcpy_dtod(&src, &mut dst),
+            "copy benchmark",
+        )?;
         let read = bytes as f64 / best / 1e9;
         Ok((read, 2.0 * read))
     }
@@ -322,21 +313,45 @@ impl Queue {
     /// Host-to-device copy speed from page-locked memory over `bytes` bytes, GB/s, best of a
     /// few copies.
     pub fn measure_pinned_h2d_gbps(&self, bytes: usize) -> Result<f64, BackendError> {
-        let err = |e| self.error("H2D benchmark", e);
         // SAFETY: `alloc_pinned` leaves the memory uninitialised; it is only ever a copy source
         // and every byte pattern is a valid u8.
-        let host = unsafe { self.stream.context().alloc_pinned::<u8>(bytes) }.map_err(err)?;
+        let host = unsafe { self.stream.context().alloc_pinned::<u8>(bytes) }
+            .map_err(|e| self.error("H2D benchmark", e))?;
         let mut dst = self.alloc_zeros::<u8>(bytes, "H2D benchmark")?;
+        let best = self.best_of(
+            4,
+            || self.stream.memcpy_htod(&host, &mut dst),
+            "H2D benchmark",
+        )?;
+        Ok(bytes as f64 / best / 1e9)
+    }
+
+    /// The shortest of `n` timed runs of `copy`, each from an idle stream to its completion.
+    fn best_of(
+        &self,
+        n: usize,
+        mut copy: impl FnMut() -> Result<(), DriverError>,
+        op: &'static str,
+    ) -> Result<f64, BackendError> {
         let mut best = f64::MAX;
-        for _ in 0..4 {
+        for _ in 0..n {
             self.synchronize()?;
             let t = std::time::Instant::now();
             self.issue();
-            self.stream.memcpy_htod(&host, &mut dst).map_err(err)?;
+            copy().map_err(|e| self.error(op, e))?;
             self.synchronize()?;
             best = best.min(t.elapsed().as_secs_f64());
         }
-        Ok(bytes as f64 / best / 1e9)
+        Ok(best)
+    }
+}
+
+/// A launch configuration of `grid` blocks of `threads` threads.
+pub(super) fn blocks(grid: (u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

@@ -1,11 +1,11 @@
 //! Row- and element-wise device work: the embedding lookup, rmsnorm, the gated activation,
 //! row copies, and the f32 ↔ f16 conversions of the KV cache.
 
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::CudaFunction;
 
 use crate::backend::{BackendError, WeightView};
 
-use super::device::{dtype_code, elementwise};
+use super::device::{blocks, dtype_code, elementwise};
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
 
@@ -43,11 +43,7 @@ impl CudaBackend {
             .arg(&ids_ptr)
             .arg(&dim)
             .arg(&o);
-        let cfg = LaunchConfig {
-            grid_dim: (ids.len() as u32, 1, 1),
-            block_dim: (EMBED_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks((ids.len() as u32, 1), EMBED_THREADS);
         // SAFETY: ids are < the table's rows (checked by the model), the table holds
         // rows·row_bytes bytes, `out` holds ids.len()·dim values; `ids_dev` is freed in stream
         // order after the kernel.
@@ -100,11 +96,7 @@ impl CudaBackend {
             .arg(&op)
             .arg(&xq)
             .arg(&xs);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (RMS_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks((rows as u32, 1), RMS_THREADS);
         // SAFETY: x and out hold rows·dim values, the weight dim values; xq/xs are null or
         // (dim a multiple of 32) the scratch's room for rows·dim quantized values.
         unsafe { b.run(cfg) }?;

@@ -3,12 +3,12 @@
 //! the 16-bit integers of [`super::scratch::X16`]), cuBLAS for prompts.
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::CudaSlice;
 use weights_format::DType;
 
 use crate::backend::{BackendError, RowGroup, WeightView};
 
-use super::device::{GemmArgs, dtype_code, elementwise};
+use super::device::{GemmArgs, blocks, dtype_code, elementwise};
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf};
 
@@ -169,12 +169,12 @@ impl CudaBackend {
             accumulate: accumulate as i32,
             ..MatmulJobs::default()
         };
-        let mut blocks = 0;
+        let mut n_blocks = 0;
         for (i, (w, op)) in jobs.iter().enumerate() {
             params.w[i] = device_ptr(w)?.addr();
             params.out[i] = *op;
             params.m[i] = w.rows as i32;
-            blocks += (w.rows as u32).div_ceil(MM_WROWS);
+            n_blocks += (w.rows as u32).div_ceil(MM_WROWS);
         }
         let w = jobs[0].0;
         let (rows_i, k) = (rows as i32, w.cols as i32);
@@ -192,11 +192,10 @@ impl CudaBackend {
             b.arg(xs);
         }
         b.arg(&rows_i).arg(&k).arg(&params);
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, (rows as u32).div_ceil(rows_per_block), 1),
-            block_dim: (MM_WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = blocks(
+            (n_blocks, (rows as u32).div_ceil(rows_per_block)),
+            MM_WARPS * 32,
+        );
         // SAFETY: x holds rows·k values (f32, or for quantized weights the 16-bit integers and
         // block records of `quantize_x16` over them); each job's weight has m rows of k values
         // in whole blocks of the shared dtype (checked when the model resolved its tensors) in

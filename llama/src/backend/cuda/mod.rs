@@ -270,7 +270,16 @@ impl Backend for CudaBackend {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.rope_store_kv_launch(q, k, v, row0, rows, pos0, shape, inv_freq, k_cache, v_cache)
+        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+        let addrs = [
+            self.addr(q, row0 * shape.n_heads * hd),
+            self.addr(k, row0 * kv_dim),
+            self.addr(v, row0 * kv_dim),
+            self.addr(inv_freq, 0),
+            self.kv_addr(k_cache),
+            self.kv_addr(v_cache),
+        ];
+        self.rope_store_kv_launch(addrs, rows, pos0, shape)
     }
 
     fn attention_batch(

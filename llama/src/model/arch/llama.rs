@@ -9,51 +9,19 @@ use super::{Activation, Dim, Family, LayerRole, Norm, TensorSpec};
 pub const LLAMA: Family = Family {
     architecture: "llama",
     layer: &[
-        TensorSpec {
-            role: LayerRole::AttnNorm,
-            name: names::ATTN_NORM,
-            shape: &[Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::Q,
-            name: names::ATTN_Q,
-            shape: &[Dim::Q, Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::K,
-            name: names::ATTN_K,
-            shape: &[Dim::Kv, Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::V,
-            name: names::ATTN_V,
-            shape: &[Dim::Kv, Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::AttnOutput,
-            name: names::ATTN_OUTPUT,
-            shape: &[Dim::Model, Dim::Q],
-        },
-        TensorSpec {
-            role: LayerRole::FfnNorm,
-            name: names::FFN_NORM,
-            shape: &[Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::Gate,
-            name: names::FFN_GATE,
-            shape: &[Dim::Ffn, Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::Up,
-            name: names::FFN_UP,
-            shape: &[Dim::Ffn, Dim::Model],
-        },
-        TensorSpec {
-            role: LayerRole::Down,
-            name: names::FFN_DOWN,
-            shape: &[Dim::Model, Dim::Ffn],
-        },
+        TensorSpec::new(LayerRole::AttnNorm, names::ATTN_NORM, &[Dim::Model]),
+        TensorSpec::new(LayerRole::Q, names::ATTN_Q, &[Dim::Q, Dim::Model]),
+        TensorSpec::new(LayerRole::K, names::ATTN_K, &[Dim::Kv, Dim::Model]),
+        TensorSpec::new(LayerRole::V, names::ATTN_V, &[Dim::Kv, Dim::Model]),
+        TensorSpec::new(
+            LayerRole::AttnOutput,
+            names::ATTN_OUTPUT,
+            &[Dim::Model, Dim::Q],
+        ),
+        TensorSpec::new(LayerRole::FfnNorm, names::FFN_NORM, &[Dim::Model]),
+        TensorSpec::new(LayerRole::Gate, names::FFN_GATE, &[Dim::Ffn, Dim::Model]),
+        TensorSpec::new(LayerRole::Up, names::FFN_UP, &[Dim::Ffn, Dim::Model]),
+        TensorSpec::new(LayerRole::Down, names::FFN_DOWN, &[Dim::Model, Dim::Ffn]),
     ],
     norm: Norm::Rms,
     activation: Activation::Silu,

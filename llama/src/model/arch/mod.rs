@@ -76,6 +76,12 @@ pub struct TensorSpec {
     pub shape: &'static [Dim],
 }
 
+impl TensorSpec {
+    pub const fn new(role: LayerRole, name: &'static str, shape: &'static [Dim]) -> TensorSpec {
+        TensorSpec { role, name, shape }
+    }
+}
+
 /// How a block normalises its input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Norm {
