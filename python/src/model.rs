@@ -64,7 +64,10 @@ fn json_to_python<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<B
 }
 
 fn to_python<'py>(py: Python<'py>, value: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
-    let value = serde_json::to_value(value)
+    // Through the JSON text, as metadata.json holds it: `to_value` would widen an f32 such as
+    // rms_norm_eps = 1e-5 to 9.999999747378752e-06.
+    let value: serde_json::Value = serde_json::to_string(value)
+        .and_then(|text| serde_json::from_str(&text))
         .map_err(|err| BridgeError::Invalid(format!("cannot describe the model: {err}")))?;
     json_to_python(py, &value)
 }
