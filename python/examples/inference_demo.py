@@ -58,9 +58,9 @@ def llama_config(c):
     from transformers import LlamaConfig
 
     eos = c["eos_token_ids"]
-    rope_scaling = None
+    extra = {}
     if c.get("rope_scaling"):
-        rope_scaling = {k: v for k, v in c["rope_scaling"].items() if v is not None}
+        extra["rope_scaling"] = {k: v for k, v in c["rope_scaling"].items() if v is not None}
     config = LlamaConfig(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
@@ -72,13 +72,13 @@ def llama_config(c):
         max_position_embeddings=c["context_length"],
         rms_norm_eps=c["rms_norm_eps"],
         rope_theta=c["rope_theta"],
-        rope_scaling=rope_scaling,
         tie_word_embeddings=c["tie_word_embeddings"],
         bos_token_id=c.get("bos_token_id"),
         eos_token_id=eos[0] if len(eos) == 1 else eos,
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
+        **extra,
     )
     config._attn_implementation = "sdpa"
     return config

@@ -13,7 +13,7 @@ use weights_format::{BlobMeta, Model};
 use crate::dtype::ElementType;
 use crate::errors::BridgeError;
 use crate::io::{Placement, parse_io, read_region};
-use crate::tensor::GdsTensor;
+use crate::tensor::{GdsTensor, Source};
 
 /// A GdsLLM model directory opened for reading blobs into `device` memory.
 #[pyclass(module = "gdsllm._gdsllm", name = "GdsModel", frozen)]
@@ -126,9 +126,11 @@ impl GdsModel {
                 exported_shape(meta),
                 ElementType::of_stored(meta.dtype),
                 quantized,
-                path.clone(),
-                meta.offset,
-                region.backend,
+                Source {
+                    path: path.clone(),
+                    offset: meta.offset,
+                    backend: region.backend,
+                },
             );
             tensors.set_item(&meta.name, view)?;
         }

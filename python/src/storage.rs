@@ -34,7 +34,14 @@ pub fn live_memory() -> LiveMemory {
 }
 
 enum Memory {
-    Host(AlignedBuf),
+    /// Held only to be freed with the Storage; `Storage::data` points into it.
+    Host(
+        #[expect(
+            dead_code,
+            reason = "owned for its Drop; accessed through Storage::data"
+        )]
+        AlignedBuf,
+    ),
     Device(GdsBuffer),
 }
 
@@ -57,28 +64,29 @@ unsafe impl Sync for Storage {}
 
 impl Storage {
     pub fn host(mut buffer: AlignedBuf) -> Storage {
-        let len = buffer.len();
-        let data = buffer.as_mut_ptr();
-        HOST_BUFFERS.fetch_add(1, Ordering::SeqCst);
-        HOST_BYTES.fetch_add(len as i64, Ordering::SeqCst);
-        Storage {
-            memory: Some(Memory::Host(buffer)),
-            data,
-            len,
-            device: DLDevice::CPU,
-        }
+        let (len, data) = (buffer.len(), buffer.as_mut_ptr());
+        Storage::counted(Memory::Host(buffer), data, len, DLDevice::CPU)
     }
 
     pub fn device(buffer: GdsBuffer, ordinal: usize) -> Storage {
-        let len = buffer.len();
-        let data = buffer.device_ptr() as usize as *mut u8;
-        DEVICE_BUFFERS.fetch_add(1, Ordering::SeqCst);
-        DEVICE_BYTES.fetch_add(len as i64, Ordering::SeqCst);
-        Storage {
-            memory: Some(Memory::Device(buffer)),
+        let (len, data) = (buffer.len(), buffer.device_ptr() as usize as *mut u8);
+        Storage::counted(
+            Memory::Device(buffer),
             data,
             len,
-            device: DLDevice::cuda(ordinal as i32),
+            DLDevice::cuda(ordinal as i32),
+        )
+    }
+
+    fn counted(memory: Memory, data: *mut u8, len: usize, device: DLDevice) -> Storage {
+        let (buffers, bytes) = counters(&memory);
+        buffers.fetch_add(1, Ordering::SeqCst);
+        bytes.fetch_add(len as i64, Ordering::SeqCst);
+        Storage {
+            memory: Some(memory),
+            data,
+            len,
+            device,
         }
     }
 
@@ -134,22 +142,25 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        match self.memory.take() {
-            Some(Memory::Host(buffer)) => {
-                HOST_BUFFERS.fetch_sub(1, Ordering::SeqCst);
-                HOST_BYTES.fetch_sub(self.len as i64, Ordering::SeqCst);
-                drop(buffer);
-            }
-            Some(Memory::Device(buffer)) => {
-                // The deleter may run on any thread, including one where PyTorch has a
-                // context current: GdsBuffer's Drop binds ours, so put theirs back afterwards.
-                let _restore = CurrentContext::save();
-                drop(buffer);
-                DEVICE_BUFFERS.fetch_sub(1, Ordering::SeqCst);
-                DEVICE_BYTES.fetch_sub(self.len as i64, Ordering::SeqCst);
-            }
-            None => {}
-        }
+        let Some(memory) = self.memory.take() else {
+            return;
+        };
+        let (buffers, bytes) = counters(&memory);
+        // The deleter may run on any thread, including one where PyTorch has a context
+        // current: GdsBuffer's Drop binds ours, so put theirs back afterwards.
+        let restore = matches!(memory, Memory::Device(_)).then(CurrentContext::save);
+        drop(memory);
+        drop(restore);
+        buffers.fetch_sub(1, Ordering::SeqCst);
+        bytes.fetch_sub(self.len as i64, Ordering::SeqCst);
+    }
+}
+
+/// The live-buffer and live-byte counters of `memory`'s kind.
+fn counters(memory: &Memory) -> (&'static AtomicI64, &'static AtomicI64) {
+    match memory {
+        Memory::Host(_) => (&HOST_BUFFERS, &HOST_BYTES),
+        Memory::Device(_) => (&DEVICE_BUFFERS, &DEVICE_BYTES),
     }
 }
 

@@ -36,9 +36,17 @@ pub struct GdsTensor {
     element: ElementType,
     /// For quantized tensors of a model: the stored dtype (`q4_1`, ...) and logical shape.
     quantized: Option<(weights_format::DType, Vec<u64>)>,
-    path: PathBuf,
-    file_offset: u64,
-    backend: &'static str,
+    source: Source,
+}
+
+/// Where a tensor's bytes came from.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub path: PathBuf,
+    /// Byte offset of the tensor in `path`.
+    pub offset: u64,
+    /// The backend that read it: `host`, `cufile` or `bounce`.
+    pub backend: &'static str,
 }
 
 impl GdsTensor {
@@ -46,18 +54,17 @@ impl GdsTensor {
         self.shape.iter().product::<i64>() as usize * self.element.size()
     }
 
-    /// A view of `shape` × `element` at `data_offset` into `storage` (the caller has checked
-    /// that it lies inside the buffer).
-    #[allow(clippy::too_many_arguments)]
+    /// A view of `shape` × `element` at `data_offset` into `storage`.
+    ///
+    /// # Panics
+    /// If the view does not lie inside the buffer (callers build views from checked ranges).
     pub fn view(
         storage: Arc<Storage>,
         data_offset: usize,
         shape: Vec<i64>,
         element: ElementType,
         quantized: Option<(weights_format::DType, Vec<u64>)>,
-        path: PathBuf,
-        file_offset: u64,
-        backend: &'static str,
+        source: Source,
     ) -> GdsTensor {
         let tensor = GdsTensor {
             storage,
@@ -65,9 +72,7 @@ impl GdsTensor {
             shape,
             element,
             quantized,
-            path,
-            file_offset,
-            backend,
+            source,
         };
         assert!(
             tensor.data_offset + tensor.nbytes() <= tensor.storage.len(),
@@ -171,19 +176,19 @@ impl GdsTensor {
     /// The backend that read the bytes: `host`, `cufile` or `bounce`.
     #[getter]
     fn io(&self) -> &'static str {
-        self.backend
+        self.source.backend
     }
 
     /// The file the bytes came from.
     #[getter]
     fn path(&self) -> PathBuf {
-        self.path.clone()
+        self.source.path.clone()
     }
 
     /// The byte offset in that file.
     #[getter]
     fn offset(&self) -> u64 {
-        self.file_offset
+        self.source.offset
     }
 
     /// For a quantized tensor of a model: its stored type (`q8_0`, `q4_0`, `q4_1`); else None.
@@ -238,9 +243,9 @@ impl GdsTensor {
             self.shape,
             self.element.name(),
             self.device(),
-            self.backend,
-            self.path.display().to_string(),
-            self.file_offset,
+            self.source.backend,
+            self.source.path.display().to_string(),
+            self.source.offset,
         )
     }
 }
@@ -304,14 +309,17 @@ pub fn gds_tensor(
     if let Some(note) = &region.note {
         crate::warn(py, note)?;
     }
+    let source = Source {
+        path,
+        offset,
+        backend: region.backend,
+    };
     Ok(GdsTensor::view(
         region.storage,
         region.data_offset,
         shape,
         element,
         None,
-        path,
-        offset,
-        region.backend,
+        source,
     ))
 }
