@@ -7,6 +7,7 @@ use weights_format::DType;
 use super::kernels::{self, QK};
 use super::{
     AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView, host_bytes,
+    matmul_then_add,
 };
 
 /// Multi-threaded CPU backend on the global rayon pool.
@@ -272,13 +273,7 @@ impl Backend for CpuBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let rows: usize = groups.iter().map(|g| g.rows).sum();
-        self.matmul_batch(x, groups, &[w], &mut [&mut *scratch])?;
-        let len = rows * w.rows;
-        for (a, b) in out[..len].iter_mut().zip(&scratch[..len]) {
-            *a += b;
-        }
-        Ok(())
+        matmul_then_add(self, x, groups, w, scratch, out)
     }
 
     fn rope_store_kv(

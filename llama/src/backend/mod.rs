@@ -242,3 +242,22 @@ pub(crate) fn host_bytes<'a>(
         found: "device",
     })
 }
+
+/// `out += x · wᵀ` as [`Backend::matmul_batch`] into `scratch`, then an f32 add: the
+/// `matmul_add_batch` of the backends that compute in host memory.
+pub(crate) fn matmul_then_add<B: Backend<Buf = Vec<f32>>>(
+    be: &B,
+    x: &Vec<f32>,
+    groups: &[RowGroup],
+    w: WeightView<'_>,
+    scratch: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    let rows: usize = groups.iter().map(|g| g.rows).sum();
+    be.matmul_batch(x, groups, &[w], &mut [&mut *scratch])?;
+    let len = rows * w.rows;
+    for (a, b) in out[..len].iter_mut().zip(&scratch[..len]) {
+        *a += b;
+    }
+    Ok(())
+}

@@ -7,6 +7,7 @@ use weights_format::quant::dequantize;
 
 use super::{
     AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView, host_bytes,
+    matmul_then_add,
 };
 
 /// Single-threaded reference backend (host memory).
@@ -155,12 +156,7 @@ impl Backend for ReferenceBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let rows: usize = groups.iter().map(|g| g.rows).sum();
-        self.matmul_batch(x, groups, &[w], &mut [&mut *scratch])?;
-        for i in 0..rows * w.rows {
-            out[i] += scratch[i];
-        }
-        Ok(())
+        matmul_then_add(self, x, groups, w, scratch, out)
     }
 
     fn rope_store_kv(
