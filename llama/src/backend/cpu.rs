@@ -1,5 +1,5 @@
 //! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
-//! the vectorised inner loops of [`super::kernels`], f32 activations and accumulation.
+//! the vectorised inner loops of `kernels.rs`, f32 activations and accumulation.
 
 use rayon::prelude::*;
 use weights_format::DType;

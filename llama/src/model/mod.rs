@@ -1,8 +1,8 @@
 //! The model: its state, KV caches and the forward pass, written once over [`Backend`]
-//! (llama2.c style: top to bottom, state allocated once). A pass is the embedding, then
-//! [`graph::attention_block`] and [`graph::ffn_block`] for every layer, then
-//! [`graph::head`]; which tensors those read, and where they lie in each blob, comes from the
-//! family description resolved at load ([`arch`]).
+//! (llama2.c style: top to bottom, state allocated once). A pass is the embedding, then every
+//! layer's attention and FFN blocks, then the LM head (the blocks are in `graph.rs`); which
+//! tensors those read, and where they lie in each blob, comes from the family description
+//! resolved at load ([`arch`]).
 
 pub mod arch;
 pub(crate) mod graph;

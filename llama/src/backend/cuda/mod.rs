@@ -1,11 +1,11 @@
 //! The CUDA backend (feature `cuda`): f32 activations in device memory, an f16 KV cache, and
 //! kernels compiled by NVRTC from the `.cu` files of `kernels/` on first use.
 //!
-//! Split by concern: [`device`] (the stream every op is queued on, cuBLAS, the kernels),
-//! [`weights`] (weights as device pointers: streamed through residency, or uploaded once),
-//! [`scratch`] (buffers the backend reuses, the quantized activations of the matmuls),
-//! [`graph`] (recording a decode pass once as a CUDA graph and replaying it), [`matmul`],
-//! [`attention`] and [`elementwise`] (the ops), [`compile`] (NVRTC and its cache). This file
+//! Split by concern: `device` (the stream every op is queued on, cuBLAS, the kernels),
+//! `weights` (weights as device pointers: streamed through residency, or uploaded once),
+//! `scratch` (buffers the backend reuses, the quantized activations of the matmuls),
+//! `graph` (recording a decode pass once as a CUDA graph and replaying it), `matmul`,
+//! `attention` and `elementwise` (the ops), `compile` (NVRTC and its cache). This file
 //! holds the backend and maps the [`Backend`] ops onto those.
 //!
 //! Every op returns its failure; none is stored for later. Weights reach the kernels only as

@@ -3,7 +3,7 @@
 //! ([`llama`]) holds a [`Family`]; [`ModelTable::resolve`] checks a model's metadata against it
 //! once at load and keeps, per layer, where each tensor lies in its blob — so a pass never looks
 //! a tensor up by name, and the pass itself ([`crate::model`], through the blocks of
-//! [`crate::model::graph`]) is the same for every family.
+//! `model/graph.rs`) is the same for every family.
 //!
 //! Adding a family: a file with its `Family` (a new tensor gets a [`LayerRole`], a new choice a
 //! variant of [`Norm`] or [`Activation`], handled in `graph.rs`), one line in [`FAMILIES`].
