@@ -385,7 +385,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             weights_stable: weights.all_resident(),
             generation: *generation,
         })?;
-        let mut g = Graph { be, s, segs, p: &p };
+        let mut graph = Graph { be, s, segs, p: &p };
         let ran = (|| {
             for (l, layer) in table.layers.iter().enumerate() {
                 let guard = weights.acquire(layer.blob)?;
@@ -393,7 +393,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                     table: layer,
                     bytes: guard.bytes(),
                 };
-                g.layer(l, &w)?;
+                graph.layer(l, &w)?;
             }
             let out = &table.output;
             let output_guard = weights.acquire(out.blob)?;
@@ -401,7 +401,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 let output_norm = out.output_norm.view(output_guard.bytes(), &out.file)?; // [dim]
                 let head = match (&out.output, &embed_guard) {
                     (Some(t), _) => t.view(output_guard.bytes(), &out.file)?, // [vocab, dim]
-                    (None, Some(g)) => table.embed.token_embd.view(g.bytes(), &table.embed.file)?,
+                    (None, Some(tied)) => {
+                        table
+                            .embed
+                            .token_embd
+                            .view(tied.bytes(), &table.embed.file)? // [vocab, dim]
+                    }
                     (None, None) => {
                         return Err(LlamaError::MissingTensor {
                             blob: out.file.clone(),
@@ -409,7 +414,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                         });
                     }
                 };
-                g.head(output_norm, head)?;
+                graph.head(output_norm, head)?;
             }
             Ok::<_, LlamaError>(output_guard)
         })();
