@@ -1,6 +1,6 @@
 //! The model's hyper-parameters as the forward pass uses them, validated from `metadata.json`.
 
-use weights_format::ModelConfig;
+use weights_format::{ModelConfig, RopeScaling};
 
 use crate::LlamaError;
 
@@ -45,11 +45,7 @@ impl LlamaConfig {
             bos_token_id: c.bos_token_id,
             eos_token_ids: c.eos_token_ids.clone(),
             add_bos_token: c.add_bos_token,
-            rope_inv_freq: crate::backend::rope_inv_freq(
-                head_dim,
-                c.rope_theta,
-                c.rope_scaling.as_ref(),
-            ),
+            rope_inv_freq: rope_inv_freq(head_dim, c.rope_theta, c.rope_scaling.as_ref()),
         })
     }
 
@@ -62,4 +58,35 @@ impl LlamaConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
+}
+
+/// Inverse RoPE frequencies `theta^(-2i/head_dim)`, `i < head_dim/2`, with Llama-3 style
+/// scaling applied when configured (as in Hugging Face `_compute_llama3_parameters`).
+pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let mut inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    if let Some(s) = scaling {
+        match s.rope_type.as_str() {
+            "linear" => inv.iter_mut().for_each(|f| *f /= s.factor),
+            "llama3" => {
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let old_ctx = s.original_max_position_embeddings.unwrap_or(8192) as f32;
+                let low_wavelen = old_ctx / low;
+                let high_wavelen = old_ctx / high;
+                for f in inv.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= s.factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old_ctx / wavelen - low) / (high - low);
+                        *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    inv
 }
