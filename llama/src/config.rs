@@ -1,6 +1,6 @@
 //! The model's hyper-parameters as the forward pass uses them, validated from `metadata.json`.
 
-use weights_format::ModelConfig;
+use weights_format::{Architecture, ModelConfig};
 
 use crate::LlamaError;
 
@@ -25,11 +25,38 @@ pub struct LlamaConfig {
     pub rope_inv_freq: Vec<f32>,
 }
 
+/// The format describes more families than the forward pass runs yet; such a model must fail
+/// here, by name, rather than run through the llama layer and print nonsense.
+fn refuse_unimplemented(c: &ModelConfig) -> Result<(), LlamaError> {
+    if c.family() != Some(Architecture::Llama) {
+        return Err(LlamaError::Config {
+            setting: "architecture",
+            message: format!(
+                "{:?} models convert, but this build's forward pass runs only \"llama\"",
+                c.architecture
+            ),
+        });
+    }
+    if let Some(s) = &c.rope_scaling
+        && !matches!(s.rope_type.as_str(), "linear" | "llama3")
+    {
+        return Err(LlamaError::Config {
+            setting: "rope_scaling",
+            message: format!(
+                "rope_type {:?} is not implemented by this build's forward pass (linear, llama3)",
+                s.rope_type
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl LlamaConfig {
     /// Checks the config (the same rules `weights_format::Model::open` applies, so a config
     /// built by hand gets them too) and precomputes the RoPE frequencies.
     pub fn from_model_config(c: &ModelConfig) -> Result<LlamaConfig, LlamaError> {
         c.validate()?;
+        refuse_unimplemented(c)?;
         let head_dim = c.head_dim as usize;
         Ok(LlamaConfig {
             n_layers: c.n_layers as usize,
