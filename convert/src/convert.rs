@@ -492,7 +492,9 @@ pub fn unpermute_rows(
 /// A vector `w` (any float dtype) as the f32 bytes of `1 + w`.
 fn add_one(data: &[u8], from: DType, out: &mut Vec<u8>) -> Result<(), String> {
     if from.is_quantized() {
-        return Err(format!("a norm weight stored as {from}; expected a float dtype"));
+        return Err(format!(
+            "a norm weight stored as {from}; expected a float dtype"
+        ));
     }
     let n = data.len() / from.byte_len(&[1]).unwrap_or(4) as usize;
     let mut values = vec![0f32; n];

@@ -275,7 +275,10 @@ pub const GEMMA3: FamilyTable = FamilyTable {
                 ATTN_POST_NORM,
                 "model.layers.{l}.post_attention_layernorm.weight"
             ),
-            e(FFN_NORM, "model.layers.{l}.pre_feedforward_layernorm.weight"),
+            e(
+                FFN_NORM,
+                "model.layers.{l}.pre_feedforward_layernorm.weight"
+            ),
             e(FFN_GATE, "model.layers.{l}.mlp.gate_proj.weight"),
             e(FFN_UP, "model.layers.{l}.mlp.up_proj.weight"),
             e(FFN_DOWN, "model.layers.{l}.mlp.down_proj.weight"),

@@ -160,7 +160,10 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
         rms_norm_eps,
         context_length,
         tie_word_embeddings: gguf.tensor("output.weight").is_none()
-            && !gguf.unsupported_tensors().iter().any(|t| t.0 == "output.weight"),
+            && !gguf
+                .unsupported_tensors()
+                .iter()
+                .any(|t| t.0 == "output.weight"),
         bos_token_id,
         eos_token_ids,
         add_bos_token,
@@ -197,10 +200,7 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
                     long_factor: long,
                     original_max_position_embeddings: Some(original),
                     attention_factor: gguf.opt_f32(&key("rope.scaling.attn_factor"))?,
-                    ..RopeScaling::new(
-                        "longrope",
-                        context_length as f32 / original.max(1) as f32,
-                    )
+                    ..RopeScaling::new("longrope", context_length as f32 / original.max(1) as f32)
                 });
             }
             // llama.cpp turns Phi-3's sliding window off (and warns); so do we, so that both
@@ -232,11 +232,7 @@ fn gemma3_config(gguf: &GgufFile, config: &mut ModelConfig) -> Result<(), Conver
                     return Err(ConvertError::BadKey {
                         path: gguf.path().to_path_buf(),
                         key: pattern_key,
-                        reason: format!(
-                            "{} entries for {} layers",
-                            items.len(),
-                            config.n_layers
-                        ),
+                        reason: format!("{} entries for {} layers", items.len(), config.n_layers),
                     });
                 }
                 (0..config.n_layers)
@@ -273,10 +269,7 @@ fn read_f32_vector(gguf: &GgufFile, name: &str) -> Result<Option<Vec<f32>>, Conv
         return Err(ConvertError::BadTensor {
             path: gguf.path().to_path_buf(),
             tensor: name.into(),
-            reason: format!(
-                "{} {:?}; expected a vector of f32",
-                info.dtype, info.shape
-            ),
+            reason: format!("{} {:?}; expected a vector of f32", info.dtype, info.shape),
         });
     }
     let mut bytes = Vec::new();

