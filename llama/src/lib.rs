@@ -25,7 +25,7 @@ pub use backend::{AttentionSeq, Backend, CpuBackend, ReferenceBackend, RowGroup,
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};
 pub use batch::{BatchConfig, Batcher, Finished, SeqEnd, SeqId, generate_batch};
-pub use chat::{ChatTemplate, Message};
+pub use chat::{ChatTemplate, ChatValue, Message};
 pub use config::LlamaConfig;
 pub use error::LlamaError;
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};

