@@ -28,6 +28,18 @@ const ROPE_FACTORS_SHORT: &str = "rope_factors_short.weight";
 /// llama.cpp's default for Gemma 3 files without `sliding_window_pattern`: five windowed
 /// layers, then one global.
 const GEMMA3_SWA_PATTERN: u32 = 6;
+/// GGUF `tokenizer.ggml.token_type` of control tokens.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+/// Texts of control tokens that end a turn (llama.cpp's end-of-generation list, the entries
+/// of the families converted here).
+const END_OF_TURN_TEXTS: [&str; 6] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<｜end▁of▁sentence｜>",
+];
 /// llama.cpp's default RoPE base of the windowed layers (`rope_freq_base_train_swa`).
 const DEFAULT_SWA_ROPE_THETA: f32 = 10000.0;
 
@@ -144,6 +156,24 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
         && !eos_token_ids.contains(&eot)
     {
         eos_token_ids.push(eot);
+    }
+    if arch != Architecture::Llama {
+        // Chat models of these families end a turn with a control token that the file does not
+        // always name (Gemma 3's `<end_of_turn>`); llama.cpp finds such tokens by their text,
+        // and so do we. (Llama files are left as they were converted before.)
+        if let (Some(tokens), Some(types)) = (
+            gguf.opt_str_array("tokenizer.ggml.tokens")?,
+            gguf.opt_int_array("tokenizer.ggml.token_type")?,
+        ) {
+            for (id, (text, kind)) in tokens.iter().zip(&types).enumerate() {
+                if *kind == TOKEN_TYPE_CONTROL
+                    && END_OF_TURN_TEXTS.contains(text)
+                    && !eos_token_ids.contains(&(id as u32))
+                {
+                    eos_token_ids.push(id as u32);
+                }
+            }
+        }
     }
     let rules = arch.rules();
     let mut config = ModelConfig {

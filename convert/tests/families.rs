@@ -251,6 +251,8 @@ fn real_gemma3_file_is_recognised_and_its_types_are_listed_at_once() {
         ),
         (18, 640, 256, 1)
     );
+    // <eos>, and <end_of_turn> (106), which ends a chat turn, found by its text.
+    assert_eq!(config.eos_token_ids, vec![1, 106]);
     let w = config.sliding_window.as_ref().unwrap();
     assert_eq!(w.size, 512);
     assert_eq!(w.layers.len(), 15, "pattern 6: every sixth layer is global");

@@ -37,7 +37,8 @@ pub struct Args {
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
-    /// Context size in tokens (KV cache positions); 0: the model's full context length.
+    /// Context size in tokens (KV cache positions); 0: the model's full context length; larger
+    /// than the model's context: clamped to it, with a warning.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
     /// Sampling temperature; 0 is greedy (always the most likely token).
@@ -154,7 +155,7 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     Ok(prompts)
 }
 
-/// `ctx_size` (or the model's context length when 0) and the model's config.
+/// `ctx_size` (the model's context length when 0 or larger) and the model's config.
 fn context_for(
     dir: &std::path::Path,
     ctx_size: usize,
@@ -163,12 +164,23 @@ fn context_for(
         .with_context(|| format!("{}: invalid model", dir.display()))?
         .config()
         .clone();
-    let context = if ctx_size == 0 {
-        config.context_length as usize
+    Ok((clamp_context(ctx_size, &config), config))
+}
+
+/// `-c N`: 0 means the model's full context; more than the model's context is clamped to it,
+/// with a warning (a default of 4096 must not stop a model trained on 2048 positions).
+pub fn clamp_context(ctx_size: usize, config: &weights_format::ModelConfig) -> usize {
+    let model = config.context_length as usize;
+    if ctx_size == 0 {
+        model
+    } else if ctx_size > model {
+        tracing::warn!(
+            "--ctx-size {ctx_size} is larger than the model's context length {model}; using {model}"
+        );
+        model
     } else {
         ctx_size
-    };
-    Ok((context, config))
+    }
 }
 
 /// Opens the model on CUDA device `ordinal` for `sequences` sequences decoded together;
