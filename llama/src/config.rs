@@ -90,3 +90,45 @@ impl LlamaConfig {
         self.n_kv_heads * self.head_dim
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(architecture: &str) -> ModelConfig {
+        ModelConfig {
+            architecture: architecture.into(),
+            n_layers: 1,
+            hidden_size: 32,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+            ffn_dim: 64,
+            vocab_size: 16,
+            context_length: 64,
+            ..ModelConfig::default()
+        }
+    }
+
+    /// A family the format knows but the pass does not run yet fails by name, never runs
+    /// through the llama layer.
+    #[test]
+    fn families_without_a_forward_pass_are_refused_by_name() {
+        LlamaConfig::from_model_config(&tiny("llama")).unwrap();
+        let qwen3 = ModelConfig {
+            qk_norm: true,
+            ..tiny("qwen3")
+        };
+        let err = LlamaConfig::from_model_config(&qwen3).unwrap_err().to_string();
+        assert!(err.contains("\"qwen3\"") && err.contains("only \"llama\""), "{err}");
+        let llama31 = ModelConfig {
+            rope_scaling: Some(weights_format::RopeScaling {
+                freq_factors: Some(vec![1.0; 8]),
+                ..weights_format::RopeScaling::new("freq_factors", 1.0)
+            }),
+            ..tiny("llama")
+        };
+        let err = LlamaConfig::from_model_config(&llama31).unwrap_err().to_string();
+        assert!(err.contains("freq_factors"), "{err}");
+    }
+}
