@@ -278,7 +278,9 @@ fn ctx_size_beyond_the_model_is_clamped_with_a_warning() {
     let out = gdsllm()
         .args(["run", "-m"])
         .arg(&dir)
-        .args(["-p", "Hi", "--temp", "0", "-n", "2", "-c", "1000000", "--json"])
+        .args([
+            "-p", "Hi", "--temp", "0", "-n", "2", "-c", "1000000", "--json",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -410,35 +410,22 @@ fn write_blobs(
             raw.resize(t.length as usize, 0);
             file.read_exact_at(&mut raw, t.offset)
                 .map_err(|e| ConvertError::io(path, e))?;
+            let bad = |reason: String| ConvertError::BadTensor {
+                path: path.clone(),
+                tensor: t.source_name.clone(),
+                reason,
+            };
             let mut data: &[u8] = &raw;
             if let Transform::UnpermuteHeads(n_heads) = t.transform {
-                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(bad)?;
                 std::mem::swap(&mut raw, &mut converted);
                 data = &raw;
             }
             if t.transform == Transform::AddOne {
-                add_one(data, t.dtype, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+                add_one(data, t.dtype, &mut converted).map_err(bad)?;
                 data = &converted;
             } else if target != t.dtype {
-                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(bad)?;
                 data = &converted;
             }
             blob_writer.write_tensor(&t.name, target, &t.shape, data)?;

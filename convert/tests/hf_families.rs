@@ -19,15 +19,7 @@ const LAYERS: u64 = 2;
 
 /// Deterministic values for tensor number `seed`.
 fn values(seed: u64, n: u64) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
+    gdsllm_convert::testing::pseudo_random(seed, n)
 }
 
 /// A checkpoint: config.json, a WordLevel tokenizer.json and one f32 safetensors file with

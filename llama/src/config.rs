@@ -119,8 +119,13 @@ mod tests {
             qk_norm: true,
             ..tiny("qwen3")
         };
-        let err = LlamaConfig::from_model_config(&qwen3).unwrap_err().to_string();
-        assert!(err.contains("\"qwen3\"") && err.contains("only \"llama\""), "{err}");
+        let err = LlamaConfig::from_model_config(&qwen3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"qwen3\"") && err.contains("only \"llama\""),
+            "{err}"
+        );
         let llama31 = ModelConfig {
             rope_scaling: Some(weights_format::RopeScaling {
                 freq_factors: Some(vec![1.0; 8]),
@@ -128,7 +133,9 @@ mod tests {
             }),
             ..tiny("llama")
         };
-        let err = LlamaConfig::from_model_config(&llama31).unwrap_err().to_string();
+        let err = LlamaConfig::from_model_config(&llama31)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("freq_factors"), "{err}");
     }
 }

@@ -8,13 +8,15 @@ bytes CI converts.
 
 usage: python3 llamacpp_reference.py INPUTS_DIR MODELS_DIR OUT.json
 """
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 from llama_cpp import Llama
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fetch_inputs import sha256  # noqa: E402
 
 GGML_TYPE_F32 = 0
 N_CTX = 128
@@ -70,14 +72,6 @@ VOCABS = {
     "ggml-vocab-phi-3.gguf": "phi3 (SentencePiece)",
     "ggml-vocab-gemma-3.gguf": "gemma3 (SentencePiece)",
 }
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_ids(path: Path) -> list:

@@ -12,7 +12,6 @@ A file already in OUT_DIR whose SHA-256 is the one llamacpp-reference.json recor
 a file written anew must come out with that SHA-256, else the script fails (the references
 would not apply to it).
 """
-import hashlib
 import json
 import math
 import sys
@@ -22,7 +21,7 @@ import numpy as np
 import gguf
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fetch_inputs import copy_tokenizer_kvs  # noqa: E402
+from fetch_inputs import copy_tokenizer_kvs, sha256  # noqa: E402
 
 SEED = 20261124
 DIM, N_HEADS, N_KV_HEADS, HEAD_DIM, FFN = 64, 4, 2, 16, 128
@@ -161,14 +160,6 @@ def write_family(family: str, inputs: Path, out: Path) -> Path:
 
 
 REFERENCE = Path(__file__).parent / "llamacpp-reference.json"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def main() -> None:
