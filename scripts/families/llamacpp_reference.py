@@ -69,6 +69,7 @@ VOCABS = {
     "ggml-vocab-llama-spm.gguf": "llama (SentencePiece)",
     "ggml-vocab-llama-bpe.gguf": "llama-bpe",
     "ggml-vocab-qwen2.gguf": "qwen2",
+    "ggml-vocab-deepseek-r1-qwen.gguf": "deepseek-r1-qwen",
     "ggml-vocab-phi-3.gguf": "phi3 (SentencePiece)",
     "ggml-vocab-gemma-3.gguf": "gemma3 (SentencePiece)",
 }
