@@ -45,6 +45,8 @@ impl ModelFiles {
     pub(crate) fn open(dir: &Path) -> Result<ModelFiles, LlamaError> {
         let model = Model::open(dir)?;
         let metadata = model.metadata().clone();
+        // A family the pass does not run fails here, before any weight is read.
+        crate::LlamaConfig::from_model_config(&metadata.config)?;
         let tokenizer = Tokenizer::from_file(model.dir().join(&metadata.tokenizer))?;
         let chat_template = match &metadata.chat_template {
             Some(t) => Some(ChatTemplate::from_file(model.dir().join(&t.file))?),
