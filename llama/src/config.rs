@@ -1,6 +1,6 @@
 //! The model's hyper-parameters as the forward pass uses them, validated from `metadata.json`.
 
-use weights_format::{Architecture, ModelConfig};
+use weights_format::{ModelConfig, RopeScaling};
 
 use crate::LlamaError;
 
@@ -25,18 +25,11 @@ pub struct LlamaConfig {
     pub rope_inv_freq: Vec<f32>,
 }
 
-/// The format describes more families than the forward pass runs yet; such a model must fail
-/// here, by name, rather than run through the llama layer and print nonsense.
+/// The format describes more families (and RoPE scalings) than the forward pass runs yet; such
+/// a model must fail here, by name, before anything is loaded, rather than run through another
+/// family's layer. The families are those with a file in `model/arch` (adding one lifts this).
 fn refuse_unimplemented(c: &ModelConfig) -> Result<(), LlamaError> {
-    if c.family() != Some(Architecture::Llama) {
-        return Err(LlamaError::Config {
-            setting: "architecture",
-            message: format!(
-                "{:?} models convert, but this build's forward pass runs only \"llama\"",
-                c.architecture
-            ),
-        });
-    }
+    crate::model::arch::Family::named(&c.architecture)?;
     if let Some(s) = &c.rope_scaling
         && !matches!(s.rope_type.as_str(), "linear" | "llama3")
     {
@@ -72,11 +65,7 @@ impl LlamaConfig {
             bos_token_id: c.bos_token_id,
             eos_token_ids: c.eos_token_ids.clone(),
             add_bos_token: c.add_bos_token,
-            rope_inv_freq: crate::backend::rope_inv_freq(
-                head_dim,
-                c.rope_theta,
-                c.rope_scaling.as_ref(),
-            ),
+            rope_inv_freq: rope_inv_freq(head_dim, c.rope_theta, c.rope_scaling.as_ref()),
         })
     }
 
@@ -88,6 +77,54 @@ impl LlamaConfig {
     /// Width of the key and value projections (`n_kv_heads · head_dim`).
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+}
+
+/// Inverse RoPE frequencies `theta^(-2i/head_dim)`, `i < head_dim/2`, with Llama-3 style
+/// scaling applied when configured (as in Hugging Face `_compute_llama3_parameters`).
+pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>) -> Vec<f32> {
+    let mut inv: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
+    if let Some(s) = scaling {
+        match s.rope_type.as_str() {
+            "linear" => inv.iter_mut().for_each(|f| *f /= s.factor),
+            "llama3" => {
+                let low = s.low_freq_factor.unwrap_or(1.0);
+                let high = s.high_freq_factor.unwrap_or(4.0);
+                let old_ctx = s.original_max_position_embeddings.unwrap_or(8192) as f32;
+                let low_wavelen = old_ctx / low;
+                let high_wavelen = old_ctx / high;
+                for f in inv.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= s.factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old_ctx / wavelen - low) / (high - low);
+                        *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    inv
+}
+
+/// The context a model opens with: `requested` positions, the model's whole context when 0,
+/// and at most the model's context: more is clamped to it with a warning (a default `-c 4096`
+/// must not stop a model trained on 2048 positions).
+pub fn clamp_context(requested: usize, config: &ModelConfig) -> usize {
+    let model = config.context_length as usize;
+    if requested == 0 {
+        model
+    } else if requested > model {
+        tracing::warn!(
+            "--ctx-size {requested} is larger than the model's context length {model}; using {model}"
+        );
+        model
+    } else {
+        requested
     }
 }
 
@@ -123,7 +160,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("\"qwen3\"") && err.contains("only \"llama\""),
+            err.contains("\"qwen3\" has no forward pass (known: llama)"),
             "{err}"
         );
         let llama31 = ModelConfig {

@@ -114,7 +114,7 @@ fn host_backend_bytes_equal_plain_reads() {
                 for &b in &plan.order {
                     let guard = res.acquire(b).unwrap();
                     assert_eq!(
-                        &guard[..],
+                        guard.host().unwrap(),
                         &files[b][..],
                         "{} tied={tied}",
                         plan.blobs[b].file
@@ -179,7 +179,7 @@ fn all_resident_and_all_streamed_deliver_the_same_bytes() {
         let mut seen = Vec::new();
         for _ in 0..3 {
             for &b in &layout.order {
-                seen.extend_from_slice(&res.acquire(b).unwrap());
+                seen.extend_from_slice(res.acquire(b).unwrap().host().unwrap());
             }
             res.end_pass();
         }
@@ -215,7 +215,10 @@ fn memory_pressure_shrinks_the_resident_set() {
     assert_eq!(plan.resident_layers, 3);
     for _ in 0..2 {
         for &b in &layout.order {
-            assert!(PatternSource::check(b, &res.acquire(b).unwrap()));
+            assert!(PatternSource::check(
+                b,
+                res.acquire(b).unwrap().host().unwrap()
+            ));
         }
         res.end_pass();
     }
@@ -299,9 +302,17 @@ proptest! {
             match res.acquire(blob) {
                 Ok(guard) => {
                     prop_assert_eq!(guard.len() as u64, lengths[blob]);
-                    prop_assert!(PatternSource::check(blob, &guard), "blob {} bytes", blob);
+                    prop_assert!(
+                        PatternSource::check(blob, guard.host().unwrap()),
+                        "blob {} bytes",
+                        blob
+                    );
                     if let Some((b, g)) = &held {
-                        prop_assert!(PatternSource::check(*b, g), "held blob {} overwritten", b);
+                        prop_assert!(
+                            PatternSource::check(*b, g.host().unwrap()),
+                            "held blob {} overwritten",
+                            b
+                        );
                     }
                     if hold {
                         held = Some((blob, guard));
