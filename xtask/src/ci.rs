@@ -118,6 +118,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The `bin` directory of a virtual environment at `venv` (created if missing) into which
+/// `packages` are installed from PyPI.
+fn venv_with(venv: &Path, packages: &[&str]) -> anyhow::Result<PathBuf> {
+    let bin = venv.join("bin");
+    if !bin.join("python").exists() {
+        run_step(
+            &format!("python3 -m venv {}", venv.display()),
+            Command::new("python3").arg("-m").arg("venv").arg(venv),
+        )?;
+    }
+    run_step(
+        &format!("pip install {}", packages.join(" ")),
+        pip_install(&bin).args(packages),
+    )?;
+    Ok(bin)
+}
+
 /// `python -m pip install --quiet` of the virtual environment whose `bin` directory is `bin`.
 fn pip_install(bin: &Path) -> Command {
     let mut cmd = Command::new(bin.join("python"));
@@ -138,18 +155,7 @@ const PYTHON_TEST_PACKAGES: [&str; 3] = ["maturin==1.16.0", "numpy==2.4.6", "pyt
 /// pytest on `python/tests` against it, with the real model and the freshly built `gdsllm`.
 fn python_tests(target: &Path, gdsllm: &Path, model_dir: &str) -> anyhow::Result<()> {
     let root = target.join("python-ci");
-    let venv = root.join("venv");
-    let bin = venv.join("bin");
-    if !bin.join("python").exists() {
-        run_step(
-            "python3 -m venv target/python-ci/venv",
-            Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        )?;
-    }
-    run_step(
-        "pip install maturin numpy pytest",
-        pip_install(&bin).args(PYTHON_TEST_PACKAGES),
-    )?;
+    let bin = venv_with(&root.join("venv"), &PYTHON_TEST_PACKAGES)?;
     let wheels = root.join("wheels");
     // Only this build's wheel may be installed below.
     let _ = std::fs::remove_dir_all(&wheels);
@@ -199,18 +205,7 @@ fn family_files(target: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
         target.join("families/inputs"),
         target.join("families/models"),
     );
-    let venv = target.join("families/venv");
-    let bin = venv.join("bin");
-    if !bin.join("python").exists() {
-        run_step(
-            "python3 -m venv target/families/venv",
-            Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        )?;
-    }
-    run_step(
-        "pip install gguf numpy (for scripts/families)",
-        pip_install(&bin).args(FAMILY_SCRIPT_PACKAGES),
-    )?;
+    let bin = venv_with(&target.join("families/venv"), &FAMILY_SCRIPT_PACKAGES)?;
     run_step(
         "scripts/families/fetch_inputs.py",
         Command::new(bin.join("python"))
