@@ -1,16 +1,16 @@
 //! The conversion driver shared by every source format: a source is first turned into a
-//! [`SourceModel`] (config, tokenizer, and for every output tensor where its bytes lie in which
-//! input file), which is then streamed into a [`ModelWriter`] one tensor at a time.
+//! [`SourceModel`] (by `hf` or `gguf_map`), which is then streamed into a [`ModelWriter`] one
+//! tensor at a time.
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
-use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter, quant};
+use serde_json::Value;
+use weights_format::{ChatTemplateRef, DType, Model, ModelWriter, quant};
 
-use crate::gguf::{GgufError, GgufFile};
-use crate::tokenizer::{GgufTokenizer, TokenizerError};
+use crate::error::ConvertError;
+use crate::source::{SourceModel, TokenizerSource};
+use crate::tokenizer::GgufTokenizer;
 
 /// File name of the tokenizer inside a converted model.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -88,114 +88,6 @@ pub trait Progress {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NoProgress;
 impl Progress for NoProgress {}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ConvertError {
-    #[error(transparent)]
-    Gguf(#[from] GgufError),
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    #[error(transparent)]
-    Format(#[from] FormatError),
-    #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    #[error("{path}: neither a .gguf file nor a Hugging Face directory with config.json")]
-    UnknownInput { path: PathBuf },
-    #[error("{path}: missing config key {key}")]
-    MissingKey { path: PathBuf, key: String },
-    #[error("{path}: config key {key}: {reason}")]
-    BadKey {
-        path: PathBuf,
-        key: String,
-        reason: String,
-    },
-    #[error("{path}: missing tensor {tensor}")]
-    MissingTensor { path: PathBuf, tensor: String },
-    #[error("{path}: tensor {tensor}: {reason}")]
-    BadTensor {
-        path: PathBuf,
-        tensor: String,
-        reason: String,
-    },
-    #[error("{path}: {reason}")]
-    BadInput { path: PathBuf, reason: String },
-    #[error("{path}: output exists (use --force to replace it)")]
-    OutputExists { path: PathBuf },
-}
-
-impl ConvertError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> ConvertError {
-        ConvertError::Io {
-            path: path.to_path_buf(),
-            error: source,
-        }
-    }
-}
-
-/// Where one output tensor's bytes come from.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PlannedTensor {
-    /// Canonical name in the blob (`weights_format::names`).
-    pub name: String,
-    /// Name in the source, for messages.
-    pub source_name: String,
-    pub dtype: DType,
-    /// Row-major shape.
-    pub shape: Vec<u64>,
-    /// Index into [`SourceModel::files`].
-    pub file: usize,
-    /// Absolute byte offset in that file.
-    pub offset: u64,
-    pub length: u64,
-    /// Some(n_heads) when the rows are in llama.cpp's interleaved RoPE order and must be put
-    /// back into Hugging Face order with `n_heads` heads.
-    pub unpermute_heads: Option<u32>,
-}
-
-/// One output blob and its tensors in writing order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PlannedBlob {
-    pub file: String,
-    pub tensors: Vec<PlannedTensor>,
-}
-
-/// A source model ready to be written: everything but the tensor bytes is in memory.
-#[derive(Debug)]
-pub struct SourceModel {
-    pub config: ModelConfig,
-    pub tokenizer: TokenizerSource,
-    pub chat_template: Option<String>,
-    /// Provenance written into `metadata.json`; contains no absolute paths or times so that
-    /// converting twice gives identical bytes.
-    pub source: Map<String, Value>,
-    pub blobs: Vec<PlannedBlob>,
-    /// Input files the tensors are read from, with their paths.
-    pub files: Vec<(PathBuf, File)>,
-}
-
-/// Where `tokenizer.json` comes from.
-#[derive(Debug)]
-pub enum TokenizerSource {
-    /// The file as it is (Hugging Face directories ship one).
-    Json(Vec<u8>),
-    /// Built from the metadata of this GGUF file ([`GgufTokenizer`]) while [`write_model`]
-    /// writes the blobs.
-    Gguf(Box<GgufFile>),
-}
-
-impl SourceModel {
-    /// Bytes of tensor data read from the source.
-    pub fn total_bytes(&self) -> u64 {
-        self.blobs
-            .iter()
-            .flat_map(|b| &b.tensors)
-            .map(|t| t.length)
-            .sum()
-    }
-}
 
 /// Opens a source: a `.gguf` file or a Hugging Face directory, told apart by what `input` is.
 pub fn open_source(input: &Path) -> Result<SourceModel, ConvertError> {
@@ -492,101 +384,6 @@ fn reencode(
     for src in data.chunks_exact(row_bytes) {
         quant::dequantize(from, src, &mut row).map_err(|e| e.to_string())?;
         quant::quantize(to, &row, out).map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
-
-/// The shapes a LLaMA model's tensors must have, for checking sources against their config.
-pub(crate) fn expected_shape(config: &ModelConfig, name: &str) -> Vec<u64> {
-    use weights_format::names::*;
-    let dim = config.hidden_size as u64;
-    let q = (config.n_heads * config.head_dim) as u64;
-    let kv = (config.n_kv_heads * config.head_dim) as u64;
-    let ffn = config.ffn_dim as u64;
-    let vocab = config.vocab_size as u64;
-    match name {
-        TOKEN_EMBD | OUTPUT => vec![vocab, dim],
-        OUTPUT_NORM | ATTN_NORM | FFN_NORM => vec![dim],
-        ATTN_Q => vec![q, dim],
-        ATTN_K | ATTN_V => vec![kv, dim],
-        ATTN_OUTPUT => vec![dim, q],
-        FFN_GATE | FFN_UP => vec![ffn, dim],
-        FFN_DOWN => vec![dim, ffn],
-        _ => unreachable!("expected_shape called with non-canonical name {name}"),
-    }
-}
-
-/// Which of our tensors a LLaMA layer has, in writing order.
-pub(crate) const LAYER_TENSORS: [&str; 9] = {
-    use weights_format::names::*;
-    [
-        ATTN_NORM,
-        ATTN_Q,
-        ATTN_K,
-        ATTN_V,
-        ATTN_OUTPUT,
-        FFN_NORM,
-        FFN_GATE,
-        FFN_UP,
-        FFN_DOWN,
-    ]
-};
-
-/// Arranges found tensors into the canonical blobs, checking each shape against the config.
-/// `find(our_name, layer)` returns the planned tensor for that slot, or None if absent.
-pub(crate) fn plan_blobs(
-    config: &ModelConfig,
-    path: &Path,
-    mut find: impl FnMut(&str, Option<u32>) -> Result<Option<PlannedTensor>, ConvertError>,
-) -> Result<Vec<PlannedBlob>, ConvertError> {
-    use weights_format::names::*;
-    let mut require = |name: &str, layer: Option<u32>| -> Result<PlannedTensor, ConvertError> {
-        let t = find(name, layer)?.ok_or_else(|| ConvertError::MissingTensor {
-            path: path.to_path_buf(),
-            tensor: match layer {
-                Some(l) => format!("{name} of layer {l}"),
-                None => name.to_string(),
-            },
-        })?;
-        check_shape(config, path, &t)?;
-        Ok(t)
-    };
-    let mut blobs = vec![PlannedBlob {
-        file: EMBED_BLOB.to_string(),
-        tensors: vec![require(TOKEN_EMBD, None)?],
-    }];
-    for layer in 0..config.n_layers {
-        let tensors = LAYER_TENSORS
-            .iter()
-            .map(|name| require(name, Some(layer)))
-            .collect::<Result<Vec<_>, _>>()?;
-        blobs.push(PlannedBlob {
-            file: layer_blob(layer as usize),
-            tensors,
-        });
-    }
-    let mut output = vec![require(OUTPUT_NORM, None)?];
-    if !config.tie_word_embeddings {
-        output.push(require(OUTPUT, None)?);
-    }
-    blobs.push(PlannedBlob {
-        file: OUTPUT_BLOB.to_string(),
-        tensors: output,
-    });
-    Ok(blobs)
-}
-
-fn check_shape(config: &ModelConfig, path: &Path, t: &PlannedTensor) -> Result<(), ConvertError> {
-    let expected = expected_shape(config, &t.name);
-    if t.shape != expected {
-        return Err(ConvertError::BadTensor {
-            path: path.to_path_buf(),
-            tensor: t.source_name.clone(),
-            reason: format!(
-                "shape {:?} does not match the config (expected {expected:?})",
-                t.shape
-            ),
-        });
     }
     Ok(())
 }

@@ -7,8 +7,9 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use weights_format::{ModelConfig, RopeScaling, names};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
+use crate::error::ConvertError;
 use crate::gguf::{GgufError, GgufFile};
+use crate::source::{PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
 
 /// The GGUF tensor name of one of our tensors.
 pub fn gguf_tensor_name(name: &str, layer: Option<u32>) -> String {

@@ -11,7 +11,8 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use weights_format::{DType, ModelConfig, RopeScaling, names};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
+use crate::error::ConvertError;
+use crate::source::{PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
 use crate::tokenizer::chat_template_from_tokenizer_config;
 
 /// safetensors refuses headers above 100 MB; so do we, before allocating.

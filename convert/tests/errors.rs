@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use gdsllm_convert::convert::{ConvertError, ConvertOptions, NoProgress, convert};
+use gdsllm_convert::ConvertError;
+use gdsllm_convert::convert::{ConvertOptions, NoProgress, convert};
 use gdsllm_convert::gguf::{GgufFile, GgufValue, GgufValueType};
 use gdsllm_convert::gguf_writer::GgufBuilder;
 use gdsllm_convert::testing::TinyLlama;

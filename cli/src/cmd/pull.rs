@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use gdsllm_convert::PullOptions;
-use gdsllm_convert::pull::DEFAULT_MODEL;
+use gdsllm_convert::DEFAULT_MODEL;
 
 use super::convert::BarProgress;
 
