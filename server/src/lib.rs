@@ -15,6 +15,7 @@ pub mod params;
 mod routes;
 pub mod scheduler;
 mod server;
+mod state;
 pub mod stop;
 
 pub use engine::{
@@ -25,4 +26,5 @@ pub use error::{ApiError, ServerError};
 pub use llama_engine::{CpuEngine, LlamaEngine, open_cpu};
 #[cfg(feature = "cuda")]
 pub use llama_engine::{CudaEngine, open_cuda};
-pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};
+pub use server::{Server, load_api_key_file, shutdown_signal};
+pub use state::ServerConfig;

@@ -18,7 +18,7 @@ use crate::engine::{ChatMessage, Engine, GeneratedToken, GenerationRequest, Toke
 use crate::error::ApiError;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
-use crate::server::{AppState, ModelSlot};
+use crate::state::{AppState, ModelSlot};
 
 type AppResult = Result<Response, ApiError>;
 
