@@ -26,7 +26,7 @@ mod stats;
 
 pub use clock::{Clock, SystemClock, VirtualClock};
 pub use error::ResidencyError;
-pub use gds_io::{BackendKind as IoBackendKind, IoChoice};
+pub use gds_io::{IoChoice, IoPath};
 pub use gpu::GpuMemory;
 pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
 pub use options::{

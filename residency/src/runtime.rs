@@ -136,7 +136,7 @@ impl Residency {
     }
 
     /// GPU `ordinal`: slots and resident blobs in device memory, filled through the `gds-io`
-    /// backend `io` resolves to; the host tier is page-locked. `--vram-budget auto` is the
+    /// I/O path `io` resolves to; the host tier is page-locked. `--vram-budget auto` is the
     /// device's free memory less [`GPU_AUTO_MARGIN`]. Returns the memory too, for its I/O
     /// statistics.
     pub fn open_gpu(

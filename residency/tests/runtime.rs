@@ -1,4 +1,4 @@
-//! The threaded runtime: real files through the host backend, pattern sources under random
+//! The threaded runtime: real files through the host path, pattern sources under random
 //! budgets and access sequences, memory pressure.
 
 use std::path::Path;
@@ -86,7 +86,7 @@ fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
 }
 
 #[test]
-fn host_backend_bytes_equal_plain_reads() {
+fn host_io_path_bytes_equal_plain_reads() {
     let dir = tempfile::tempdir().unwrap();
     for tied in [true, false] {
         let model = write_model(&dir.path().join(format!("m{tied}")), 6, tied);

@@ -99,7 +99,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "d2d_read_write_gbps": d2d_rw,
                 "pinned_h2d_gbps": h2d,
             });
-            let io_name = llama.weights().memory().backend().name();
+            let io_name = llama.weights().memory().io_path().name();
             if !batch_sizes.is_empty() {
                 let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
                 let head = json!({

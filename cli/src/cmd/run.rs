@@ -220,7 +220,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 ordinal,
                 io,
             )?;
-            let io_name = model.session.model().weights().memory().backend().name();
+            let io_name = model.session.model().weights().memory().io_path().name();
             match &prompts {
                 Some(texts) => complete_file(model, &args, texts),
                 None => run_model(model, &args, io_name, started),

@@ -190,7 +190,7 @@ pub fn load_cuda(
     let plan = residency.plan();
     tracing::info!(
         device = backend.device_name(),
-        io = %memory.backend(),
+        io = %memory.io_path(),
         budget = plan.device_budget,
         resident_bytes = plan.resident_bytes,
         resident_layers = plan.resident_layers,
