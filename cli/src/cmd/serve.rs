@@ -76,7 +76,7 @@ pub struct Args {
     )]
     pub ctx_size: usize,
     /// Largest request body accepted (413 above it), e.g. 4MiB.
-    #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = residency::parse_bytes)]
     pub body_limit: u64,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled.
     #[arg(
@@ -95,19 +95,15 @@ pub struct Args {
     pub residency: ResidencyArgs,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    residency::parse_bytes(s).map_err(|e| e.to_string())
-}
-
 /// `--kv-budget`: a size, or `auto` (None).
 #[derive(Debug, Clone, Copy)]
 pub struct KvBudget(pub Option<u64>);
 
-fn parse_kv_budget(s: &str) -> Result<KvBudget, String> {
-    if s.eq_ignore_ascii_case("auto") {
+fn parse_kv_budget(s: &str) -> Result<KvBudget, residency::ParseBytesError> {
+    if s.trim().eq_ignore_ascii_case("auto") {
         return Ok(KvBudget(None));
     }
-    parse_size(s).map(|b| KvBudget(Some(b)))
+    residency::parse_bytes(s).map(|b| KvBudget(Some(b)))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
