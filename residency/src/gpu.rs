@@ -269,6 +269,23 @@ impl DeviceBuffer for GpuBuffer {
         &[]
     }
 
+    fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
+        const PIECE: usize = 64 << 20;
+        let len = (len as usize).min(self.buf.len());
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut offset = 0;
+        while offset < len {
+            let end = (offset + PIECE).min(len);
+            let piece = self
+                .buf
+                .copy_to_host(offset..end)
+                .map_err(|e| io_error("(checksum of a device buffer)", e))?;
+            hasher.update(&piece);
+            offset = end;
+        }
+        Ok(hasher.digest())
+    }
+
     fn device_ptr(&self) -> Option<u64> {
         Some(self.buf.device_ptr())
     }

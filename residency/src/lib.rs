@@ -30,8 +30,8 @@ pub use gds_io::{IoChoice, IoPath};
 pub use gpu::GpuMemory;
 pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
 pub use options::{
-    AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
-    mem_available, parse_bytes,
+    AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions,
+    human_bytes, mem_available, parse_bytes,
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,

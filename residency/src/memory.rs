@@ -87,6 +87,20 @@ pub trait DeviceBuffer: Send + Sync {
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
     /// The bytes, for compute on the CPU backend; empty when the buffer is device memory.
     fn host_view(&self) -> &[u8];
+    /// XXH3-64 of the first `len` bytes, as compute will see them (device memory copies them
+    /// back to the host in pieces to hash them).
+    fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
+        let bytes =
+            self.host_view()
+                .get(..len as usize)
+                .ok_or(ResidencyError::RangeOutOfBounds {
+                    file: "(buffer)".into(),
+                    offset: 0,
+                    end: len,
+                    length: self.host_view().len() as u64,
+                })?;
+        Ok(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
     /// The device address of the buffer, when it is device memory.
     fn device_ptr(&self) -> Option<u64> {
         None
