@@ -10,7 +10,7 @@ use weights_format::{ChatTemplateRef, DType, Model, ModelWriter, quant};
 
 use crate::error::ConvertError;
 use crate::source::{SourceModel, TokenizerSource};
-use crate::tokenizer::GgufTokenizer;
+use crate::tokenizer::{GgufTokenizer, check_chat_template, check_tokenizer_json};
 
 /// File name of the tokenizer inside a converted model.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -90,17 +90,33 @@ pub struct NoProgress;
 impl Progress for NoProgress {}
 
 /// Opens a source: a `.gguf` file or a Hugging Face directory, told apart by what `input` is.
+/// The tokenizer.json and chat template a source brings are loaded as the runtime will load
+/// them before anything is written (one built from GGUF metadata is checked once built).
 pub fn open_source(input: &Path) -> Result<SourceModel, ConvertError> {
     let meta = std::fs::metadata(input).map_err(|e| ConvertError::io(input, e))?;
-    if meta.is_dir() {
-        if input.join("config.json").is_file() {
-            return crate::hf::open_hf_dir(input);
+    let source = if meta.is_dir() {
+        if !input.join("config.json").is_file() {
+            return Err(ConvertError::UnknownInput {
+                path: input.to_path_buf(),
+            });
         }
-        return Err(ConvertError::UnknownInput {
-            path: input.to_path_buf(),
-        });
+        crate::hf::open_hf_dir(input)?
+    } else {
+        crate::gguf_map::open_gguf(input)?
+    };
+    if let TokenizerSource::Json(json) = &source.tokenizer {
+        check_tokenizer_json(json).map_err(|reason| ConvertError::BadInput {
+            path: input.join(TOKENIZER_FILE),
+            reason,
+        })?;
     }
-    crate::gguf_map::open_gguf(input)
+    if let Some(template) = &source.chat_template {
+        check_chat_template(template).map_err(|reason| ConvertError::BadInput {
+            path: input.to_path_buf(),
+            reason,
+        })?;
+    }
+    Ok(source)
 }
 
 /// What [`convert`] did.
@@ -124,6 +140,7 @@ pub fn convert(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, ConvertError> {
+    clean_stale_staging(out);
     let exists = out.symlink_metadata().is_ok();
     if exists && !options.force {
         return Err(ConvertError::OutputExists {
@@ -160,6 +177,46 @@ pub fn convert(
     remove_path(&old).map_err(|e| ConvertError::io(&old, e))?;
     report.out = out.to_path_buf();
     Ok(report)
+}
+
+/// A `convert --force` killed half-way leaves `.<name>.new-<pid>` (the new model, or its
+/// `..<name>.new-<pid>.partial-<pid>`) and possibly `.<name>.old-<pid>` (the model it was
+/// replacing) next to `out`. With their process gone, the new ones are removed and an old one
+/// is put back at `out` when nothing is there (else removed), and the writer's own
+/// `.<name>.partial-<pid>` go too.
+pub fn clean_stale_staging(out: &Path) {
+    let (Some(parent), Some(name)) = (out.parent(), out.file_name().and_then(|n| n.to_str()))
+    else {
+        return;
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let remove = |path: &Path| match remove_path(path) {
+        Ok(()) => tracing::info!(
+            "removed {}, left by an interrupted conversion",
+            path.display()
+        ),
+        Err(e) => tracing::warn!("cannot remove stale {}: {e}", path.display()),
+    };
+    weights_format::remove_stale_partials(parent, name);
+    for prefix in [format!(".{name}.new-"), format!("..{name}.new-")] {
+        for path in weights_format::stale_work_dirs(parent, &prefix) {
+            remove(&path);
+        }
+    }
+    for old in weights_format::stale_work_dirs(parent, &format!(".{name}.old-")) {
+        if out.symlink_metadata().is_err() && std::fs::rename(&old, out).is_ok() {
+            tracing::warn!(
+                "{} was moved aside by an interrupted `convert --force`; put it back",
+                out.display()
+            );
+        } else {
+            remove(&old);
+        }
+    }
 }
 
 fn remove_path(path: &Path) -> std::io::Result<()> {
@@ -216,6 +273,14 @@ pub fn write_model(
     tracing::debug!("blobs written in {:.1} ms", ms(started));
     let started = std::time::Instant::now();
     let tokenizer_json: std::borrow::Cow<[u8]> = match (&source.tokenizer, built) {
+        (TokenizerSource::Gguf(gguf), Some(built)) => {
+            let json = built?.into_bytes();
+            check_tokenizer_json(&json).map_err(|reason| ConvertError::BadInput {
+                path: gguf.path().to_path_buf(),
+                reason: format!("the tokenizer built from its metadata: {reason}"),
+            })?;
+            json.into()
+        }
         (_, Some(built)) => built?.into_bytes().into(),
         (TokenizerSource::Json(bytes), None) => bytes.into(),
         (TokenizerSource::Gguf(_), None) => unreachable!("a GGUF tokenizer is always built"),

@@ -822,6 +822,11 @@ impl GgufFile {
 
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::with_capacity(raw.len());
+        // GGUF (and ggml's reader) lay tensors out back to back in header order, each padded to
+        // the alignment: where the next one must start. An offset elsewhere means an overlap, a
+        // gap, or an earlier tensor whose type or shape does not match its bytes.
+        let mut next_offset = 0u64;
+        let mut last_padding = 0u64;
         for t in raw {
             let dtype =
                 dtype_from_ggml(t.type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
@@ -869,6 +874,31 @@ impl GgufFile {
                     file_len,
                 });
             }
+            if t.offset != next_offset {
+                return Err(GgufError::Invalid {
+                    path: path.clone(),
+                    offset: t.info_offset,
+                    what: format!(
+                        "tensor {}: data offset {} where the previous tensors end at {next_offset} \
+                         (tensors follow each other in header order, each padded to {alignment} \
+                         bytes: this one overlaps another, leaves a gap, or an earlier tensor's \
+                         type or shape does not match its bytes)",
+                        t.name, t.offset
+                    ),
+                });
+            }
+            let padded = length.div_ceil(alignment).checked_mul(alignment);
+            let Some(after) = padded.and_then(|p| next_offset.checked_add(p)) else {
+                return Err(GgufError::TensorOutOfBounds {
+                    path: path.clone(),
+                    tensor: t.name,
+                    start,
+                    end: u64::MAX,
+                    file_len,
+                });
+            };
+            last_padding = after - next_offset - length;
+            next_offset = after;
             if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
                 return Err(GgufError::Invalid {
                     path: path.clone(),
@@ -885,6 +915,25 @@ impl GgufFile {
             });
         }
 
+        // The data section is exactly the tensors (the last one's padding may be cut off at the
+        // end of the file): bytes beyond it belong to no tensor, which is what a tensor whose
+        // type was changed to a smaller one leaves behind.
+        if !tensors.is_empty() {
+            let data_len = file_len.saturating_sub(data_offset);
+            if data_len > next_offset || data_len < next_offset - last_padding {
+                return Err(GgufError::Invalid {
+                    path: path.clone(),
+                    offset: data_offset,
+                    what: format!(
+                        "the data section holds {data_len} bytes but its {} tensors take {} \
+                         (plus up to {last_padding} bytes of final padding): a tensor's type or \
+                         shape does not match its bytes",
+                        tensors.len(),
+                        next_offset - last_padding
+                    ),
+                });
+            }
+        }
         drop(r);
         Ok(GgufFile {
             path,

@@ -144,6 +144,7 @@ pub fn pull_into(
     source
         .source
         .insert("pulled_as".into(), Value::String(known.requirement.into()));
+    crate::convert::clean_stale_staging(&dir);
     let fresh = models.join(format!(".{}.new-{}", known.name, std::process::id()));
     if fresh.exists() {
         std::fs::remove_dir_all(&fresh).map_err(io(&fresh))?;

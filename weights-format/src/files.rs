@@ -110,32 +110,41 @@ pub(crate) fn process_alive(pid: u32) -> bool {
     Path::new("/proc").join(pid.to_string()).exists()
 }
 
-/// Removes the `.<name>.partial-<pid>` work directories that writers killed before they could
-/// clean up left next to `name` in `parent` (their pid is gone; our own is left alone).
-/// Returns the directories removed.
-pub fn remove_stale_partials(parent: &Path, name: &str) -> Vec<PathBuf> {
-    let prefix = format!(".{name}.partial-");
-    let mut removed = Vec::new();
+/// Work directories next to an output that interrupted writers left behind: the entries of
+/// `parent` named `<prefix><pid>…` whose process `pid` is gone (ours and live ones are left
+/// alone). Used for `.<name>.partial-<pid>` here and for the converter's own staging names.
+pub fn stale_work_dirs(parent: &Path, prefix: &str) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(parent) else {
-        return removed;
+        return Vec::new();
     };
-    for entry in entries.flatten() {
-        let file_name = entry.file_name();
-        let Some(pid) = file_name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() || process_alive(pid) {
-            continue;
-        }
-        let path = entry.path();
+    let mut stale: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|entry| {
+            let name = entry.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
+                return false;
+            };
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            match digits.parse::<u32>() {
+                Ok(pid) => pid != std::process::id() && !process_alive(pid),
+                Err(_) => false,
+            }
+        })
+        .map(|entry| entry.path())
+        .collect();
+    stale.sort();
+    stale
+}
+
+/// Removes the `.<name>.partial-<pid>` work directories that writers killed before they could
+/// clean up left next to `name` in `parent`. Returns the directories removed.
+pub fn remove_stale_partials(parent: &Path, name: &str) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    for path in stale_work_dirs(parent, &format!(".{name}.partial-")) {
         match std::fs::remove_dir_all(&path) {
             Ok(()) => {
                 tracing::info!(
-                    "removed {}, left by an interrupted write (process {pid} is gone)",
+                    "removed {}, left by an interrupted write (its process is gone)",
                     path.display()
                 );
                 removed.push(path);

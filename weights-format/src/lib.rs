@@ -19,7 +19,7 @@ mod writer;
 
 pub use dtype::DType;
 pub use error::FormatError;
-pub use files::remove_stale_partials;
+pub use files::{remove_stale_partials, stale_work_dirs};
 pub use metadata::{
     BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig, RopeScaling, TensorMeta,
 };

@@ -364,7 +364,10 @@ fn stale_partial_directories_of_dead_writers_are_removed() {
     std::fs::create_dir(&other).unwrap();
 
     write_tiny(&tmp.path().join("m"), DType::F32, true);
-    assert!(!stale.exists(), "the dead writer's directory is still there");
+    assert!(
+        !stale.exists(),
+        "the dead writer's directory is still there"
+    );
     assert!(live.exists());
     assert!(other.exists());
 }
