@@ -7,6 +7,7 @@
 //! It is not for: model execution or sampling (those live in `llama`), nor deciding where
 //! weights live (that is `residency`).
 
+mod connections;
 pub mod engine;
 mod error;
 pub mod llama_engine;
