@@ -1,7 +1,8 @@
 //! An OpenAI-compatible HTTP API over the `llama` crate, used by `gdsllm serve`.
 //!
-//! This crate is for: the axum routes, request validation, streaming responses, the request
-//! queue in front of the model's worker thread, auth and metrics. It talks to the model only
+//! This crate is for: the axum routes, request validation, streaming responses, the bounded
+//! request queue in front of the model's worker thread, connection limits and timeouts, auth
+//! and metrics. It talks to the model only
 //! through the narrow [`Engine`] trait; [`llama_engine`] adapts the `llama` crate to it.
 //!
 //! It is not for: model execution or sampling (those live in `llama`), nor deciding where

@@ -80,7 +80,12 @@ pub struct Args {
     pub body_limit: u64,
     /// Requests that may wait for the model beyond the --max-batch it runs; when that many
     /// wait, new ones get 429 with `Retry-After` at once instead of an ever longer queue.
-    #[arg(long, value_name = "N", env = "GDSLLM_MAX_QUEUE", default_value_t = 256)]
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GDSLLM_MAX_QUEUE",
+        default_value_t = 256
+    )]
     pub max_queue: usize,
     /// Most open client connections (lowered to fit the open-file limit). At the limit a new
     /// connection closes the oldest one with no request in flight (half-open or idle), so
