@@ -544,7 +544,7 @@ fn special_files_and_symlinks() {
 
 #[test]
 fn gguf_tensor_tables_through_convert() {
-    use gdsllm_convert::testing::{TableMutation, TinyLlama, tensor_infos_at};
+    use gdsllm_convert::testing::{TableMutation, TinyLlama, dir_files as files, tensor_infos_at};
     let tmp = tempfile::tempdir().unwrap();
     let builder = TinyLlama::new(11, false).gguf(weights_format::DType::Q8_0);
     let bytes = builder.to_bytes();
@@ -554,20 +554,6 @@ fn gguf_tensor_tables_through_convert() {
         let mut c = gdsllm();
         c.arg("convert").arg(input).arg(out);
         run_limited(c)
-    };
-    let files = |dir: &Path| -> Vec<(String, Vec<u8>)> {
-        let mut v: Vec<_> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap())
-            .map(|e| {
-                (
-                    e.file_name().into_string().unwrap(),
-                    std::fs::read(e.path()).unwrap(),
-                )
-            })
-            .collect();
-        v.sort();
-        v
     };
     let input = tmp.path().join("model.gguf");
     std::fs::write(&input, &bytes).unwrap();

@@ -512,3 +512,18 @@ impl TableMutation {
         }
     }
 }
+
+/// Every file of a (model) directory, sorted by name, with its bytes: for comparing two
+/// conversions byte for byte.
+pub fn dir_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("readable directory")
+        .map(|e| e.expect("directory entry"))
+        .map(|e| {
+            let bytes = std::fs::read(e.path()).expect("readable file");
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}

@@ -74,6 +74,15 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
         .unwrap()
 }
 
+/// The model on the CPU with `budget`, `host` and one slot of prefetch.
+fn open_host(model: &Model, budget: u64, host: HostCache) -> Residency {
+    let options = ResidencyOptions {
+        host_cache: host,
+        ..opts(budget, 1)
+    };
+    Residency::open_host(model, &options).unwrap()
+}
+
 fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
     ResidencyOptions {
         device_budget: Budget::Bytes(budget),
@@ -101,14 +110,7 @@ fn host_io_path_bytes_equal_plain_reads() {
             (3 * largest, HostCache::Bytes(2 * largest)),
             (total, HostCache::Off),
         ] {
-            let res = Residency::open_host(
-                &model,
-                &ResidencyOptions {
-                    host_cache: host,
-                    ..opts(budget, 1)
-                },
-            )
-            .unwrap();
+            let res = open_host(&model, budget, host);
             let plan = res.plan().clone();
             println!("tied={tied} budget={budget}:\n{plan}");
             for _pass in 0..3 {
@@ -353,14 +355,7 @@ fn a_flipped_bit_fails_the_first_read_of_its_blob_on_every_tier() {
             } else {
                 3 * model.blob(bad_layer).length
             };
-            let res = Residency::open_host(
-                &model,
-                &ResidencyOptions {
-                    host_cache: host,
-                    ..opts(budget, 1)
-                },
-            )
-            .unwrap();
+            let res = open_host(&model, budget, host);
             for pass in 0..2 {
                 for &b in &res.plan().order.clone() {
                     match res.acquire(b) {

@@ -16,7 +16,12 @@ fn client() -> reqwest::Client {
 }
 
 async fn post(ts: &TestServer, path: &str, body: &Value) -> (u16, Value) {
-    let r = client().post(ts.url(path)).json(body).send().await.unwrap();
+    post_url(ts.url(path), body.clone()).await
+}
+
+/// `post` for a task that cannot borrow the server.
+async fn post_url(url: String, body: Value) -> (u16, Value) {
+    let r = client().post(url).json(&body).send().await.unwrap();
     let status = r.status().as_u16();
     (status, r.json().await.unwrap())
 }
@@ -960,16 +965,7 @@ async fn long_embedding_does_not_stall_a_chat(mut engine: FakeEngine, config: Se
         engine.embed_gate.lock().is_none(),
         "the embedding never started"
     );
-    let chat_url = ts.url("/v1/chat/completions");
-    let chat = tokio::spawn(async move {
-        let r = client()
-            .post(chat_url)
-            .json(&chat_body("hello"))
-            .send()
-            .await
-            .unwrap();
-        (r.status().as_u16(), r.json::<Value>().await.unwrap())
-    });
+    let chat = tokio::spawn(post_url(ts.url("/v1/chat/completions"), chat_body("hello")));
     // The chat is queued behind the held worker before the embedding may go on.
     assert_eq!(
         wait_for_metric(&ts, "gdsllm_requests_waiting", 1.0).await,
@@ -1056,15 +1052,10 @@ async fn a_full_queue_answers_429_with_retry_after() {
         }
     }
     assert_eq!((ok, busy), (3, 3));
-    let text = client()
-        .get(ts.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert_eq!(metric(&text, "gdsllm_requests_rejected_total"), Some(3.0));
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_rejected_total", 3.0).await,
+        3.0
+    );
     // Once the queue drains there is room again.
     let (status, _) = post(&ts, "/v1/chat/completions", &chat_body("later")).await;
     assert_eq!(status, 200);
