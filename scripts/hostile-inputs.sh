@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The hostile-input harness of issue 17, at full size, against the release binary: prints the
 # bad-input table (attack family -> inputs -> outcome counts) and the HTTP figures that
-# BENCHMARKS.md quotes. CI runs the same tests with a few cases each (cargo test).
+# BENCHMARKS.md quotes. CI runs the same tests with a few cases each (cargo test). The harness
+# itself is built in the test profile; what it attacks is GDSLLM_BIN.
 #
 #   scripts/hostile-inputs.sh [CASES]      # default 200 cases per random family
 #
@@ -24,13 +25,13 @@ echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}
 echo "| attack family | inputs | clear error | same output | abort | hang | different output |"
 echo "|---|---|---|---|---|---|---|"
 GDSLLM_HOSTILE_CASES="$cases" GDSLLM_HOSTILE_SEED="$seed" \
-    cargo test --release -p gdsllm-cli --test hostile -- --nocapture --test-threads 1 \
+    cargo test -p gdsllm-cli --test hostile -- --nocapture --test-threads 1 \
     >"$log" 2>&1 || { cat "$log" >&2; exit 1; }
-grep -h '^HOSTILE|' "$log" | sed 's/^HOSTILE|/|/'
+grep -ho 'HOSTILE|.*' "$log" | sed 's/^HOSTILE|/|/'
 
 # The same GGUF tensor-table attack in process (no process start per case): many more cases.
 GDSLLM_PROPTEST_CASES="$((cases * 10))" \
-    cargo test --release -p gdsllm-convert --test gguf_tables -- --nocapture >"$log" 2>&1 \
+    cargo test -p gdsllm-convert --test gguf_tables -- --nocapture >"$log" 2>&1 \
     || { cat "$log" >&2; exit 1; }
 echo "| GGUF tensor tables (in process, proptest) | $((cases * 10)) | refused or identical: all passed | | 0 | 0 | 0 |"
 

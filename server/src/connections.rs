@@ -27,6 +27,9 @@ use crate::metrics::Metrics;
 
 /// Concurrent streams one HTTP/2 connection may carry.
 const H2_MAX_STREAMS: u32 = 64;
+/// Largest request head (request line and headers) an HTTP/1 client may send; beyond it the
+/// answer is 431. hyper's default is ~400 KB, far more than any API client sends.
+const MAX_HEAD_BYTES: usize = 64 << 10;
 /// File descriptors kept for everything but client sockets (model files, the log, ...).
 const RESERVED_FDS: usize = 128;
 
@@ -180,7 +183,8 @@ pub(crate) async fn serve(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(header_read_timeout);
+        .header_read_timeout(header_read_timeout)
+        .max_buf_size(MAX_HEAD_BYTES);
     builder
         .http2()
         .timer(TokioTimer::new())

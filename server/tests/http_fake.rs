@@ -1138,3 +1138,26 @@ async fn slow_headers_and_slow_bodies_are_cut_off() {
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     ts.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_request_heads_are_refused() {
+    use tokio::io::AsyncWriteExt;
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let addr = ts.base.trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+        "a".repeat(200_000)
+    );
+    // The server may stop reading before all of it is written.
+    let _ = s.write_all(head.as_bytes()).await;
+    let answer = closed_by_server(&mut s, Duration::from_secs(10))
+        .await
+        .expect("no answer to an oversized head");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    // Ordinary requests still work.
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    ts.shutdown().await;
+}
