@@ -234,6 +234,7 @@ async def streams(host, port, count, max_tokens):
     wall = time.perf_counter() - started
     done = sorted(s for st, ok, _, s in results if ok)
     rejected = [r for r in results if r[0] in ("429", "503")]
+    rejected_s = sorted(r[3] for r in rejected)
     other = [r[0] for r in results if not r[1] and r[0] not in ("429", "503")]
 
     def pct(p):
@@ -243,6 +244,7 @@ async def streams(host, port, count, max_tokens):
         "experiment": "streams", "streams": count, "max_tokens": max_tokens,
         "completed": len(done), "rejected_429_503": len(rejected),
         "rejected_with_retry_after": sum(1 for r in rejected if r[2]),
+        "rejected_p99_s": round(rejected_s[int(0.99 * (len(rejected_s) - 1))], 3) if rejected_s else None,
         "other": other[:20], "other_count": len(other),
         "p50_s": pct(0.50), "p99_s": pct(0.99), "max_s": round(done[-1], 3) if done else None,
         "mean_s": round(statistics.mean(done), 3) if done else None,
