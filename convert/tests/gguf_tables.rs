@@ -2,8 +2,6 @@
 //! length): every one is refused with an error, or converts to exactly the model the intact
 //! file converts to. Never a panic, never a different model.
 
-use std::path::Path;
-
 use gdsllm_convert::convert::{ConvertOptions, NoProgress, convert};
 use gdsllm_convert::testing::{TableMutation, TinyLlama, dir_files as files, tensor_infos_at};
 use proptest::prelude::*;
