@@ -10,7 +10,9 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gds_io::{DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IoPath, ParallelRead};
+use gds_io::{
+    DeviceRead, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IoPath, ParallelRead,
+};
 
 fn blob_file() -> (tempfile::TempDir, std::path::PathBuf, usize) {
     let base = std::env::var_os("GDSLLM_BENCH_DIR")
@@ -81,7 +83,7 @@ fn io(c: &mut Criterion) {
                         let start = Instant::now();
                         for _ in 0..iters {
                             reader
-                                .read_async(&file, 0, len, &buffer, 0, &stream)
+                                .read_async(&DeviceRead::from_start(&file, len, &buffer), &stream)
                                 .expect("device read")
                                 .wait()
                                 .expect("read landed");

@@ -3,13 +3,13 @@
 //! The I/O path is chosen automatically (`cufile` with real GDS DMA, else the bounce ring);
 //! set `GDSLLM_IO=cufile|bounce|host` to force one.
 
-use gds_io::{DeviceIo, GdsBuffer, GdsError, io_choice_from_env};
+use gds_io::{DeviceIo, DeviceRead, GdsBuffer, GdsError, io_choice_from_env};
 
 /// Loads the first `size` bytes of `path` into a new device buffer.
 fn load_layer(io: &mut DeviceIo, path: &str, size: usize) -> Result<GdsBuffer, GdsError> {
     let file = io.open_file(path)?;
     let buffer = io.alloc(size)?;
-    let record = io.read(&file, 0, size, &buffer, 0)?;
+    let record = io.read(&DeviceRead::from_start(&file, size, &buffer))?;
     eprintln!(
         "{path}: {} bytes via {} in {:?} ({:.2} GB/s, through host memory: {})",
         record.bytes,

@@ -178,7 +178,7 @@ impl BounceReader {
     /// still queued then are finished (and their errors dropped) before this returns.
     ///
     /// ```no_run
-    /// # use gds_io::{BounceReader, GdsBuffer, GdsFile};
+    /// # use gds_io::{BounceReader, DeviceRead, GdsBuffer, GdsFile};
     /// # fn stream(bounce: &BounceReader, files: &[GdsFile], bufs: &[GdsBuffer; 2]) -> Result<(), gds_io::GdsError> {
     /// bounce.pipeline(|p| {
     ///     // Double buffering: blob i+1 is queued before blob i is waited for.
@@ -187,7 +187,8 @@ impl BounceReader {
     ///         if pending.len() == 2 {
     ///             p.wait(pending.pop_front().unwrap())?; // frees bufs[i % 2]
     ///         }
-    ///         pending.push_back(p.submit(file, 0, file.len() as usize, &bufs[i % 2], 0)?);
+    ///         let read = DeviceRead::from_start(file, file.len() as usize, &bufs[i % 2]);
+    ///         pending.push_back(p.submit(read)?);
     ///     }
     ///     pending.into_iter().try_for_each(|t| p.wait(t).map(drop))
     /// })
@@ -326,17 +327,11 @@ impl BounceReader {
 }
 
 impl<'scope, 'env> BouncePipeline<'scope, 'env> {
-    /// Queues `len` bytes at `offset` of `file` for `dst[dst_offset..]` behind every read
-    /// already queued. The disk reads start at once on the reader threads.
-    pub fn submit(
-        &self,
-        file: &'env GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &'env GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<BounceTicket, GdsError> {
-        let span = ReadSpan::check(file, offset, len, dst.len(), dst_offset)?;
+    /// Queues `read` behind every read already queued. The disk reads start at once on the
+    /// reader threads.
+    pub fn submit(&self, read: DeviceRead<'env>) -> Result<BounceTicket, GdsError> {
+        let span = read.check()?;
+        let DeviceRead { file, dst, len, .. } = read;
         // An earlier asynchronous write into `dst` must land before ours.
         dst.wait_pending()?;
         let parts = span.split(self.reader.config.slot_bytes);
@@ -442,16 +437,9 @@ impl DeviceReader for BounceReader {
         IoPath::Bounce
     }
 
-    fn read(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<ReadRecord, GdsError> {
+    fn read(&self, read: &DeviceRead<'_>) -> Result<ReadRecord, GdsError> {
         self.pipeline(|p| {
-            let ticket = p.submit(file, offset, len, dst, dst_offset)?;
+            let ticket = p.submit(*read)?;
             p.wait(ticket)
         })
     }
@@ -460,14 +448,10 @@ impl DeviceReader for BounceReader {
     /// `stream`, and `stream` waits for them. `elapsed` in the record is the time to issue.
     fn read_async(
         &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
+        read: &DeviceRead<'_>,
         stream: &Arc<CudaStream>,
     ) -> Result<ReadTicket, GdsError> {
-        ReadSpan::check(file, offset, len, dst.len(), dst_offset)?;
+        read.check()?;
         self.gpu.bind()?;
         let before = self.gpu.new_event()?;
         before
@@ -477,8 +461,8 @@ impl DeviceReader for BounceReader {
             .wait(&before)
             .map_err(GdsError::cuda("cuStreamWaitEvent"))?;
         self.pipeline(|p| {
-            let ticket = p.submit(file, offset, len, dst, dst_offset)?;
-            p.wait_on_stream(ticket, stream, dst)
+            let ticket = p.submit(*read)?;
+            p.wait_on_stream(ticket, stream, read.dst)
         })
     }
 
@@ -487,7 +471,7 @@ impl DeviceReader for BounceReader {
         self.pipeline(|p| {
             let tickets = reads
                 .iter()
-                .map(|r| p.submit(r.file, r.offset, r.len, r.dst, r.dst_offset))
+                .map(|r| p.submit(*r))
                 .collect::<Result<Vec<_>, _>>()?;
             tickets.into_iter().map(|t| p.wait(t)).collect()
         })

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::driver::Driver;
 use crate::error::GdsError;
 use crate::file::GdsFile;
-use crate::gpu::{GdsBuffer, Gpu};
+use crate::gpu::Gpu;
 use crate::host::ReadRecord;
 use crate::io_path::{
     DeviceRead, DeviceReader, IoPath, IoStats, IoTotals, ReadSpan, for_each_parallel,
@@ -61,7 +61,7 @@ impl CufileReader {
         read: &DeviceRead<'a>,
     ) -> Result<Vec<(&'a GdsFile, ReadSpan, cudarc::driver::sys::CUdeviceptr)>, GdsError> {
         let file = read.file;
-        let span = ReadSpan::check(file, read.offset, read.len, read.dst.len(), read.dst_offset)?;
+        let span = read.check()?;
         if file.cufile_handle().is_none() {
             return Err(GdsError::IoPathUnavailable {
                 io_path: "cufile",
@@ -144,24 +144,11 @@ impl DeviceReader for CufileReader {
         IoPath::Cufile
     }
 
-    fn read(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<ReadRecord, GdsError> {
-        let requests = self.plan(&DeviceRead {
-            file,
-            offset,
-            len,
-            dst,
-            dst_offset,
-        })?;
+    fn read(&self, read: &DeviceRead<'_>) -> Result<ReadRecord, GdsError> {
+        let requests = self.plan(read)?;
         let start = Instant::now();
         self.run_requests(&requests)?;
-        Ok(self.record(len as u64, requests.len(), start))
+        Ok(self.record(read.len as u64, requests.len(), start))
     }
 
     /// Every request of every read goes into one list served by the threads, so the queue

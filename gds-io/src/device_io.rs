@@ -10,7 +10,7 @@ use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu};
 use crate::host::ReadRecord;
-use crate::io_path::{Capabilities, DeviceReader, IoChoice, IoPath, choose_io_path};
+use crate::io_path::{Capabilities, DeviceRead, DeviceReader, IoChoice, IoPath, choose_io_path};
 use crate::staged::{HostStagedConfig, HostStagedReader};
 
 /// A GPU, the cuFile driver if it opened, and the I/O path reads go through.
@@ -93,16 +93,9 @@ impl DeviceIo {
         }
     }
 
-    /// Reads `len` bytes at `offset` of `file` into `dst[dst_offset..]`.
-    pub fn read(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<ReadRecord, GdsError> {
-        self.reader.read(file, offset, len, dst, dst_offset)
+    /// Performs `read` through the chosen I/O path.
+    pub fn read(&self, read: &DeviceRead<'_>) -> Result<ReadRecord, GdsError> {
+        self.reader.read(read)
     }
 }
 

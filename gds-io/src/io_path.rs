@@ -248,16 +248,9 @@ impl ReadTicket {
 pub trait DeviceReader: Send + Sync {
     fn kind(&self) -> IoPath;
 
-    /// Reads `len` bytes at file `offset` into `dst[dst_offset..]`, returning once the bytes
-    /// are in device memory. Offsets must be multiples of [`DEVICE_READ_ALIGN`].
-    fn read(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<ReadRecord, GdsError>;
+    /// Performs `read`, returning once the bytes are in device memory. Offsets must be
+    /// multiples of [`DEVICE_READ_ALIGN`].
+    fn read(&self, read: &DeviceRead<'_>) -> Result<ReadRecord, GdsError>;
 
     /// Like [`DeviceReader::read`], ordered on `stream`: the write into `dst` happens after the
     /// work already queued on `stream`, and work queued on `stream` afterwards sees the bytes.
@@ -267,17 +260,13 @@ pub trait DeviceReader: Send + Sync {
     /// holds but the calling thread waits. Readers with a real asynchronous path override it.
     fn read_async(
         &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
+        read: &DeviceRead<'_>,
         stream: &Arc<CudaStream>,
     ) -> Result<ReadTicket, GdsError> {
         stream
             .synchronize()
             .map_err(GdsError::cuda("cuStreamSynchronize"))?;
-        let record = self.read(file, offset, len, dst, dst_offset)?;
+        let record = self.read(read)?;
         Ok(ReadTicket {
             event: None,
             record,
@@ -289,17 +278,14 @@ pub trait DeviceReader: Send + Sync {
     /// read at once, so there is no idle gap between one read and the next; the default does
     /// the reads one after another.
     fn read_many(&self, reads: &[DeviceRead<'_>]) -> Result<Vec<ReadRecord>, GdsError> {
-        reads
-            .iter()
-            .map(|r| self.read(r.file, r.offset, r.len, r.dst, r.dst_offset))
-            .collect()
+        reads.iter().map(|r| self.read(r)).collect()
     }
 
     /// Totals of every read this I/O path did.
     fn stats(&self) -> IoTotals;
 }
 
-/// One read of a [`DeviceReader::read_many`] batch: `len` bytes at `offset` of `file` into
+/// One device read, as every I/O path takes it: `len` bytes at `offset` of `file` into
 /// `dst[dst_offset..]`.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceRead<'a> {
@@ -308,6 +294,31 @@ pub struct DeviceRead<'a> {
     pub len: usize,
     pub dst: &'a GdsBuffer,
     pub dst_offset: usize,
+}
+
+impl<'a> DeviceRead<'a> {
+    /// The first `len` bytes of `file` into the start of `dst`; set `offset` / `dst_offset`
+    /// with struct update syntax for other places.
+    pub fn from_start(file: &'a GdsFile, len: usize, dst: &'a GdsBuffer) -> DeviceRead<'a> {
+        DeviceRead {
+            file,
+            offset: 0,
+            len,
+            dst,
+            dst_offset: 0,
+        }
+    }
+
+    /// Validates the read against alignment, the file's length and `dst`'s length.
+    pub fn check(&self) -> Result<ReadSpan, GdsError> {
+        ReadSpan::check(
+            self.file,
+            self.offset,
+            self.len,
+            self.dst.len(),
+            self.dst_offset,
+        )
+    }
 }
 
 /// Running totals of an I/O path's reads.

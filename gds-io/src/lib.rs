@@ -10,14 +10,14 @@
 //! anything about model formats.
 //!
 //! ```no_run
-//! use gds_io::{DeviceIo, IoChoice};
+//! use gds_io::{DeviceIo, DeviceRead, IoChoice};
 //!
 //! # fn main() -> Result<(), gds_io::GdsError> {
 //! // GPU 0; `cufile` where GDS DMA works, else the bounce ring (GDSLLM_IO / --io override).
 //! let mut io = DeviceIo::open(0, IoChoice::Auto)?;
 //! let file = io.open_file("model/layer_000.bin")?;
 //! let buffer = io.alloc(file.len() as usize)?;
-//! let record = io.read(&file, 0, file.len() as usize, &buffer, 0)?;
+//! let record = io.read(&DeviceRead::from_start(&file, file.len() as usize, &buffer))?;
 //! println!("{} bytes via {} at {:.2} GB/s", record.bytes, record.io_path, record.gbps());
 //! # Ok(())
 //! # }

@@ -12,10 +12,9 @@ use cudarc::driver::result;
 
 use crate::aligned::AlignedBuf;
 use crate::error::GdsError;
-use crate::file::GdsFile;
-use crate::gpu::{GdsBuffer, Gpu};
+use crate::gpu::Gpu;
 use crate::host::{ParallelRead, ReadRecord};
-use crate::io_path::{DeviceReader, IoPath, IoStats, IoTotals, ReadSpan};
+use crate::io_path::{DeviceRead, DeviceReader, IoPath, IoStats, IoTotals, ReadSpan};
 
 /// Tuning of the host-staged path.
 #[derive(Debug, Clone, Copy)]
@@ -67,15 +66,9 @@ impl DeviceReader for HostStagedReader {
         IoPath::Host
     }
 
-    fn read(
-        &self,
-        file: &GdsFile,
-        offset: u64,
-        len: usize,
-        dst: &GdsBuffer,
-        dst_offset: usize,
-    ) -> Result<ReadRecord, GdsError> {
-        let span = ReadSpan::check(file, offset, len, dst.len(), dst_offset)?;
+    fn read(&self, read: &DeviceRead<'_>) -> Result<ReadRecord, GdsError> {
+        let span = read.check()?;
+        let DeviceRead { file, dst, len, .. } = *read;
         dst.wait_pending()?;
         self.gpu.bind()?;
         let start = Instant::now();

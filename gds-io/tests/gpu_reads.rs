@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gds_io::{
-    BounceConfig, BounceReader, CufileConfig, CufileReader, DeviceIo, DeviceReader, Driver,
-    GdsBuffer, GdsError, GdsFile, Gpu, HostStagedConfig, HostStagedReader, IoChoice, IoPath,
-    UdevCheck, UdevStatus,
+    BounceConfig, BounceReader, CufileConfig, CufileReader, DeviceIo, DeviceRead, DeviceReader,
+    Driver, GdsBuffer, GdsError, GdsFile, Gpu, HostStagedConfig, HostStagedReader, IoChoice,
+    IoPath, UdevCheck, UdevStatus,
 };
 
 fn gpu_or_skip(test: &str) -> Option<Gpu> {
@@ -72,7 +72,9 @@ fn test_file(tail: usize) -> TestFile {
 fn check_reader(reader: &dyn DeviceReader, gpu: &Gpu, file: &GdsFile, bytes: &[u8]) {
     let kind = reader.kind();
     let buffer = GdsBuffer::alloc(gpu, bytes.len() + (1 << 20)).unwrap();
-    let record = reader.read(file, 0, bytes.len(), &buffer, 0).unwrap();
+    let record = reader
+        .read(&DeviceRead::from_start(file, bytes.len(), &buffer))
+        .unwrap();
     assert_eq!(record.bytes, bytes.len() as u64);
     assert_eq!(record.io_path, kind.name());
     let back = buffer.copy_to_host(0..bytes.len()).unwrap();
@@ -102,7 +104,11 @@ fn check_reader(reader: &dyn DeviceReader, gpu: &Gpu, file: &GdsFile, bytes: &[u
         };
         let dst_offset = (xorshift(&mut state) as usize % 256) * 4096;
         reader
-            .read(file, offset as u64, len, &buffer, dst_offset)
+            .read(&DeviceRead {
+                offset: offset as u64,
+                dst_offset,
+                ..DeviceRead::from_start(file, len, &buffer)
+            })
             .unwrap();
         let back = buffer.copy_to_host(dst_offset..dst_offset + len).unwrap();
         assert!(
@@ -196,7 +202,7 @@ fn cufile_reads_equal_file_bytes_or_registration_is_explained() {
     registered.register(&driver).unwrap();
     assert!(registered.is_registered());
     reader
-        .read(&file, 0, tf.bytes.len(), &registered, 0)
+        .read(&DeviceRead::from_start(&file, tf.bytes.len(), &registered))
         .unwrap();
     assert!(registered.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes);
     let live = driver.live_registrations();
@@ -226,7 +232,10 @@ fn async_bounce_read_is_ordered_on_the_stream() {
     let stream: Arc<_> = gpu.new_stream().unwrap();
     let buffer = GdsBuffer::alloc(&gpu, tf.bytes.len()).unwrap();
     let ticket = reader
-        .read_async(&file, 0, tf.bytes.len(), &buffer, 0, &stream)
+        .read_async(
+            &DeviceRead::from_start(&file, tf.bytes.len(), &buffer),
+            &stream,
+        )
         .unwrap();
     let record = ticket.wait().unwrap();
     assert_eq!(record.bytes, tf.bytes.len() as u64);
@@ -253,7 +262,8 @@ fn device_io_auto_choice_reads_correctly() {
             io.capabilities()
         );
         let buffer = io.alloc(tf.bytes.len()).unwrap();
-        io.read(&file, 0, tf.bytes.len(), &buffer, 0).unwrap();
+        io.read(&DeviceRead::from_start(&file, tf.bytes.len(), &buffer))
+            .unwrap();
         assert!(
             buffer.copy_to_host(0..tf.bytes.len()).unwrap() == tf.bytes,
             "{choice:?}"
@@ -301,7 +311,10 @@ fn bounce_pipeline_double_buffered_reads_equal_file_bytes() {
                         let (ticket, i) = pending.pop_front().unwrap();
                         finish(ticket, i)?;
                     }
-                    let ticket = p.submit(&file, start as u64, len, &buffers[index % 2], 0)?;
+                    let ticket = p.submit(DeviceRead {
+                        offset: start as u64,
+                        ..DeviceRead::from_start(&file, len, &buffers[index % 2])
+                    })?;
                     pending.push_back((ticket, index));
                 }
                 for (ticket, i) in pending {
@@ -333,10 +346,10 @@ fn read_many_fills_every_destination() {
         .iter()
         .map(|&(_, len)| GdsBuffer::alloc(&gpu, len).unwrap())
         .collect();
-    let reads: Vec<gds_io::DeviceRead<'_>> = regions
+    let reads: Vec<DeviceRead<'_>> = regions
         .iter()
         .zip(&buffers)
-        .map(|(&(offset, len), dst)| gds_io::DeviceRead {
+        .map(|(&(offset, len), dst)| DeviceRead {
             file: &file,
             offset: offset as u64 & !4095,
             len,

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
 use gds_io::{
-    AlignedBuf, Capabilities, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IO_ALIGN,
-    IoChoice, IoPath, LiveRegistrations, ParallelRead,
+    AlignedBuf, Capabilities, DeviceRead, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile,
+    Gpu, IO_ALIGN, IoChoice, IoPath, LiveRegistrations, ParallelRead,
 };
 
 use crate::errors::BridgeError;
@@ -293,7 +293,10 @@ pub fn read_region(
                 _ => GdsBuffer::alloc(&state.gpu, alloc_len)?,
             };
             if len > 0 {
-                state.reader(kind)?.read(&file, start, span, &buffer, 0)?;
+                state.reader(kind)?.read(&DeviceRead {
+                    offset: start,
+                    ..DeviceRead::from_start(&file, span, &buffer)
+                })?;
             }
             Ok(Region {
                 storage: Arc::new(Storage::device(buffer, ordinal)),

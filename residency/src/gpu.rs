@@ -20,7 +20,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use gds_io::{DeviceIo, GdsBuffer, GdsFile, IoChoice, IoPath, IoTotals, PinnedHostBuf};
+use gds_io::{DeviceIo, DeviceRead, GdsBuffer, GdsFile, IoChoice, IoPath, IoTotals, PinnedHostBuf};
 use parking_lot::Mutex;
 use weights_format::Metadata;
 
@@ -248,7 +248,7 @@ impl DeviceBuffer for GpuBuffer {
         let aligned = gds_io::aligned::align_up(len).min(file.len()) as usize;
         let record = files
             .io
-            .read(file, 0, aligned, &self.buf, 0)
+            .read(&DeviceRead::from_start(file, aligned, &self.buf))
             .map_err(|e| io_error(&source.blob_name(blob), e))?;
         tracing::trace!(
             blob,

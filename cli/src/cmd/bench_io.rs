@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use gds_io::{
-    BounceConfig, BounceReader, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu,
-    IoChoice, IoPath, ParallelRead,
+    BounceConfig, BounceReader, DeviceRead, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile,
+    Gpu, IoChoice, IoPath, ParallelRead,
 };
 use serde::Serialize;
 
@@ -244,7 +244,7 @@ fn device_io_path(
     let mut via_host = false;
     let start = Instant::now();
     for (blob, file) in blobs.iter().zip(&files) {
-        let record = reader.read(file, 0, blob.len as usize, buffer, 0)?;
+        let record = reader.read(&DeviceRead::from_start(file, blob.len as usize, buffer))?;
         via_host |= record.via_host_memory;
         per_blob.push(BlobResult {
             file: blob.name.clone(),
@@ -285,7 +285,11 @@ fn bounce_streaming(
                 let (ticket, i) = pending.pop_front().expect("two reads are pending");
                 finish(ticket, i)?;
             }
-            let ticket = p.submit(file, 0, blob.len as usize, &buffers[index % 2], 0)?;
+            let ticket = p.submit(DeviceRead::from_start(
+                file,
+                blob.len as usize,
+                &buffers[index % 2],
+            ))?;
             pending.push_back((ticket, index));
         }
         for (ticket, i) in pending {

@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use gds_io::probe;
-use gds_io::{DeviceReader, Driver, DriverProperties, GdsBuffer, GdsFile, Gpu, IoPath, UdevCheck};
+use gds_io::{
+    DeviceRead, DeviceReader, Driver, DriverProperties, GdsBuffer, GdsFile, Gpu, IoPath, UdevCheck,
+};
 use serde::Serialize;
 
 /// Check GPU, driver, CUDA libraries, cuFile/GDS, the udev record cuFile needs and the model
@@ -262,7 +264,7 @@ fn measure_io_paths(
                     file.register(driver)?;
                 }
                 let reader: Box<dyn DeviceReader> = gds_io::build_reader(kind, gpu, driver)?;
-                reader.read(&file, 0, len, &buffer, 0)
+                reader.read(&DeviceRead::from_start(&file, len, &buffer))
             })();
             reports.push(match outcome {
                 Ok(record) => IoPathReport {
