@@ -25,6 +25,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every element type, in declaration order.
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ];
+
     /// Values per block (1 for plain floats).
     pub const fn block_len(self) -> usize {
         match self {
@@ -61,16 +71,9 @@ impl DType {
     }
 
     pub fn from_name(name: &str) -> Option<DType> {
-        [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ]
-        .into_iter()
-        .find(|d| d.name().eq_ignore_ascii_case(name))
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name().eq_ignore_ascii_case(name))
     }
 
     /// Byte length of a tensor of this dtype and row-major `shape`, or `None` when the

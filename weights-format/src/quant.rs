@@ -176,14 +176,7 @@ mod tests {
         let src: Vec<f32> = (0..256)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::Bf16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for dtype in DType::ALL {
             let mut bytes = Vec::new();
             quantize(dtype, &src, &mut bytes).unwrap();
             assert_eq!(bytes.len() as u64, dtype.byte_len(&[256]).unwrap());
