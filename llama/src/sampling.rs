@@ -196,15 +196,20 @@ mod tests {
         (0..100).map(|i| ((i * 37 % 100) as f32) / 10.0).collect()
     }
 
-    #[test]
-    fn greedy_picks_the_maximum() {
-        let l = logits();
-        let best = l
+    /// The expected greedy choice, found independently of the sampler.
+    fn index_of_max(logits: &[f32]) -> u32 {
+        logits
             .iter()
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))
             .unwrap()
-            .0 as u32;
+            .0 as u32
+    }
+
+    #[test]
+    fn greedy_picks_the_maximum() {
+        let l = logits();
+        let best = index_of_max(&l);
         let mut s = Sampler::new(SamplerConfig::greedy()).unwrap();
         assert_eq!(s.sample(&l, &[]), best);
     }
@@ -212,12 +217,7 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_penalty_changes_the_choice() {
         let l = logits();
-        let best = l
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .unwrap()
-            .0 as u32;
+        let best = index_of_max(&l);
         let cfg = SamplerConfig {
             temperature: 1.0,
             top_k: 1,
