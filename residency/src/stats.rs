@@ -67,6 +67,21 @@ impl PassStats {
         }
     }
 
+    /// Bytes read from disk, planned and on demand.
+    pub fn disk_read_bytes(&self) -> u64 {
+        self.disk_bytes + self.on_demand_bytes
+    }
+
+    /// [`disk_read_bytes`](Self::disk_read_bytes) per second that a read was in flight, in
+    /// GB/s (0 when nothing was read).
+    pub fn disk_read_gbps(&self) -> f64 {
+        if self.io_busy_s > 0.0 {
+            self.disk_read_bytes() as f64 / self.io_busy_s / 1e9
+        } else {
+            0.0
+        }
+    }
+
     /// Device hits over acquires.
     pub fn device_hit_rate(&self) -> f64 {
         let total = self.device_hits + self.device_misses;

@@ -161,12 +161,8 @@ fn bench<B: Backend, W: WeightSource>(
     llama.forward(&prompt[..1])?;
     let first_pass_s = t.elapsed().as_secs_f64();
     let after_load = llama.weights().residency_stats().unwrap_or_default();
-    let load_bytes = after_load.total.disk_bytes + after_load.total.on_demand_bytes;
-    let load_gbps = if after_load.total.io_busy_s > 0.0 {
-        load_bytes as f64 / after_load.total.io_busy_s / 1e9
-    } else {
-        0.0
-    };
+    let load_bytes = after_load.total.disk_read_bytes();
+    let load_gbps = after_load.total.disk_read_gbps();
 
     let mut pp = Vec::new();
     let mut tg = Vec::new();

@@ -298,12 +298,8 @@ fn report<B: Backend, W: WeightSource>(
 ) -> anyhow::Result<()> {
     let llama = model.session.model();
     let stats = llama.weights().residency_stats().unwrap_or_default();
-    let bytes_read = stats.total.disk_bytes + stats.total.on_demand_bytes;
-    let gb_per_s = if stats.total.io_busy_s > 0.0 {
-        bytes_read as f64 / stats.total.io_busy_s / 1e9
-    } else {
-        0.0
-    };
+    let bytes_read = stats.total.disk_read_bytes();
+    let gb_per_s = stats.total.disk_read_gbps();
     if json {
         let out = json!({
             "prompt_tokens": g.prompt_tokens,
