@@ -146,74 +146,8 @@ fn sum32(acc: &[f32; 32]) -> f32 {
     acc.iter().sum()
 }
 
-/// q4_0: `Σ d·(q−8)·x = Σ d·(q·x) − 8·Σ d·Σx`, with `Σx` per block precomputed. The nibbles are
-/// widened into a 32-lane array first: that shape is what LLVM vectorises cleanly (measured
-/// 2–3× faster than pairing low and high nibbles in 16 lanes).
-#[inline(always)]
-fn dot_q4_0<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let mut acc = [0f32; 32];
-    let mut offsets = [0f32; 4];
-    for (i, ((b, xb), s)) in row
-        .chunks_exact(18)
-        .zip(x.chunks_exact(QK))
-        .zip(xsum)
-        .enumerate()
-    {
-        let b: &[u8; 18] = b.try_into().unwrap();
-        let xb: &[f32; 32] = xb.try_into().unwrap();
-        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        let mut q = [0f32; 32];
-        for j in 0..16 {
-            q[j] = (b[2 + j] & 0xF) as f32;
-            q[j + 16] = (b[2 + j] >> 4) as f32;
-        }
-        let mut p = [0f32; 32];
-        for j in 0..32 {
-            p[j] = q[j] * xb[j];
-        }
-        for j in 0..32 {
-            acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
-        }
-        offsets[i & 3] = fmadd::<FMA>(d, *s, offsets[i & 3]);
-    }
-    sum32(&acc) - 8.0 * offsets.iter().sum::<f32>()
-}
-
-/// q4_1: `Σ (d·q + m)·x = Σ d·(q·x) + Σ m·Σx`, with `Σx` per block precomputed (same shape as
-/// [`dot_q4_0`]).
-#[inline(always)]
-fn dot_q4_1<const FMA: bool>(row: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let mut acc = [0f32; 32];
-    let mut offsets = [0f32; 4];
-    for (i, ((b, xb), s)) in row
-        .chunks_exact(20)
-        .zip(x.chunks_exact(QK))
-        .zip(xsum)
-        .enumerate()
-    {
-        let b: &[u8; 20] = b.try_into().unwrap();
-        let xb: &[f32; 32] = xb.try_into().unwrap();
-        let d = f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        let m = f16_bits_to_f32(u16::from_le_bytes([b[2], b[3]]));
-        let mut q = [0f32; 32];
-        for j in 0..16 {
-            q[j] = (b[4 + j] & 0xF) as f32;
-            q[j + 16] = (b[4 + j] >> 4) as f32;
-        }
-        let mut p = [0f32; 32];
-        for j in 0..32 {
-            p[j] = q[j] * xb[j];
-        }
-        for j in 0..32 {
-            acc[j] = fmadd::<FMA>(d, p[j], acc[j]);
-        }
-        offsets[i & 3] = fmadd::<FMA>(m, *s, offsets[i & 3]);
-    }
-    sum32(&acc) + offsets.iter().sum::<f32>()
-}
-
 /// One block of one activation row in the quantized kernels: `acc += d·(q·x)` lane by lane,
-/// the product first, as [`dot_q8_0`], [`dot_q4_0`] and [`dot_q4_1`] do.
+/// the product first, as [`dot_q8_0`] does.
 #[inline(always)]
 fn block_step<const FMA: bool>(q: &[f32; 32], d: f32, x: &[f32], acc: &mut [f32; 32]) {
     let xb: &[f32; 32] = x.try_into().unwrap();
@@ -246,8 +180,12 @@ fn dot_q8_0_rows<const FMA: bool, const R: usize>(row: &[u8], x: [&[f32]; R]) ->
     std::array::from_fn(|r| sum32(&acc[r]))
 }
 
-/// [`dot_q4_1`] (`MIN`) or [`dot_q4_0`] of one weight row with `R` activation rows at once, bit
-/// for bit (see [`dot_q8_0_rows`]).
+/// q4_1 (`MIN`) or q4_0 dot products of one weight row with `R` activation rows at once (`R`
+/// = 1 for a single row). q4_0: `Σ d·(q−8)·x = Σ d·(q·x) − 8·Σ d·Σx`; q4_1:
+/// `Σ (d·q + m)·x = Σ d·(q·x) + Σ m·Σx`, with `Σx` per block precomputed. The nibbles are
+/// widened into a 32-lane array first: that shape is what LLVM vectorises cleanly (measured
+/// 2–3× faster than pairing low and high nibbles in 16 lanes). Each row's sums take the same
+/// steps whatever `R` is, so results are bit for bit those of `R` = 1.
 #[inline(always)]
 fn dot_q4_rows<const FMA: bool, const MIN: bool, const R: usize>(
     row: &[u8],
@@ -405,8 +343,8 @@ fn matmul_rows_impl<const FMA: bool>(
                 DType::F16 => dot_half_bytes::<FMA, false>(row, xr(r)),
                 DType::Bf16 => dot_half_bytes::<FMA, true>(row, xr(r)),
                 DType::Q8_0 => dot_q8_0::<FMA>(row, xr(r)),
-                DType::Q4_0 => dot_q4_0::<FMA>(row, xr(r), xs(r)),
-                DType::Q4_1 => dot_q4_1::<FMA>(row, xr(r), xs(r)),
+                DType::Q4_0 => dot_q4_rows::<FMA, false, 1>(row, [xr(r)], [xs(r)])[0],
+                DType::Q4_1 => dot_q4_rows::<FMA, true, 1>(row, [xr(r)], [xs(r)])[0],
             };
         }
     }
