@@ -1,6 +1,9 @@
-//! The device flags shared by `gdsllm run`, `bench` and `serve`.
+//! The device flags shared by `gdsllm run`, `bench` and `serve`, and with the residency flags
+//! the options those commands open a model with.
 
 use anyhow::Context;
+
+use crate::residency_args::ResidencyArgs;
 
 /// Where the model computes.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,5 +44,36 @@ impl DeviceArgs {
         };
         let io = gds_io::io_choice_from_env(self.io.as_deref()).context("--io / GDSLLM_IO")?;
         Ok((device, io))
+    }
+}
+
+/// Where and how `gdsllm run`, `bench` and `serve` open a model: the device and residency flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct OpenArgs {
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub residency: ResidencyArgs,
+}
+
+impl OpenArgs {
+    /// The device and the `llama::open` options for `sequences` sequences of `context`
+    /// positions each (0: the model's context).
+    pub fn options(
+        &self,
+        context: usize,
+        sequences: usize,
+        kv_budget: Option<u64>,
+    ) -> anyhow::Result<(llama::Device, llama::OpenOptions)> {
+        let (device, io) = self.device.resolve()?;
+        let options = llama::OpenOptions {
+            // The loader reserves the KV caches and activations itself (it knows their layout).
+            residency: self.residency.options(0),
+            context,
+            sequences,
+            kv_budget,
+            io,
+        };
+        Ok((device, options))
     }
 }

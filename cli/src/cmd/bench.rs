@@ -4,8 +4,7 @@ use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{Backend, Llama, OpenedModel, WeightSource};
 use serde_json::json;
 
-use crate::device_args::DeviceArgs;
-use crate::residency_args::ResidencyArgs;
+use crate::device_args::OpenArgs;
 
 /// Measure prompt processing (one pass over the weights for the whole prompt) and generation
 /// (one pass per token) speed, plus the read speed of the first pass. On CUDA the weights go
@@ -42,9 +41,7 @@ pub struct Args {
     #[arg(long, value_name = "N,N,...", value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub batch: Vec<u64>,
     #[command(flatten)]
-    pub device: DeviceArgs,
-    #[command(flatten)]
-    pub residency: ResidencyArgs,
+    pub open: OpenArgs,
 }
 
 fn best(v: &[f64]) -> f64 {
@@ -63,13 +60,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         batch_context(args.n_prompt, args.n_gen, most)
     };
-    let model = crate::cmd::run::open_model(
-        args.model.as_deref(),
-        &args.residency,
-        &args.device,
-        context,
-        most,
-    )?;
+    let model = crate::cmd::run::open_model(args.model.as_deref(), &args.open, context, most)?;
     match model {
         OpenedModel::Cpu(mut model) => {
             let open_s = model.load_seconds;
@@ -80,7 +71,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "model": llama.metadata().source,
                     "threads": rayon_threads(),
                     "device": "cpu",
-                    "checksums": args.residency.checksums(),
+                    "checksums": args.open.residency.checksums(),
                     "residency": llama.weights().residency_stats(),
                 });
                 return print_batches(&args, &rows, head);
@@ -105,7 +96,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "model": llama.metadata().source,
                     "device": llama.backend().device_name(),
                     "io_backend": model.io,
-                    "checksums": args.residency.checksums(),
+                    "checksums": args.open.residency.checksums(),
                     "references": references,
                     "residency": llama.weights().residency_stats(),
                 });
@@ -197,7 +188,7 @@ fn bench<B: Backend, W: WeightSource>(
             "model": llama.metadata().source,
             "device": device,
             "io_backend": io_backend,
-            "checksums": args.residency.checksums(),
+            "checksums": args.open.residency.checksums(),
             "threads": rayon_threads(),
             "load": { "first_pass_s": first_pass_s, "bytes": load_bytes, "gb_per_s": load_gbps, "open_s": open_s },
             "pp": { "tokens": args.n_prompt, "tok_per_s": pp, "mean": mean(&pp), "best": best(&pp) },

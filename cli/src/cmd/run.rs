@@ -6,13 +6,12 @@ use std::path::Path;
 
 use anyhow::{Context, bail};
 use llama::{
-    Backend, BatchConfig, GenerateOptions, Generation, LoadedModel, Message, OpenOptions,
-    OpenedModel, SamplerConfig, WeightSource,
+    Backend, BatchConfig, GenerateOptions, Generation, LoadedModel, Message, OpenedModel,
+    SamplerConfig, WeightSource,
 };
 use serde_json::json;
 
-use crate::device_args::DeviceArgs;
-use crate::residency_args::ResidencyArgs;
+use crate::device_args::OpenArgs;
 
 /// Generate text. With -p: a raw completion of the prompt, exactly as written (no chat
 /// template, no BOS unless the model asks for one), streamed to stdout. Without -p: an
@@ -72,9 +71,7 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub device: DeviceArgs,
-    #[command(flatten)]
-    pub residency: ResidencyArgs,
+    pub open: OpenArgs,
 }
 
 impl Args {
@@ -111,21 +108,12 @@ pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
 /// single prompt), with a KV cache of `ctx_size` positions each (0: the model's context).
 pub fn open_model(
     model: Option<&str>,
-    residency: &ResidencyArgs,
-    device: &DeviceArgs,
+    open: &OpenArgs,
     ctx_size: usize,
     sequences: usize,
 ) -> anyhow::Result<OpenedModel> {
     let dir = model_dir(model)?;
-    let (device, io) = device.resolve()?;
-    let options = OpenOptions {
-        // The loader reserves the KV caches and activations itself (it knows their layout).
-        residency: residency.options(0),
-        context: ctx_size,
-        sequences: sequences.max(1),
-        kv_budget: None,
-        io,
-    };
+    let (device, options) = open.options(ctx_size, sequences.max(1), None)?;
     llama::open(&dir, device, &options).with_context(|| format!("loading {}", dir.display()))
 }
 
@@ -157,13 +145,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let prompts = args.file.as_deref().map(read_prompts).transpose()?;
     let sequences = prompts.as_ref().map_or(1, Vec::len);
-    let model = open_model(
-        args.model.as_deref(),
-        &args.residency,
-        &args.device,
-        args.ctx_size,
-        sequences,
-    )?;
+    let model = open_model(args.model.as_deref(), &args.open, args.ctx_size, sequences)?;
     match model {
         OpenedModel::Cpu(m) => run_on(*m, &args, prompts.as_deref(), started),
         OpenedModel::Cuda(m) => run_on(*m, &args, prompts.as_deref(), started),

@@ -9,8 +9,7 @@ use anyhow::{Context, bail};
 use gdsllm_server::{Server, ServerConfig};
 use weights_format::Model;
 
-use crate::device_args::DeviceArgs;
-use crate::residency_args::ResidencyArgs;
+use crate::device_args::OpenArgs;
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
 /// /v1/embeddings, /v1/models, plus /health and /metrics (Prometheus). The server listens at
@@ -127,9 +126,7 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub device: DeviceArgs,
-    #[command(flatten)]
-    pub residency: ResidencyArgs,
+    pub open: OpenArgs,
 }
 
 /// A timeout flag: a positive number of seconds.
@@ -176,18 +173,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .config()
         .clone();
     let context = llama::clamp_context(args.ctx_size, &model_config);
-    let (device, io) = args.device.resolve()?;
     let max_batch = args.max_batch as usize;
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
         residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
     });
-    let options = llama::OpenOptions {
-        residency: args.residency.options(0),
-        context,
-        sequences: max_batch,
-        kv_budget: Some(kv_budget),
-        io,
-    };
+    let (device, options) = args.open.options(context, max_batch, Some(kv_budget))?;
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
