@@ -6,14 +6,7 @@ use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
 
 #[test]
 fn round_trip_every_dtype_bit_exact() {
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::Bf16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for dtype in DType::ALL {
         for tied in [false, true] {
             let tmp = tempfile::tempdir().unwrap();
             let out = tmp.path().join("m");

@@ -10,14 +10,8 @@ use rand::rngs::StdRng;
 use weights_format::DType;
 use weights_format::quant::quantize;
 
-pub const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
+/// Every element type (the ops tests run each op for each).
+pub const ALL: [DType; DType::ALL.len()] = DType::ALL;
 
 pub fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
