@@ -70,6 +70,46 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
         orow[j] = xr[j] * scale * load_elem(weight, dtype, j);
 }
 
+// In-place RMSNorm of `pieces` consecutive pieces of `dim` values (the per-head norms of Q and
+// K: pieces = rows · heads, dim = head_dim): one warp per piece, RMS_PIECE_WARPS pieces per
+// block of 32·RMS_PIECE_WARPS threads.
+#define RMS_PIECE_WARPS 8
+extern "C" __global__ void rmsnorm_pieces(float* x, const u8* weight, int dtype, int dim, float eps,
+                                          int pieces) {
+    int piece = blockIdx.x * RMS_PIECE_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (piece >= pieces) return;  // a whole warp leaves together
+    float* xr = x + (u64)piece * dim;
+    float ss = 0.f;
+    for (int j = lane; j < dim; j += 32) ss += xr[j] * xr[j];
+    ss = warp_sum(ss);
+    float scale = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int j = lane; j < dim; j += 32) xr[j] = xr[j] * scale * load_elem(weight, dtype, j);
+}
+
+// out[r, :] += rmsnorm(x[r, :]) · weight: the post-norm of a sub-block added to the residual
+// stream (Gemma). One block of RMS_THREADS per row.
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm(const float* x, const u8* weight, int dtype,
+                                                                     int dim, float eps, float* out) {
+    __shared__ float partial[RMS_THREADS / 32];
+    int r = blockIdx.x;
+    const float* xr = x + (u64)r * dim;
+    float* orow = out + (u64)r * dim;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
+    ss = warp_sum(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
+        p = warp_sum(p);
+        if (lane == 0) partial[0] = p;
+    }
+    __syncthreads();
+    float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
+    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) orow[j] += xr[j] * scale * load_elem(weight, dtype, j);
+}
+
 // HF rotate_half: the pair (i, i + half) of head h, rotated by pos·inv_freq[i].
 __device__ __forceinline__ void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq) {
     float angle = pos * inv_freq[i];
@@ -80,11 +120,12 @@ __device__ __forceinline__ void rotate_pair(float* head, int i, int half, float 
 }
 
 // The attention block's position-dependent steps in one launch: q and k rows r roped at
-// position p + r (p = start_pos), k and v rows stored in the f16 caches at that position.
-// One thread per rotated pair of a q or k head; the k pairs also store v's pair.
+// position p + r (p = start_pos), k and v rows stored in the f16 caches of `slots` positions at
+// slot (p + r) % slots (a sliding-window layer's cache is a ring). One thread per rotated pair
+// of a q or k head; the k pairs also store v's pair.
 extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
                                          int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
-                                         const float* inv_freq, u16* k_cache, u16* v_cache) {
+                                         const float* inv_freq, u16* k_cache, u16* v_cache, int slots) {
     int half = head_dim / 2;
     int heads = n_heads + n_kv_heads;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
@@ -101,7 +142,7 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int
     u64 row = ((u64)r * n_kv_heads + kvh) * head_dim;
     float* kh = k + row;
     rotate_pair(kh, i, half, (float)pos, inv_freq);
-    u64 at = ((u64)pos * n_kv_heads + kvh) * head_dim;
+    u64 at = ((u64)(pos % slots) * n_kv_heads + kvh) * head_dim;
     k_cache[at + i] = f2h(kh[i]);
     k_cache[at + i + half] = f2h(kh[i + half]);
     v_cache[at + i] = f2h(v[row + i]);
