@@ -4,6 +4,8 @@
 //! frees a cancelled sequence's cache at once and keeps decoding while prompts are prefilled.
 
 mod common;
+#[cfg(feature = "cuda")]
+mod support;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -231,6 +233,28 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
         let mut model = llama::load::open_uploaded(&dir, 0, 256).unwrap();
         ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
     }
+}
+
+/// A windowed family on CUDA (support::families' gemma3: window 8, rings of 16 slots, Q/K
+/// head norms, post-norms, the GeLU gate, a soft-cap): the ragged workload, prompts of up to 40
+/// tokens and outputs past the window, gives each sequence its tokens alone. Opt-in as above
+/// (`cargo test -p llama --features cuda --test batch cuda`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_windowed_family_batched_equals_solo() {
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, config) = support::families::configs()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma3")
+        .unwrap();
+    let dir = tmp.path().join("gemma3");
+    support::families::write(&dir, &config, DType::Q4_1);
+    let mut model = llama::load::open_uploaded(&dir, 0, 128).unwrap();
+    ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
 }
 
 /// Total weight bytes residency has brought in, once its reader has stopped (the ring is full

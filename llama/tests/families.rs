@@ -8,9 +8,12 @@
 //! [`MARGIN`], and our logits of its top 8 tokens within [`LOGIT_TOL`] of its own.
 //!
 //! Also on the CPU backend: a windowed family (gemma3) batched equals each sequence alone, bit
-//! for bit; and a sliding-window model's prefix reuse gives the logits of a fresh run.
+//! for bit; a sliding-window model's prefix reuse gives the logits of a fresh run; and a small
+//! model of every family (`support::families`, every step of the family switched on, quantized
+//! matrices) gives the reference backend's logits.
 
 mod common;
+mod support;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -305,4 +308,55 @@ fn windowed_prefix_reuse_gives_the_logits_of_a_fresh_run() {
     println!(
         "gemma3: prefix reuse within the rings identical to a fresh run; beyond them the model starts over"
     );
+}
+
+/// Every family's small config (`support::families`) with q8_0 and q4_1 matrices: the CPU
+/// backend's logits after a prompt longer than gemma3's window and 6 decode steps (fed the
+/// reference's greedy tokens) within `TOL` of the reference backend's (f64, whole tensors
+/// dequantized).
+#[test]
+fn random_family_models_match_the_reference_backend() {
+    /// f32 sums in another order than the reference's f64, through every layer.
+    const TOL: f32 = 1e-4;
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, config) in support::families::configs() {
+        for dtype in [weights_format::DType::Q8_0, weights_format::DType::Q4_1] {
+            let dir = tmp.path().join(format!("{name}-{dtype}"));
+            support::families::write(&dir, &config, dtype);
+            let meta = weights_format::Model::open(&dir)
+                .unwrap()
+                .metadata()
+                .clone();
+            let weights = || llama::InMemoryWeights::read_dir(&dir, &meta).unwrap();
+            let mut cpu = Llama::new(CpuBackend::new(), weights(), meta.clone(), 64, 64).unwrap();
+            let mut slow =
+                Llama::new(llama::ReferenceBackend, weights(), meta.clone(), 64, 64).unwrap();
+            let prompt: Vec<u32> = (0..13).map(|i| 3 + (i * 97) % 500).collect();
+            let (mut a, mut b) = (
+                cpu.forward(&prompt).unwrap().to_vec(),
+                slow.forward(&prompt).unwrap().to_vec(),
+            );
+            let mut worst = 0f32;
+            for step in 0..=6 {
+                let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                let d = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+                    / scale;
+                worst = worst.max(d);
+                assert!(d <= TOL, "{name} {dtype} step {step}: max rel diff {d:.2e}");
+                if step == 6 {
+                    break;
+                }
+                let (t, _) = argmax_margin(&b);
+                a = cpu.forward(&[t]).unwrap().to_vec();
+                b = slow.forward(&[t]).unwrap().to_vec();
+            }
+            println!(
+                "{name} {dtype}: cpu vs reference backend, 7 steps: max rel diff {worst:.2e} (tol {TOL:.0e})"
+            );
+        }
+    }
 }

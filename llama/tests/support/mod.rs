@@ -3,6 +3,8 @@
 //! `attention` of one sequence computes), written with the ops the backends have.
 #![allow(dead_code)]
 
+pub mod families;
+
 use llama::WeightView;
 use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, Backend, RowGroup};
 use rand::RngExt;
