@@ -41,6 +41,16 @@ impl ReferenceBackend {
     }
 
     /// `x[r, :] / sqrt(mean(x[r, :]²) + eps) · w` in f64, for `rows` rows of `w.len()` values.
+    /// [`ReferenceBackend::rmsnorm_f64`] with the weight of `weight` (any dtype).
+    fn normed(
+        x: &[f32],
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<Vec<f64>, BackendError> {
+        Ok(Self::rmsnorm_f64(x, rows, &dequantize_all(weight)?, eps))
+    }
+
     fn rmsnorm_f64(x: &[f32], rows: usize, w: &[f32], eps: f32) -> Vec<f64> {
         let dim = w.len();
         let mut out = vec![0f64; rows * dim];
@@ -134,9 +144,10 @@ impl Backend for ReferenceBackend {
         eps: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let w = dequantize_all(weight)?;
-        let normed = ReferenceBackend::rmsnorm_f64(x, rows, &w, eps);
-        for (o, v) in out.iter_mut().zip(normed) {
+        for (o, v) in out
+            .iter_mut()
+            .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
+        {
             *o = v as f32;
         }
         Ok(())
@@ -294,8 +305,7 @@ impl Backend for ReferenceBackend {
         weight: WeightView<'_>,
         eps: f32,
     ) -> Result<(), BackendError> {
-        let w = dequantize_all(weight)?;
-        let normed = ReferenceBackend::rmsnorm_f64(x, pieces, &w, eps);
+        let normed = ReferenceBackend::normed(x, pieces, weight, eps)?;
         for (o, v) in x.iter_mut().zip(normed) {
             *o = v as f32;
         }
@@ -310,9 +320,10 @@ impl Backend for ReferenceBackend {
         eps: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let w = dequantize_all(weight)?;
-        let normed = ReferenceBackend::rmsnorm_f64(x, rows, &w, eps);
-        for (o, v) in out.iter_mut().zip(normed) {
+        for (o, v) in out
+            .iter_mut()
+            .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
+        {
             *o = (*o as f64 + v) as f32;
         }
         Ok(())

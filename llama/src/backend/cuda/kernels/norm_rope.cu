@@ -21,6 +21,23 @@ __device__ __forceinline__ void rmsnorm_store(float4 t, int c, int n4, int r, fl
     if (live) ((float4*)orow)[c] = o;
     if (xq) quantize_x16_lanes(o, live, ((u64)r * n4 + c) / 8, xq, xs);
 }
+// 1 / rms of a row from each thread's share `ss` of its sum of squares: summed over the block
+// of RMS_THREADS (through `partial`, RMS_THREADS / 32 floats of shared memory). Every thread
+// of the block calls it and gets the result.
+__device__ __forceinline__ float rms_scale(float ss, int dim, float eps, float* partial) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    ss = warp_sum(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
+        p = warp_sum(p);
+        if (lane == 0) partial[0] = p;
+    }
+    __syncthreads();
+    return 1.f / sqrtf(partial[0] / (float)dim + eps);
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x, const u8* weight, int dtype,
                                                                  int dim, float eps, float* out, short* xq,
                                                                  float4* xs) {
@@ -28,7 +45,6 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
     float* orow = out + (u64)r * dim;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     bool vec = dim % 4 == 0;
     int n4 = vec ? dim / 4 : 0;
     float4 v[RMS_VEC];
@@ -44,16 +60,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
         ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
     }
     for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
-    ss = warp_sum(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
-        p = warp_sum(p);
-        if (lane == 0) partial[0] = p;
-    }
-    __syncthreads();
-    float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
+    float scale = rms_scale(ss, dim, eps, partial);
     // Whole warps run every step (quantize_x16_lanes shuffles); `c < n4` says which lanes hold
     // values.
     int n4_warps = (n4 + 31) / 32 * 32;
@@ -94,19 +101,9 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm(const floa
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
     float* orow = out + (u64)r * dim;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float ss = 0.f;
     for (int j = threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
-    ss = warp_sum(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
-        p = warp_sum(p);
-        if (lane == 0) partial[0] = p;
-    }
-    __syncthreads();
-    float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
+    float scale = rms_scale(ss, dim, eps, partial);
     for (int j = threadIdx.x; j < dim; j += RMS_THREADS) orow[j] += xr[j] * scale * load_elem(weight, dtype, j);
 }
 
