@@ -391,10 +391,18 @@ pub fn kv_cache_bytes(
     context: u64,
     bytes_per_value: u64,
 ) -> u64 {
-    let per_position = 2 * config.n_kv_heads as u64 * config.head_dim as u64 * bytes_per_value;
+    // Saturating: an absurd config (a context of 2^32) must come out as "too large for the
+    // budget", not wrap around to something small or panic.
+    let per_position = [
+        config.n_kv_heads as u64,
+        config.head_dim as u64,
+        bytes_per_value,
+    ]
+    .into_iter()
+    .fold(2u64, u64::saturating_mul);
     (0..config.n_layers)
-        .map(|l| kv_positions(config, l, context) * per_position)
-        .sum()
+        .map(|l| kv_positions(config, l, context).saturating_mul(per_position))
+        .fold(0u64, u64::saturating_add)
 }
 
 fn seconds(bytes: u64, gbps: f64) -> f64 {
