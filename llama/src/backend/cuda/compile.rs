@@ -28,6 +28,7 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("matmul_mma.cu", include_str!("kernels/matmul_mma.cu")),
 ];
 
 /// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
@@ -212,5 +213,35 @@ mod tests {
             };
             assert_eq!(defined, 1, "kernel {name}");
         }
+        // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each.
+        let mut mma = 0;
+        for part in loader.split("mma(\"").skip(1) {
+            let dtype = part.split('"').next().unwrap();
+            let stamp = format!("MATMUL_MMA_KERNELS(matmul_mma_{dtype}, ");
+            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+            mma += 1;
+        }
+        assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
+    }
+
+    /// The CPU emulator's test program (llama/tests/cuda_emu) includes the kernel files in this
+    /// order too.
+    #[test]
+    fn the_emulator_tests_include_every_kernel_file_in_order() {
+        let harness = include_str!("../../../tests/cuda_emu/kernels_test.cpp");
+        let list = harness
+            .split("// KERNEL FILES BEGIN")
+            .nth(1)
+            .and_then(|s| s.split("// KERNEL FILES END").next())
+            .expect("markers");
+        let included: Vec<&str> = list
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \""))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        let want: Vec<&str> = std::iter::once(COMMON.0)
+            .chain(KERNEL_FILES.iter().map(|(name, _)| *name))
+            .collect();
+        assert_eq!(included, want);
     }
 }

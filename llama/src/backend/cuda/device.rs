@@ -49,6 +49,19 @@ pub(super) fn device_error(message: impl Into<String>) -> LlamaError {
     }
 }
 
+/// The device's streaming multiprocessors, and whether it has the tensor-core instructions the
+/// mma kernels use (`mma.sync` with 8-bit integers and bf16: compute capability 8.0 and later).
+pub(super) fn capabilities(ctx: &Arc<CudaContext>) -> Result<(u32, bool), LlamaError> {
+    use cudarc::driver::sys::CUdevice_attribute;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| device_error(format!("cuDeviceGetAttribute(multiprocessors): {e}")))?;
+    let (major, _) = ctx
+        .compute_capability()
+        .map_err(|e| device_error(format!("cuDeviceGetAttribute(compute capability): {e}")))?;
+    Ok((sms.max(1) as u32, major >= 8))
+}
+
 /// Opens device `ordinal` after checking that the driver and NVRTC libraries load (cudarc
 /// panics on the first call into a missing library, so this comes before any other call).
 pub(super) fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, LlamaError> {
@@ -404,6 +417,7 @@ pub(super) struct Kernels {
     pub embed_rows: CudaFunction,
     pub rmsnorm: CudaFunction,
     pub rope_store_kv: CudaFunction,
+    pub rope_store_kv_seqs: CudaFunction,
     pub copy_f32: CudaFunction,
     pub copy_f32_to_f16: CudaFunction,
     pub copy_f32_to_bf16: CudaFunction,
@@ -412,11 +426,18 @@ pub(super) struct Kernels {
     pub attention: CudaFunction,
     pub attention_decode: CudaFunction,
     pub attention_combine: CudaFunction,
+    pub attention_decode_seqs: CudaFunction,
+    /// Prompt attention on tensor cores for head_dim 64 and 128.
+    pub attention_flash: [CudaFunction; 2],
+    pub attention_combine_seqs: CudaFunction,
     pub dequant_f16: CudaFunction,
     pub dequant_f32: CudaFunction,
     pub quantize_x16: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
     pub matmul: [[CudaFunction; 2]; 6],
+    /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16, 32 and 64 input
+    /// rows per block (`matmul_mma.cu`).
+    pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
 }
 
 impl Kernels {
@@ -429,10 +450,20 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| device_error(format!("kernel `{name}`: {e}")))
         };
+        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code)` stamps out `_n1` .. `_n8`.
+        let mma = |dtype: &str| -> Result<[CudaFunction; 4], LlamaError> {
+            Ok([
+                f(&format!("matmul_mma_{dtype}_n1"))?,
+                f(&format!("matmul_mma_{dtype}_n2"))?,
+                f(&format!("matmul_mma_{dtype}_n4"))?,
+                f(&format!("matmul_mma_{dtype}_n8"))?,
+            ])
+        };
         Ok(Kernels {
             embed_rows: f("embed_rows")?,
             rmsnorm: f("rmsnorm")?,
             rope_store_kv: f("rope_store_kv")?,
+            rope_store_kv_seqs: f("rope_store_kv_seqs")?,
             copy_f32: f("copy_f32")?,
             copy_f32_to_f16: f("copy_f32_to_f16")?,
             copy_f32_to_bf16: f("copy_f32_to_bf16")?,
@@ -441,6 +472,9 @@ impl Kernels {
             attention: f("attention")?,
             attention_decode: f("attention_decode")?,
             attention_combine: f("attention_combine")?,
+            attention_decode_seqs: f("attention_decode_seqs")?,
+            attention_flash: [f("attention_flash_hd64")?, f("attention_flash_hd128")?],
+            attention_combine_seqs: f("attention_combine_seqs")?,
             dequant_f16: f("dequant_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
@@ -451,6 +485,14 @@ impl Kernels {
                 [f("matmul_q8_0_r1")?, f("matmul_q8_0_r8")?],
                 [f("matmul_q4_0_r1")?, f("matmul_q4_0_r8")?],
                 [f("matmul_q4_1_r1")?, f("matmul_q4_1_r8")?],
+            ],
+            matmul_mma: [
+                None,
+                Some(mma("f16")?),
+                Some(mma("bf16")?),
+                Some(mma("q8_0")?),
+                Some(mma("q4_0")?),
+                Some(mma("q4_1")?),
             ],
         })
     }

@@ -3,7 +3,7 @@
 //! the 16-bit integers of [`super::scratch::X16`]), cuBLAS for prompts.
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use weights_format::DType;
 
 use crate::backend::{BackendError, RowGroup, WeightView};
@@ -42,6 +42,23 @@ unsafe impl cudarc::driver::DeviceRepr for MatmulJobs {}
 enum MatmulInput {
     F32(u64),
     Int16 { xq: u64, xs: u64 },
+}
+
+/// Warps per block, weight rows per block and input rows per block of the tensor-core
+/// matmul kernels (must match `MMA_WARPS`, `MMA_BROWS` and `MMA_NMAX` in `matmul_mma.cu`).
+const MMA_WARPS: u32 = 8;
+const MMA_BROWS: usize = 16 * MMA_WARPS as usize;
+const MMA_NMAX: usize = 64;
+
+/// How many slices the columns of a tensor-core matmul are split into (grid.z): enough blocks
+/// for two per multiprocessor, at least 8 chunks of 32 columns per slice, at most 16 slices.
+/// From the weights' shape and the device alone (not the row count), so that a row's result
+/// does not depend on its batch.
+fn mma_split(column_tiles: usize, n_chunks: usize, sms: usize) -> usize {
+    (2 * sms)
+        .div_ceil(column_tiles.max(1))
+        .min(n_chunks / 8)
+        .clamp(1, 16)
 }
 
 /// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
@@ -150,10 +167,105 @@ impl CudaBackend {
             } else {
                 MatmulInput::F32(xp)
             };
-            self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
+            if self.mma_applies(rows, first) {
+                self.launch_mma(x, rows, &jobs[start..end], accumulate)?;
+            } else {
+                self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
+            }
             start = end;
         }
         Ok(())
+    }
+
+    /// Whether `rows` rows (fewer than a prompt's) times `w` go to the tensor-core kernels of
+    /// `matmul_mma.cu`: when that path is on, for two rows or more (one row is the decode
+    /// step of a single sequence, which the one-row kernel reads at full bandwidth), on a
+    /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks.
+    fn mma_applies(&self, rows: usize, w: &WeightView<'_>) -> bool {
+        self.paths.mma
+            && self.tensor_cores
+            && rows >= 2
+            && w.cols.is_multiple_of(32)
+            && self.kernels.matmul_mma[dtype_code(w.dtype) as usize].is_some()
+    }
+
+    /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
+    /// dtype (see `matmul_mma.cu`): blocks of [`MMA_BROWS`] weight rows and up to
+    /// [`MMA_NMAX`] input rows, the columns split into `split` slices so that the grid fills
+    /// the GPU. The split depends on the weights' shape only, so a row's result does not
+    /// depend on how many rows share the launch.
+    fn launch_mma(
+        &self,
+        x: MatmulInput,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let mut params = MatmulJobs {
+            n_jobs: jobs.len() as i32,
+            accumulate: accumulate as i32,
+            ..MatmulJobs::default()
+        };
+        let (mut blocks_x, mut m_total) = (0usize, 0usize);
+        for (i, (w, op)) in jobs.iter().enumerate() {
+            params.w[i] = device_ptr(w)?.addr();
+            params.out[i] = *op;
+            params.m[i] = w.rows as i32;
+            blocks_x += w.rows.div_ceil(MMA_BROWS);
+            m_total += w.rows;
+        }
+        let w = jobs[0].0;
+        let n_chunks = w.cols / 32;
+        let split = mma_split(blocks_x, n_chunks, self.sms as usize);
+        let blocks_y = rows.div_ceil(MMA_NMAX);
+        let partial = if split > 1 {
+            self.mma_partials
+                .room(&self.queue, &self.graphs, split * rows * m_total)?
+        } else {
+            0
+        };
+        // Zeroed when allocated; the last block of each tile sets its counter back to 0.
+        let counters = self
+            .mma_counters
+            .room(&self.queue, &self.graphs, blocks_x * blocks_y)?;
+        let variant = match rows.min(MMA_NMAX).div_ceil(8) {
+            1 => 0,
+            2 => 1,
+            3 | 4 => 2,
+            _ => 3,
+        };
+        let kernels = self.kernels.matmul_mma[dtype_code(w.dtype) as usize]
+            .as_ref()
+            .ok_or(BackendError::Unsupported {
+                op: "matmul_mma",
+                message: format!("no tensor-core matmul for {:?}", w.dtype),
+            })?;
+        let (x0, xs) = match x {
+            MatmulInput::F32(xp) => (xp, 0u64),
+            MatmulInput::Int16 { xq, xs } => (xq, xs),
+        };
+        let (rows_i, k, split_i) = (rows as i32, w.cols as i32, split as i32);
+        let mut b = self.queue.kernel(&kernels[variant], "matmul_mma kernel");
+        b.arg(&x0)
+            .arg(&xs)
+            .arg(&rows_i)
+            .arg(&k)
+            .arg(&params)
+            .arg(&partial)
+            .arg(&counters)
+            .arg(&split_i);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_x as u32, blocks_y as u32, split as u32),
+            block_dim: (MMA_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows·k values (f32 for f16/bf16 weights, else the 16-bit integers and
+        // block records of `quantize_x16`), k a multiple of 32 (checked by `mma_applies`); each
+        // job's weight has m rows of k values of the shared dtype in device memory and its
+        // output rows·m values; the partial sums hold split·rows·Σm values when split > 1 and
+        // the counters one per (column tile, row tile) of the grid, zero between launches (the
+        // kernel resets them); the grid is the one the kernel expects for these shapes.
+        unsafe { b.run(cfg) }
     }
 
     /// One launch of a matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
