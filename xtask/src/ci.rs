@@ -106,7 +106,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .args(["test", "--workspace", "--"])
             .args(&args.test_args)
             .env("GDSLLM_TEST_MODEL", &model_dir)
-            .env("GDSLLM_TEST_GGUF", &gguf),
+            .env("GDSLLM_TEST_GGUF", &gguf)
+            // The CUDA kernels on the CPU emulator (llama/tests/cuda_emu.rs; a C++ compiler).
+            .env("GDSLLM_EMU_TESTS", "1"),
     )?;
     if !args.no_python {
         python_tests(&target, &gdsllm, &model_dir)?;

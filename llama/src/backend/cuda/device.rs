@@ -8,7 +8,7 @@
 //! between the op that wrote them and the matmul that reads them.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -21,6 +21,7 @@ use crate::LlamaError;
 use crate::backend::BackendError;
 
 use super::compile;
+use super::profile::Profile;
 
 /// Threads per block of elementwise kernels.
 pub(super) const ELEMENT_THREADS: u32 = 256;
@@ -99,6 +100,10 @@ pub(super) struct Queue {
     issued: AtomicU64,
     /// cuBLAS on the same stream, when libcublas loads.
     blas: Option<cudarc::cublas::CudaBlas>,
+    /// GPU time per op, when asked for (see [`super::profile`]).
+    profile: Option<Profile>,
+    /// Whether a graph is being recorded (then nothing is timed).
+    capturing: AtomicBool,
 }
 
 impl Queue {
@@ -128,7 +133,19 @@ impl Queue {
             device,
             issued: AtomicU64::new(0),
             blas,
+            profile: Profile::from_env(),
+            capturing: AtomicBool::new(false),
         })
+    }
+
+    /// Queues `op` through `queue_it`, timed when profiling (and not recording).
+    fn timed<R>(&self, op: &'static str, queue_it: impl FnOnce() -> R) -> R {
+        match &self.profile {
+            Some(p) if !self.capturing.load(Ordering::Relaxed) => {
+                p.time(&self.stream, op, queue_it)
+            }
+            _ => queue_it(),
+        }
     }
 
     /// Work queued so far: launches, copies, allocations, GEMMs, graph replays.
@@ -224,7 +241,11 @@ impl Queue {
         self.stream
             .memcpy_dtoh(&src.slice(0..out.len()), out)
             .map_err(|e| self.error(op, e))?;
-        self.synchronize()
+        self.synchronize()?;
+        if let Some(p) = &self.profile {
+            p.settle();
+        }
+        Ok(())
     }
 
     pub fn synchronize(&self) -> Result<(), BackendError> {
@@ -254,7 +275,7 @@ impl Queue {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
         self.issue();
         // SAFETY: the handle runs on this queue's stream; the caller vouches for the pointers.
-        let r = unsafe {
+        let r = self.timed("cublasGemmEx", || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
@@ -276,7 +297,7 @@ impl Queue {
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        };
+        });
         r.map_err(|source| BackendError::Cublas {
             device: self.device.clone(),
             op: "cublasGemmEx",
@@ -287,19 +308,28 @@ impl Queue {
     /// Starts recording what is queued into a graph instead of running it. Thread-local: the
     /// residency reader's driver calls on other threads stay legal.
     pub fn begin_capture(&self) -> Result<(), DriverError> {
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        self.capturing.store(true, Ordering::Relaxed);
+        let r = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        if r.is_err() {
+            self.capturing.store(false, Ordering::Relaxed);
+        }
+        r
     }
 
     /// Ends the recording: the graph of what was queued since [`Queue::begin_capture`].
     pub fn end_capture(&self) -> Result<Option<CudaGraph>, DriverError> {
-        self.stream.end_capture(CUgraphInstantiate_flags(0))
+        let r = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.capturing.store(false, Ordering::Relaxed);
+        r
     }
 
     /// Queues a recorded graph.
     pub fn launch_graph(&self, graph: &CudaGraph) -> Result<(), BackendError> {
         self.issue();
-        graph.launch().map_err(|e| self.error("cuGraphLaunch", e))
+        self.timed("graph replay", || graph.launch())
+            .map_err(|e| self.error("cuGraphLaunch", e))
     }
 
     /// An event after everything queued so far, whose `synchronize` blocks the calling
@@ -359,6 +389,14 @@ impl Queue {
     }
 }
 
+impl Drop for Queue {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            tracing::info!("{}", p.report());
+        }
+    }
+}
+
 /// A launch configuration of `grid` blocks of `threads` threads.
 pub(super) fn blocks(grid: (u32, u32), threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -405,10 +443,12 @@ impl<'a> Launch<'a> {
     /// live device allocation large enough for what the kernel reads and writes with `cfg`.
     pub unsafe fn run(mut self, cfg: LaunchConfig) -> Result<(), BackendError> {
         self.queue.issue();
+        let (queue, op, args) = (self.queue, self.op, &mut self.args);
         // SAFETY: the caller vouches for the arguments and the grid.
-        unsafe { self.args.launch(cfg) }
+        queue
+            .timed(op, || unsafe { args.launch(cfg) })
             .map(|_| ())
-            .map_err(|e| self.queue.error(self.op, e))
+            .map_err(|e| queue.error(op, e))
     }
 }
 

@@ -298,7 +298,12 @@ impl CudaBackend {
             MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
         };
         let kernel = &self.kernels.matmul[dtype_code(w.dtype) as usize][variant];
-        let mut b = self.queue.kernel(kernel, "matmul kernel");
+        let op = if variant == 0 {
+            "matmul kernel, 1 row"
+        } else {
+            "matmul kernel, 8 rows"
+        };
+        let mut b = self.queue.kernel(kernel, op);
         b.arg(&x0);
         if let Some(xs) = &x1 {
             b.arg(xs);

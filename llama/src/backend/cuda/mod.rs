@@ -20,6 +20,7 @@ mod elementwise;
 mod graph;
 mod matmul;
 mod paths;
+mod profile;
 mod scratch;
 mod weights;
 
@@ -35,6 +36,7 @@ use crate::backend::{
 pub use compile::kernel_cache_dir;
 pub use matmul::CUBLAS_MIN_ROWS;
 pub use paths::{CudaPaths, PATHS_ENV};
+pub use profile::PROFILE_ENV;
 pub use weights::{CudaBlobGuard, CudaWeights, DeviceBlob, DeviceWeights};
 
 use device::{Kernels, Queue};
