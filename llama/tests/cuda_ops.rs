@@ -423,21 +423,36 @@ fn fused_launches_match_reference() {
                 "matmul_add_batch {dtype:?} rows={rows}: {d}"
             );
 
-            // Row by row alone, the same bits.
+            // Row by row alone: the same bits through the eight-row kernel; within f32
+            // summation order through the tensor-core kernels (`mma` path, issue 23).
             let all = down(&be, &o1, rows * m1);
             for r in 0..rows {
                 let xr = up(&be, &x[r * k..(r + 1) * k]);
                 let mut o = alloc(&be, m1);
                 matmul(&be, &xr, 1, v1, &mut o);
-                assert_eq!(
-                    down(&be, &o, m1),
-                    all[r * m1..(r + 1) * m1],
-                    "{dtype:?}: row {r} of {rows} differs from the row alone"
-                );
+                let alone = down(&be, &o, m1);
+                if be.paths().mma && rows > 1 {
+                    let d = max_rel_diff(&all[r * m1..(r + 1) * m1], &alone);
+                    assert!(d < 1e-5, "{dtype:?}: row {r} of {rows}: {d} from alone");
+                } else {
+                    assert_eq!(
+                        alone,
+                        all[r * m1..(r + 1) * m1],
+                        "{dtype:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
             }
         }
     }
-    println!("matmul: every row of 5- and 9-row launches equals the row alone, bit for bit");
+    println!(
+        "matmul (paths {}): every row of 5- and 9-row launches equals the row alone{}",
+        be.paths(),
+        if be.paths().mma {
+            " within 1e-5"
+        } else {
+            ", bit for bit"
+        }
+    );
 
     let shape = AttentionShape {
         n_heads: 8,

@@ -180,13 +180,15 @@ impl CudaBackend {
     /// Whether `rows` rows (fewer than a prompt's) times `w` go to the tensor-core kernels of
     /// `matmul_mma.cu`: when that path is on, for two rows or more (one row is the decode
     /// step of a single sequence, which the one-row kernel reads at full bandwidth), on a
-    /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks.
+    /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks
+    /// and a 16-byte aligned weight (tensors start 4096-aligned; the f16 path loads 16 bytes).
     fn mma_applies(&self, rows: usize, w: &WeightView<'_>) -> bool {
         self.paths.mma
             && self.tensor_cores
             && rows >= 2
             && w.cols.is_multiple_of(32)
             && self.kernels.matmul_mma[dtype_code(w.dtype) as usize].is_some()
+            && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))
     }
 
     /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
@@ -432,5 +434,27 @@ impl CudaBackend {
         unsafe { self.queue.gemm(args) }?;
         drop(x16);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_column_split_fills_the_gpu_without_thin_slices() {
+        let sms = 132;
+        // 4096 rows (32 tiles of 128) x 4096 columns (128 chunks): 9 slices of ~14 chunks.
+        assert_eq!(mma_split(32, 128, sms), 9);
+        // Q/K/V of a 7B model together (96 tiles): 3 slices.
+        assert_eq!(mma_split(96, 128, sms), 3);
+        // The down projection (4096 x 11008): at most 16 slices.
+        assert_eq!(mma_split(32, 344, sms), 9);
+        // A small model (9 tiles, 18 chunks): no slice thinner than 8 chunks.
+        assert_eq!(mma_split(9, 18, sms), 2);
+        // Enough tiles already, or too few chunks: one slice.
+        assert_eq!(mma_split(400, 128, sms), 1);
+        assert_eq!(mma_split(1, 3, sms), 1);
+        assert_eq!(mma_split(1, 4096, sms), 16);
     }
 }
