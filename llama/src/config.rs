@@ -25,11 +25,31 @@ pub struct LlamaConfig {
     pub rope_inv_freq: Vec<f32>,
 }
 
+/// The format describes more families (and RoPE scalings) than the forward pass runs yet; such
+/// a model must fail here, by name, before anything is loaded, rather than run through another
+/// family's layer. The families are those with a file in `model/arch` (adding one lifts this).
+fn refuse_unimplemented(c: &ModelConfig) -> Result<(), LlamaError> {
+    crate::model::arch::Family::named(&c.architecture)?;
+    if let Some(s) = &c.rope_scaling
+        && !matches!(s.rope_type.as_str(), "linear" | "llama3")
+    {
+        return Err(LlamaError::Config {
+            setting: "rope_scaling",
+            message: format!(
+                "rope_type {:?} is not implemented by this build's forward pass (linear, llama3)",
+                s.rope_type
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl LlamaConfig {
     /// Checks the config (the same rules `weights_format::Model::open` applies, so a config
     /// built by hand gets them too) and precomputes the RoPE frequencies.
     pub fn from_model_config(c: &ModelConfig) -> Result<LlamaConfig, LlamaError> {
         c.validate()?;
+        refuse_unimplemented(c)?;
         let head_dim = c.head_dim as usize;
         Ok(LlamaConfig {
             n_layers: c.n_layers as usize,
@@ -89,4 +109,70 @@ pub fn rope_inv_freq(head_dim: usize, theta: f32, scaling: Option<&RopeScaling>)
         }
     }
     inv
+}
+
+/// The context a model opens with: `requested` positions, the model's whole context when 0,
+/// and at most the model's context: more is clamped to it with a warning (a default `-c 4096`
+/// must not stop a model trained on 2048 positions).
+pub fn clamp_context(requested: usize, config: &ModelConfig) -> usize {
+    let model = config.context_length as usize;
+    if requested == 0 {
+        model
+    } else if requested > model {
+        tracing::warn!(
+            "--ctx-size {requested} is larger than the model's context length {model}; using {model}"
+        );
+        model
+    } else {
+        requested
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(architecture: &str) -> ModelConfig {
+        ModelConfig {
+            architecture: architecture.into(),
+            n_layers: 1,
+            hidden_size: 32,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 16,
+            ffn_dim: 64,
+            vocab_size: 16,
+            context_length: 64,
+            ..ModelConfig::default()
+        }
+    }
+
+    /// A family the format knows but the pass does not run yet fails by name, never runs
+    /// through the llama layer.
+    #[test]
+    fn families_without_a_forward_pass_are_refused_by_name() {
+        LlamaConfig::from_model_config(&tiny("llama")).unwrap();
+        let qwen3 = ModelConfig {
+            qk_norm: true,
+            ..tiny("qwen3")
+        };
+        let err = LlamaConfig::from_model_config(&qwen3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"qwen3\" has no forward pass (known: llama)"),
+            "{err}"
+        );
+        let llama31 = ModelConfig {
+            rope_scaling: Some(weights_format::RopeScaling {
+                freq_factors: Some(vec![1.0; 8]),
+                ..weights_format::RopeScaling::new("freq_factors", 1.0)
+            }),
+            ..tiny("llama")
+        };
+        let err = LlamaConfig::from_model_config(&llama31)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("freq_factors"), "{err}");
+    }
 }

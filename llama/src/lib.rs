@@ -32,8 +32,8 @@ pub use backend::{
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};
 pub use batch::{BatchConfig, Batcher, Finished, SeqEnd, SeqId, generate_batch};
-pub use chat::{ChatTemplate, Message};
-pub use config::{LlamaConfig, rope_inv_freq};
+pub use chat::{ChatTemplate, ChatValue, Message};
+pub use config::{LlamaConfig, clamp_context, rope_inv_freq};
 pub use error::LlamaError;
 pub use generate::{
     FinishReason, GenerateOptions, Generation, Logprobs, Penalties, SeqStep, Session, Step,

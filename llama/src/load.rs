@@ -319,6 +319,8 @@ impl ModelFiles {
     fn open(dir: &Path) -> Result<ModelFiles, LlamaError> {
         let model = Model::open(dir)?;
         let metadata = model.metadata().clone();
+        // A family the pass does not run fails here, before any weight is read.
+        crate::LlamaConfig::from_model_config(&metadata.config)?;
         let tokenizer = Tokenizer::from_file(model.dir().join(&metadata.tokenizer))?;
         let chat_template = match &metadata.chat_template {
             Some(t) => Some(ChatTemplate::from_file(model.dir().join(&t.file))?),
@@ -338,13 +340,9 @@ impl ModelFiles {
         })
     }
 
-    /// `context`, or the model's context length when 0.
+    /// `context`, or the model's context length when 0 or larger (see [`crate::clamp_context`]).
     fn context(&self, context: usize) -> usize {
-        if context == 0 {
-            self.metadata.config.context_length as usize
-        } else {
-            context
-        }
+        crate::clamp_context(context, &self.metadata.config)
     }
 
     fn finish<B: Backend, W: WeightSource>(

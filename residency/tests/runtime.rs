@@ -9,12 +9,11 @@ use residency::{
     Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource, Placement, Policy,
     Residency, ResidencyError, ResidencyOptions, SystemClock,
 };
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{DType, Model, ModelConfig, ModelWriter};
 
 fn config(n_layers: u32, tied: bool) -> ModelConfig {
     ModelConfig {
-        architecture: "llama".into(),
         n_layers,
         hidden_size: 64,
         n_heads: 4,
@@ -30,6 +29,7 @@ fn config(n_layers: u32, tied: bool) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         add_bos_token: false,
+        ..ModelConfig::default()
     }
 }
 
@@ -53,7 +53,7 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dtype = if spec.role == TensorRole::Norm {
+            let dtype = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 DType::F16

@@ -35,7 +35,8 @@ pub struct Args {
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
-    /// Context size in tokens (KV cache positions); 0: the model's full context length.
+    /// Context size in tokens (KV cache positions); 0: the model's full context length; larger
+    /// than the model's context: clamped to it, with a warning.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
     /// Sampling temperature; 0 is greedy (always the most likely token).

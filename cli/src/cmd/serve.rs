@@ -66,7 +66,8 @@ pub struct Args {
     /// request that would not fit even alone gets a 400).
     #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
     pub kv_budget: KvBudget,
-    /// Context size in tokens per sequence (prompt + reply); 0: the model's full context.
+    /// Context size in tokens per sequence (prompt + reply); 0, or more than the model's
+    /// context: the model's full context (with a warning when more).
     /// Longer prompts get a 400 that gives both numbers.
     #[arg(
         short = 'c',
@@ -130,17 +131,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("{}: invalid model", dir.display()))?
         .config()
         .clone();
-    let context = if args.ctx_size == 0 {
-        model_config.context_length as usize
-    } else {
-        args.ctx_size
-    };
-    if context > model_config.context_length as usize {
-        bail!(
-            "--ctx-size {context} is larger than the model's context length {}",
-            model_config.context_length
-        );
-    }
+    let context = llama::clamp_context(args.ctx_size, &model_config);
     let (device, io) = args.device.resolve()?;
     let max_batch = args.max_batch as usize;
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
