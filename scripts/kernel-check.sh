@@ -13,7 +13,8 @@
 #            7B-shaped q4_1 model): `gdsllm bench` pp512/tg128 and `--batch 1,8,32`, everything
 #            resident, old paths then new.
 #   profile  GDSLLM_CUDA_PROFILE=1 on the first model with the new paths: GPU time per op of a
-#            pp512 + tg32 run and of batch-32 decoding (from the log on stderr).
+#            pp512 + tg32 run and of batch-32 decoding; and of a SmolLM2-shaped model decoding
+#            op by op (GDSLLM_CUDA_GRAPH=0) (from the log on stderr).
 #
 # Usage: scripts/kernel-check.sh [WORK_DIR]
 # Environment (all optional):
@@ -143,6 +144,14 @@ if has profile; then
   GDSLLM_CUDA_PROFILE=1 GDSLLM_CUDA_PATHS=all "$BIN" bench --device cuda -m "$m" --batch 32 -p 16 -n 16 -r 1 --json \
     >"$WORK_DIR/profile-batch.json" 2>"$WORK_DIR/profile-batch.log" || status=1
   sed -n '/GPU time per op/,$p' "$WORK_DIR/profile-batch.log" | head -n 30 >&2
+  # Decoding one sequence op by op (no CUDA graph), on a SmolLM2-shaped model: where the fixed
+  # cost per token of a small model goes.
+  small="$WORK_DIR/smollm2-q4_1"
+  [ -f "$small/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$small" >&2 || status=1
+  step "GPU time per op, SmolLM2-shaped q4_1 decode without the CUDA graph"
+  GDSLLM_CUDA_PROFILE=1 GDSLLM_CUDA_GRAPH=0 "$BIN" bench --device cuda -m "$small" -p 16 -n 64 -r 1 --json \
+    >"$WORK_DIR/profile-small.json" 2>"$WORK_DIR/profile-small.log" || status=1
+  sed -n '/GPU time per op/,$p' "$WORK_DIR/profile-small.log" | head -n 30 >&2
 fi
 
 echo

@@ -129,10 +129,12 @@ fn layer_matmuls(be: &CudaBackend, l: &Layer, a: &mut Acts, rows: usize) {
     } = a;
     be.matmul_batch(x, &groups, &[l.w(0), l.w(1), l.w(2)], &mut [q, k, v])
         .unwrap();
-    be.matmul_add_batch(x, &groups, l.w(3), scratch, res).unwrap();
+    be.matmul_add_batch(x, &groups, l.w(3), scratch, res)
+        .unwrap();
     be.matmul_batch(x, &groups, &[l.w(4), l.w(5)], &mut [gate, up])
         .unwrap();
-    be.matmul_add_batch(h, &groups, l.w(6), scratch, res).unwrap();
+    be.matmul_add_batch(h, &groups, l.w(6), scratch, res)
+        .unwrap();
 }
 
 fn main() -> Result<(), Error> {
@@ -150,7 +152,13 @@ fn main() -> Result<(), Error> {
         rows_list = vec![1, 8, 32];
         &[DType::Q4_1, DType::F16]
     } else {
-        &[DType::F16, DType::Bf16, DType::Q8_0, DType::Q4_0, DType::Q4_1]
+        &[
+            DType::F16,
+            DType::Bf16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ]
     };
 
     println!("\n## One 7B layer's matmuls (Q/K/V, O + residual, gate/up, down), per call");
@@ -174,7 +182,10 @@ fn main() -> Result<(), Error> {
                 layer_matmuls(&new, &l_new, &mut a_new, rows)
             });
             let gbps = |t: f64| l_new.bytes as f64 / t / 1e9;
-            let flops: f64 = SHAPES.iter().map(|(m, k)| 2.0 * (m * k * rows) as f64).sum();
+            let flops: f64 = SHAPES
+                .iter()
+                .map(|(m, k)| 2.0 * (m * k * rows) as f64)
+                .sum();
             println!(
                 "| {dtype:?} | {rows} | {:.1} | {:.0} | {:.1} | {:.0} | {:.2}x | {:.0}% | {:.1} |",
                 t_old * 1e6,

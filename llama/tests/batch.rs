@@ -215,6 +215,7 @@ fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
 }
 
 /// The top logit's index and its margin over the second.
+#[cfg(feature = "cuda")]
 fn top2(logits: &[f32]) -> (u32, f32) {
     let best = argmax(logits);
     let second = logits
@@ -317,7 +318,11 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false), (DType::Q8_0, true)] {
+    for (dtype, tied) in [
+        (DType::Q4_1, true),
+        (DType::F16, false),
+        (DType::Q8_0, true),
+    ] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
         let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();

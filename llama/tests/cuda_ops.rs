@@ -673,7 +673,10 @@ fn mma_matmul_matches_reference_and_the_row_alone() {
         println!(
             "mma matmul {dtype:?}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
         );
-        assert!(d < MATMUL_TOL && d_add < MATMUL_TOL, "{dtype:?}: {d} {d_add}");
+        assert!(
+            d < MATMUL_TOL && d_add < MATMUL_TOL,
+            "{dtype:?}: {d} {d_add}"
+        );
     }
 }
 
@@ -697,7 +700,13 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
     };
     let (q_w, kv_w) = (8 * 64, 2 * 64);
     // (rows, pos0, capacity): a few prompts, then one-row sequences at many positions.
-    let mut specs = vec![(1, 0, 8), (3, 5, 16), (1, 200, 260), (1, 129, 140), (5, 0, 8)];
+    let mut specs = vec![
+        (1, 0, 8),
+        (3, 5, 16),
+        (1, 200, 260),
+        (1, 129, 140),
+        (5, 0, 8),
+    ];
     for i in 0..70 {
         let pos = (i * 37) % 300;
         specs.push((1, pos, pos + 1 + i % 3));
@@ -711,12 +720,7 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
     );
     let caches: Vec<(Vec<f32>, Vec<f32>)> = specs
         .iter()
-        .map(|s| {
-            (
-                random(&mut rng, s.2 * kv_w),
-                random(&mut rng, s.2 * kv_w),
-            )
-        })
+        .map(|s| (random(&mut rng, s.2 * kv_w), random(&mut rng, s.2 * kv_w)))
         .collect();
     let run = |be: &CudaBackend| {
         let (mut qd, mut kd, vd) = (up(be, &q), up(be, &k), up(be, &v));
@@ -834,7 +838,10 @@ fn flash_attention_matches_reference() {
         println!(
             "flash attention {n_heads}/{n_kv_heads} heads hd={head_dim} rows={rows} pos0={pos0}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_old:.2e} vs the f32 kernel"
         );
-        assert!(d < MATMUL_TOL, "flash attention rows={rows} pos0={pos0}: {d}");
+        assert!(
+            d < MATMUL_TOL,
+            "flash attention rows={rows} pos0={pos0}: {d}"
+        );
     }
 }
 

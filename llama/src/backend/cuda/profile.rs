@@ -42,7 +42,12 @@ impl Profile {
     }
 
     /// Times `queue_it` (which queues `op` on `stream`).
-    pub fn time<R>(&self, stream: &CudaStream, op: &'static str, queue_it: impl FnOnce() -> R) -> R {
+    pub fn time<R>(
+        &self,
+        stream: &CudaStream,
+        op: &'static str,
+        queue_it: impl FnOnce() -> R,
+    ) -> R {
         let start = Profile::timing_event(stream);
         let r = queue_it();
         if let (Some(start), Some(end)) = (start, Profile::timing_event(stream)) {
