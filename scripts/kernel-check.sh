@@ -40,32 +40,18 @@ WORK_DIR=$(cd "$WORK_DIR" && pwd)
 export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-
-run_test_bin() { # label binary filter [env...]
-  local label=$1 bin=$2 filter=$3; shift 3
-  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
-  env "$@" "$bin" $filter --test-threads=1 --nocapture >"$WORK_DIR/$label.log" 2>&1
-  local rc=$?
-  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
-  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
-  note "$label: $line"
-  grep -A6 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
-}
+SCRIPTS=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
 
 if has tests; then
   step "CUDA op tests (old and new paths)"
-  run_test_bin cuda_ops "${CUDA_TEST_BIN:-$(newest cuda_ops)}" "" GDSLLM_GPU_TESTS=1 GDSLLM_CUDA_PATHS=none
+  run_test_bin cuda_ops "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 GDSLLM_CUDA_PATHS=none >/dev/null
   grep -E "^(mma matmul|flash attention|[0-9]+ sequences|matmul |attention rows|smollm2|small f16)" \
     "$WORK_DIR/cuda_ops.log" | sed 's/^/  /' >&2
   # Every op and model test again with the new paths as the backend's default.
   step "CUDA op and model tests with GDSLLM_CUDA_PATHS=all"
-  run_test_bin cuda_ops_all "${CUDA_TEST_BIN:-$(newest cuda_ops)}" "" GDSLLM_GPU_TESTS=1 GDSLLM_CUDA_PATHS=all
+  run_test_bin cuda_ops_all "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 GDSLLM_CUDA_PATHS=all >/dev/null
   grep -E "^(smollm2|small f16|matmul \(paths)" "$WORK_DIR/cuda_ops_all.log" | grep -E "prefill|agreed|equal|paths" \
     | while read -r l; do note "  all paths: $l"; done
   # The worst errors of the new paths, for the table.
@@ -75,7 +61,7 @@ if has tests; then
   done
   grep -E "^[0-9]+ sequences|bits in batches" "$WORK_DIR/cuda_ops.log" | while read -r l; do note "  $l"; done
   step "CUDA batch test: batched decoding against each sequence alone"
-  run_test_bin batch_cuda "${BATCH_TEST_BIN:-$(newest batch)}" cuda GDSLLM_GPU_TESTS=1
+  TEST_FILTER=cuda run_test_bin batch_cuda "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
   grep -E "^cuda " "$WORK_DIR/batch_cuda.log" | while read -r l; do note "  $l"; done
 fi
 
@@ -96,7 +82,7 @@ bench_paths() {
     tail -n 5 "$out.log" >&2; note "$name ($paths): bench FAILED"; status=1; return 1
   fi
 }
-jf() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1" 2>/dev/null || echo "nan"; }
+jf() { jq_py "$@" 2>/dev/null || echo "nan"; }
 
 if has models || has profile; then
   if [ -z "${MODELS:-}" ]; then

@@ -118,6 +118,16 @@ fn run_batched<B: Backend, W: WeightSource>(
     config: BatchConfig,
     reqs: &[Req],
 ) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
+    run_batched_seeing_logits(model, config, reqs, |_, _| {})
+}
+
+/// [`run_batched`], showing `seen` each request's logits (request index, logits) as sampled.
+fn run_batched_seeing_logits<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
+    config: BatchConfig,
+    reqs: &[Req],
+    mut seen: impl FnMut(usize, &[f32]),
+) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
     let mut batcher = Batcher::new(model, config).unwrap();
     let mut ids: HashMap<SeqId, usize> = HashMap::new();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
@@ -133,6 +143,7 @@ fn run_batched<B: Backend, W: WeightSource>(
         let finished = batcher
             .step(model, |id, logits| {
                 let t = argmax(logits);
+                seen(ids[&id], logits);
                 tokens[ids[&id]].push(t);
                 Some(t)
             })
@@ -245,36 +256,21 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
         prefill_chunk: 8,
         ..BatchConfig::for_model(model, 4)
     };
-    let mut batcher = Batcher::new(model, config).unwrap();
-    let mut ids: HashMap<SeqId, usize> = HashMap::new();
-    let mut steps: Vec<Vec<(Vec<f32>, u32)>> = vec![Vec::new(); reqs.len()];
-    let mut done = 0;
-    let mut step = 0;
-    while done < reqs.len() {
-        for (i, r) in reqs.iter().enumerate() {
-            if r.at == step {
-                ids.insert(batcher.submit(r.prompt.clone(), r.max_new).unwrap(), i);
-            }
-        }
-        done += batcher
-            .step(model, |id, logits| {
-                let t = argmax(logits);
-                steps[ids[&id]].push((logits.to_vec(), t));
-                Some(t)
-            })
-            .unwrap()
-            .len();
-        step += 1;
-        assert!(step < 10_000, "the batch never finished");
-    }
+    let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
+    let (batched, most) =
+        run_batched_seeing_logits(model, config, &reqs, |i, l| logits[i].push(l.to_vec()));
+    assert!(most >= 3, "{label}: the sequences did not overlap");
     let (mut worst, mut compared, mut decided) = (0f32, 0, 0);
     for (i, r) in reqs.iter().enumerate() {
         model.truncate(0);
         let mut solo = model.forward(&r.prompt).unwrap().to_vec();
-        for (s, (batched, token)) in steps[i].iter().enumerate() {
+        let (tokens, end) = &batched[i];
+        assert_eq!(*end, SeqEnd::Length, "{label}: sequence {i}");
+        assert_eq!(logits[i].len(), tokens.len(), "{label}: sequence {i}");
+        for (s, (step_logits, token)) in logits[i].iter().zip(tokens).enumerate() {
             let err = solo
                 .iter()
-                .zip(batched)
+                .zip(step_logits)
                 .map(|(a, b)| ((a - b) as f64).powi(2))
                 .sum::<f64>()
                 .sqrt()

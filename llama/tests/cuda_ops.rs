@@ -30,14 +30,15 @@ fn gpu() -> Option<CudaBackend> {
     }
 }
 
-/// The backend on device 0 with the given new kernel paths (issue 23), `None` unless
-/// `GDSLLM_GPU_TESTS=1`.
-fn gpu_with(paths: CudaPaths) -> Option<CudaBackend> {
+/// Two backends on device 0, one with the given new kernel paths (issue 23) and one with
+/// none, `None` unless `GDSLLM_GPU_TESTS=1`.
+fn gpu_new_and_old(paths: CudaPaths) -> Option<(CudaBackend, CudaBackend)> {
     gpu()?;
-    match CudaBackend::with_paths(0, paths) {
-        Ok(be) => Some(be),
+    let open = |paths| match CudaBackend::with_paths(0, paths) {
+        Ok(be) => be,
         Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
-    }
+    };
+    Some((open(paths), open(CudaPaths::default())))
 }
 
 fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {
@@ -573,11 +574,10 @@ fn decode_rows(rows: usize) -> Vec<RowGroup> {
 /// the same integers), and a row's bits the same whatever the batch size.
 #[test]
 fn mma_matmul_matches_reference_and_the_row_alone() {
-    let mma = CudaPaths {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
         mma: true,
         ..CudaPaths::default()
-    };
-    let (Some(be), Some(old)) = (gpu_with(mma), gpu_with(CudaPaths::default())) else {
+    }) else {
         return;
     };
     let mut rng = StdRng::seed_from_u64(41);
@@ -685,11 +685,10 @@ fn mma_matmul_matches_reference_and_the_row_alone() {
 /// rows and positions, prompts among them.
 #[test]
 fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
-    let seqs_path = CudaPaths {
+    let Some((new, old)) = gpu_new_and_old(CudaPaths {
         seqs: true,
         ..CudaPaths::default()
-    };
-    let (Some(new), Some(old)) = (gpu_with(seqs_path), gpu_with(CudaPaths::default())) else {
+    }) else {
         return;
     };
     let mut rng = StdRng::seed_from_u64(42);
@@ -788,11 +787,10 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
 /// GQA and not, head_dim 64 and 128, prompts across blocks of 64 rows, after a cached prefix.
 #[test]
 fn flash_attention_matches_reference() {
-    let flash = CudaPaths {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
         flash: true,
         ..CudaPaths::default()
-    };
-    let (Some(be), Some(old)) = (gpu_with(flash), gpu_with(CudaPaths::default())) else {
+    }) else {
         return;
     };
     let mut rng = StdRng::seed_from_u64(43);

@@ -36,6 +36,24 @@ struct MatmulJobs {
 // pointers the host dereferences, every bit pattern valid).
 unsafe impl cudarc::driver::DeviceRepr for MatmulJobs {}
 
+impl MatmulJobs {
+    /// The parameter of a launch over `jobs` (at most [`MM_MAX_JOBS`] weights and their
+    /// outputs' device addresses).
+    fn of(jobs: &[(&WeightView<'_>, u64)], accumulate: bool) -> Result<MatmulJobs, BackendError> {
+        let mut params = MatmulJobs {
+            n_jobs: jobs.len() as i32,
+            accumulate: accumulate as i32,
+            ..MatmulJobs::default()
+        };
+        for (i, (w, op)) in jobs.iter().enumerate() {
+            params.w[i] = device_ptr(w)?.addr();
+            params.out[i] = *op;
+            params.m[i] = w.rows as i32;
+        }
+        Ok(params)
+    }
+}
+
 /// What a matmul kernel reads as x: f32 rows, or (quantized weights) `quantize_x16`'s
 /// integers and block records, by device address.
 #[derive(Clone, Copy)]
@@ -203,19 +221,9 @@ impl CudaBackend {
         jobs: &[(&WeightView<'_>, u64)],
         accumulate: bool,
     ) -> Result<(), BackendError> {
-        let mut params = MatmulJobs {
-            n_jobs: jobs.len() as i32,
-            accumulate: accumulate as i32,
-            ..MatmulJobs::default()
-        };
-        let (mut blocks_x, mut m_total) = (0usize, 0usize);
-        for (i, (w, op)) in jobs.iter().enumerate() {
-            params.w[i] = device_ptr(w)?.addr();
-            params.out[i] = *op;
-            params.m[i] = w.rows as i32;
-            blocks_x += w.rows.div_ceil(MMA_BROWS);
-            m_total += w.rows;
-        }
+        let params = MatmulJobs::of(jobs, accumulate)?;
+        let blocks_x: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(MMA_BROWS)).sum();
+        let m_total: usize = jobs.iter().map(|(w, _)| w.rows).sum();
         let w = jobs[0].0;
         let n_chunks = w.cols / 32;
         let split = mma_split(blocks_x, n_chunks, self.sms as usize);
@@ -278,18 +286,11 @@ impl CudaBackend {
         jobs: &[(&WeightView<'_>, u64)],
         accumulate: bool,
     ) -> Result<(), BackendError> {
-        let mut params = MatmulJobs {
-            n_jobs: jobs.len() as i32,
-            accumulate: accumulate as i32,
-            ..MatmulJobs::default()
-        };
-        let mut n_blocks = 0;
-        for (i, (w, op)) in jobs.iter().enumerate() {
-            params.w[i] = device_ptr(w)?.addr();
-            params.out[i] = *op;
-            params.m[i] = w.rows as i32;
-            n_blocks += (w.rows as u32).div_ceil(MM_WROWS);
-        }
+        let params = MatmulJobs::of(jobs, accumulate)?;
+        let n_blocks: u32 = jobs
+            .iter()
+            .map(|(w, _)| (w.rows as u32).div_ceil(MM_WROWS))
+            .sum();
         let w = jobs[0].0;
         let (rows_i, k) = (rows as i32, w.cols as i32);
         // One input row per block when there is one: the kernel then keeps no accumulators
