@@ -62,20 +62,28 @@ const SHAPES: [(usize, usize); 7] = [
 ];
 
 impl Layer {
-    fn new(be: &CudaBackend, rng: &mut StdRng, dtype: DType) -> Result<Layer, Error> {
+    /// The same random layer on two backends (quantized once: the weights are most of this
+    /// program's host time).
+    fn pair(
+        bes: [&CudaBackend; 2],
+        rng: &mut StdRng,
+        dtype: DType,
+    ) -> Result<(Layer, Layer), Error> {
         let mut blobs = Vec::new();
-        let mut bytes = 0;
         for (m, k) in SHAPES {
             let mut b = Vec::new();
             weights_format::quant::quantize(dtype, &random(rng, m * k), &mut b)?;
-            bytes += b.len();
             blobs.push(b);
         }
-        Ok(Layer {
-            blobs: be.upload_weights(blobs)?,
-            dtype,
-            bytes,
-        })
+        let bytes = blobs.iter().map(Vec::len).sum();
+        let on = |be: &CudaBackend, blobs| -> Result<Layer, Error> {
+            Ok(Layer {
+                blobs: be.upload_weights(blobs)?,
+                dtype,
+                bytes,
+            })
+        };
+        Ok((on(bes[0], blobs.clone())?, on(bes[1], blobs)?))
     }
 
     fn w(&self, i: usize) -> WeightView<'_> {
@@ -167,8 +175,7 @@ fn main() -> Result<(), Error> {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for &dtype in dtypes {
-        let l_old = Layer::new(&old, &mut rng, dtype)?;
-        let l_new = Layer::new(&new, &mut rng, dtype)?;
+        let (l_old, l_new) = Layer::pair([&old, &new], &mut rng, dtype)?;
         for &rows in &rows_list {
             let mut a_old = Acts::new(&old, &mut rng, rows)?;
             let mut a_new = Acts::new(&new, &mut rng, rows)?;
