@@ -3,7 +3,7 @@
 //! the 16-bit integers of [`super::scratch::X16`]), cuBLAS for prompts.
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use weights_format::DType;
 
 use crate::backend::{BackendError, RowGroup, WeightView};
@@ -205,8 +205,17 @@ impl CudaBackend {
             && self.tensor_cores
             && rows >= 2
             && w.cols.is_multiple_of(32)
-            && self.kernels.matmul_mma[dtype_code(w.dtype) as usize].is_some()
+            && self.mma_kernels(w.dtype).is_some()
             && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))
+    }
+
+    /// The tensor-core kernels of `dtype`, if `matmul_mma.cu` has them (a dtype without them,
+    /// whatever its code, keeps the one-row kernels).
+    fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction; 4]> {
+        self.kernels
+            .matmul_mma
+            .get(dtype_code(dtype) as usize)
+            .and_then(Option::as_ref)
     }
 
     /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
@@ -244,12 +253,10 @@ impl CudaBackend {
             3 | 4 => 2,
             _ => 3,
         };
-        let kernels = self.kernels.matmul_mma[dtype_code(w.dtype) as usize]
-            .as_ref()
-            .ok_or(BackendError::Unsupported {
-                op: "matmul_mma",
-                message: format!("no tensor-core matmul for {:?}", w.dtype),
-            })?;
+        let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
+            op: "matmul_mma",
+            message: format!("no tensor-core matmul for {:?}", w.dtype),
+        })?;
         let (x0, xs) = match x {
             MatmulInput::F32(xp) => (xp, 0u64),
             MatmulInput::Int16 { xq, xs } => (xq, xs),
