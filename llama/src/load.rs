@@ -258,14 +258,14 @@ fn open_cuda(
     let plan = residency.plan();
     tracing::info!(
         device = backend.device_name(),
-        io = %memory.backend(),
+        io = %memory.io_path(),
         budget = plan.device_budget,
         resident_bytes = plan.resident_bytes,
         resident_layers = plan.resident_layers,
         streamed_bytes_per_pass = plan.disk_bytes_per_pass + plan.host_bytes_per_pass,
         "model on the GPU"
     );
-    let io = memory.backend().name().to_string();
+    let io = memory.io_path().name().to_string();
     let weights = CudaWeights::new(residency, memory, &backend);
     let llama = Llama::new(backend, weights, files.metadata.clone(), context, max_rows)?;
     Ok(OpenedModel::Cuda(Box::new(

@@ -1068,7 +1068,7 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
             tokens == want_tokens,
             stats.total.disk_bytes,
             stats.total.host_copy_bytes,
-            llama.weights().memory().backend()
+            llama.weights().memory().io_path()
         );
         if !streams {
             // Everything resident: every decode step after the first (op by op) is a replay,
