@@ -49,25 +49,9 @@ export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache goes to $GDSLLM_H
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
-
-run_test_bin() { # label binary [env...]
-  local label=$1 bin=$2; shift 2
-  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
-  env "$@" "$bin" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
-  local rc=${PIPESTATUS[0]}
-  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
-  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
-  note "$label: $line"
-  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
-}
 
 if has tests; then
   step "CUDA op, model and streaming tests"
