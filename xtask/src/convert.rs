@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gdsllm_convert::DEFAULT_MODEL;
-use gdsllm_convert::{ConvertOptions, Progress, PullOptions, TargetDType};
+use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
+use gdsllm_store::DEFAULT_MODEL;
+use gdsllm_store::PullOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Arguments of `cargo xtask convert`.
@@ -88,7 +89,7 @@ pub fn run_convert(args: ConvertArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_fetch(args: FetchArgs) -> anyhow::Result<()> {
-    let pulled = gdsllm_convert::pull(
+    let pulled = gdsllm_store::pull(
         &args.name,
         &PullOptions { force: args.force },
         &Bar::new(&args.name),

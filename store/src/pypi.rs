@@ -15,9 +15,10 @@ use sha2::{Digest, Sha256};
 use weights_format::Model;
 
 use crate::catalog::{DEFAULT_MODEL, KNOWN_MODELS, KnownModel, known_model};
-use crate::convert::{NoProgress, Progress, TargetDType, open_source, write_model};
-use crate::error::ConvertError;
-use crate::store::{StoreError, downloads_dir, gdsllm_home, models_dir};
+use gdsllm_convert::ConvertError;
+use gdsllm_convert::convert::{NoProgress, Progress, TargetDType, open_source, write_model};
+
+use crate::layout::{StoreError, downloads_dir, gdsllm_home, models_dir};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PullError {
@@ -144,7 +145,7 @@ pub fn pull_into(
     source
         .source
         .insert("pulled_as".into(), Value::String(known.requirement.into()));
-    crate::convert::clean_stale_staging(&dir);
+    gdsllm_convert::convert::clean_stale_staging(&dir);
     let fresh = models.join(format!(".{}.new-{}", known.name, std::process::id()));
     if fresh.exists() {
         std::fs::remove_dir_all(&fresh).map_err(io(&fresh))?;
