@@ -137,6 +137,7 @@ pub fn residency_stats(residency: &Residency) -> EngineStats {
             ("disk", s.total.disk_bytes),
             ("host", s.total.host_copy_bytes),
             ("on_demand", s.total.on_demand_bytes),
+            ("network", s.total.network_bytes),
         ],
         io_gbps: s.effective_gbps,
         residency_hits: s.total.device_hits,
