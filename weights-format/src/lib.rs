@@ -23,7 +23,7 @@ pub use files::{remove_stale_partials, stale_work_dirs};
 pub use metadata::{
     BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig, RopeScaling, TensorMeta,
 };
-pub use model::{Model, VerifyProgress, VerifyReport};
+pub use model::{Model, VerifyProgress, VerifyReport, is_plain_file_name};
 pub use writer::{BlobWriter, ModelWriter, TensorWriter};
 
 /// Every tensor offset inside a blob, and every blob file length, is a multiple of this.

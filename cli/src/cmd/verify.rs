@@ -7,7 +7,8 @@ use weights_format::{FormatError, Model, VerifyProgress};
 /// compare checksums. Exits non-zero naming every bad file.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store (see `gdsllm pull`).
+    /// The model: anything `gdsllm run -m` accepts (a name in the store, a directory, a .gguf
+    /// file, hf.co/OWNER/REPO[:QUANT], a URL).
     pub model: String,
     /// Print one JSON object on stdout: {dir, ok, blobs: [{file, bytes, ok, error}], bytes,
     /// seconds, gb_per_s}.
@@ -16,8 +17,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = gdsllm_store::resolve_model(&args.model)
-        .with_context(|| format!("finding model {:?}", args.model))?;
+    let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let bar = crate::progress::bytes_bar(model.total_bytes(), "verify");
     let mut blobs = Vec::new();
