@@ -81,20 +81,15 @@ fn run_m_a_gguf_converts_it_into_the_store_once_and_says_so() {
         return;
     };
     let home = tempfile::tempdir().unwrap();
-    let args = [
-        "run",
-        "-m",
-        gguf.to_str().unwrap(),
-        "-p",
-        "Hi",
-        "-n",
-        "2",
-        "--temp",
-        "0",
-        "-c",
-        "64",
-        "--json",
-    ];
+    let greedy = |model: &str| -> Vec<String> {
+        [
+            "run", "-m", model, "-p", "Hi", "-n", "2", "--temp", "0", "-c", "64", "--json",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = greedy(gguf.to_str().unwrap());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let first = gdsllm_in(home.path(), &args, &[]);
     let text = ok_json(&first)["text"].as_str().unwrap().to_string();
     let stderr = String::from_utf8_lossy(&first.stderr);
@@ -106,24 +101,9 @@ fn run_m_a_gguf_converts_it_into_the_store_once_and_says_so() {
     assert_eq!(ok_json(&second)["text"], text.as_str());
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(stderr.contains("on an earlier run"), "{stderr}");
-    let by_name = gdsllm_in(
-        home.path(),
-        &[
-            "run",
-            "-m",
-            "smollm2-135m-instruct:q4_1",
-            "-p",
-            "Hi",
-            "-n",
-            "2",
-            "--temp",
-            "0",
-            "-c",
-            "64",
-            "--json",
-        ],
-        &[],
-    );
+    let by_name = greedy("smollm2-135m-instruct:q4_1");
+    let by_name: Vec<&str> = by_name.iter().map(String::as_str).collect();
+    let by_name = gdsllm_in(home.path(), &by_name, &[]);
     assert_eq!(ok_json(&by_name)["text"], text.as_str());
 }
 

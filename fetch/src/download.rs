@@ -258,15 +258,7 @@ impl<'a> FileSink<'a> {
             .open(path)
             .map_err(|e| FetchError::io(path, e))?;
         file.set_len(held).map_err(|e| FetchError::io(path, e))?;
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut buf).map_err(|e| FetchError::io(path, e))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-        }
+        let hasher = hash_all(&mut file, path)?;
         Ok(FileSink {
             path: path.to_path_buf(),
             file,
@@ -353,19 +345,23 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// sha256 of a file, lowercase hex.
-pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
-    let mut file = File::open(path).map_err(|e| FetchError::io(path, e))?;
+/// A sha256 hasher fed with everything `reader` (the file at `path`) has left.
+fn hash_all(reader: &mut impl Read, path: &Path) -> Result<Sha256, FetchError> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf).map_err(|e| FetchError::io(path, e))?;
+        let n = reader.read(&mut buf).map_err(|e| FetchError::io(path, e))?;
         if n == 0 {
-            break;
+            return Ok(hasher);
         }
         hasher.update(&buf[..n]);
     }
-    Ok(hex(&hasher.finalize()))
+}
+
+/// sha256 of a file, lowercase hex.
+pub fn sha256_file(path: &Path) -> Result<String, FetchError> {
+    let mut file = File::open(path).map_err(|e| FetchError::io(path, e))?;
+    Ok(hex(&hash_all(&mut file, path)?.finalize()))
 }
 
 /// Fetches `url` whole into the existing file `file` (at `path`, for messages), writing each

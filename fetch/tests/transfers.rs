@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use gdsllm_fetch::testing::{Content, Fault, TestServer};
 use gdsllm_fetch::{
-    Client, ClientOptions, DownloadOptions, ExpectedSize, FetchError, NoProgress, download,
-    partial_path,
+    Client, ClientOptions, DownloadOptions, Downloaded, ExpectedSize, FetchError, NoProgress,
+    download, partial_path,
 };
 
 /// 3 MiB + 17 bytes of a pattern no two offsets share locally.
@@ -26,6 +26,17 @@ fn client(retries: u32) -> Client {
     })
 }
 
+/// `download` with default options and `retries` retries.
+fn fetch_default(retries: u32, url: &str, dest: &Path) -> Result<Downloaded, FetchError> {
+    download(
+        &client(retries),
+        url,
+        dest,
+        &DownloadOptions::default(),
+        &NoProgress,
+    )
+}
+
 fn served(content: &Arc<Vec<u8>>) -> (TestServer, String) {
     let server = TestServer::start();
     server.add_file_with_digest("files/model.gguf", Content::Bytes(content.clone()));
@@ -42,20 +53,18 @@ fn leftovers(dir: &Path) -> Vec<String> {
     names
 }
 
+fn assert_nothing_left(dir: &Path) {
+    let left = leftovers(dir);
+    assert!(left.is_empty(), "{left:?}");
+}
+
 #[test]
 fn a_whole_file_arrives_and_its_digest_header_is_checked() {
     let content = payload();
     let (_server, url) = served(&content);
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
-    let got = download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap();
+    let got = fetch_default(0, &url, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), *content);
     assert_eq!(got.size, content.len() as u64);
     assert_eq!(got.fetched, content.len() as u64);
@@ -75,14 +84,7 @@ fn an_interrupted_download_resumes_where_it_stopped() {
     let dest = dir.path().join("model.gguf");
     let cut = 1_300_000;
     server.inject("files/model.gguf", Fault::DropAfter(cut), 1);
-    let err = download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let err = fetch_default(0, &url, &dest).unwrap_err();
     assert!(
         matches!(err, FetchError::Truncated { .. }) && err.to_string().contains("again to resume"),
         "{err}"
@@ -92,14 +94,7 @@ fn an_interrupted_download_resumes_where_it_stopped() {
     assert!(held > 0 && held <= cut, "{held} bytes kept of {cut} sent");
 
     server.reset_counts();
-    let got = download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap();
+    let got = fetch_default(0, &url, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), *content);
     assert_eq!(got.resumed_from, held);
     assert_eq!(got.fetched, content.len() as u64 - held);
@@ -124,14 +119,7 @@ fn a_dropped_connection_is_retried_from_where_it_stopped_in_the_same_run() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
     server.inject("files/model.gguf", Fault::DropAfter(1 << 20), 2);
-    let got = download(
-        &client(3),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap();
+    let got = fetch_default(3, &url, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), *content);
     // Two drops after at most 1 MiB each, then the rest: never the whole file again.
     assert_eq!(got.fetched, content.len() as u64);
@@ -145,23 +133,9 @@ fn a_server_that_ignores_ranges_restarts_the_file_and_the_result_is_still_right(
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
     server.inject("files/model.gguf", Fault::DropAfter(1 << 20), 1);
-    download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    fetch_default(0, &url, &dest).unwrap_err();
     server.inject("files/model.gguf", Fault::IgnoreRange, u64::MAX);
-    let got = download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap();
+    let got = fetch_default(0, &url, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), *content);
     assert_eq!(got.fetched, content.len() as u64, "started over");
 
@@ -169,14 +143,7 @@ fn a_server_that_ignores_ranges_restarts_the_file_and_the_result_is_still_right(
     // says why.
     server.inject("files/model.gguf", Fault::DropAfter(1 << 20), u64::MAX);
     let dest = dir.path().join("again.gguf");
-    let err = download(
-        &client(2),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let err = fetch_default(2, &url, &dest).unwrap_err();
     assert!(
         matches!(err, FetchError::RangeIgnored { .. })
             && err.to_string().contains("ignored the Range request"),
@@ -191,23 +158,12 @@ fn a_wrong_checksum_is_an_error_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
     server.inject("files/model.gguf", Fault::WrongChecksum, 1);
-    let err = download(
-        &client(0),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let err = fetch_default(0, &url, &dest).unwrap_err();
     assert!(
         matches!(err, FetchError::Checksum { .. }) && err.to_string().contains("was removed"),
         "{err}"
     );
-    assert!(
-        leftovers(dir.path()).is_empty(),
-        "{:?}",
-        leftovers(dir.path())
-    );
+    assert_nothing_left(dir.path());
 
     // The user's sha256 wins over the server's, and is checked too.
     let options = DownloadOptions {
@@ -216,7 +172,7 @@ fn a_wrong_checksum_is_an_error_and_leaves_nothing() {
     };
     let err = download(&client(0), &url, &dest, &options, &NoProgress).unwrap_err();
     assert!(err.to_string().contains("--sha256"), "{err}");
-    assert!(leftovers(dir.path()).is_empty());
+    assert_nothing_left(dir.path());
 }
 
 #[test]
@@ -226,14 +182,7 @@ fn a_length_that_lies_is_an_error_not_a_short_file() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
     server.inject("files/model.gguf", Fault::WrongLength(100), u64::MAX);
-    let err = download(
-        &client(1),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let err = fetch_default(1, &url, &dest).unwrap_err();
     let expected = content.len() as u64 + 100;
     assert!(
         matches!(err, FetchError::Truncated { expected: e, .. } if e == expected),
@@ -306,11 +255,7 @@ fn missing_files_unreachable_hosts_and_bad_urls_say_so() {
     )
     .unwrap_err();
     assert!(matches!(err, FetchError::BadUrl { .. }), "{err}");
-    assert!(
-        leftovers(dir.path()).is_empty(),
-        "{:?}",
-        leftovers(dir.path())
-    );
+    assert_nothing_left(dir.path());
 }
 
 #[test]
@@ -328,11 +273,7 @@ fn a_full_disk_is_an_error_and_the_partial_file_is_removed() {
         matches!(err, FetchError::DiskFull { .. }) && err.to_string().contains("no space left"),
         "{err}"
     );
-    assert!(
-        leftovers(dir.path()).is_empty(),
-        "{:?}",
-        leftovers(dir.path())
-    );
+    assert_nothing_left(dir.path());
 }
 
 #[test]
@@ -342,24 +283,10 @@ fn a_busy_server_is_retried() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("model.gguf");
     server.inject("files/model.gguf", Fault::Status(503), 1);
-    download(
-        &client(1),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap();
+    fetch_default(1, &url, &dest).unwrap();
     assert_eq!(std::fs::read(&dest).unwrap(), *content);
     server.inject("files/model.gguf", Fault::Status(503), 5);
-    let err = download(
-        &client(1),
-        &url,
-        &dest,
-        &DownloadOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err();
+    let err = fetch_default(1, &url, &dest).unwrap_err();
     assert!(err.to_string().contains("HTTP 503"), "{err}");
 }
 

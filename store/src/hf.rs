@@ -17,7 +17,7 @@ use serde_json::Value;
 use gdsllm_convert::TargetDType;
 
 use crate::error::StoreError;
-use crate::index::{Record, unix_now};
+use crate::index::Record;
 use crate::layout::Store;
 use crate::names::{name_with_tag, quant_of_file_name, split_part};
 use crate::pull::{PullOptions, PullProgress, Pulled, convert_into_store, stored_from};
@@ -254,22 +254,11 @@ pub(crate) fn pull_repo(
                 Some(quant),
             )
         });
-        let record = Record {
-            source: source.clone(),
-            sha256: Some(sha256.clone()),
-            revision: Some(revision),
-            stamp: None,
-            added_unix: unix_now(),
-        };
-        let dir = convert_into_store(store, &path, &name, record, TargetDType::Keep, progress)?;
+        let record = Record::now(&source, Some(sha256), Some(revision), None);
         return Ok(Pulled {
-            name,
-            dir,
-            source,
-            gguf: Some(path),
-            sha256: Some(sha256),
-            up_to_date: false,
+            gguf: Some(path.clone()),
             fetched_bytes: fetched,
+            ..convert_into_store(store, &path, &name, record, TargetDType::Keep, progress)?
         });
     }
 
@@ -319,22 +308,10 @@ pub(crate) fn pull_repo(
         .name
         .clone()
         .unwrap_or_else(|| name_with_tag(short, tag.map(|_| dtype.name())));
-    let record = Record {
-        source: source.clone(),
-        sha256: None,
-        revision: Some(revision),
-        stamp: None,
-        added_unix: unix_now(),
-    };
-    let dir = convert_into_store(store, &snapshot, &name, record, dtype, progress)?;
+    let record = Record::now(&source, None, Some(revision), None);
     Ok(Pulled {
-        name,
-        dir,
-        source,
-        gguf: None,
-        sha256: None,
-        up_to_date: false,
         fetched_bytes: fetched,
+        ..convert_into_store(store, &snapshot, &name, record, dtype, progress)?
     })
 }
 
@@ -350,15 +327,7 @@ fn up_to_date(
     }
     Ok(stored_from(store, source)?
         .filter(|(_, _, record)| record.revision.as_deref() == Some(revision))
-        .map(|(name, dir, record)| Pulled {
-            name,
-            dir,
-            source: source.to_string(),
-            gguf: None,
-            sha256: record.sha256,
-            up_to_date: true,
-            fetched_bytes: 0,
-        }))
+        .map(|(name, dir, record)| Pulled::stored(name, dir, record)))
 }
 
 /// Feeds hf-hub's progress into ours.

@@ -8,7 +8,7 @@ use gdsllm_convert::TargetDType;
 use gdsllm_fetch::{Client, ClientOptions, DownloadOptions};
 
 use crate::error::{StoreError, io};
-use crate::index::{Record, unix_now};
+use crate::index::Record;
 use crate::layout::Store;
 use crate::names::name_for_gguf;
 use crate::pull::{PullOptions, PullProgress, Pulled, convert_into_store, stored_from};
@@ -35,15 +35,7 @@ pub(crate) fn pull_url(
         && let Some((name, dir, record)) = stored_from(store, url)?
     {
         tracing::info!("{url} is in the store as {name} already (--force pulls it again)");
-        return Ok(Pulled {
-            name,
-            dir,
-            source: url.to_string(),
-            gguf: None,
-            sha256: record.sha256,
-            up_to_date: true,
-            fetched_bytes: 0,
-        });
+        return Ok(Pulled::stored(name, dir, record));
     }
     let file_name = file_name_of(url)?;
     let downloads = store.downloads_dir();
@@ -75,13 +67,12 @@ pub(crate) fn pull_url(
         .name
         .clone()
         .unwrap_or_else(|| name_for_gguf(&file_name));
-    let record = Record {
-        source: url.to_string(),
-        sha256: Some(downloaded.sha256.clone()),
-        revision: downloaded.etag.clone(),
-        stamp: None,
-        added_unix: unix_now(),
-    };
+    let record = Record::now(
+        url,
+        Some(downloaded.sha256.clone()),
+        downloaded.etag.clone(),
+        None,
+    );
     let converted = convert_into_store(store, &dest, &name, record, TargetDType::Keep, progress);
     let kept = options.keep_download && converted.is_ok();
     if !kept {
@@ -89,15 +80,10 @@ pub(crate) fn pull_url(
         // download that is not a valid GGUF would fail the same way next time).
         std::fs::remove_file(&dest).map_err(io(&dest))?;
     }
-    let dir = converted?;
     Ok(Pulled {
-        name,
-        dir,
-        source: url.to_string(),
         gguf: kept.then_some(dest),
-        sha256: Some(downloaded.sha256),
-        up_to_date: false,
         fetched_bytes: downloaded.fetched,
+        ..converted?
     })
 }
 

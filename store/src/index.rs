@@ -57,6 +57,24 @@ pub struct Record {
     pub added_unix: u64,
 }
 
+impl Record {
+    /// The record of a model added now.
+    pub fn now(
+        source: &str,
+        sha256: Option<String>,
+        revision: Option<String>,
+        stamp: Option<FileStamp>,
+    ) -> Record {
+        Record {
+            source: source.to_string(),
+            sha256,
+            revision,
+            stamp,
+            added_unix: unix_now(),
+        }
+    }
+}
+
 /// What a local source looked like when it was converted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileStamp {

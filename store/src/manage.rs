@@ -130,8 +130,9 @@ impl Store {
             .find(|d| d.join(weights_format::METADATA_FILE).is_file()))
     }
 
-    /// Removes `name`; the model's directory goes with its last name.
-    pub fn remove(&self, name: &str) -> Result<Removed, StoreError> {
+    /// [`Store::find`], failing when the store does not have `name`; with the directory's own
+    /// name.
+    fn find_existing(&self, name: &str) -> Result<(PathBuf, String), StoreError> {
         let dir = self.find(name)?.ok_or_else(|| StoreError::NotFound {
             spec: name.to_string(),
             models_dir: self.models_dir(),
@@ -141,6 +142,12 @@ impl Store {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        Ok((dir, dir_name))
+    }
+
+    /// Removes `name`; the model's directory goes with its last name.
+    pub fn remove(&self, name: &str) -> Result<Removed, StoreError> {
+        let (dir, dir_name) = self.find_existing(name)?;
         let in_models = dir.parent() == Some(self.models_dir().as_path());
         let remaining = self.update_index(|index: &mut Index| {
             if in_models {
@@ -178,18 +185,16 @@ impl Store {
     /// Gives the model named `name` the further name `new`.
     pub fn tag(&self, name: &str, new: &str) -> Result<PathBuf, StoreError> {
         check_name(new)?;
-        let dir = self
-            .find(name)?
-            .filter(|d| d.parent() == Some(self.models_dir().as_path()))
-            .ok_or_else(|| StoreError::NotFound {
-                spec: name.to_string(),
-                models_dir: self.models_dir(),
-                available: "see `gdsllm list`".into(),
-            })?;
-        let dir_name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let (dir, dir_name) = self.find_existing(name)?;
+        if dir.parent() != Some(self.models_dir().as_path()) {
+            return Err(StoreError::NotAModel {
+                path: dir,
+                reason: format!(
+                    "{name} is a cache of a model served over HTTP; only models in the store's \
+                     models/ take names"
+                ),
+            });
+        }
         let unnamed = model_dirs(&self.models_dir())?;
         self.update_index(|index| {
             let taken = index

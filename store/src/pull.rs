@@ -11,7 +11,7 @@ use gdsllm_convert::{ConvertOptions, TargetDType};
 
 use crate::catalog::known_model;
 use crate::error::StoreError;
-use crate::index::{Index, Record, unix_now};
+use crate::index::{Index, Record};
 use crate::layout::{Store, model_dirs};
 use crate::names::{check_name, dir_for, name_for_gguf, name_with_tag};
 use crate::spec::ModelSpec;
@@ -84,6 +84,21 @@ pub struct Pulled {
     pub up_to_date: bool,
     /// Bytes that crossed the network.
     pub fetched_bytes: u64,
+}
+
+impl Pulled {
+    /// A model the store had already, from its record.
+    pub(crate) fn stored(name: String, dir: PathBuf, record: Record) -> Pulled {
+        Pulled {
+            name,
+            dir,
+            source: record.source,
+            gguf: None,
+            sha256: record.sha256,
+            up_to_date: true,
+            fetched_bytes: 0,
+        }
+    }
 }
 
 /// Pulls `spec` (see [`crate::error::ACCEPTED_FORMS`]) into `store`.
@@ -173,15 +188,7 @@ pub(crate) fn import_local(
         && let Some((name, dir, record)) = stored_from(store, &source)?
         && record.stamp == Some(stamp)
     {
-        return Ok(Pulled {
-            name,
-            dir,
-            source,
-            gguf: None,
-            sha256: None,
-            up_to_date: true,
-            fetched_bytes: 0,
-        });
+        return Ok(Pulled::stored(name, dir, record));
     }
     let default_name = match spec {
         ModelSpec::GgufFile(_) => {
@@ -197,28 +204,13 @@ pub(crate) fn import_local(
         ),
     };
     let name = options.name.clone().unwrap_or(default_name);
-    let record = Record {
-        source: source.clone(),
-        sha256: None,
-        revision: None,
-        stamp: Some(stamp),
-        added_unix: unix_now(),
-    };
-    let dir = convert_into_store(store, path, &name, record, TargetDType::Keep, progress)?;
-    Ok(Pulled {
-        name,
-        dir,
-        source,
-        gguf: None,
-        sha256: None,
-        up_to_date: false,
-        fetched_bytes: 0,
-    })
+    let record = Record::now(&source, None, None, Some(stamp));
+    convert_into_store(store, path, &name, record, TargetDType::Keep, progress)
 }
 
 /// Converts `input` into the store's model directory for `record.source` (the one it had, or a
 /// new one named after `name`), replacing it only once the new one is complete, and names it
-/// `name` in the index.
+/// `name` in the index. The result says nothing was fetched; callers that fetched say so.
 pub(crate) fn convert_into_store(
     store: &Store,
     input: &Path,
@@ -226,7 +218,7 @@ pub(crate) fn convert_into_store(
     record: Record,
     dtype: TargetDType,
     progress: &dyn PullProgress,
-) -> Result<PathBuf, StoreError> {
+) -> Result<Pulled, StoreError> {
     check_name(name)?;
     let models = store.models_dir();
     std::fs::create_dir_all(&models).map_err(crate::error::io(&models))?;
@@ -241,6 +233,15 @@ pub(crate) fn convert_into_store(
     );
     let convert_options = ConvertOptions { dtype, force: true };
     gdsllm_convert::convert(input, &out, &convert_options, progress)?;
+    let pulled = Pulled {
+        name: name.to_string(),
+        dir: out,
+        source: record.source.clone(),
+        gguf: None,
+        sha256: record.sha256.clone(),
+        up_to_date: false,
+        fetched_bytes: 0,
+    };
     store.update_index(|index| {
         // Another pull may have taken the name meanwhile.
         if let Some(other) = index.dir_of(name)
@@ -255,7 +256,7 @@ pub(crate) fn convert_into_store(
         index.models.insert(dir_name.clone(), record);
         Ok(())
     })?;
-    Ok(out)
+    Ok(pulled)
 }
 
 /// The directory under `models/` for a model from `source` named `name`: the one `source`

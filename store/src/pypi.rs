@@ -17,7 +17,7 @@ use gdsllm_convert::convert::{Progress, TargetDType, open_source, write_model};
 
 use crate::catalog::KnownModel;
 use crate::error::{StoreError, io};
-use crate::index::{Record, unix_now};
+use crate::index::Record;
 use crate::layout::Store;
 use crate::pull::Pulled;
 
@@ -55,12 +55,8 @@ pub(crate) fn pull_known(
             index
                 .models
                 .entry(known.name.to_string())
-                .or_insert(Record {
-                    source: source.clone(),
-                    sha256: Some(known.sha256.to_string()),
-                    revision: None,
-                    stamp: None,
-                    added_unix: unix_now(),
+                .or_insert_with(|| {
+                    Record::now(&source, Some(known.sha256.to_string()), None, None)
                 });
             Ok(())
         })
