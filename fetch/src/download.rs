@@ -224,7 +224,7 @@ fn write_record(path: &Path, record: &PartialRecord) -> Result<(), FetchError> {
 struct FileSink<'a> {
     path: PathBuf,
     file: File,
-    hasher: Sha256,
+    hasher: BackgroundHasher,
     written: u64,
     limit: Option<u64>,
     progress: Option<&'a dyn Progress>,
@@ -242,7 +242,7 @@ impl<'a> FileSink<'a> {
         Ok(FileSink {
             path: path.to_path_buf(),
             file,
-            hasher: Sha256::new(),
+            hasher: BackgroundHasher::start(Sha256::new()),
             written: 0,
             limit,
             progress: None,
@@ -262,7 +262,7 @@ impl<'a> FileSink<'a> {
         Ok(FileSink {
             path: path.to_path_buf(),
             file,
-            hasher,
+            hasher: BackgroundHasher::start(hasher),
             written: held,
             limit,
             progress: None,
@@ -290,7 +290,7 @@ impl<'a> FileSink<'a> {
     /// intermediate (what the store keeps is converted from it by a writer that syncs), and a
     /// kept download is checked against its sha256 again before it is used.
     fn finish(self) -> String {
-        hex(&self.hasher.finalize())
+        self.hasher.finish()
     }
 }
 
@@ -309,7 +309,7 @@ impl Sink for FileSink<'_> {
 
     fn restart(&mut self) -> std::io::Result<()> {
         self.file.set_len(0)?;
-        self.hasher = Sha256::new();
+        self.hasher.reset();
         self.written = 0;
         if let Some(progress) = self.progress {
             progress.start(0, 0);
@@ -331,6 +331,72 @@ impl Sink for FileSink<'_> {
             progress.advance(bytes.len() as u64);
         }
         Ok(())
+    }
+}
+
+/// sha256 on a thread of its own, fed with copies of what is written: hashing costs about as
+/// much as the write, and the download runs at the slower of the two instead of their sum.
+struct BackgroundHasher {
+    send: Option<std::sync::mpsc::SyncSender<HashInput>>,
+    spare: std::sync::mpsc::Receiver<Vec<u8>>,
+    thread: Option<std::thread::JoinHandle<Sha256>>,
+}
+
+enum HashInput {
+    Bytes(Vec<u8>),
+    Reset,
+}
+
+impl BackgroundHasher {
+    fn start(mut hasher: Sha256) -> BackgroundHasher {
+        let (send, receive) = std::sync::mpsc::sync_channel::<HashInput>(4);
+        let (give_back, spare) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            for input in receive {
+                match input {
+                    HashInput::Bytes(bytes) => {
+                        hasher.update(&bytes);
+                        let _ = give_back.send(bytes);
+                    }
+                    HashInput::Reset => hasher = Sha256::new(),
+                }
+            }
+            hasher
+        });
+        BackgroundHasher {
+            send: Some(send),
+            spare,
+            thread: Some(thread),
+        }
+    }
+
+    fn feed(&self, input: HashInput) {
+        if let Some(send) = &self.send {
+            // Only a panicked hasher thread hangs up; `finish` reports it.
+            let _ = send.send(input);
+        }
+    }
+
+    fn update(&self, bytes: &[u8]) {
+        let mut copy = self.spare.try_recv().unwrap_or_default();
+        copy.clear();
+        copy.extend_from_slice(bytes);
+        self.feed(HashInput::Bytes(copy));
+    }
+
+    fn reset(&self) {
+        self.feed(HashInput::Reset);
+    }
+
+    fn finish(mut self) -> String {
+        self.send.take();
+        let hasher = self
+            .thread
+            .take()
+            .expect("joined once")
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        hex(&hasher.finalize())
     }
 }
 
