@@ -512,3 +512,76 @@ fn a_served_model_directory_is_cached_and_works_offline_once_complete() {
     let removed = store.remove(&format!("{url}/")).unwrap();
     assert!(removed.deleted.is_some() && !resolved.dir.exists());
 }
+
+#[test]
+fn a_length_that_lies_or_a_hub_that_ignores_ranges_on_resume_leaves_nothing_half_written() {
+    let hub = Hub::new();
+    let bytes = tiny_gguf_bytes(7);
+    let store = hub.store();
+    let no_model_kept = |store: &Store, fault: &str| {
+        assert!(hub.models().is_empty(), "{fault}: {:?}", hub.models());
+        assert!(store.index().unwrap().models.is_empty(), "{fault}");
+    };
+
+    // By URL: the server announces 10 bytes more than it sends, which to a client is a
+    // connection that closed early (before the answer's head, for a file this small): an error
+    // naming the URL, and the store holds no model.
+    hub.server
+        .add_file_with_digest("f/Tiny-Q8_0.gguf", Content::Bytes(bytes.clone()));
+    let url = format!("{}/f/Tiny-Q8_0.gguf", hub.server.url());
+    hub.server
+        .inject("f/Tiny-Q8_0.gguf", Fault::WrongLength(10), u64::MAX);
+    let err = pull(&store, &url, &hub.options(), &Quiet).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Fetch(gdsllm_fetch::FetchError::Disconnected { .. })
+                | StoreError::Fetch(gdsllm_fetch::FetchError::Truncated { .. })
+        ) && err.to_string().contains(&url),
+        "{err}"
+    );
+    no_model_kept(&store, "wrong length by URL");
+    hub.server.clear_faults();
+    let pulled = pull(&store, &url, &hub.options(), &Quiet).unwrap();
+    assert_eq!(pulled.fetched_bytes, bytes.len() as u64);
+    assert!(store.remove(&pulled.name).unwrap().deleted.is_some());
+
+    // From the hub: a dropped connection leaves a partial download in the Hugging Face cache;
+    // a server that then ignores the Range of the resume is refused by hf-hub with a message
+    // that says so, the partial download stays, and the next pull resumes it.
+    hub.server.add_hf_repo(
+        "o/Tiny-GGUF",
+        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
+    );
+    let path = "o/Tiny-GGUF/resolve/main/Tiny-Q8_0.gguf";
+    hub.server
+        .inject(path, Fault::DropAfter(bytes.len() as u64 / 2), 1);
+    pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet).unwrap_err();
+    no_model_kept(&store, "dropped from the hub");
+    hub.server.inject(path, Fault::IgnoreRange, u64::MAX);
+    let err = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ignores Range") && err.contains("Tiny-Q8_0.gguf"),
+        "{err}"
+    );
+    no_model_kept(&store, "hub ignoring Range");
+    hub.server.clear_faults();
+    hub.server.reset_counts();
+    let pulled = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet).unwrap();
+    let second = hub.server.bytes_served(path);
+    assert!(
+        second < bytes.len() as u64,
+        "the resumed pull fetched {second} of {} bytes",
+        bytes.len()
+    );
+    assert_eq!(pulled.name, "tiny:q8_0");
+    let local_gguf = hub.home.path().join("Tiny-Q8_0.gguf");
+    std::fs::write(&local_gguf, bytes.as_slice()).unwrap();
+    let dir = store.find("tiny:q8_0").unwrap().expect("stored");
+    assert_same_model(
+        &dir,
+        &converted_locally(&local_gguf, &hub.home.path().join("local")),
+    );
+}
