@@ -4,7 +4,7 @@
 # all, in this order):
 #   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
 #            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
-#            models against the CPU backend; the same models through `load_cuda` resident, with
+#            models against the CPU backend; the same models through `llama::open` resident, with
 #            every layer streamed, and through the pinned host tier, against the upload-once path.
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
@@ -18,6 +18,10 @@
 #            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
 #            as the local directory, every blob fetched in the first run (streamed through the
 #            staging ring, --vram-budget 64MiB), none in the second, none resident.
+#   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
+#            streamed from disk, and through the pinned host tier); then the cost of checking
+#            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
+#            with 4 GiB (--host-cache off), with and without --no-checksums, alternated.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -271,6 +275,56 @@ if has remote; then
     fi
   done
   kill "$hpid" 2>/dev/null; wait "$hpid" 2>/dev/null
+fi
+
+if has checksums; then
+  # Issue 17: blob checksums at run time on the GPU paths (device buffers are hashed by copying
+  # them back; the host tier is hashed in place), and what checking costs on the streamed 7B.
+  small="$WORK_DIR/smollm2-q4_1-flip"
+  rm -rf "$small"
+  "$BIN" synth --shape smollm2-135m --dtype q4_1 --layers 4 "$small" >&2 || status=1
+  python3 - "$small/layer_002.bin" <<'PY'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(5000); b = f.read(1); f.seek(5000); f.write(bytes([b[0] ^ 0x10]))
+PY
+  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 64MiB --host-cache off" "host-tier:--vram-budget 64MiB --host-cache 1GiB"; do
+    name=${mode%%:*}; flags=${mode#*:}
+    step "flipped bit, run --device cuda ($name)"
+    # shellcheck disable=SC2086
+    if "$BIN" run --device cuda -m "$small" $flags -p hello -n 4 --temp 0 >/dev/null 2>"$WORK_DIR/flip-$name.log"; then
+      note "checksums $name: FAILED (a flipped bit ran without error)"; status=1
+    elif grep -q "layer_002.bin: checksum mismatch" "$WORK_DIR/flip-$name.log"; then
+      note "checksums $name: flipped bit refused: $(grep -o 'layer_002.bin: checksum mismatch[^(]*' "$WORK_DIR/flip-$name.log" | head -n1)"
+    else
+      note "checksums $name: FAILED (error without the checksum message)"; tail -n 3 "$WORK_DIR/flip-$name.log" >&2; status=1
+    fi
+  done
+  model="$WORK_DIR/llama7b-f16"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype f16 "$model" >&2 || status=1
+  for rep in 1 2; do
+    for check in on off; do
+      extra=""; [ "$check" = off ] && extra="--no-checksums"
+      step "checksum cost: bench 7b f16 streamed 4GiB, checksums $check (round $rep)"
+      j="$WORK_DIR/bench-7b-checksums-$check-$rep.json"
+      # shellcheck disable=SC2086
+      "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json $extra >"$j" 2>"$j.log" || { note "checksum bench $check FAILED"; status=1; }
+    done
+  done
+  python3 - "$WORK_DIR" >>"$WORK_DIR/lines" <<'PY' && tail -n 1 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+import json, sys
+w = sys.argv[1]
+def load(check):
+    runs = [json.load(open(f"{w}/bench-7b-checksums-{check}-{r}.json")) for r in (1, 2)]
+    tg = sum(d["tg"]["mean"] for d in runs) / 2
+    first = sum(d["load"]["first_pass_s"] for d in runs) / 2
+    return tg, first, runs[0]
+on, first_on, d_on = load("on")
+off, first_off, _ = load("off")
+res = d_on["residency"]
+print(f"7b f16 streamed 4GiB: tg {on:.3f} tok/s with checksums vs {off:.3f} without ({(on/off-1)*100:+.1f}%, target >= -3%); "
+      f"first pass {first_on:.2f} s vs {first_off:.2f} s; hashed {res['checksum_bytes']/1e9:.2f} GB in {res['checksum_seconds']:.2f} s; checksums field: {d_on['checksums']}")
+PY
 fi
 
 echo

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use weights_format::{ChatTemplateRef, DType, Model, ModelWriter, quant};
 
-use crate::error::ConvertError;
-use crate::source::{SourceModel, TokenizerSource};
+// Re-exported where it used to live, so `convert::ConvertError` keeps working for callers.
+pub use crate::error::ConvertError;
+use crate::source::{SourceModel, TokenizerSource, Transform};
 use crate::tokenizer::{GgufTokenizer, check_chat_template, check_tokenizer_json};
 
 /// File name of the tokenizer inside a converted model.
@@ -331,12 +332,13 @@ fn write_blobs(
         for t in &blob.tensors {
             let (path, file) = &source.files[t.file];
             let target = match dtype.dtype() {
+                _ if t.transform == Transform::AddOne => DType::F32,
                 // Norms and other vectors stay f32 whatever the matrices become.
                 Some(_) if t.shape.len() == 1 => DType::F32,
                 Some(d) => d,
                 None => t.dtype,
             };
-            if target == t.dtype && t.unpermute_heads.is_none() {
+            if target == t.dtype && t.transform == Transform::Keep {
                 // Bit for bit: read straight into the writer's staging buffer.
                 let mut tensor = blob_writer.begin_tensor(&t.name, target, &t.shape)?;
                 let mut offset = t.offset;
@@ -354,26 +356,22 @@ fn write_blobs(
             raw.resize(t.length as usize, 0);
             file.read_exact_at(&mut raw, t.offset)
                 .map_err(|e| ConvertError::io(path, e))?;
+            let bad = |reason: String| ConvertError::BadTensor {
+                path: path.clone(),
+                tensor: t.source_name.clone(),
+                reason,
+            };
             let mut data: &[u8] = &raw;
-            if let Some(n_heads) = t.unpermute_heads {
-                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+            if let Transform::UnpermuteHeads(n_heads) = t.transform {
+                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(bad)?;
                 std::mem::swap(&mut raw, &mut converted);
                 data = &raw;
             }
-            if target != t.dtype {
-                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+            if t.transform == Transform::AddOne {
+                add_one(data, t.dtype, &mut converted).map_err(bad)?;
+                data = &converted;
+            } else if target != t.dtype {
+                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(bad)?;
                 data = &converted;
             }
             blob_writer.write_tensor(&t.name, target, &t.shape, data)?;
@@ -421,6 +419,21 @@ pub fn unpermute_rows(
             }
         }
     }
+    Ok(())
+}
+
+/// A vector `w` (any float dtype) as the f32 bytes of `1 + w`.
+fn add_one(data: &[u8], from: DType, out: &mut Vec<u8>) -> Result<(), String> {
+    if from.is_quantized() {
+        return Err(format!(
+            "a norm weight stored as {from}; expected a float dtype"
+        ));
+    }
+    let n = data.len() / from.byte_len(&[1]).unwrap_or(4) as usize;
+    let mut values = vec![0f32; n];
+    quant::dequantize(from, data, &mut values).map_err(|e| e.to_string())?;
+    out.clear();
+    out.extend(values.iter().flat_map(|v| (1.0 + v).to_le_bytes()));
     Ok(())
 }
 

@@ -64,13 +64,16 @@ pub enum GgufError {
         offset: u64,
     },
     #[error(
-        "{path}: tensor {tensor} has ggml type {type_id} ({type_name}), which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)"
+        "{path}: {} tensors have ggml types this converter does not support: {} (supported: {})",
+        tensors.iter().map(|t| t.2).sum::<usize>(),
+        tensors.iter().map(|(id, name, count, example)| format!("{name} (type {id}) ×{count} (e.g. {example})")).collect::<Vec<_>>().join(", "),
+        supported_type_names()
     )]
-    UnsupportedTensorType {
+    UnsupportedTensorTypes {
         path: PathBuf,
-        tensor: String,
-        type_id: u32,
-        type_name: &'static str,
+        /// Per unsupported type, in type-id order: its ggml id and name, how many tensors
+        /// have it, and the first of them.
+        tensors: Vec<(u32, &'static str, usize, String)>,
     },
     #[error(
         "{path}: tensor {tensor}: data at offsets {start}..{end} lies outside the file (length {file_len}; truncated?)"
@@ -263,6 +266,15 @@ pub fn ggml_type_id(dtype: DType) -> u32 {
     }
 }
 
+/// The names of the ggml types [`dtype_from_ggml`] accepts, for error messages.
+pub fn supported_type_names() -> String {
+    (0..64)
+        .filter(|&id| dtype_from_ggml(id).is_some())
+        .map(ggml_type_name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// ggml's name for a type id, for error messages.
 pub fn ggml_type_name(type_id: u32) -> &'static str {
     const NAMES: [&str; 40] = [
@@ -336,6 +348,10 @@ pub struct GgufFile {
     key_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// Tensors whose ggml type has no [`DType`]: (name, type id), in file order. They are left
+    /// out of `tensors` (their sizes are unknown, so they are not bounds-checked either) and
+    /// reported all at once by [`GgufFile::check_tensor_types`].
+    unsupported: Vec<(String, u32)>,
 }
 
 /// A metadata value as kept in memory.
@@ -822,19 +838,20 @@ impl GgufFile {
 
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::with_capacity(raw.len());
+        let mut unsupported = Vec::new();
         // GGUF (and ggml's reader) lay tensors out back to back in header order, each padded to
         // the alignment: where the next one must start. An offset elsewhere means an overlap, a
-        // gap, or an earlier tensor whose type or shape does not match its bytes.
-        let mut next_offset = 0u64;
+        // gap, or an earlier tensor whose type or shape does not match its bytes. After a
+        // tensor of a type we cannot size the layout is unknown; such a file is refused anyway
+        // (`check_tensor_types`), naming every unsupported type.
+        let mut next_offset = Some(0u64);
         let mut last_padding = 0u64;
         for t in raw {
-            let dtype =
-                dtype_from_ggml(t.type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
-                    path: path.clone(),
-                    tensor: t.name.clone(),
-                    type_id: t.type_id,
-                    type_name: ggml_type_name(t.type_id),
-                })?;
+            let Some(dtype) = dtype_from_ggml(t.type_id) else {
+                unsupported.push((t.name, t.type_id));
+                next_offset = None;
+                continue;
+            };
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
             let length = dtype.byte_len(&shape).ok_or_else(|| GgufError::Invalid {
                 path: path.clone(),
@@ -874,31 +891,33 @@ impl GgufFile {
                     file_len,
                 });
             }
-            if t.offset != next_offset {
-                return Err(GgufError::Invalid {
-                    path: path.clone(),
-                    offset: t.info_offset,
-                    what: format!(
-                        "tensor {}: data offset {} where the previous tensors end at {next_offset} \
-                         (tensors follow each other in header order, each padded to {alignment} \
-                         bytes: this one overlaps another, leaves a gap, or an earlier tensor's \
-                         type or shape does not match its bytes)",
-                        t.name, t.offset
-                    ),
-                });
+            if let Some(expected) = next_offset {
+                if t.offset != expected {
+                    return Err(GgufError::Invalid {
+                        path: path.clone(),
+                        offset: t.info_offset,
+                        what: format!(
+                            "tensor {}: data offset {} where the previous tensors end at \
+                             {expected} (tensors follow each other in header order, each padded \
+                             to {alignment} bytes: this one overlaps another, leaves a gap, or an \
+                             earlier tensor's type or shape does not match its bytes)",
+                            t.name, t.offset
+                        ),
+                    });
+                }
+                let padded = length.div_ceil(alignment).checked_mul(alignment);
+                let Some(after) = padded.and_then(|p| expected.checked_add(p)) else {
+                    return Err(GgufError::TensorOutOfBounds {
+                        path: path.clone(),
+                        tensor: t.name,
+                        start,
+                        end: u64::MAX,
+                        file_len,
+                    });
+                };
+                last_padding = after - expected - length;
+                next_offset = Some(after);
             }
-            let padded = length.div_ceil(alignment).checked_mul(alignment);
-            let Some(after) = padded.and_then(|p| next_offset.checked_add(p)) else {
-                return Err(GgufError::TensorOutOfBounds {
-                    path: path.clone(),
-                    tensor: t.name,
-                    start,
-                    end: u64::MAX,
-                    file_len,
-                });
-            };
-            last_padding = after - next_offset - length;
-            next_offset = after;
             if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
                 return Err(GgufError::Invalid {
                     path: path.clone(),
@@ -918,9 +937,9 @@ impl GgufFile {
         // The data section is exactly the tensors (the last one's padding may be cut off at the
         // end of the file): bytes beyond it belong to no tensor, which is what a tensor whose
         // type was changed to a smaller one leaves behind.
-        if !tensors.is_empty() {
+        if let Some(end) = next_offset.filter(|_| !tensors.is_empty()) {
             let data_len = file_len.saturating_sub(data_offset);
-            if data_len > next_offset || data_len < next_offset - last_padding {
+            if data_len > end || data_len < end - last_padding {
                 return Err(GgufError::Invalid {
                     path: path.clone(),
                     offset: data_offset,
@@ -929,7 +948,7 @@ impl GgufFile {
                          (plus up to {last_padding} bytes of final padding): a tensor's type or \
                          shape does not match its bytes",
                         tensors.len(),
-                        next_offset - last_padding
+                        end - last_padding
                     ),
                 });
             }
@@ -946,7 +965,32 @@ impl GgufFile {
             key_index,
             tensors,
             tensor_index,
+            unsupported,
         })
+    }
+
+    /// Fails when any tensor has a ggml type this converter cannot carry, listing every such
+    /// type with its count (so one run tells everything that is missing).
+    pub fn check_tensor_types(&self) -> Result<(), GgufError> {
+        if self.unsupported.is_empty() {
+            return Ok(());
+        }
+        let mut by_type: std::collections::BTreeMap<u32, (usize, &str)> = Default::default();
+        for (name, type_id) in &self.unsupported {
+            by_type.entry(*type_id).or_insert((0, name)).0 += 1;
+        }
+        Err(GgufError::UnsupportedTensorTypes {
+            path: self.path.clone(),
+            tensors: by_type
+                .into_iter()
+                .map(|(id, (count, first))| (id, ggml_type_name(id), count, first.to_string()))
+                .collect(),
+        })
+    }
+
+    /// Names and ggml type ids of the tensors whose type has no [`DType`], in file order.
+    pub fn unsupported_tensors(&self) -> &[(String, u32)] {
+        &self.unsupported
     }
 
     pub fn path(&self) -> &Path {
@@ -983,7 +1027,8 @@ impl GgufFile {
         self.key_index.get(key).map(|&i| &self.metadata[i].1)
     }
 
-    /// All tensor infos in file order.
+    /// All tensor infos in file order (those of a supported type; see
+    /// [`GgufFile::unsupported_tensors`]).
     pub fn tensors(&self) -> &[GgufTensorInfo] {
         &self.tensors
     }

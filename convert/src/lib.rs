@@ -10,6 +10,7 @@
 
 pub mod convert;
 pub mod error;
+pub mod family;
 pub mod gguf;
 pub mod gguf_map;
 pub mod gguf_writer;

@@ -10,6 +10,20 @@ use weights_format::{DType, quant};
 use crate::gguf::{GgufValue, GgufValueType};
 use crate::gguf_writer::{GgufBuilder, permute_rows_like_llama_cpp};
 
+/// The next value in [-0.5, 0.5) of a xorshift64 stream (`state` must not be 0).
+fn next_uniform(state: &mut u64) -> f32 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    (*state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
+/// `n` deterministic values in [-0.5, 0.5) for test weights, a stream per `seed`.
+pub fn pseudo_random(seed: u64, n: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n).map(|_| next_uniform(&mut state)).collect()
+}
+
 /// A small LLaMA with deterministic pseudo-random f32 weights, named as in Hugging Face.
 #[derive(Debug, Clone)]
 pub struct TinyLlama {
@@ -32,14 +46,7 @@ impl TinyLlama {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
             let n: u64 = shape.iter().product();
-            (0..n)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-                })
-                .collect()
+            (0..n).map(|_| next_uniform(&mut state) * scale).collect()
         };
         let mut tensors = Vec::new();
         let mut add = |name: String, shape: Vec<u64>, scale: f32, offset: f32| {
@@ -528,4 +535,19 @@ pub fn model_path(var: &str) -> Option<PathBuf> {
              GDSLLM_SKIP_MODEL_TESTS=1 to skip tests that need the real model)"
         ),
     }
+}
+
+/// Every file of a (model) directory, sorted by name, with its bytes: for comparing two
+/// conversions byte for byte.
+pub fn dir_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("readable directory")
+        .map(|e| e.expect("directory entry"))
+        .map(|e| {
+            let bytes = std::fs::read(e.path()).expect("readable file");
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect();
+    files.sort();
+    files
 }

@@ -2,10 +2,8 @@
 //! length): every one is refused with an error, or converts to exactly the model the intact
 //! file converts to. Never a panic, never a different model.
 
-use std::path::Path;
-
 use gdsllm_convert::convert::{ConvertOptions, NoProgress, convert};
-use gdsllm_convert::testing::{TableMutation, TinyLlama, tensor_infos_at};
+use gdsllm_convert::testing::{TableMutation, TinyLlama, dir_files as files, tensor_infos_at};
 use proptest::prelude::*;
 use weights_format::DType;
 
@@ -15,22 +13,6 @@ fn cases() -> u32 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(128)
-}
-
-/// Every file of a model directory, sorted, with its bytes.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut out: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap())
-        .map(|e| {
-            (
-                e.file_name().into_string().unwrap(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    out.sort();
-    out
 }
 
 struct Fixture {

@@ -25,7 +25,9 @@ use parking_lot::Mutex;
 use weights_format::Metadata;
 
 use crate::error::ResidencyError;
-use crate::memory::{Completion, DeviceBuffer, DeviceMemory, HostBlock, Reservation, Usage};
+use crate::memory::{
+    Completion, DeviceBuffer, DeviceMemory, HostBlock, Reservation, Usage, WeightBytes,
+};
 use crate::source::BlobSource;
 
 impl HostBlock for PinnedHostBuf {
@@ -265,8 +267,8 @@ impl DeviceBuffer for GpuBuffer {
         Ok(Completion::done())
     }
 
-    fn host_view(&self) -> &[u8] {
-        &[]
+    fn bytes(&self) -> WeightBytes<'_> {
+        WeightBytes::Device(self.buf.as_device_ptr())
     }
 
     fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
@@ -284,9 +286,5 @@ impl DeviceBuffer for GpuBuffer {
             offset = end;
         }
         Ok(hasher.digest())
-    }
-
-    fn device_ptr(&self) -> Option<u64> {
-        Some(self.buf.device_ptr())
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! This crate is for: planning which blobs stay resident for the whole run and which stream
 //! through a ring of staging slots, prefetching in layer order, the optional pinned host tier,
-//! the network tier below the disk (a model served over HTTP, fetched blob by blob on first
-//! use), and the statistics of all of it.
+//! checking each blob against its checksum on its first read ([`BlobChecksums`]), the network
+//! tier below the disk (a model served over HTTP, fetched blob by blob on first use), and the
+//! statistics of all of it.
 //!
 //! It is not for: doing the reads or the HTTP transfers themselves (that is `gds-io` and
 //! `gdsllm-fetch`) or interpreting tensors (that is `llama`).
@@ -29,9 +30,12 @@ mod stats;
 
 pub use clock::{Clock, SystemClock, VirtualClock};
 pub use error::ResidencyError;
+pub use gds_io::DevicePtr;
 pub use gds_io::{IoChoice, IoPath};
 pub use gpu::GpuMemory;
-pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
+pub use memory::{
+    Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence, WeightBytes,
+};
 pub use network::{NetworkSource, Origin, init_cache};
 pub use options::{
     AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions,

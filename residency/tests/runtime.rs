@@ -9,12 +9,11 @@ use residency::{
     BlobChecksums, Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource,
     Placement, Policy, Residency, ResidencyError, ResidencyOptions, SystemClock,
 };
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{DType, Model, ModelConfig, ModelWriter};
 
 fn config(n_layers: u32, tied: bool) -> ModelConfig {
     ModelConfig {
-        architecture: "llama".into(),
         n_layers,
         hidden_size: 64,
         n_heads: 4,
@@ -30,6 +29,7 @@ fn config(n_layers: u32, tied: bool) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         add_bos_token: false,
+        ..ModelConfig::default()
     }
 }
 
@@ -53,7 +53,7 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dtype = if spec.role == TensorRole::Norm {
+            let dtype = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 DType::F16
@@ -72,6 +72,15 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
     w.add_file("tokenizer.json", b"{}").unwrap();
     w.finish(config, "tokenizer.json", None, serde_json::Map::new())
         .unwrap()
+}
+
+/// The model on the CPU with `budget`, `host` and one slot of prefetch.
+fn open_host(model: &Model, budget: u64, host: HostCache) -> Residency {
+    let options = ResidencyOptions {
+        host_cache: host,
+        ..opts(budget, 1)
+    };
+    Residency::open_host(model, &options).unwrap()
 }
 
 fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
@@ -101,21 +110,14 @@ fn host_io_path_bytes_equal_plain_reads() {
             (3 * largest, HostCache::Bytes(2 * largest)),
             (total, HostCache::Off),
         ] {
-            let res = Residency::open_host(
-                &model,
-                &ResidencyOptions {
-                    host_cache: host,
-                    ..opts(budget, 1)
-                },
-            )
-            .unwrap();
+            let res = open_host(&model, budget, host);
             let plan = res.plan().clone();
             println!("tied={tied} budget={budget}:\n{plan}");
             for _pass in 0..3 {
                 for &b in &plan.order {
                     let guard = res.acquire(b).unwrap();
                     assert_eq!(
-                        &guard[..],
+                        guard.host().unwrap(),
                         &files[b][..],
                         "{} tied={tied}",
                         plan.blobs[b].file
@@ -180,7 +182,7 @@ fn all_resident_and_all_streamed_deliver_the_same_bytes() {
         let mut seen = Vec::new();
         for _ in 0..3 {
             for &b in &layout.order {
-                seen.extend_from_slice(&res.acquire(b).unwrap());
+                seen.extend_from_slice(res.acquire(b).unwrap().host().unwrap());
             }
             res.end_pass();
         }
@@ -216,7 +218,10 @@ fn memory_pressure_shrinks_the_resident_set() {
     assert_eq!(plan.resident_layers, 3);
     for _ in 0..2 {
         for &b in &layout.order {
-            assert!(PatternSource::check(b, &res.acquire(b).unwrap()));
+            assert!(PatternSource::check(
+                b,
+                res.acquire(b).unwrap().host().unwrap()
+            ));
         }
         res.end_pass();
     }
@@ -300,9 +305,17 @@ proptest! {
             match res.acquire(blob) {
                 Ok(guard) => {
                     prop_assert_eq!(guard.len() as u64, lengths[blob]);
-                    prop_assert!(PatternSource::check(blob, &guard), "blob {} bytes", blob);
+                    prop_assert!(
+                        PatternSource::check(blob, guard.host().unwrap()),
+                        "blob {} bytes",
+                        blob
+                    );
                     if let Some((b, g)) = &held {
-                        prop_assert!(PatternSource::check(*b, g), "held blob {} overwritten", b);
+                        prop_assert!(
+                            PatternSource::check(*b, g.host().unwrap()),
+                            "held blob {} overwritten",
+                            b
+                        );
                     }
                     if hold {
                         held = Some((blob, guard));
@@ -353,14 +366,7 @@ fn a_flipped_bit_fails_the_first_read_of_its_blob_on_every_tier() {
             } else {
                 3 * model.blob(bad_layer).length
             };
-            let res = Residency::open_host(
-                &model,
-                &ResidencyOptions {
-                    host_cache: host,
-                    ..opts(budget, 1)
-                },
-            )
-            .unwrap();
+            let res = open_host(&model, budget, host);
             for pass in 0..2 {
                 for &b in &res.plan().order.clone() {
                     match res.acquire(b) {
@@ -477,7 +483,11 @@ fn the_network_tier_fetches_each_blob_once_and_later_passes_read_the_disk() {
     for pass in 0..3 {
         for &b in &order {
             let guard = res.acquire(b).unwrap();
-            assert_eq!(&guard[..], &files[b][..], "pass {pass}, blob {b}");
+            assert_eq!(
+                guard.host().unwrap(),
+                &files[b][..],
+                "pass {pass}, blob {b}"
+            );
         }
         res.end_pass();
     }
@@ -515,7 +525,7 @@ fn the_network_tier_fetches_each_blob_once_and_later_passes_read_the_disk() {
     drop(server);
     let res = Residency::open_host(&cache, &opts(3 * largest, 1)).unwrap();
     for &b in &order {
-        assert_eq!(&res.acquire(b).unwrap()[..], &files[b][..]);
+        assert_eq!(res.acquire(b).unwrap().host().unwrap(), &files[b][..]);
     }
     assert_eq!(res.stats().total.network_bytes, 0);
 }

@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use parking_lot::RwLock;
 
+use crate::connections::Connections;
 use crate::engine::Engine;
 use crate::error::{ApiError, ServerError};
 use crate::metrics::Metrics;
@@ -72,6 +73,7 @@ impl Server {
             engine.clone(),
             self.state.metrics.clone(),
             self.state.config.max_batch,
+            self.state.config.max_queue,
         ));
         tracing::info!(
             model = engine.model_id(),
@@ -133,10 +135,17 @@ impl Server {
                 });
             }
         };
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(on_shutdown)
-            .await
-            .map_err(ServerError::Serve)?;
+        let config = &self.state.config;
+        let table = Connections::new(config.max_connections, self.state.metrics.clone());
+        crate::connections::serve(
+            listener,
+            self.router(),
+            table,
+            config.header_read_timeout,
+            config.shutdown_grace,
+            on_shutdown,
+        )
+        .await;
         let scheduler = match &*self.state.slot.read() {
             ModelSlot::Ready { scheduler, .. } => Some(scheduler.clone()),
             _ => None,

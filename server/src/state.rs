@@ -30,6 +30,18 @@ pub struct ServerConfig {
     /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are
     /// cancelled.
     pub shutdown_grace: Duration,
+    /// Requests that may wait for the model beyond the `max_batch` it runs; more get 429 with
+    /// `Retry-After` at once instead of an ever longer queue.
+    pub max_queue: usize,
+    /// Open client connections. At the limit a new connection closes the oldest one that has
+    /// no request in flight (a half-open or idle socket); if every one is busy, the new one is
+    /// closed. Kept below the process's open-file limit.
+    pub max_connections: usize,
+    /// A client must send a request's headers within this long (and, between requests on a
+    /// kept-alive connection, start the next one), or the connection is closed.
+    pub header_read_timeout: Duration,
+    /// A client must send a request's whole body within this long (408 otherwise).
+    pub body_read_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -41,6 +53,10 @@ impl Default for ServerConfig {
             max_batch: 1,
             body_limit: 4 << 20,
             shutdown_grace: Duration::from_secs(30),
+            max_queue: 256,
+            max_connections: 1024,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -1,7 +1,7 @@
 mod common;
 
 use common::{tensor_bytes, tiny_config, write_tiny};
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
 
 #[test]
@@ -28,7 +28,7 @@ fn round_trip_every_dtype_bit_exact() {
                 assert_eq!(model.blob(i).length % ALIGNMENT, 0);
                 let kind = layout::blob_kind(file).unwrap();
                 for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-                    let dt = if spec.role == TensorRole::Norm {
+                    let dt = if spec.role.is_float_only() {
                         DType::F32
                     } else {
                         dtype
@@ -93,7 +93,7 @@ fn chunked_tensor_equals_whole_tensor_and_blobs_sort() {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dt = if spec.role == TensorRole::Norm {
+            let dt = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 DType::Q8_0

@@ -95,15 +95,15 @@ fn missing_metadata() {
 #[test]
 fn unsupported_version() {
     let err = open_err(false, |v| {
-        v["format_version"] = json!(2);
+        v["format_version"] = json!(3);
         v["something_new"] = json!(true);
     });
     assert!(
         matches!(
             err,
             FormatError::UnsupportedVersion {
-                found: 2,
-                supported: 1,
+                found: 3,
+                supported: 2,
                 ..
             }
         ),

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use gdsllm_server::{Server, ServerConfig};
 use weights_format::Model;
 
-use crate::device_args::{Device, DeviceArgs};
+use crate::device_args::DeviceArgs;
 use crate::residency_args::ResidencyArgs;
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -68,7 +68,8 @@ pub struct Args {
     /// request that would not fit even alone gets a 400).
     #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
     pub kv_budget: KvBudget,
-    /// Context size in tokens per sequence (prompt + reply); 0: the model's full context.
+    /// Context size in tokens per sequence (prompt + reply); 0, or more than the model's
+    /// context: the model's full context (with a warning when more).
     /// Longer prompts get a 400 that gives both numbers.
     #[arg(
         short = 'c',
@@ -80,6 +81,42 @@ pub struct Args {
     /// Largest request body accepted (413 above it), e.g. 4MiB.
     #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = residency::parse_bytes)]
     pub body_limit: u64,
+    /// Requests that may wait for the model beyond the --max-batch it runs; when that many
+    /// wait, new ones get 429 with `Retry-After` at once instead of an ever longer queue.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GDSLLM_MAX_QUEUE",
+        default_value_t = 256
+    )]
+    pub max_queue: usize,
+    /// Most open client connections (lowered to fit the open-file limit). At the limit a new
+    /// connection closes the oldest one with no request in flight (half-open or idle), so
+    /// idle sockets cannot lock clients out.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GDSLLM_MAX_CONNECTIONS",
+        default_value_t = 1024
+    )]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (and to start the next request on a
+    /// kept-alive connection) before the connection is closed.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_HEADER_TIMEOUT",
+        default_value_t = 10.0
+    )]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a request's whole body (408 after that).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_BODY_TIMEOUT",
+        default_value_t = 30.0
+    )]
+    pub body_timeout: f64,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled.
     #[arg(
         long,
@@ -95,6 +132,14 @@ pub struct Args {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub residency: ResidencyArgs,
+}
+
+/// A timeout flag: a positive number of seconds.
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} {value}: expected a positive number of seconds"))
 }
 
 /// `--kv-budget`: a size, or `auto` (None).
@@ -121,6 +166,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_batch: args.max_batch as usize,
         body_limit: usize::try_from(args.body_limit).context("--body-limit is too large")?,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        max_queue: args.max_queue,
+        max_connections: args.max_connections,
+        header_read_timeout: seconds("--header-timeout", args.header_timeout)?,
+        body_read_timeout: seconds("--body-timeout", args.body_timeout)?,
     };
     // Resolve the model before listening, so that a wrong -m fails at once.
     let dir = super::run::model_dir(args.model.as_deref())?;
@@ -128,23 +177,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("{}: invalid model", dir.display()))?
         .config()
         .clone();
-    let context = if args.ctx_size == 0 {
-        model_config.context_length as usize
-    } else {
-        args.ctx_size
-    };
-    if context > model_config.context_length as usize {
-        bail!(
-            "--ctx-size {context} is larger than the model's context length {}",
-            model_config.context_length
-        );
-    }
-    let device = args.device.resolve()?;
+    let context = llama::clamp_context(args.ctx_size, &model_config);
+    let (device, io) = args.device.resolve()?;
     let max_batch = args.max_batch as usize;
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
         residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
     });
-    let options = args.residency.options(kv_budget);
+    let options = llama::OpenOptions {
+        residency: args.residency.options(0),
+        context,
+        sequences: max_batch,
+        kv_budget: Some(kv_budget),
+        io,
+    };
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -183,17 +228,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let engine: Result<Arc<dyn gdsllm_server::Engine>, _> = match device {
-                Device::Cpu => {
-                    gdsllm_server::open_cpu(&dir, model_id, &options, context, max_batch).map(|e| {
-                        Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>
-                    })
-                }
-                Device::Cuda { ordinal, io } => gdsllm_server::open_cuda(
-                    &dir, model_id, &options, context, max_batch, ordinal, io,
-                )
-                .map(|e| Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>),
-            };
+            let engine = gdsllm_server::open(&dir, model_id, device, &options);
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
