@@ -74,6 +74,13 @@ impl Hub {
             ..PullOptions::default()
         }
     }
+    /// The error of a pull of `spec` that must fail, as text.
+    fn pull_error(&self, store: &Store, spec: &str) -> String {
+        match pull(store, spec, &self.options(), &Quiet) {
+            Ok(pulled) => panic!("pulling {spec} succeeded: {:?}", pulled.dir),
+            Err(err) => err.to_string(),
+        }
+    }
     fn models(&self) -> Vec<String> {
         std::fs::read_dir(self.store().models_dir())
             .map(|d| {
@@ -112,26 +119,12 @@ fn a_hugging_face_gguf_repo_pulls_the_quant_asked_for_identical_to_the_local_con
         ],
     );
     let store = hub.store();
-    let err = pull(
-        &store,
-        "hf.co/test-org/SmolLM2-GGUF",
-        &hub.options(),
-        &Quiet,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = hub.pull_error(&store, "hf.co/test-org/SmolLM2-GGUF");
     assert!(
         err.contains("no GGUF file for quant \"Q4_K_M\"") && err.contains("available: Q4_1, Q8_0"),
         "{err}"
     );
-    let err = pull(
-        &store,
-        "hf.co/test-org/SmolLM2-GGUF:IQ2_XS",
-        &hub.options(),
-        &Quiet,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = hub.pull_error(&store, "hf.co/test-org/SmolLM2-GGUF:IQ2_XS");
     assert!(
         err.contains("\"IQ2_XS\"") && err.contains("Q4_1, Q8_0"),
         "{err}"
@@ -207,9 +200,7 @@ fn an_interrupted_hugging_face_pull_resumes_and_fetches_less_than_the_file() {
     hub.server
         .inject(path, Fault::DropAfter(bytes.len() as u64 / 2), 1);
     // No quant given and one in the repository: that one.
-    let err = pull(&store, "hf.co/o/Tiny-GGUF", &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, "hf.co/o/Tiny-GGUF");
     assert!(
         err.contains("run the same command again to resume"),
         "{err}"
@@ -252,16 +243,12 @@ fn hugging_face_faults_are_clear_errors_that_leave_nothing_in_the_store() {
     for (fault, expected) in cases {
         hub.server.clear_faults();
         hub.server.inject(path, fault, u64::MAX);
-        let err = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet)
-            .unwrap_err()
-            .to_string();
+        let err = hub.pull_error(&store, "hf.co/o/Tiny-GGUF:Q8_0");
         assert!(err.contains(expected), "{fault:?}: {err}");
         assert!(hub.models().is_empty(), "{fault:?}: {:?}", hub.models());
         assert!(store.index().unwrap().models.is_empty());
     }
-    let err = pull(&store, "hf.co/o/No-Such-Repo", &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, "hf.co/o/No-Such-Repo");
     assert!(err.contains("no such repository"), "{err}");
     let unreachable = PullOptions {
         hf_endpoint: Some(format!("http://127.0.0.1:{}", closed_port())),
@@ -310,9 +297,7 @@ fn a_safetensors_repo_pulls_config_weights_and_tokenizer_and_converts() {
             .collect::<Vec<_>>()
     };
     assert!(blobs(&pulled.dir) == blobs(&expected));
-    let err = pull(&store, "o/tiny-llama:q3_k", &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, "o/tiny-llama:q3_k");
     assert!(err.contains("keep, f16, bf16, q8_0 or q4_1"), "{err}");
 }
 
@@ -329,9 +314,7 @@ fn a_gguf_by_url_pulls_identical_to_the_local_conversion_and_resumes() {
     let store = hub.store();
     hub.server
         .inject(&format!("files/{REAL}"), Fault::DropAfter(size / 3), 1);
-    let err = pull(&store, &url, &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, &url);
     assert!(err.contains("again to resume"), "{err}");
     assert!(hub.models().is_empty());
 
@@ -375,9 +358,7 @@ fn url_faults_are_clear_errors_that_leave_nothing_in_the_store() {
 
     hub.server
         .inject("f/Tiny-Q8_0.gguf", Fault::WrongChecksum, 1);
-    let err = pull(&store, &url, &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, &url);
     assert!(
         err.contains("sha256") && err.contains("Repr-Digest"),
         "{err}"
@@ -409,23 +390,12 @@ fn url_faults_are_clear_errors_that_leave_nothing_in_the_store() {
     );
     assert!(leftovers(&store).is_empty(), "{:?}", leftovers(&store));
 
-    let err = pull(
-        &store,
-        &format!("{}/f/none.gguf", hub.server.url()),
-        &hub.options(),
-        &Quiet,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = hub.pull_error(&store, &format!("{}/f/none.gguf", hub.server.url()));
     assert!(err.contains("HTTP 404"), "{err}");
-    let err = pull(
+    let err = hub.pull_error(
         &store,
         &format!("http://127.0.0.1:{}/x.gguf", closed_port()),
-        &hub.options(),
-        &Quiet,
-    )
-    .unwrap_err()
-    .to_string();
+    );
     assert!(err.contains("cannot reach the server"), "{err}");
 
     // A server that ignores Range: the resume starts over and the result is still right.
@@ -444,14 +414,7 @@ fn url_faults_are_clear_errors_that_leave_nothing_in_the_store() {
         "f/junk.gguf",
         Content::Bytes(Arc::new(b"not a gguf".to_vec())),
     );
-    let err = pull(
-        &store,
-        &format!("{}/f/junk.gguf", hub.server.url()),
-        &hub.options(),
-        &Quiet,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = hub.pull_error(&store, &format!("{}/f/junk.gguf", hub.server.url()));
     assert!(err.contains("junk.gguf"), "{err}");
     assert_eq!(
         hub.models(),
@@ -559,9 +522,7 @@ fn a_length_that_lies_or_a_hub_that_ignores_ranges_on_resume_leaves_nothing_half
     pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet).unwrap_err();
     no_model_kept(&store, "dropped from the hub");
     hub.server.inject(path, Fault::IgnoreRange, u64::MAX);
-    let err = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet)
-        .unwrap_err()
-        .to_string();
+    let err = hub.pull_error(&store, "hf.co/o/Tiny-GGUF:Q8_0");
     assert!(
         err.contains("ignores Range") && err.contains("Tiny-Q8_0.gguf"),
         "{err}"
