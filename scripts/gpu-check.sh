@@ -14,6 +14,10 @@
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
 #   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
 #            scripts/serve_bench.py at 1, 8 and 32 clients.
+#   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
+#            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
+#            as the local directory, every blob fetched in the first run (streamed through the
+#            staging ring, --vram-budget 64MiB), none in the second, none resident.
 #   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
 #            streamed from disk, and through the pinned host tier); then the cost of checking
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
@@ -222,6 +226,39 @@ if has serve; then
     note "serve bench FAILED"; tail -n 5 "$WORK_DIR/serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has remote; then
+  # Issue 18: the network tier on CUDA: blobs fetched into the cache before the I/O path reads
+  # the files, the same tokens as the local model, nothing fetched once everything is local.
+  model="$WORK_DIR/smollm2-q4_1"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  (cd "$model" && exec python3 -m http.server "$port" --bind 127.0.0.1) >"$WORK_DIR/remote-http.log" 2>&1 &
+  hpid=$!
+  sleep 1
+  remote_home="$WORK_DIR/remote-home"
+  rm -rf "$remote_home/remote"
+  mkdir -p "$remote_home"
+  total=$(python3 -c "import json,sys; print(sum(b['length'] for b in json.load(open(sys.argv[1]))['blobs']))" "$model/metadata.json")
+  prompt=(-p "the quick brown fox" -n 8 --temp 0 -c 64 --json)
+  step "gdsllm run --device cuda on smollm2-135m q4_1: local, then served over HTTP twice"
+  "$BIN" run --device cuda -m "$model" "${prompt[@]}" --vram-budget 64MiB --host-cache off >"$WORK_DIR/remote-local.json" 2>"$WORK_DIR/remote-local.log" || status=1
+  for pass in first second resident; do
+    budget=(--vram-budget 64MiB --host-cache off)
+    [ "$pass" = resident ] && budget=()
+    out="$WORK_DIR/remote-$pass.json"
+    if GDSLLM_HOME="$remote_home" "$BIN" run --device cuda -m "http://127.0.0.1:$port/" "${prompt[@]}" "${budget[@]}" >"$out" 2>"$out.log"; then
+      same=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'] == json.load(open(sys.argv[2]))['text'])" "$out" "$WORK_DIR/remote-local.json")
+      net=$(jq_py "$out" "d['residency']['total']['network_bytes']")
+      expected=$([ "$pass" = first ] && echo "$total" || echo 0)
+      note "remote $pass run: same text as local: $same, network bytes $net (expected $expected of $total), $(jq_py "$out" "'%.1f' % d['timings']['gen_tok_per_s']") tok/s"
+      { [ "$same" = True ] && [ "$net" = "$expected" ]; } || status=1
+    else
+      note "remote $pass run FAILED"; tail -n 5 "$out.log" >&2; status=1
+    fi
+  done
+  kill "$hpid" 2>/dev/null; wait "$hpid" 2>/dev/null
 fi
 
 if has checksums; then
