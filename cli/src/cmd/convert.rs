@@ -4,8 +4,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
-use indicatif::ProgressBar;
+use gdsllm_convert::{ConvertOptions, TargetDType};
+
+use crate::progress::BarProgress;
 
 /// Convert a GGUF file or a Hugging Face LLaMA directory into the GdsLLM format.
 #[derive(clap::Args)]
@@ -31,33 +32,6 @@ pub struct Args {
 fn parse_dtype(s: &str) -> Result<TargetDType, String> {
     TargetDType::from_name(s)
         .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
-}
-
-/// Feeds the converter's progress hooks into an indicatif bar on stderr.
-pub(crate) struct BarProgress {
-    bar: ProgressBar,
-}
-
-impl BarProgress {
-    pub(crate) fn new(what: &str) -> BarProgress {
-        BarProgress {
-            bar: crate::progress::bytes_bar(0, what),
-        }
-    }
-}
-
-impl Progress for BarProgress {
-    fn start(&self, total_bytes: u64) {
-        self.bar.set_length(total_bytes);
-        self.bar.set_position(0);
-        self.bar.reset_eta();
-    }
-    fn advance(&self, bytes: u64) {
-        self.bar.inc(bytes);
-    }
-    fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -9,7 +9,8 @@ use weights_format::{FormatError, Model, VerifyProgress};
 /// template for a one-message chat. Exits non-zero naming every bad file.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store (see `gdsllm pull`).
+    /// The model: anything `gdsllm run -m` accepts (a name in the store, a directory, a .gguf
+    /// file, hf.co/OWNER/REPO[:QUANT], a URL).
     pub model: String,
     /// Print one JSON object on stdout: {dir, ok, metadata_error, blobs: [{file, bytes, ok,
     /// error}], tokenizer: {ok, error}, chat_template: {ok, error} (null without one), bytes,
@@ -54,8 +55,7 @@ fn check_chat_template(model: &Model) -> Option<Result<(), String>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = gdsllm_convert::resolve_model(&args.model)
-        .with_context(|| format!("finding model {:?}", args.model))?;
+    let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     if args.update_metadata_checksum {
         Model::update_metadata_checksum(&dir)
             .with_context(|| format!("{}: invalid model", dir.display()))?;
