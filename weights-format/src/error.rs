@@ -25,7 +25,7 @@ pub enum FormatError {
     },
 
     #[error(
-        "{}: format_version {found} is not supported (this build reads version {supported})",
+        "{}: format_version {found} is not supported (this build reads versions 1 to {supported})",
         path.display()
     )]
     UnsupportedVersion {
@@ -162,6 +162,17 @@ pub enum FormatError {
         tensor: String,
         dtype: DType,
         reason: &'static str,
+    },
+
+    #[error(
+        "{blob}: tensor {tensor}: dtype {dtype} needs format_version {needed}, but metadata.json says {found}"
+    )]
+    DTypeNeedsVersion {
+        blob: String,
+        tensor: String,
+        dtype: DType,
+        needed: u32,
+        found: u32,
     },
 
     #[error("{blob}: tensor {tensor}: {reason}")]

@@ -2,8 +2,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::DType;
 
-/// The version written into `metadata.json`; readers refuse any other.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest `metadata.json` format version this build reads and writes. Version 2 added the
+/// k-quant dtypes (see [`crate::DType::format_version`]); a writer stamps each model with the
+/// oldest version that describes it ([`Metadata::required_version`]), and readers accept
+/// versions 1 to this one and refuse any other.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The whole of `metadata.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,6 +23,18 @@ pub struct Metadata {
     /// Free-form provenance (source file, converter version); never interpreted.
     #[serde(default)]
     pub source: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Metadata {
+    /// The oldest format version that has every dtype these blobs use: what a writer stamps
+    /// into `format_version`, and the least a reader requires of a file's.
+    pub fn required_version(&self) -> u32 {
+        self.blobs
+            .iter()
+            .flat_map(|b| &b.tensors)
+            .map(|t| t.dtype.format_version())
+            .fold(1, u32::max)
+    }
 }
 
 /// Where the chat template lives (a Jinja file in the model directory).

@@ -384,7 +384,7 @@ fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
         .get("format_version")
         .and_then(serde_json::Value::as_u64)
     {
-        Some(v) if v == u64::from(FORMAT_VERSION) => {}
+        Some(v) if (1..=u64::from(FORMAT_VERSION)).contains(&v) => {}
         Some(v) => {
             return Err(FormatError::UnsupportedVersion {
                 path,
@@ -569,6 +569,19 @@ fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
 
     for blob in &m.blobs {
         validate_blob(dir, &m.config, blob)?;
+        if let Some(t) = blob
+            .tensors
+            .iter()
+            .find(|t| t.dtype.format_version() > m.format_version)
+        {
+            return Err(FormatError::DTypeNeedsVersion {
+                blob: blob.file.clone(),
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                needed: t.dtype.format_version(),
+                found: m.format_version,
+            });
+        }
     }
     Ok(())
 }

@@ -40,16 +40,43 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A config whose rows are whole 256-value super-blocks, for the k-quant dtypes.
+pub fn super_block_config(tied: bool) -> ModelConfig {
+    ModelConfig {
+        hidden_size: 256,
+        head_dim: 64,
+        ffn_dim: 512,
+        vocab_size: 96,
+        ..tiny_config(tied)
+    }
+}
+
 pub fn tensor_bytes(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
     let n: u64 = shape.iter().product();
     let mut out = Vec::new();
-    quant::quantize(dtype, &values(seed, n as usize), &mut out).unwrap();
+    if quant::can_quantize(dtype) {
+        quant::quantize(dtype, &values(seed, n as usize), &mut out).unwrap();
+    } else {
+        // Decode-only dtypes: arbitrary bytes are valid blocks.
+        let len = dtype.byte_len(shape).unwrap() as usize;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        out.extend((0..len).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        }));
+    }
     out
 }
 
 /// Writes a complete tiny model at `out`; matrices use `dtype`, norms f32.
 pub fn write_tiny(out: &Path, dtype: DType, tied: bool) -> Model {
-    let config = tiny_config(tied);
+    write_model(out, tiny_config(tied), dtype)
+}
+
+/// Writes a complete model of `config` at `out`; matrices use `dtype`, norms f32.
+pub fn write_model(out: &Path, config: ModelConfig, dtype: DType) -> Model {
     let mut w = ModelWriter::create(out).unwrap();
     for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
         let kind = layout::blob_kind(file).unwrap();
