@@ -64,13 +64,14 @@ pub enum GgufError {
         offset: u64,
     },
     #[error(
-        "{path}: tensor {tensor} has ggml type {type_id} ({type_name}), which is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)"
+        "{path}: tensor types that are not supported: {} (supported: {})",
+        UnsupportedType::list(.types),
+        supported_ggml_type_names()
     )]
-    UnsupportedTensorType {
+    UnsupportedTensorTypes {
         path: PathBuf,
-        tensor: String,
-        type_id: u32,
-        type_name: &'static str,
+        /// Every unsupported type in the file, in order of type id.
+        types: Vec<UnsupportedType>,
     },
     #[error(
         "{path}: tensor {tensor}: data at offsets {start}..{end} lies outside the file (length {file_len}; truncated?)"
@@ -93,6 +94,37 @@ pub enum GgufError {
     },
     #[error("{path}: no tensor named {tensor}")]
     MissingTensor { path: PathBuf, tensor: String },
+}
+
+/// One ggml tensor type a GGUF file uses that this converter cannot carry over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnsupportedType {
+    pub type_id: u32,
+    pub type_name: &'static str,
+    /// How many tensors have it.
+    pub count: usize,
+    /// The first of them, for the message.
+    pub example: String,
+}
+
+impl UnsupportedType {
+    /// `Q2_0 (ggml type 42): 3 tensors, e.g. blk.0.attn_q.weight; …`
+    fn list(types: &[UnsupportedType]) -> String {
+        types
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} (ggml type {}): {} tensor{}, e.g. {}",
+                    t.type_name,
+                    t.type_id,
+                    t.count,
+                    if t.count == 1 { "" } else { "s" },
+                    t.example
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
 }
 
 /// The type tag of a metadata value (GGUF `gguf_metadata_value_type`, 0–12).
@@ -238,29 +270,40 @@ impl GgufValue {
     }
 }
 
-/// The element types this converter can carry over, with their ggml type ids.
-pub fn dtype_from_ggml(type_id: u32) -> Option<DType> {
-    Some(match type_id {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::Bf16,
-        _ => return None,
-    })
-}
-
-/// The ggml type id of one of our dtypes (the inverse of [`dtype_from_ggml`]).
+/// The ggml type id of one of our dtypes: every dtype is a ggml type, block layout included.
 pub fn ggml_type_id(dtype: DType) -> u32 {
     match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
+        DType::Q5_0 => 6,
+        DType::Q5_1 => 7,
         DType::Q8_0 => 8,
+        DType::Q2K => 10,
+        DType::Q3K => 11,
+        DType::Q4K => 12,
+        DType::Q5K => 13,
+        DType::Q6K => 14,
+        DType::Iq4Nl => 20,
+        DType::Iq4Xs => 23,
         DType::Bf16 => 30,
     }
+}
+
+/// The element types this converter can carry over (the inverse of [`ggml_type_id`]).
+pub fn dtype_from_ggml(type_id: u32) -> Option<DType> {
+    DType::ALL.into_iter().find(|d| ggml_type_id(*d) == type_id)
+}
+
+/// ggml's names of the supported types, for messages.
+fn supported_ggml_type_names() -> String {
+    let mut ids: Vec<u32> = DType::ALL.into_iter().map(ggml_type_id).collect();
+    ids.sort_unstable();
+    ids.into_iter()
+        .map(ggml_type_name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// ggml's name for a type id, for error messages.
@@ -820,23 +863,41 @@ impl GgufFile {
         }
         let data_offset = r.pos.div_ceil(alignment) * alignment;
 
+        // Every unsupported type at once, so one message says everything a file would need.
+        let mut unsupported: Vec<UnsupportedType> = Vec::new();
+        for t in raw.iter().filter(|t| dtype_from_ggml(t.type_id).is_none()) {
+            match unsupported.iter_mut().find(|u| u.type_id == t.type_id) {
+                Some(u) => u.count += 1,
+                None => unsupported.push(UnsupportedType {
+                    type_id: t.type_id,
+                    type_name: ggml_type_name(t.type_id),
+                    count: 1,
+                    example: t.name.clone(),
+                }),
+            }
+        }
+        if !unsupported.is_empty() {
+            unsupported.sort_by_key(|u| u.type_id);
+            return Err(GgufError::UnsupportedTensorTypes {
+                path: path.clone(),
+                types: unsupported,
+            });
+        }
+
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::with_capacity(raw.len());
         for t in raw {
-            let dtype =
-                dtype_from_ggml(t.type_id).ok_or_else(|| GgufError::UnsupportedTensorType {
-                    path: path.clone(),
-                    tensor: t.name.clone(),
-                    type_id: t.type_id,
-                    type_name: ggml_type_name(t.type_id),
-                })?;
+            let dtype = dtype_from_ggml(t.type_id).expect("unsupported types were refused above");
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
             let length = dtype.byte_len(&shape).ok_or_else(|| GgufError::Invalid {
                 path: path.clone(),
                 offset: t.info_offset,
                 what: format!(
-                    "tensor {}: shape {shape:?} is not a whole number of {dtype} blocks or overflows",
-                    t.name
+                    "tensor {}: shape {shape:?}: {}",
+                    t.name,
+                    dtype
+                        .row_error(shape.last().copied().unwrap_or(1))
+                        .unwrap_or_else(|| "the size overflows".into())
                 ),
             })?;
             if t.offset % alignment != 0 {

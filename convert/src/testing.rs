@@ -27,7 +27,13 @@ pub struct TinyLlama {
 impl TinyLlama {
     /// dim 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 96, vocab 48.
     pub fn new(seed: u64, tied: bool) -> TinyLlama {
-        let (dim, layers, heads, kv_heads, ffn, vocab) = (64u64, 2u32, 4u64, 2u64, 96u64, 48u64);
+        TinyLlama::with_dims(seed, tied, 64, 96)
+    }
+
+    /// [`TinyLlama::new`] with another width and FFN size (4 heads of `dim / 4`): dim 256 and
+    /// FFN 512 make every row whole 256-value super-blocks, for the k-quants.
+    pub fn with_dims(seed: u64, tied: bool, dim: u64, ffn: u64) -> TinyLlama {
+        let (layers, heads, kv_heads, vocab) = (2u32, 4u64, 2u64, 48u64);
         let head_dim = dim / heads;
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
