@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod gguf_map;
 pub mod gguf_writer;
 pub mod hf;
+pub mod lossless;
 pub mod pull;
 pub mod store;
 pub mod synth;

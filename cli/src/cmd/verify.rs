@@ -5,12 +5,20 @@ use weights_format::{FormatError, Model, VerifyProgress};
 
 /// Validate a model directory (structure, sizes, tensor layout), then re-read every blob and
 /// compare checksums. Exits non-zero naming every bad file.
+///
+/// With `--against FILE.gguf`, also compare every tensor byte for byte with the GGUF tensor it
+/// was converted from (after the same Q/K row move the converter makes): a model converted with
+/// `--dtype keep` from a llama.cpp file (a Q4_K_M mix, say) must hold its blocks unchanged.
 #[derive(clap::Args)]
 pub struct Args {
     /// A model directory, or the name of a model in the store (see `gdsllm pull`).
     pub model: String,
+    /// The GGUF file the model was converted from: check that every tensor is bit for bit the
+    /// GGUF's (one line per tensor, a summary per dtype); exits non-zero if any differs.
+    #[arg(long, value_name = "FILE.gguf")]
+    pub against: Option<std::path::PathBuf>,
     /// Print one JSON object on stdout: {dir, ok, blobs: [{file, bytes, ok, error}], bytes,
-    /// seconds, gb_per_s}.
+    /// seconds, gb_per_s}, and with --against `lossless`: {all_equal, by_dtype, tensors}.
     #[arg(long)]
     pub json: bool,
 }
@@ -53,13 +61,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map(|e| e.to_string()),
         _ => None,
     };
+    let lossless = match &args.against {
+        Some(path) => {
+            let gguf = gdsllm_convert::gguf::GgufFile::open(path)?;
+            let permuted = gdsllm_convert::lossless::qk_rows_permuted(&gguf);
+            Some(
+                gdsllm_convert::lossless::compare_with_gguf(&model, &gguf, permuted)
+                    .with_context(|| format!("comparing with {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
     if args.json {
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "dir": dir, "ok": result.is_ok(), "metadata_error": metadata_error, "blobs": blobs,
             "bytes": bytes, "seconds": seconds, "gb_per_s": gb_per_s,
         });
+        if let Some(report) = &lossless {
+            json["lossless"] = serde_json::json!({
+                "all_equal": report.all_equal(), "by_dtype": report.by_dtype,
+                "tensors": report.tensors,
+            });
+        }
         println!("{json}");
     } else {
+        if let Some(report) = &lossless {
+            for t in &report.tensors {
+                let verdict = if t.equal { "same" } else { "DIFF" };
+                let detail = match (t.dtype == t.gguf_dtype, t.first_difference) {
+                    (false, _) => format!(" (GGUF has {})", t.gguf_dtype),
+                    (true, Some(at)) => format!(" (first difference at byte {at})"),
+                    (true, None) => String::new(),
+                };
+                println!(
+                    "{verdict} {}/{} {} {} bytes = {}{detail}",
+                    t.blob, t.tensor, t.dtype, t.bytes, t.gguf_tensor
+                );
+            }
+            for (dtype, (n, equal, bytes)) in &report.by_dtype {
+                println!("{dtype}: {equal} of {n} tensors bit for bit equal ({bytes} bytes)");
+            }
+        }
         if let Some(e) = &metadata_error {
             println!("BAD  {e}");
         }
@@ -75,5 +117,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     result
         .map(|_| ())
-        .with_context(|| format!("{}: verification failed", dir.display()))
+        .with_context(|| format!("{}: verification failed", dir.display()))?;
+    if let (Some(report), Some(path)) = (&lossless, &args.against) {
+        let differ = report.tensors.iter().filter(|t| !t.equal).count();
+        if differ > 0 {
+            anyhow::bail!(
+                "{}: {differ} of {} tensors differ from {}",
+                dir.display(),
+                report.tensors.len(),
+                path.display()
+            );
+        }
+        if !args.json {
+            println!(
+                "all {} tensors equal those of {} bit for bit",
+                report.tensors.len(),
+                path.display()
+            );
+        }
+    }
+    Ok(())
 }

