@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use weights_format::DType;
 
 use super::kernels::{self, QK};
+use super::kquants::{self, QuantizedActs};
 use super::{AttentionSeq, AttentionShape, Backend, RowGroup, WeightView};
 
 /// Multi-threaded CPU backend on the global rayon pool.
@@ -49,13 +50,17 @@ fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) 
             xsums.extend_from_slice(&one);
         }
     }
+    let mut xq = QuantizedActs::default();
+    if kquants::handles(w.dtype) && wide.contains(&false) {
+        xq.quantize(x, k);
+    }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
     let task = |(ci, o): (usize, &mut [f32])| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let wb = &w.bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, wide, o);
+        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, wide, o);
     };
     if rows == 1 {
         out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
@@ -163,10 +168,14 @@ impl Backend for CpuBackend {
         // Decoding: one parallel region over the row chunks of all weights, so the threads
         // meet once instead of once per weight.
         let mut xsums = Vec::new();
+        let mut xq = QuantizedActs::default();
         let mut tasks: Vec<(WeightView<'_>, usize, &mut [f32])> = Vec::new();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
+            }
+            if xq.is_empty() && kquants::handles(w.dtype) {
+                xq.quantize(&x[..w.cols], w.cols);
             }
             let chunk = rows_per_task(w.rows, w.cols);
             for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
@@ -176,7 +185,18 @@ impl Backend for CpuBackend {
         tasks.into_par_iter().for_each(|(w, first, o)| {
             let rb = w.row_bytes();
             let wb = &w.bytes[first * rb..(first + o.len()) * rb];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, &[false], o);
+            let xq = &xq;
+            kernels::matmul_rows(
+                w.dtype,
+                wb,
+                rb,
+                w.cols,
+                &x[..w.cols],
+                &xsums,
+                xq,
+                &[false],
+                o,
+            );
         });
     }
 

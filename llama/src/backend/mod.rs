@@ -9,6 +9,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod kernels;
+pub(crate) mod kquants;
 pub mod reference;
 
 use weights_format::DType;

@@ -1,0 +1,768 @@
+//! CPU dot products for the dtypes that came with the k-quants (q2_k … q6_k, iq4_xs, and the
+//! 32-value q5_0, q5_1, iq4_nl), read straight from the blocks, as llama.cpp's CPU backend does.
+//!
+//! The activations of a row are first quantized to 8 bits per 32 values ([`QuantizedActs`]:
+//! `x ≈ d·q`, `|x − d·q| ≤ max|x| / 254` over the 32) so that each block's product is an integer
+//! dot product of its levels with `q` — `maddubs` on AVX2, 32 multiply-adds per instruction —
+//! scaled once per 16 or 32 values. The weights' offsets and mins (q4_k's `dmin·m`, q6_k's −32 …)
+//! multiply the per-16 sums of the dequantized activations `d·Σq`, so the whole dot product is
+//! that of the stored weights with the quantized activations, up to f32 rounding. Only rows
+//! dotted one at a time take this path (decoding); rows of a prefill dot a weight row decoded
+//! once to f32 (see `kernels::matmul_rows`), so prompts keep f32 activations.
+//!
+//! [`dot`] picks the AVX2 kernels at run time (`multiversion`), else [`portable`]; both are
+//! checked against [`reference_dot`] (decode with `weights_format::quant`, then an f64 dot).
+//! Layouts: `weights-format/FORMAT.md`.
+
+use multiversion::multiversion;
+use multiversion::target::match_target;
+use weights_format::DType;
+use weights_format::quant::{IQ4_LEVELS, iq4xs_scale, q3k_scale};
+
+use super::kernels::f16_bits_to_f32;
+
+/// Whether [`dot`] handles `dtype` (the dtypes added with the k-quants).
+pub(crate) fn handles(dtype: DType) -> bool {
+    dtype.format_version() >= 2 && dtype.is_quantized()
+}
+
+/// Activation rows quantized for the integer dot products: per 32 values an f32 scale `d` and
+/// 32 `i8` (`x ≈ d·q`, round to nearest), and per 16 values `d·Σq`.
+#[derive(Debug, Default)]
+pub(crate) struct QuantizedActs {
+    cols: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s16: Vec<f32>,
+}
+
+/// One row of [`QuantizedActs`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ActRow<'a> {
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub s16: &'a [f32],
+}
+
+impl QuantizedActs {
+    /// Quantizes the rows of `x` (each `cols` values, a multiple of 32).
+    pub(crate) fn quantize(&mut self, x: &[f32], cols: usize) {
+        debug_assert!(cols.is_multiple_of(32) && x.len().is_multiple_of(cols));
+        self.cols = cols;
+        self.q.clear();
+        self.d.clear();
+        self.s16.clear();
+        for block in x.chunks_exact(32) {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut q = [0i8; 32];
+            for (o, v) in q.iter_mut().zip(block) {
+                *o = (v * id).round_ties_even() as i8;
+            }
+            for half in q.chunks_exact(16) {
+                self.s16
+                    .push(d * half.iter().map(|&v| v as i32).sum::<i32>() as f32);
+            }
+            self.q.extend_from_slice(&q);
+            self.d.push(d);
+        }
+    }
+
+    /// Whether no row has been quantized yet.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    pub(crate) fn row(&self, r: usize) -> ActRow<'_> {
+        let c = self.cols;
+        ActRow {
+            q: &self.q[r * c..(r + 1) * c],
+            d: &self.d[r * c / 32..(r + 1) * c / 32],
+            s16: &self.s16[r * c / 16..(r + 1) * c / 16],
+        }
+    }
+}
+
+/// The stored weight row `row` (whole blocks of `dtype`) dotted with the quantized activation
+/// row `x` (as many values). The AVX2 kernels when the CPU has AVX2 and FMA, else [`portable`].
+#[multiversion(targets("x86_64+avx2+fma+f16c", "aarch64+neon"))]
+pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
+    match_target! {
+        "x86_64+avx2+fma" => avx2::dot(dtype, row, x),
+        _ => portable::dot(dtype, row, x),
+    }
+}
+
+/// The slow definition: `row` decoded with `weights_format::quant::dequantize`, then an f64
+/// dot product with `x` (f32 activations, not quantized). The kernels' tests compare with it.
+#[cfg(test)]
+pub(crate) fn reference_dot(dtype: DType, row: &[u8], x: &[f32]) -> f64 {
+    let mut w = vec![0f32; x.len()];
+    weights_format::quant::dequantize(dtype, row, &mut w).expect("row is whole blocks");
+    w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+/// The eight 6-bit scales and eight 6-bit mins of a q4_k / q5_k super-block from its 12
+/// packed bytes (the layout of `weights_format::quant::k4_scale_min`), with word operations:
+/// the low 6 bits of bytes 0–3 (scales 0–3) and 4–7 (mins 0–3); scales 4–7 are the low
+/// nibbles of bytes 8–11 topped by bits 6–7 of bytes 0–3, mins 4–7 the high nibbles topped by
+/// bits 6–7 of bytes 4–7.
+#[inline(always)]
+fn k4_scales(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let word =
+        |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
+    let (w0, w1, w2) = (word(0), word(4), word(8));
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let scales_lo = w0 & LOW6;
+    let scales_hi = (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4);
+    let mins_lo = w1 & LOW6;
+    let mins_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4);
+    let join = |a: u32, b: u32| {
+        let mut out = [0u8; 8];
+        out[..4].copy_from_slice(&a.to_le_bytes());
+        out[4..].copy_from_slice(&b.to_le_bytes());
+        out
+    };
+    (join(scales_lo, scales_hi), join(mins_lo, mins_hi))
+}
+
+/// One 32-value block of weights as signed levels and an affine map per 16 values:
+/// `value[j] = a[j / 16] · lv[j] + c[j / 16]`, computed in exactly the order of
+/// `weights_format::quant::dequantize`, so [`portable::dequantize_row`] gives its bits.
+struct Block32 {
+    lv: [i8; 32],
+    a: [f32; 2],
+    c: [f32; 2],
+}
+
+/// Block `b` (the 32 values from `32·b`) of a weight row of `dtype`.
+#[inline(always)]
+fn block32(dtype: DType, row: &[u8], b: usize) -> Block32 {
+    let bb = dtype.block_bytes();
+    if !dtype.is_super_block() {
+        let blk = &row[bb * b..bb * (b + 1)];
+        let d = f16_at(blk, 0);
+        let (qs, offset, a, c) = match dtype {
+            DType::Q5_0 => (6, -16, d, 0.0),
+            DType::Q5_1 => (8, 0, d, f16_at(blk, 2)),
+            _ => (2, 0, d, 0.0),
+        };
+        let nib = nibbles_split(&blk[qs..qs + 16]);
+        let lv: [i8; 32] = match dtype {
+            DType::Iq4Nl => std::array::from_fn(|j| IQ4_LEVELS[nib[j] as usize]),
+            _ => {
+                let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
+                std::array::from_fn(|j| (nib[j] | ((((qh >> j) & 1) as u8) << 4)) as i8 + offset)
+            }
+        };
+        return Block32 {
+            lv,
+            a: [a; 2],
+            c: [c; 2],
+        };
+    }
+    let (sb, j) = (b / 8, b % 8);
+    let blk = &row[bb * sb..bb * (sb + 1)];
+    let (n, k) = (j / 4, j % 4); // for the 16-value-scale types: half n, quarter k
+    match dtype {
+        DType::Q4K | DType::Q5K => {
+            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+            let (sc, mn) = k4_scales(&blk[4..16]);
+            let five = dtype == DType::Q5K;
+            let qs = if five { 48 } else { 16 };
+            let (c, half) = (j / 2, j % 2);
+            let bytes = &blk[qs + 32 * c..qs + 32 * c + 32];
+            let lv = std::array::from_fn(|l| {
+                let nib = if half == 0 {
+                    bytes[l] & 0xF
+                } else {
+                    bytes[l] >> 4
+                };
+                let high = if five {
+                    ((blk[16 + l] >> j) & 1) << 4
+                } else {
+                    0
+                };
+                (nib | high) as i8
+            });
+            let a = d * sc[j] as f32;
+            let c = -(dmin * mn[j] as f32);
+            Block32 {
+                lv,
+                a: [a; 2],
+                c: [c; 2],
+            }
+        }
+        DType::Q6K => {
+            let d = f16_at(blk, 208);
+            let lv = std::array::from_fn(|l| {
+                let byte = blk[64 * n + 32 * (k & 1) + l];
+                let low = if k < 2 { byte & 0xF } else { byte >> 4 };
+                (low | (((blk[128 + 32 * n + l] >> (2 * k)) & 3) << 4)) as i8 - 32
+            });
+            let a = |g: usize| d * blk[192 + 8 * n + 2 * k + g] as i8 as f32;
+            Block32 {
+                lv,
+                a: [a(0), a(1)],
+                c: [0.0; 2],
+            }
+        }
+        DType::Q3K => {
+            let d = f16_at(blk, 108);
+            let lv = std::array::from_fn(|l| {
+                let q2 = ((blk[32 + 32 * n + l] >> (2 * k)) & 3) as i8;
+                if (blk[l] >> (4 * n + k)) & 1 == 1 {
+                    q2
+                } else {
+                    q2 - 4
+                }
+            });
+            let a = |g: usize| d * q3k_scale(8 * n + 2 * k + g, &blk[96..108]) as f32;
+            Block32 {
+                lv,
+                a: [a(0), a(1)],
+                c: [0.0; 2],
+            }
+        }
+        DType::Q2K => {
+            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+            let lv = std::array::from_fn(|l| ((blk[16 + 32 * n + l] >> (2 * k)) & 3) as i8);
+            let sc = |g: usize| blk[8 * n + 2 * k + g];
+            Block32 {
+                lv,
+                a: [d * (sc(0) & 0xF) as f32, d * (sc(1) & 0xF) as f32],
+                c: [-(dmin * (sc(0) >> 4) as f32), -(dmin * (sc(1) >> 4) as f32)],
+            }
+        }
+        DType::Iq4Xs => {
+            let d = f16_at(blk, 0);
+            let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+            let nib = nibbles_split(&blk[8 + 16 * j..24 + 16 * j]);
+            let a = d * iq4xs_scale(j, scales_h, &blk[4..8]) as f32;
+            Block32 {
+                lv: std::array::from_fn(|l| IQ4_LEVELS[nib[l] as usize]),
+                a: [a; 2],
+                c: [0.0; 2],
+            }
+        }
+        other => unreachable!("{other} is not a dtype of this module"),
+    }
+}
+
+/// The 32 nibbles of 16 bytes as q4_0 packs them: low nibbles first, then high.
+#[inline(always)]
+fn nibbles_split(qs: &[u8]) -> [u8; 32] {
+    std::array::from_fn(|j| if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 })
+}
+
+/// The plain-Rust kernels over [`Block32`]: integer sums per 16 values (loops shaped for
+/// LLVM's vectoriser), and the decoder used for prefill rows and embedding lookups.
+pub(crate) mod portable {
+    use super::*;
+
+    /// Σ lv·q over 16 values.
+    #[inline(always)]
+    fn isum16(lv: &[i8], q: &[i8]) -> i32 {
+        let lv: &[i8; 16] = lv.try_into().unwrap();
+        let q: &[i8; 16] = q.try_into().unwrap();
+        let mut s = 0i32;
+        for i in 0..16 {
+            s += lv[i] as i32 * q[i] as i32;
+        }
+        s
+    }
+
+    pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
+        let mut sum = 0f32;
+        for b in 0..x.d.len() {
+            let blk = block32(dtype, row, b);
+            let q = &x.q[32 * b..32 * b + 32];
+            for g in 0..2 {
+                let i = isum16(&blk.lv[16 * g..16 * g + 16], &q[16 * g..16 * g + 16]);
+                sum += blk.a[g] * x.d[b] * i as f32 + blk.c[g] * x.s16[2 * b + g];
+            }
+        }
+        sum
+    }
+
+    /// Decodes one weight row (whole blocks) into `out`, bit for bit as
+    /// `weights_format::quant::dequantize` does.
+    pub(crate) fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+        for (b, o) in out.chunks_exact_mut(32).enumerate() {
+            let blk = block32(dtype, row, b);
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = blk.a[j / 16] * blk.lv[j] as f32 + blk.c[j / 16];
+            }
+        }
+    }
+}
+
+/// The AVX2 kernels: the levels of 32 values are formed in one register, `maddubs` multiplies
+/// them with the activations and adds pairs (16 × i16), `madd` applies the integer sub-block
+/// scales and adds pairs again (8 × i32, lanes 0–3 the first 16 values, 4–7 the next), and one
+/// FMA per 32 values applies `d_weight · d_activation`. Loads go through `bytemuck` (arrays to
+/// vectors), so nothing here is `unsafe`: the intrinsics are safe inside functions compiled
+/// with the features they need.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn load256(s: &[u8]) -> __m256i {
+        let a: [u8; 32] = s[..32].try_into().unwrap();
+        bytemuck::cast(a)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn load256_i8(s: &[i8]) -> __m256i {
+        let a: [i8; 32] = s[..32].try_into().unwrap();
+        bytemuck::cast(a)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn load128(s: &[u8]) -> __m128i {
+        let a: [u8; 16] = s[..16].try_into().unwrap();
+        bytemuck::cast(a)
+    }
+
+    /// `acc + f · Σ_pairs sc16 · (Σ_pairs lv · q)`: 32 unsigned levels (≤ 63) times 32
+    /// activations, each 16-bit lane pair scaled by `sc16`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn step(acc: __m256, lv: __m256i, q: __m256i, sc16: __m256i, f: f32) -> __m256 {
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, q), sc16);
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f), acc)
+    }
+
+    /// [`step`] for signed levels (the iq4 tables): |lv| times q with lv's sign.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn step_signed(acc: __m256, lv: __m256i, q: __m256i, sc16: __m256i, f: f32) -> __m256 {
+        step(
+            acc,
+            _mm256_sign_epi8(lv, lv),
+            _mm256_sign_epi8(q, lv),
+            sc16,
+            f,
+        )
+    }
+
+    /// i16 scale `a` for the first 16 values, `b` for the next 16.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn halves(a: i16, b: i16) -> __m256i {
+        _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a))
+    }
+
+    /// Byte j is 0xFF when bit j of `bits` is set.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn bytes_from_bits(bits: u32) -> __m256i {
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        // Set every bit but bit (j % 8) of byte j: all ones exactly when that bit was set.
+        let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1))
+    }
+
+    /// The 32 nibbles of 16 bytes, low nibbles first (values 0–15), then high (16–31).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn nibbles_split(qs: &[u8]) -> __m256i {
+        let v = load128(qs);
+        let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+        _mm256_and_si256(both, _mm256_set1_epi8(0xF))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn iq4_table() -> __m256i {
+        let t: __m128i = bytemuck::cast(IQ4_LEVELS);
+        _mm256_set_m128i(t, t)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        // The offset and min terms: Σ (per 16 or 32 values) coefficient · d·Σq.
+        let mut offsets = 0f32;
+        let ones = _mm256_set1_epi16(1);
+        let low4 = _mm256_set1_epi8(0xF);
+        let low2 = _mm256_set1_epi8(3);
+        let bit = _mm256_set1_epi8(1);
+        let qx = |b: usize| load256_i8(&x.q[32 * b..32 * b + 32]);
+        let s32 = |b: usize| x.s16[2 * b] + x.s16[2 * b + 1];
+        match dtype {
+            DType::Q5_0 | DType::Q5_1 => {
+                let (bb, qs) = if dtype == DType::Q5_0 {
+                    (22, 6)
+                } else {
+                    (24, 8)
+                };
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    let d = f16_at(blk, 0);
+                    let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
+                    let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
+                    let lv = _mm256_or_si256(nibbles_split(&blk[qs..qs + 16]), high);
+                    acc = step(acc, lv, qx(b), ones, d * x.d[b]);
+                    offsets += if dtype == DType::Q5_0 {
+                        -16.0 * d * s32(b)
+                    } else {
+                        f16_at(blk, 2) * s32(b)
+                    };
+                }
+            }
+            DType::Iq4Nl => {
+                let table = iq4_table();
+                for (b, blk) in row.chunks_exact(18).enumerate() {
+                    let lv = _mm256_shuffle_epi8(table, nibbles_split(&blk[2..18]));
+                    acc = step_signed(acc, lv, qx(b), ones, f16_at(blk, 0) * x.d[b]);
+                }
+            }
+            DType::Iq4Xs => {
+                let table = iq4_table();
+                for (sb, blk) in row.chunks_exact(136).enumerate() {
+                    let d = f16_at(blk, 0);
+                    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+                    for j in 0..8 {
+                        let b = 8 * sb + j;
+                        let lv = _mm256_shuffle_epi8(table, nibbles_split(&blk[8 + 16 * j..]));
+                        let s = _mm256_set1_epi16(iq4xs_scale(j, scales_h, &blk[4..8]) as i16);
+                        acc = step_signed(acc, lv, qx(b), s, d * x.d[b]);
+                    }
+                }
+            }
+            DType::Q4K | DType::Q5K => {
+                let five = dtype == DType::Q5K;
+                let (bb, qs) = if five { (176, 48) } else { (144, 16) };
+                for (sb, blk) in row.chunks_exact(bb).enumerate() {
+                    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                    let (sc, mn) = k4_scales(&blk[4..16]);
+                    let qh = if five {
+                        load256(&blk[16..48])
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for c in 0..4 {
+                        let bits = load256(&blk[qs + 32 * c..]);
+                        let mut lo = _mm256_and_si256(bits, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+                        if five {
+                            // Bits 2c and 2c+1 of qh[l] as 16.
+                            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32));
+                            let h_lo = _mm256_slli_epi16(_mm256_and_si256(h, bit), 4);
+                            let h_hi = _mm256_slli_epi16(
+                                _mm256_and_si256(_mm256_srli_epi16(h, 1), bit),
+                                4,
+                            );
+                            lo = _mm256_or_si256(lo, h_lo);
+                            hi = _mm256_or_si256(hi, h_hi);
+                        }
+                        for (half, lv) in [(0, lo), (1, hi)] {
+                            let j = 2 * c + half;
+                            let b = 8 * sb + j;
+                            let s = _mm256_set1_epi16(sc[j] as i16);
+                            acc = step(acc, lv, qx(b), s, d * x.d[b]);
+                            offsets -= dmin * mn[j] as f32 * s32(b);
+                        }
+                    }
+                }
+            }
+            DType::Q6K => {
+                for (sb, blk) in row.chunks_exact(210).enumerate() {
+                    let d = f16_at(blk, 208);
+                    let sc: [i8; 16] =
+                        bytemuck::cast(<[u8; 16]>::try_from(&blk[192..208]).unwrap());
+                    for n in 0..2 {
+                        let ql0 = load256(&blk[64 * n..]);
+                        let ql1 = load256(&blk[64 * n + 32..]);
+                        let qh = load256(&blk[128 + 32 * n..]);
+                        let high = |shift: i32| {
+                            let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift));
+                            _mm256_slli_epi16(_mm256_and_si256(h, low2), 4)
+                        };
+                        let lvs = [
+                            _mm256_or_si256(_mm256_and_si256(ql0, low4), high(0)),
+                            _mm256_or_si256(_mm256_and_si256(ql1, low4), high(2)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                high(4),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                high(6),
+                            ),
+                        ];
+                        for (k, lv) in lvs.into_iter().enumerate() {
+                            let j = 4 * n + k;
+                            let b = 8 * sb + j;
+                            let (sa, sbb) = (sc[8 * n + 2 * k], sc[8 * n + 2 * k + 1]);
+                            acc = step(acc, lv, qx(b), halves(sa as i16, sbb as i16), d * x.d[b]);
+                            offsets -= 32.0
+                                * d
+                                * (sa as f32 * x.s16[2 * b] + sbb as f32 * x.s16[2 * b + 1]);
+                        }
+                    }
+                }
+            }
+            DType::Q3K => {
+                for (sb, blk) in row.chunks_exact(110).enumerate() {
+                    let d = f16_at(blk, 108);
+                    let scales = &blk[96..108];
+                    let hm = load256(&blk[0..32]);
+                    for n in 0..2 {
+                        let qs = load256(&blk[32 + 32 * n..]);
+                        for k in 0..4 {
+                            let shift = _mm_cvtsi32_si128(2 * k as i32);
+                            let q2 = _mm256_and_si256(_mm256_srl_epi16(qs, shift), low2);
+                            let hshift = _mm_cvtsi32_si128((4 * n + k) as i32);
+                            let h = _mm256_and_si256(_mm256_srl_epi16(hm, hshift), bit);
+                            let lv = _mm256_or_si256(q2, _mm256_slli_epi16(h, 2));
+                            let j = 4 * n + k;
+                            let b = 8 * sb + j;
+                            let sa = q3k_scale(8 * n + 2 * k, scales);
+                            let sbb = q3k_scale(8 * n + 2 * k + 1, scales);
+                            acc = step(acc, lv, qx(b), halves(sa as i16, sbb as i16), d * x.d[b]);
+                            offsets -= 4.0
+                                * d
+                                * (sa as f32 * x.s16[2 * b] + sbb as f32 * x.s16[2 * b + 1]);
+                        }
+                    }
+                }
+            }
+            DType::Q2K => {
+                for (sb, blk) in row.chunks_exact(84).enumerate() {
+                    let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+                    for n in 0..2 {
+                        let qs = load256(&blk[16 + 32 * n..]);
+                        for k in 0..4 {
+                            let shift = _mm_cvtsi32_si128(2 * k as i32);
+                            let lv = _mm256_and_si256(_mm256_srl_epi16(qs, shift), low2);
+                            let j = 4 * n + k;
+                            let b = 8 * sb + j;
+                            let (sa, sbb) = (blk[8 * n + 2 * k], blk[8 * n + 2 * k + 1]);
+                            let s = halves((sa & 0xF) as i16, (sbb & 0xF) as i16);
+                            acc = step(acc, lv, qx(b), s, d * x.d[b]);
+                            offsets -= dmin
+                                * ((sa >> 4) as f32 * x.s16[2 * b]
+                                    + (sbb >> 4) as f32 * x.s16[2 * b + 1]);
+                        }
+                    }
+                }
+            }
+            other => unreachable!("{other} is not handled here"),
+        }
+        hsum(acc) + offsets
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        /// Uniform in [-0.5, 0.5).
+        fn uniform(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        }
+    }
+
+    /// Byte offsets of the f16 fields of each block layout (random bytes there could be NaN).
+    fn f16_fields(dtype: DType) -> &'static [usize] {
+        match dtype {
+            DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+            DType::Q2K => &[80, 82],
+            DType::Q3K => &[108],
+            DType::Q6K => &[208],
+            _ => &[0],
+        }
+    }
+
+    /// `rows` weight rows of `cols` values: random levels and scales, ordinary f16 fields.
+    fn random_rows(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+        let len = rows * cols / dtype.block_len() * dtype.block_bytes();
+        let mut bytes: Vec<u8> = (0..len).map(|_| (rng.next() >> 56) as u8).collect();
+        for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
+            for &at in f16_fields(dtype) {
+                let v = half::f16::from_f32(rng.uniform() * 0.02);
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    const DTYPES: [DType; 9] = [
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Iq4Nl,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Iq4Xs,
+    ];
+
+    #[test]
+    fn handles_exactly_the_new_quantized_dtypes() {
+        for d in DType::ALL {
+            assert_eq!(handles(d), DTYPES.contains(&d), "{d}");
+        }
+    }
+
+    #[test]
+    fn dot_products_match_the_dequantize_then_f32_reference() {
+        // The kernels compute the dot product of the stored weights with the activations
+        // rounded to 8 bits per 32 values, |x − x̂| ≤ max|x|/254 per block, so their distance to
+        // the f32 reference is at most Σ_blocks max|x|/254 · Σ|w| (plus f32 rounding, bounded
+        // here by 1e-5 of Σ|w·x|). The AVX2 and portable kernels differ only in the order of
+        // their f32 sums (tolerance 1e-5 of Σ|w·x̂|).
+        let (rows, cols) = (24, 512);
+        let mut rng = Rng(0x5DEE_CE66_D1CE_4E5B);
+        for dtype in DTYPES {
+            let w = random_rows(dtype, rows, cols, &mut rng);
+            // Activations of very different magnitudes from block to block, one row at a time.
+            let x: Vec<f32> = (0..cols)
+                .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
+                .collect();
+            let mut xq = QuantizedActs::default();
+            xq.quantize(&x, cols);
+            let row_bytes = w.len() / rows;
+            let (mut worst_ref, mut worst_bound, mut worst_port) = (0f64, 0f64, 0f64);
+            for wr in w.chunks_exact(row_bytes) {
+                let mut dense = vec![0f32; cols];
+                weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
+                let reference = reference_dot(dtype, wr, &x);
+                let magnitude: f64 = dense
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (a * b).abs() as f64)
+                    .sum();
+                let rounding: f64 = dense
+                    .chunks_exact(32)
+                    .zip(x.chunks_exact(32))
+                    .map(|(wb, xb)| {
+                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                        amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+                    })
+                    .sum();
+                let bound = rounding * 1.001 + 1e-5 * magnitude;
+                let fast = dot(dtype, wr, xq.row(0)) as f64;
+                let port = portable::dot(dtype, wr, xq.row(0)) as f64;
+                assert!(
+                    (fast - reference).abs() <= bound,
+                    "{dtype}: fast {fast} reference {reference} bound {bound}"
+                );
+                assert!(
+                    (fast - port).abs() <= 1e-5 * magnitude.max(1e-30),
+                    "{dtype}: fast {fast} portable {port}"
+                );
+                let rel = |v: f64| v / magnitude.max(1e-30);
+                worst_ref = worst_ref.max(rel((fast - reference).abs()));
+                worst_bound = worst_bound.max((fast - reference).abs() / bound);
+                worst_port = worst_port.max(rel((fast - port).abs()));
+            }
+            println!(
+                "{dtype}: max |dot - reference| / Σ|w·x| = {worst_ref:.2e} ({:.0} % of the \
+                 8-bit activation bound); |avx2 - portable| / Σ|w·x| = {worst_port:.1e}",
+                worst_bound * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn decoded_rows_are_bit_for_bit_the_reference_decoder() {
+        let mut rng = Rng(77);
+        for dtype in DTYPES {
+            let w = random_rows(dtype, 3, 512, &mut rng);
+            let mut ours = vec![0f32; 3 * 512];
+            for (o, r) in ours.chunks_exact_mut(512).zip(w.chunks_exact(w.len() / 3)) {
+                portable::dequantize_row(dtype, r, o);
+            }
+            let mut reference = vec![0f32; 3 * 512];
+            weights_format::quant::dequantize(dtype, &w, &mut reference).unwrap();
+            // == rather than bits: a zero may come out as -0.0 on one side.
+            assert!(ours == reference, "{dtype}");
+        }
+    }
+
+    #[test]
+    fn activation_rounding_is_within_half_a_step() {
+        let mut rng = Rng(3);
+        let x: Vec<f32> = (0..256)
+            .map(|i| rng.uniform() * (1 + i / 32) as f32)
+            .collect();
+        let mut xq = QuantizedActs::default();
+        xq.quantize(&x, 256);
+        let r = xq.row(0);
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (j, v) in xb.iter().enumerate() {
+                let back = r.d[b] * r.q[32 * b + j] as f32;
+                assert!((v - back).abs() <= amax / 254.0 * 1.0001, "{v} vs {back}");
+            }
+            for g in 0..2 {
+                let sum: f32 = (0..16)
+                    .map(|j| r.d[b] * r.q[32 * b + 16 * g + j] as f32)
+                    .sum();
+                assert!((sum - r.s16[2 * b + g]).abs() <= 1e-5 * amax * 16.0);
+            }
+        }
+    }
+
+    #[test]
+    fn k4_scale_words_match_the_reference_unpacking() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..1000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mut packed = [0u8; 12];
+            packed[..8].copy_from_slice(&state.to_le_bytes());
+            packed[8..].copy_from_slice(&(state >> 17).to_le_bytes()[..4]);
+            let (sc, mn) = k4_scales(&packed);
+            for j in 0..8 {
+                assert_eq!(
+                    (sc[j], mn[j]),
+                    weights_format::quant::k4_scale_min(j, &packed),
+                    "{packed:?} sub-block {j}"
+                );
+            }
+        }
+    }
+}
