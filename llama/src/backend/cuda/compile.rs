@@ -12,7 +12,16 @@ use crate::LlamaError;
 
 /// The kernels of the backend, compiled as one module.
 pub(super) const OPS_SOURCE: &str = include_str!("kernels/ops.cu");
-const OPS_FILE: &str = "llama/src/backend/cuda/kernels/ops.cu";
+/// The kernels of the dtypes added with the k-quants: compiled in the same program, after
+/// ops.cu, whose helpers they use.
+pub(super) const KQUANTS_SOURCE: &str = include_str!("kernels/kquants.cu");
+const OPS_FILE: &str = "llama/src/backend/cuda/kernels/{ops,kquants}.cu";
+
+/// The source NVRTC compiles: ops.cu, then kquants.cu (a `#line` directive keeps the compiler's
+/// messages pointing at the right file and line).
+pub(super) fn program_source() -> String {
+    format!("{OPS_SOURCE}\n#line 1 \"kquants.cu\"\n{KQUANTS_SOURCE}")
+}
 
 /// FNV-1a: stable across Rust versions and platforms, unlike `DefaultHasher`, so cache file
 /// names stay valid between builds.
@@ -64,9 +73,10 @@ pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaE
     })?;
     let (nv_major, nv_minor) = nvrtc_version()?;
     let arch = format!("compute_{major}{minor}");
+    let source = program_source();
     let file_name = format!(
         "ops-{:016x}-{arch}-nvrtc{nv_major}.{nv_minor}.ptx",
-        fnv1a64(OPS_SOURCE.as_bytes())
+        fnv1a64(source.as_bytes())
     );
     let cached = kernel_cache_dir().map(|d| d.join(&file_name));
     if let Some(path) = &cached
@@ -89,7 +99,7 @@ pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaE
         name: Some("ops.cu".into()),
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(OPS_SOURCE, opts).map_err(|e| LlamaError::Device {
+    let ptx = compile_ptx_with_opts(&source, opts).map_err(|e| LlamaError::Device {
         message: match e {
             CompileError::CompileError { nvrtc, log, .. } => format!(
                 "NVRTC {nv_major}.{nv_minor} could not compile {OPS_FILE} for {arch} ({nvrtc:?}):\n{}",
@@ -149,5 +159,73 @@ mod tests {
         assert!(OPS_SOURCE.contains("MATMUL_Q_KERNELS(matmul_q4_1, 5)"));
         assert!(OPS_SOURCE.contains("extern \"C\" __global__ void rope_store_kv("));
         assert!(OPS_SOURCE.contains("extern \"C\" __global__ void quantize_x16("));
+        let program = program_source();
+        assert!(program.starts_with(OPS_SOURCE) && program.ends_with(KQUANTS_SOURCE));
+        for kernel in ["kq_embed_rows", "kq_dequant_f32", "kq_dequant_f16"] {
+            assert!(
+                KQUANTS_SOURCE.contains(&format!("extern \"C\" __global__ void {kernel}(")),
+                "{kernel}"
+            );
+        }
+    }
+
+    #[test]
+    fn nvrtc_compiles_the_program_when_asked() {
+        // Opt-in (GDSLLM_NVRTC_TESTS=1), like the GPU tests, and failing when set without the
+        // NVRTC library: compiling needs libnvrtc only, no GPU, so it catches a kernel source
+        // that does not compile on any machine that has the library (e.g. from the PyPI wheel
+        // nvidia-cuda-nvrtc, on LD_LIBRARY_PATH).
+        if std::env::var("GDSLLM_NVRTC_TESTS").as_deref() != Ok("1") {
+            eprintln!("skipped: set GDSLLM_NVRTC_TESTS=1 (and LD_LIBRARY_PATH to libnvrtc)");
+            return;
+        }
+        // SAFETY: only tries to dlopen libnvrtc (cudarc panics on a call into a missing one).
+        assert!(
+            unsafe { cudarc::nvrtc::sys::is_culib_present() },
+            "GDSLLM_NVRTC_TESTS=1 but libnvrtc is not loadable"
+        );
+        let (major, minor) = nvrtc_version().unwrap();
+        for arch in ["compute_80", "compute_90"] {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+                name: Some("ops.cu".into()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(program_source(), opts).unwrap_or_else(|e| match e {
+                CompileError::CompileError { log, .. } => {
+                    panic!("NVRTC {major}.{minor}, {arch}:\n{}", log.to_string_lossy())
+                }
+                other => panic!("NVRTC {major}.{minor}, {arch}: {other}"),
+            });
+            let text = ptx.to_src();
+            for dtype in super::super::DTYPES_BY_CODE {
+                let entry = format!(".entry matmul_{}_r1", dtype.name());
+                assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
+            }
+            println!("NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX", text.len());
+        }
+    }
+
+    #[test]
+    fn every_matmul_kernel_the_backend_loads_is_in_the_source() {
+        // `Kernels::load` loads `matmul_<dtype>_r1` and `_r8` for every dtype, by its code;
+        // the kernels are stamped out by macros with the same code.
+        let program = program_source();
+        for (code, dtype) in super::super::DTYPES_BY_CODE.iter().enumerate() {
+            let name = format!("matmul_{}", dtype.name());
+            let stamped = [
+                format!("MATMUL_KERNELS({name}, {code})"),
+                format!("MATMUL_Q_KERNELS({name}, {code})"),
+                format!("MATMUL_KQ_KERNELS({name}, KQ_{})", dtype.name().to_uppercase()),
+            ];
+            assert!(
+                stamped.iter().any(|s| program.contains(s.as_str())),
+                "no kernel {name} with code {code}"
+            );
+            if code >= 6 {
+                let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
+                assert!(KQUANTS_SOURCE.contains(&define), "{define}");
+            }
+        }
     }
 }

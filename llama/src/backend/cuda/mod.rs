@@ -1,5 +1,6 @@
 //! The CUDA backend (feature `cuda`): f32 activations in device memory, an f16 KV cache, and
-//! kernels compiled by NVRTC from `kernels/ops.cu` on first use (see [`compile`]).
+//! kernels compiled by NVRTC from `kernels/ops.cu` and `kernels/kquants.cu` on first use (see
+//! [`compile`]).
 //!
 //! Weights: ops receive [`WeightView`]s over host bytes (the trait is shared with the CPU
 //! backend). [`CudaBackend::upload_weights`] copies every blob to device memory once and
@@ -103,16 +104,37 @@ pub const CUBLAS_MIN_ROWS: usize = 16;
 /// head, so even 8 heads fill the GPU.
 const ATT_SPLIT: usize = 128;
 
-/// The dtype codes of `kernels/ops.cu`.
+/// The dtypes in the order of their codes in `kernels/ops.cu` (0–5) and `kernels/kquants.cu`
+/// (6–14).
+pub(crate) const DTYPES_BY_CODE: [DType; 15] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Iq4Nl,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Iq4Xs,
+];
+
+/// The dtype codes of the kernels.
 fn dtype_code(dtype: DType) -> i32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Bf16 => 2,
-        DType::Q8_0 => 3,
-        DType::Q4_0 => 4,
-        DType::Q4_1 => 5,
-    }
+    DTYPES_BY_CODE
+        .iter()
+        .position(|d| *d == dtype)
+        .expect("every dtype has a code") as i32
+}
+
+/// Whether the embedding and dequantization kernels of `kernels/kquants.cu` handle `dtype`.
+fn kq_kernels(dtype: DType) -> bool {
+    dtype_code(dtype) >= 6
 }
 
 /// Whether this machine can run the CUDA backend at all (driver and NVRTC libraries loadable
@@ -159,8 +181,12 @@ struct Kernels {
     dequant_f16: CudaFunction,
     dequant_f32: CudaFunction,
     quantize_x16: CudaFunction,
+    /// `embed_rows`, `dequant_f32` and `dequant_f16` for the dtypes of `kquants.cu`.
+    kq_embed_rows: CudaFunction,
+    kq_dequant_f32: CudaFunction,
+    kq_dequant_f16: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for [`MM_ROWS`].
-    matmul: [[CudaFunction; 2]; 6],
+    matmul: [[CudaFunction; 2]; 15],
 }
 
 impl Kernels {
@@ -187,14 +213,18 @@ impl Kernels {
             dequant_f16: f("dequant_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
-            matmul: [
-                [f("matmul_f32_r1")?, f("matmul_f32_r8")?],
-                [f("matmul_f16_r1")?, f("matmul_f16_r8")?],
-                [f("matmul_bf16_r1")?, f("matmul_bf16_r8")?],
-                [f("matmul_q8_0_r1")?, f("matmul_q8_0_r8")?],
-                [f("matmul_q4_0_r1")?, f("matmul_q4_0_r8")?],
-                [f("matmul_q4_1_r1")?, f("matmul_q4_1_r8")?],
-            ],
+            kq_embed_rows: f("kq_embed_rows")?,
+            kq_dequant_f32: f("kq_dequant_f32")?,
+            kq_dequant_f16: f("kq_dequant_f16")?,
+            matmul: DTYPES_BY_CODE
+                .iter()
+                .map(|d| {
+                    let name = format!("matmul_{}", d.name());
+                    Ok([f(&format!("{name}_r1"))?, f(&format!("{name}_r8"))?])
+                })
+                .collect::<Result<Vec<_>, LlamaError>>()?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
         })
     }
 }
@@ -855,8 +885,11 @@ impl CudaBackend {
     /// allocation of raw bytes.
     fn dequantize(&self, w: &WeightView<'_>, w_ptr: u64, to: DType) -> Option<CudaSlice<u8>> {
         let n = w.rows * w.cols;
+        let kq = kq_kernels(w.dtype);
         let (kernel, elem) = match to {
+            DType::F32 if kq => (&self.kernels.kq_dequant_f32, 4),
             DType::F32 => (&self.kernels.dequant_f32, 4),
+            _ if kq => (&self.kernels.kq_dequant_f16, 2),
             _ => (&self.kernels.dequant_f16, 2),
         };
         // Not zeroed first: that would be one more pass over the matrix.
@@ -869,9 +902,10 @@ impl CudaBackend {
         let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
         let mut b = self.stream.launch_builder(kernel);
         b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
-        // SAFETY: the weight holds n_blocks blocks of 32 values of its dtype (checked when the
-        // view was made; rows of a model are whole multiples of 32) and `tmp` room for
-        // n_blocks·32 values of `to`; eight values per thread.
+        // SAFETY: the weight holds n_blocks·32 values in whole blocks of its dtype (checked when
+        // the view was made: rows of 32-value block dtypes are multiples of 32, of super-block
+        // dtypes multiples of 256) and `tmp` room for n_blocks·32 values of `to`; eight values
+        // per thread.
         let r = unsafe { b.launch(self.elementwise(n / 8)) };
         self.check("dequant kernel", r)?;
         Some(tmp)
@@ -1170,7 +1204,12 @@ impl Backend for CudaBackend {
             dtype_code(table.dtype),
             table.cols as i32,
         );
-        let mut b = self.stream.launch_builder(&self.kernels.embed_rows);
+        let kernel = if kq_kernels(table.dtype) {
+            &self.kernels.kq_embed_rows
+        } else {
+            &self.kernels.embed_rows
+        };
+        let mut b = self.stream.launch_builder(kernel);
         b.arg(&w.ptr)
             .arg(&row_bytes)
             .arg(&dtype)
