@@ -202,7 +202,10 @@ mod tests {
                 let entry = format!(".entry matmul_{}_r1", dtype.name());
                 assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
             }
-            println!("NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX", text.len());
+            println!(
+                "NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX",
+                text.len()
+            );
         }
     }
 
@@ -216,7 +219,10 @@ mod tests {
             let stamped = [
                 format!("MATMUL_KERNELS({name}, {code})"),
                 format!("MATMUL_Q_KERNELS({name}, {code})"),
-                format!("MATMUL_KQ_KERNELS({name}, KQ_{})", dtype.name().to_uppercase()),
+                format!(
+                    "MATMUL_KQ_KERNELS({name}, KQ_{})",
+                    dtype.name().to_uppercase()
+                ),
             ];
             assert!(
                 stamped.iter().any(|s| program.contains(s.as_str())),
