@@ -343,7 +343,7 @@ pub fn q4_k_m_dtype(name: &str, layer: Option<usize>, n_layers: usize, cols: u64
     use weights_format::names::*;
     let more_bits = |i: usize| {
         let n = n_layers;
-        i < n / 8 || i >= 7 * n / 8 || (i >= n / 8 && (i - n / 8) % 3 == 2)
+        i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
     };
     let wanted = match (name, layer) {
         (ATTN_NORM | FFN_NORM | OUTPUT_NORM, _) => return DType::F32,
@@ -455,4 +455,38 @@ fn write_model_like(
         format!("gdsllm-convert testing ({what})").into(),
     );
     writer.finish(config.clone(), "tokenizer.json", None, source)
+}
+
+/// Byte offsets of the f16 fields (scales, mins) in a block of each quantized dtype.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[0],
+    }
+}
+
+/// `n_blocks` blocks of a quantized `dtype` with random levels and sub-block scales and
+/// ordinary f16 fields (uniform in ±0.01; random bytes there could be NaN or huge): test
+/// inputs for the decoders and kernels of every layout, the decode-only ones included.
+pub fn random_blocks(dtype: DType, n_blocks: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut bytes: Vec<u8> = (0..n_blocks * dtype.block_bytes())
+        .map(|_| (next() >> 56) as u8)
+        .collect();
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &at in f16_fields(dtype) {
+            let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02;
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
 }

@@ -18,18 +18,6 @@ use gdsllm_convert::{ConvertOptions, NoProgress, convert};
 use weights_format::layout::{self, TensorRole};
 use weights_format::{DType, Model, ModelConfig, quant};
 
-/// Byte offsets of the f16 fields (scales, mins) of each quantized block layout: random bytes
-/// there could be NaN or huge, so the test writes ordinary values instead.
-fn f16_fields(dtype: DType) -> &'static [usize] {
-    match dtype {
-        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
-        DType::Q2K => &[80, 82],
-        DType::Q3K => &[108],
-        DType::Q6K => &[208],
-        _ => &[0],
-    }
-}
-
 /// max |a − b| over max |b|.
 fn relative_max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -47,13 +35,6 @@ fn relative_max_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn random_blocks_of_every_dtype_decode_like_gguf_py() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut state = 0x1234_5678_9abc_def1u64;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
     let quantized: Vec<DType> = DType::ALL
         .into_iter()
         .filter(|d| d.is_quantized())
@@ -61,15 +42,7 @@ fn random_blocks_of_every_dtype_decode_like_gguf_py() {
     let blocks = 64;
     let mut ours = BTreeMap::new();
     for &dtype in &quantized {
-        let mut bytes: Vec<u8> = (0..blocks * dtype.block_bytes())
-            .map(|_| (next() >> 56) as u8)
-            .collect();
-        for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
-            for &at in f16_fields(dtype) {
-                let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2;
-                block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-            }
-        }
+        let bytes = gdsllm_convert::testing::random_blocks(dtype, blocks, 0x1234_5678);
         let name = ggml_type_name(ggml_type_id(dtype));
         std::fs::write(tmp.path().join(format!("{name}.bin")), &bytes).unwrap();
         let mut values = vec![0f32; blocks * dtype.block_len()];

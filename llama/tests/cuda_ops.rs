@@ -485,16 +485,19 @@ fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
     (idx[0] as u32, logits[idx[0]] - logits[idx[1]])
 }
 
-/// Prefill logits within 1e-2 relative error of the CPU backend, then 16 greedy steps fed the
-/// CPU's token: the device's argmax must agree wherever the CPU's top-2 margin exceeds twice
-/// the logit difference seen at that step (below that, either token is numerically right).
-fn compare_model(dir: &std::path::Path, label: &str) {
+/// Prefill logits within 1e-2 relative error of the CPU backend on `cpu_dir` (the same model, or
+/// its f32 twin), then 16 greedy steps fed the CPU's token: the device's argmax must agree
+/// wherever the CPU's top-2 margin exceeds twice the logit difference seen at that step (below
+/// that, either token is numerically right).
+fn compare_model(dir: &std::path::Path, cpu_dir: &std::path::Path, label: &str) {
     let Some(be_check) = gpu() else { return };
     drop(be_check);
-    let model = weights_format::Model::open(dir).unwrap();
-    let meta = model.metadata().clone();
+    let meta = weights_format::Model::open(cpu_dir)
+        .unwrap()
+        .metadata()
+        .clone();
     let context = 128;
-    let cpu_weights = InMemoryWeights::read_dir(dir, &meta).unwrap();
+    let cpu_weights = InMemoryWeights::read_dir(cpu_dir, &meta).unwrap();
     let mut cpu = Llama::new(
         CpuBackend::new(),
         cpu_weights,
@@ -549,7 +552,7 @@ fn smollm2_shaped_q4_1_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
     };
-    compare_model(&dir, "smollm2-135m q4_1");
+    compare_model(&dir, &dir, "smollm2-135m q4_1");
 }
 
 #[test]
@@ -557,7 +560,7 @@ fn small_untied_f16_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(small_untied_shape(4), DType::F16, "small-f16") else {
         return;
     };
-    compare_model(&dir, "small f16 untied");
+    compare_model(&dir, &dir, "small f16 untied");
 }
 
 /// Without a GPU the backend is an error value, never a panic.
@@ -696,4 +699,32 @@ fn streamed_small_untied_f16_gives_the_resident_tokens() {
         return;
     };
     streamed_matches_resident(&dir, "small f16 untied");
+}
+
+/// A model in llama.cpp's Q4_K_M mix (q4_k, q6_k, and q5_0/q8_0 for ffn_down, whose 704-value
+/// rows are not whole super-blocks) of the small untied shape, and its f32 twin.
+fn gpu_q4_k_m_model(n_layers: usize) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    gpu()?;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("q4km");
+    let config = small_untied_shape(n_layers).config();
+    let model = gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.02, 7).unwrap();
+    gdsllm_convert::testing::write_f32_twin(&model, &tmp.path().join("f32")).unwrap();
+    Some((tmp, dir))
+}
+
+#[test]
+fn q4_k_m_mix_model_matches_its_f32_twin_on_cpu() {
+    let Some((tmp, dir)) = gpu_q4_k_m_model(4) else {
+        return;
+    };
+    compare_model(&dir, &tmp.path().join("f32"), "small q4_k_m mix");
+}
+
+#[test]
+fn streamed_q4_k_m_mix_gives_the_resident_tokens() {
+    let Some((_tmp, dir)) = gpu_q4_k_m_model(6) else {
+        return;
+    };
+    streamed_matches_resident(&dir, "small q4_k_m mix");
 }

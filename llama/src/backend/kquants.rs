@@ -602,28 +602,10 @@ mod tests {
         }
     }
 
-    /// Byte offsets of the f16 fields of each block layout (random bytes there could be NaN).
-    fn f16_fields(dtype: DType) -> &'static [usize] {
-        match dtype {
-            DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
-            DType::Q2K => &[80, 82],
-            DType::Q3K => &[108],
-            DType::Q6K => &[208],
-            _ => &[0],
-        }
-    }
-
     /// `rows` weight rows of `cols` values: random levels and scales, ordinary f16 fields.
     fn random_rows(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-        let len = rows * cols / dtype.block_len() * dtype.block_bytes();
-        let mut bytes: Vec<u8> = (0..len).map(|_| (rng.next() >> 56) as u8).collect();
-        for blk in bytes.chunks_exact_mut(dtype.block_bytes()) {
-            for &at in f16_fields(dtype) {
-                let v = half::f16::from_f32(rng.uniform() * 0.02);
-                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        bytes
+        let blocks = rows * cols / dtype.block_len();
+        gdsllm_convert::testing::random_blocks(dtype, blocks, rng.next())
     }
 
     const DTYPES: [DType; 9] = [
