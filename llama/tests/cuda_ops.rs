@@ -4,6 +4,9 @@
 //! these tests instead of skipping them). Needs the `cuda` feature.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::cuda::{MATMUL_TOL, check_matmul, down, gpu, max_rel_diff, up, via_f16};
 use llama::backend::cuda::{CudaBuf, open_resident};
 use llama::backend::{AttentionShape, rope_inv_freq};
 use llama::{
@@ -14,6 +17,8 @@ use rand::{RngExt, SeedableRng};
 use weights_format::DType;
 use weights_format::quant::quantize;
 
+/// The dtypes of `kernels/ops.cu` (those of format version 1; `cuda_kquants.rs` tests the
+/// others).
 const ALL: [DType; 6] = [
     DType::F32,
     DType::F16,
@@ -22,18 +27,6 @@ const ALL: [DType; 6] = [
     DType::Q4_0,
     DType::Q4_1,
 ];
-
-/// The backend on device 0, `None` (after saying so) unless `GDSLLM_GPU_TESTS=1`.
-fn gpu() -> Option<CudaBackend> {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
-        return None;
-    }
-    match CudaBackend::new(0) {
-        Ok(be) => Some(be),
-        Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
-    }
-}
 
 fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -45,34 +38,6 @@ fn weights(rng: &mut StdRng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> 
     bytes
 }
 
-/// Max |a-b| relative to the largest |b|.
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-        / scale
-}
-
-fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {
-    be.upload(data).expect("upload")
-}
-
-fn down(be: &CudaBackend, buf: &CudaBuf, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    be.read(buf, &mut out);
-    be.status().expect("CUDA ops succeeded");
-    out
-}
-
-/// f32 accumulation (in another order than the f64 reference) over up to 1536 products; for
-/// quantized weights on the kernel path also x as 16-bit integers per 32-value block (each
-/// value within 2^-16 of its block's largest, ~1e-5 of a dot product here).
-const MATMUL_TOL: f32 = 1e-4;
-/// Quantized weights through cuBLAS: each dequantized weight rounded to f16.
-const QUANT_GEMM_TOL: f32 = 2e-3;
 /// Elementwise ops and row reductions in f32.
 const ELEMENT_TOL: f32 = 1e-5;
 
@@ -83,39 +48,8 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
     for dtype in ALL {
         for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
             let w = weights(&mut rng, dtype, m, k);
-            let view = WeightView::host(dtype, m, k, &w);
             for rows in [1, 3, 8, 9, 33, 70] {
-                let x = random(&mut rng, rows * k);
-                // cuBLAS takes both operands in the weights' type: the reference gets x
-                // rounded the same way, so the tolerance stays that of f32 accumulation.
-                // f16 and quantized weights go there as f16 with x rounded to f16; bf16 ones
-                // as f32 with x as it is.
-                let via_cublas =
-                    rows >= llama::backend::cuda::CUBLAS_MIN_ROWS && dtype != DType::F32;
-                let x_ref: Vec<f32> = if via_cublas && dtype != DType::Bf16 {
-                    via_f16(&x)
-                } else {
-                    x.clone()
-                };
-                // Dequantized weights rounded to f16 (2^-11 relative each) add error that
-                // f32 accumulation alone does not have (bf16 converts exactly).
-                let tol = if via_cublas && !matches!(dtype, DType::F16 | DType::Bf16) {
-                    QUANT_GEMM_TOL
-                } else {
-                    MATMUL_TOL
-                };
-                let mut want = vec![0f32; rows * m];
-                ReferenceBackend.matmul(&x_ref, rows, view, &mut want);
-                let xd = up(&be, &x);
-                let mut out = be.alloc(rows * m);
-                be.matmul(&xd, rows, view, &mut out);
-                let got = down(&be, &out, rows * m);
-                let d = max_rel_diff(&got, &want);
-                println!(
-                    "matmul {dtype:?} [{m}x{k}] rows={rows}{}: max rel diff {d:.2e} (tol {tol:.0e})",
-                    if via_cublas { " (cuBLAS)" } else { "" }
-                );
-                assert!(d < tol, "matmul {dtype:?} {m}x{k} rows={rows}: {d}");
+                check_matmul(&be, WeightView::host(dtype, m, k, &w), rows, &mut rng);
             }
         }
     }
@@ -384,10 +318,6 @@ fn fused_launches_match_reference() {
     ));
     println!("rope_store_kv f16 caches: max rel diff {d:.2e} (tol 1e-3: one f16 rounding)");
     assert!(d < 1e-3, "rope_store_kv caches: {d}");
-}
-
-fn via_f16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect()
 }
 
 #[test]

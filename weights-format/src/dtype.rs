@@ -52,7 +52,8 @@ pub enum DType {
 pub const QK_K: usize = 256;
 
 impl DType {
-    /// Every dtype, in the order of their introduction.
+    /// Every dtype, in the order of their introduction. New dtypes go at the end: the CUDA
+    /// kernels number the dtypes by their position here.
     pub const ALL: [DType; 15] = [
         DType::F32,
         DType::F16,

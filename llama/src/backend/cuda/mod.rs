@@ -104,35 +104,16 @@ pub const CUBLAS_MIN_ROWS: usize = 16;
 /// head, so even 8 heads fill the GPU.
 const ATT_SPLIT: usize = 128;
 
-/// The dtypes in the order of their codes in `kernels/ops.cu` (0–5) and `kernels/kquants.cu`
-/// (6–14).
-pub(crate) const DTYPES_BY_CODE: [DType; 15] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Iq4Nl,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-    DType::Iq4Xs,
-];
-
-/// The dtype codes of the kernels.
+/// The dtype codes of the kernels: the position in [`DType::ALL`] (0–5 in `kernels/ops.cu`,
+/// 6–14 in `kernels/kquants.cu`).
 fn dtype_code(dtype: DType) -> i32 {
-    DTYPES_BY_CODE
+    DType::ALL
         .iter()
         .position(|d| *d == dtype)
-        .expect("every dtype has a code") as i32
+        .expect("DType::ALL has every dtype") as i32
 }
 
-/// Whether the embedding and dequantization kernels of `kernels/kquants.cu` handle `dtype`.
+/// Whether `dtype`'s embedding lookup is `kq_embed_rows` of `kernels/kquants.cu`.
 fn kq_kernels(dtype: DType) -> bool {
     dtype_code(dtype) >= 6
 }
@@ -181,10 +162,8 @@ struct Kernels {
     dequant_f16: CudaFunction,
     dequant_f32: CudaFunction,
     quantize_x16: CudaFunction,
-    /// `embed_rows`, `dequant_f32` and `dequant_f16` for the dtypes of `kquants.cu`.
+    /// `embed_rows` for the dtypes of `kquants.cu`.
     kq_embed_rows: CudaFunction,
-    kq_dequant_f32: CudaFunction,
-    kq_dequant_f16: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for [`MM_ROWS`].
     matmul: [[CudaFunction; 2]; 15],
 }
@@ -214,9 +193,7 @@ impl Kernels {
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
             kq_embed_rows: f("kq_embed_rows")?,
-            kq_dequant_f32: f("kq_dequant_f32")?,
-            kq_dequant_f16: f("kq_dequant_f16")?,
-            matmul: DTYPES_BY_CODE
+            matmul: DType::ALL
                 .iter()
                 .map(|d| {
                     let name = format!("matmul_{}", d.name());
@@ -885,11 +862,8 @@ impl CudaBackend {
     /// allocation of raw bytes.
     fn dequantize(&self, w: &WeightView<'_>, w_ptr: u64, to: DType) -> Option<CudaSlice<u8>> {
         let n = w.rows * w.cols;
-        let kq = kq_kernels(w.dtype);
         let (kernel, elem) = match to {
-            DType::F32 if kq => (&self.kernels.kq_dequant_f32, 4),
             DType::F32 => (&self.kernels.dequant_f32, 4),
-            _ if kq => (&self.kernels.kq_dequant_f16, 2),
             _ => (&self.kernels.dequant_f16, 2),
         };
         // Not zeroed first: that would be one more pass over the matrix.

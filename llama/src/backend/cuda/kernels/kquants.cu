@@ -3,8 +3,8 @@
 // program after ops.cu, whose helpers (h2f, f2h, load_u16, the matmul tile and store, the
 // 16-bit activation format of `quantize_x16_lanes`) they use. Layouts: weights-format/FORMAT.md.
 //
-// Dtype codes (must match `dtype_code` in cuda/mod.rs): 6 q5_0, 7 q5_1, 8 iq4_nl, 9 q2_k,
-// 10 q3_k, 11 q4_k, 12 q5_k, 13 q6_k, 14 iq4_xs.
+// Dtype codes (must match `dtype_code` in cuda/mod.rs: the order of `DType::ALL`): 6 q5_0,
+// 7 q5_1, 8 q2_k, 9 q3_k, 10 q4_k, 11 q5_k, 12 q6_k, 13 iq4_nl, 14 iq4_xs.
 //
 // Every kernel works on 32-value blocks: a super-block is 8 of them (its sub-block j = block
 // index % 8). `kq_block<DTYPE>` decodes one into 32 signed 8-bit levels (8 words, value 4t..4t+3
@@ -13,12 +13,12 @@
 
 #define KQ_Q5_0 6
 #define KQ_Q5_1 7
-#define KQ_IQ4_NL 8
-#define KQ_Q2_K 9
-#define KQ_Q3_K 10
-#define KQ_Q4_K 11
-#define KQ_Q5_K 12
-#define KQ_Q6_K 13
+#define KQ_Q2_K 8
+#define KQ_Q3_K 9
+#define KQ_Q4_K 10
+#define KQ_Q5_K 11
+#define KQ_Q6_K 12
+#define KQ_IQ4_NL 13
 #define KQ_IQ4_XS 14
 
 struct KqBlock {
@@ -28,7 +28,7 @@ struct KqBlock {
 };
 
 template <int DTYPE> __device__ __forceinline__ constexpr int kq_block_len() {
-    return DTYPE <= KQ_IQ4_NL ? 32 : 256;
+    return DTYPE == KQ_Q5_0 || DTYPE == KQ_Q5_1 || DTYPE == KQ_IQ4_NL ? 32 : 256;
 }
 template <int DTYPE> __device__ __forceinline__ constexpr int kq_block_bytes() {
     return DTYPE == KQ_Q5_0 ? 22 : DTYPE == KQ_Q5_1 ? 24 : DTYPE == KQ_IQ4_NL ? 18 : DTYPE == KQ_Q2_K ? 84
@@ -222,15 +222,8 @@ __device__ void matmul_kq_impl(const short* xq, const float4* xs, int rows, int 
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;
-            u64 xb = (u64)(r0 + r) * n_blocks + b;
             int xw[16];
-            const uint4* xp = (const uint4*)(xq + xb * 32);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                uint4 v = xp[i];
-                xw[4 * i] = v.x; xw[4 * i + 1] = v.y; xw[4 * i + 2] = v.z; xw[4 * i + 3] = v.w;
-            }
-            float4 s = xs[xb];
+            float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) acc[r][j] = kq_block_acc(q[j], xw, s, acc[r][j]);
         }
@@ -286,35 +279,12 @@ extern "C" __global__ void kq_embed_rows(const u8* table, u64 row_bytes, int dty
     }
 }
 
-// W as f32 or f16 for a cuBLAS GEMM (as `dequant_f32`/`dequant_f16`: eight values per thread,
-// grid over n_blocks·4 threads, 16-byte stores).
-__device__ __forceinline__ bool kq_dequant8(const u8* w, int dtype, u64 n_blocks, float* v, u64& at) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_blocks * 4) return false;
+// Values 8·i .. 8·i+7 of a weight (the part of `dequant_f32` / `dequant_f16` in ops.cu, which
+// decode a matrix for a cuBLAS GEMM, for these dtypes).
+__device__ void kq_values8(const u8* w, int dtype, u64 i, float* v) {
     KqBlock q;
     kq_block_any(w, dtype, i / 4, q);
     int p = (int)(i % 4) * 8;
 #pragma unroll
     for (int j = 0; j < 8; j++) v[j] = kq_value(q, p + j);
-    at = i * 8;
-    return true;
-}
-
-extern "C" __global__ void kq_dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
-    float v[8];
-    u64 at;
-    if (!kq_dequant8(w, dtype, n_blocks, v, at)) return;
-    float4* o = (float4*)(out + at);
-    o[0] = make_float4(v[0], v[1], v[2], v[3]);
-    o[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-extern "C" __global__ void kq_dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
-    float v[8];
-    u64 at;
-    if (!kq_dequant8(w, dtype, n_blocks, v, at)) return;
-    u32 h[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) h[j] = (u32)f2h(v[2 * j]) | ((u32)f2h(v[2 * j + 1]) << 16);
-    *(uint4*)(out + at) = make_uint4(h[0], h[1], h[2], h[3]);
 }

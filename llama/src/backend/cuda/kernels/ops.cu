@@ -2,7 +2,7 @@
 // built-in types), so halves are converted with PTX `cvt` and bf16 by shifting bits.
 //
 // Weight dtype codes (must match `DTYPE_*` in cuda/mod.rs):
-//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1.
+//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1; 6 and up: the dtypes of kquants.cu.
 // Block layouts (32 values): q8_0 = f16 d, i8 qs[32] (34 bytes); q4_0 = f16 d, u8 qs[16]
 // (18 bytes, x = (nibble - 8)·d); q4_1 = f16 d, f16 m, u8 qs[16] (20 bytes, x = nibble·d + m);
 // low nibbles are values 0..15, high nibbles 16..31.
@@ -470,15 +470,22 @@ __device__ __forceinline__ int block_bytes(int dtype) {
     return dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
 }
 
+// Values 8·i .. 8·i+7 of a weight of a dtype of kquants.cu (codes 6 and up), defined there.
+__device__ void kq_values8(const u8* w, int dtype, u64 i, float* v);
+
 // This thread's eight values (8·(i % 4).. of block i / 4, which start at value 8·i), false
 // past the end.
 __device__ __forceinline__ bool dequant8(const u8* w, int dtype, u64 n_blocks, float* v, u64& at) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks * 4) return false;
-    const u8* blk = w + (i / 4) * block_bytes(dtype);
-    int p = (int)(i % 4) * 8;
+    if (dtype >= 6) {
+        kq_values8(w, dtype, i, v);
+    } else {
+        const u8* blk = w + (i / 4) * block_bytes(dtype);
+        int p = (int)(i % 4) * 8;
 #pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
+        for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
+    }
     at = i * 8;
     return true;
 }
@@ -739,6 +746,18 @@ __device__ __forceinline__ float qblock_acc(const QBlock<5>& q, int dot, float4 
     return fmaf(h2f((u16)(q.w[0] >> 16)), xs.y, acc);
 }
 
+// Activation block `xb` in the format of `quantize_x16_lanes`: its 32 16-bit integers as 16
+// pairs (`xw`, four 16-byte loads), and its (d, Σx, Σq) record.
+__device__ __forceinline__ float4 x16_block(const short* xq, const float4* xs, u64 xb, int* xw) {
+    const uint4* xp = (const uint4*)(xq + xb * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 t = xp[i];
+        xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
+    }
+    return xs[xb];
+}
+
 // q8_0, q4_0 and q4_1 weights read as stored (no dequantized copy), with the activations of
 // `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
 template <int DTYPE, int NR>
@@ -761,15 +780,8 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;
-            u64 xb = (u64)(r0 + r) * n_blocks + b;
             int xw[16];
-            const uint4* xp = (const uint4*)(xq + xb * 32);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                uint4 t = xp[i];
-                xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
-            }
-            float4 s = xs[xb];
+            float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
         }
