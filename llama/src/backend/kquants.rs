@@ -142,124 +142,189 @@ struct Block32 {
     c: [f32; 2],
 }
 
-/// Block `b` (the 32 values from `32·b`) of a weight row of `dtype`.
-#[inline(always)]
-fn block32(dtype: DType, row: &[u8], b: usize) -> Block32 {
-    let bb = dtype.block_bytes();
-    if !dtype.is_super_block() {
-        let blk = &row[bb * b..bb * (b + 1)];
-        let d = f16_at(blk, 0);
-        let (qs, offset, a, c) = match dtype {
-            DType::Q5_0 => (6, -16, d, 0.0),
-            DType::Q5_1 => (8, 0, d, f16_at(blk, 2)),
-            _ => (2, 0, d, 0.0),
-        };
-        let nib = nibbles_split(&blk[qs..qs + 16]);
-        let lv: [i8; 32] = match dtype {
-            DType::Iq4Nl => std::array::from_fn(|j| IQ4_LEVELS[nib[j] as usize]),
-            _ => {
-                let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
-                std::array::from_fn(|j| (nib[j] | ((((qh >> j) & 1) as u8) << 4)) as i8 + offset)
-            }
-        };
-        return Block32 {
-            lv,
-            a: [a; 2],
-            c: [c; 2],
-        };
-    }
-    let (sb, j) = (b / 8, b % 8);
-    let blk = &row[bb * sb..bb * (sb + 1)];
-    let (n, k) = (j / 4, j % 4); // for the 16-value-scale types: half n, quarter k
-    match dtype {
-        DType::Q4K | DType::Q5K => {
-            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-            let (sc, mn) = k4_scales(&blk[4..16]);
-            let five = dtype == DType::Q5K;
-            let qs = if five { 48 } else { 16 };
-            let (c, half) = (j / 2, j % 2);
-            let bytes = &blk[qs + 32 * c..qs + 32 * c + 32];
-            let lv = std::array::from_fn(|l| {
-                let nib = if half == 0 {
-                    bytes[l] & 0xF
-                } else {
-                    bytes[l] >> 4
-                };
-                let high = if five {
-                    ((blk[16 + l] >> j) & 1) << 4
-                } else {
-                    0
-                };
-                (nib | high) as i8
-            });
-            let a = d * sc[j] as f32;
-            let c = -(dmin * mn[j] as f32);
-            Block32 {
-                lv,
-                a: [a; 2],
-                c: [c; 2],
-            }
-        }
-        DType::Q6K => {
-            let d = f16_at(blk, 208);
-            let lv = std::array::from_fn(|l| {
-                let byte = blk[64 * n + 32 * (k & 1) + l];
-                let low = if k < 2 { byte & 0xF } else { byte >> 4 };
-                (low | (((blk[128 + 32 * n + l] >> (2 * k)) & 3) << 4)) as i8 - 32
-            });
-            let a = |g: usize| d * blk[192 + 8 * n + 2 * k + g] as i8 as f32;
-            Block32 {
-                lv,
-                a: [a(0), a(1)],
-                c: [0.0; 2],
-            }
-        }
-        DType::Q3K => {
-            let d = f16_at(blk, 108);
-            let lv = std::array::from_fn(|l| {
-                let q2 = ((blk[32 + 32 * n + l] >> (2 * k)) & 3) as i8;
-                if (blk[l] >> (4 * n + k)) & 1 == 1 {
-                    q2
-                } else {
-                    q2 - 4
+/// A layout's decoder of one 32-value block (`(row, b) → Block32` for block `b`, the 32 values
+/// from `32·b`): one implementation per dtype, so that each kernel below is compiled for one
+/// layout with straight loops (a trait method with `inline(always)` is inlined where a function
+/// pointer or closure may not be).
+trait Layout {
+    fn block(row: &[u8], b: usize) -> Block32;
+}
+
+macro_rules! layouts {
+    ($($name:ident => $f:expr;)*) => {
+        $(
+            struct $name;
+            impl Layout for $name {
+                #[inline(always)]
+                fn block(row: &[u8], b: usize) -> Block32 {
+                    $f(row, b)
                 }
-            });
-            let a = |g: usize| d * q3k_scale(8 * n + 2 * k + g, &blk[96..108]) as f32;
-            Block32 {
-                lv,
-                a: [a(0), a(1)],
-                c: [0.0; 2],
             }
-        }
-        DType::Q2K => {
-            let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
-            let lv = std::array::from_fn(|l| ((blk[16 + 32 * n + l] >> (2 * k)) & 3) as i8);
-            let sc = |g: usize| blk[8 * n + 2 * k + g];
-            Block32 {
-                lv,
-                a: [d * (sc(0) & 0xF) as f32, d * (sc(1) & 0xF) as f32],
-                c: [-(dmin * (sc(0) >> 4) as f32), -(dmin * (sc(1) >> 4) as f32)],
-            }
-        }
-        DType::Iq4Xs => {
-            let d = f16_at(blk, 0);
-            let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
-            let nib = nibbles_split(&blk[8 + 16 * j..24 + 16 * j]);
-            let a = d * iq4xs_scale(j, scales_h, &blk[4..8]) as f32;
-            Block32 {
-                lv: std::array::from_fn(|l| IQ4_LEVELS[nib[l] as usize]),
-                a: [a; 2],
-                c: [0.0; 2],
-            }
-        }
-        other => unreachable!("{other} is not a dtype of this module"),
+        )*
+    };
+}
+
+layouts! {
+    Q5_0Layout => q5_block::<false>;
+    Q5_1Layout => q5_block::<true>;
+    Iq4NlLayout => iq4nl_block;
+    Q2KLayout => q2k_block;
+    Q3KLayout => q3k_block;
+    Q4KLayout => q45k_block::<false>;
+    Q5KLayout => q45k_block::<true>;
+    Q6KLayout => q6k_block;
+    Iq4XsLayout => iq4xs_block;
+}
+
+/// Signed levels with one scale for all 32 values and no offset.
+fn scaled(lv: [i8; 32], a: f32) -> Block32 {
+    Block32 {
+        lv,
+        a: [a; 2],
+        c: [0.0; 2],
     }
+}
+
+/// q5_0 (levels − 16) or q5_1 (`ONE`: levels, plus the min `m`).
+#[inline(always)]
+fn q5_block<const ONE: bool>(row: &[u8], b: usize) -> Block32 {
+    let (bytes, qs) = if ONE { (24, 8) } else { (22, 6) };
+    let blk = &row[bytes * b..bytes * (b + 1)];
+    let nib = nibbles_split(&blk[qs..qs + 16]);
+    let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
+    let offset = if ONE { 0 } else { -16 };
+    let mut lv = [0i8; 32];
+    for j in 0..32 {
+        lv[j] = ((nib[j] | ((((qh >> j) & 1) as u8) << 4)) as i8).wrapping_add(offset);
+    }
+    let c = if ONE { f16_at(blk, 2) } else { 0.0 };
+    Block32 {
+        lv,
+        a: [f16_at(blk, 0); 2],
+        c: [c; 2],
+    }
+}
+
+#[inline(always)]
+fn iq4nl_block(row: &[u8], b: usize) -> Block32 {
+    let blk = &row[18 * b..18 * (b + 1)];
+    let nib = nibbles_split(&blk[2..18]);
+    scaled(
+        std::array::from_fn(|j| IQ4_LEVELS[nib[j] as usize]),
+        f16_at(blk, 0),
+    )
+}
+
+/// The super-block of block `b`, and `b`'s sub-block index in it.
+#[inline(always)]
+fn super_block(row: &[u8], b: usize, bytes: usize) -> (&[u8], usize) {
+    (&row[bytes * (b / 8)..bytes * (b / 8 + 1)], b % 8)
+}
+
+#[inline(always)]
+fn q45k_block<const FIVE: bool>(row: &[u8], b: usize) -> Block32 {
+    let (blk, j) = super_block(row, b, if FIVE { 176 } else { 144 });
+    let (sc, mn) = k4_scales(&blk[4..16]);
+    let qs = if FIVE { 48 } else { 16 } + 32 * (j / 2);
+    let bytes: &[u8; 32] = blk[qs..qs + 32].try_into().unwrap();
+    let shift = 4 * (j % 2);
+    let mut lv = [0i8; 32];
+    for l in 0..32 {
+        lv[l] = ((bytes[l] >> shift) & 0xF) as i8;
+    }
+    if FIVE {
+        let qh: &[u8; 32] = blk[16..48].try_into().unwrap();
+        for l in 0..32 {
+            lv[l] |= (((qh[l] >> j) & 1) << 4) as i8;
+        }
+    }
+    let a = f16_at(blk, 0) * sc[j] as f32;
+    let c = -(f16_at(blk, 2) * mn[j] as f32);
+    Block32 {
+        lv,
+        a: [a; 2],
+        c: [c; 2],
+    }
+}
+
+#[inline(always)]
+fn q6k_block(row: &[u8], b: usize) -> Block32 {
+    let (blk, j) = super_block(row, b, 210);
+    let (n, k) = (j / 4, j % 4);
+    let ql: &[u8; 32] = blk[64 * n + 32 * (k & 1)..][..32].try_into().unwrap();
+    let qh: &[u8; 32] = blk[128 + 32 * n..][..32].try_into().unwrap();
+    let shift = if k < 2 { 0 } else { 4 };
+    let mut lv = [0i8; 32];
+    for l in 0..32 {
+        let high = ((qh[l] >> (2 * k)) & 3) << 4;
+        lv[l] = ((((ql[l] >> shift) & 0xF) | high) as i8).wrapping_sub(32);
+    }
+    let d = f16_at(blk, 208);
+    let a = |g: usize| d * blk[192 + 8 * n + 2 * k + g] as i8 as f32;
+    Block32 {
+        lv,
+        a: [a(0), a(1)],
+        c: [0.0; 2],
+    }
+}
+
+#[inline(always)]
+fn q3k_block(row: &[u8], b: usize) -> Block32 {
+    let (blk, j) = super_block(row, b, 110);
+    let (n, k) = (j / 4, j % 4);
+    let qs: &[u8; 32] = blk[32 + 32 * n..][..32].try_into().unwrap();
+    let hm: &[u8; 32] = blk[..32].try_into().unwrap();
+    let mut lv = [0i8; 32];
+    for l in 0..32 {
+        let high = ((hm[l] >> (4 * n + k)) & 1) << 2;
+        lv[l] = ((((qs[l] >> (2 * k)) & 3) | high) as i8).wrapping_sub(4);
+    }
+    let d = f16_at(blk, 108);
+    let a = |g: usize| d * q3k_scale(8 * n + 2 * k + g, &blk[96..108]) as f32;
+    Block32 {
+        lv,
+        a: [a(0), a(1)],
+        c: [0.0; 2],
+    }
+}
+
+#[inline(always)]
+fn q2k_block(row: &[u8], b: usize) -> Block32 {
+    let (blk, j) = super_block(row, b, 84);
+    let (n, k) = (j / 4, j % 4);
+    let qs: &[u8; 32] = blk[16 + 32 * n..][..32].try_into().unwrap();
+    let mut lv = [0i8; 32];
+    for l in 0..32 {
+        lv[l] = ((qs[l] >> (2 * k)) & 3) as i8;
+    }
+    let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+    let sc = |g: usize| blk[8 * n + 2 * k + g];
+    Block32 {
+        lv,
+        a: [d * (sc(0) & 0xF) as f32, d * (sc(1) & 0xF) as f32],
+        c: [-(dmin * (sc(0) >> 4) as f32), -(dmin * (sc(1) >> 4) as f32)],
+    }
+}
+
+#[inline(always)]
+fn iq4xs_block(row: &[u8], b: usize) -> Block32 {
+    let (blk, j) = super_block(row, b, 136);
+    let nib = nibbles_split(&blk[8 + 16 * j..24 + 16 * j]);
+    let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+    let a = f16_at(blk, 0) * iq4xs_scale(j, scales_h, &blk[4..8]) as f32;
+    scaled(std::array::from_fn(|l| IQ4_LEVELS[nib[l] as usize]), a)
 }
 
 /// The 32 nibbles of 16 bytes as q4_0 packs them: low nibbles first, then high.
 #[inline(always)]
 fn nibbles_split(qs: &[u8]) -> [u8; 32] {
-    std::array::from_fn(|j| if j < 16 { qs[j] & 0xF } else { qs[j - 16] >> 4 })
+    let qs: &[u8; 16] = qs.try_into().unwrap();
+    let mut out = [0u8; 32];
+    for j in 0..16 {
+        out[j] = qs[j] & 0xF;
+        out[j + 16] = qs[j] >> 4;
+    }
+    out
 }
 
 /// The plain-Rust kernels over [`Block32`]: integer sums per 16 values (loops shaped for
@@ -279,10 +344,11 @@ pub(crate) mod portable {
         s
     }
 
-    pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
+    #[inline(always)]
+    fn dot_blocks<L: Layout>(row: &[u8], x: ActRow<'_>) -> f32 {
         let mut sum = 0f32;
         for b in 0..x.d.len() {
-            let blk = block32(dtype, row, b);
+            let blk = L::block(row, b);
             let q = &x.q[32 * b..32 * b + 32];
             for g in 0..2 {
                 let i = isum16(&blk.lv[16 * g..16 * g + 16], &q[16 * g..16 * g + 16]);
@@ -292,15 +358,46 @@ pub(crate) mod portable {
         sum
     }
 
-    /// Decodes one weight row (whole blocks) into `out`, bit for bit as
-    /// `weights_format::quant::dequantize` does.
-    pub(crate) fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+    #[inline(always)]
+    fn dequantize_blocks<L: Layout>(row: &[u8], out: &mut [f32]) {
         for (b, o) in out.chunks_exact_mut(32).enumerate() {
-            let blk = block32(dtype, row, b);
+            let blk = L::block(row, b);
             for (j, o) in o.iter_mut().enumerate() {
                 *o = blk.a[j / 16] * blk.lv[j] as f32 + blk.c[j / 16];
             }
         }
+    }
+
+    /// `$f::<Layout>($args)` for `dtype`'s layout.
+    macro_rules! per_dtype {
+        ($dtype:expr, $f:ident($($arg:expr),*)) => {
+            match $dtype {
+                DType::Q5_0 => $f::<Q5_0Layout>($($arg),*),
+                DType::Q5_1 => $f::<Q5_1Layout>($($arg),*),
+                DType::Iq4Nl => $f::<Iq4NlLayout>($($arg),*),
+                DType::Q2K => $f::<Q2KLayout>($($arg),*),
+                DType::Q3K => $f::<Q3KLayout>($($arg),*),
+                DType::Q4K => $f::<Q4KLayout>($($arg),*),
+                DType::Q5K => $f::<Q5KLayout>($($arg),*),
+                DType::Q6K => $f::<Q6KLayout>($($arg),*),
+                DType::Iq4Xs => $f::<Iq4XsLayout>($($arg),*),
+                other => unreachable!("{other} is not a dtype of this module"),
+            }
+        };
+    }
+
+    /// (Inlined into the multiversioned callers, so each target's clone vectorises it for its
+    /// own instruction set.)
+    #[inline(always)]
+    pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
+        per_dtype!(dtype, dot_blocks(row, x))
+    }
+
+    /// Decodes one weight row (whole blocks) into `out`, bit for bit as
+    /// `weights_format::quant::dequantize` does. (Inlined like [`dot`].)
+    #[inline(always)]
+    pub(crate) fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
+        per_dtype!(dtype, dequantize_blocks(row, out))
     }
 }
 
