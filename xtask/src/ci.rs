@@ -3,7 +3,10 @@
 //! It builds the workspace's tests, pulls the default model with the freshly built `gdsllm`
 //! (the same code path as a user's first run), then runs every test with the model's paths in
 //! `GDSLLM_TEST_GGUF` / `GDSLLM_TEST_MODEL`, so tests that need the real model never download
-//! anything themselves.
+//! anything themselves. Last, the Python package: a virtual environment under
+//! `target/python-ci` gets maturin, numpy and pytest from PyPI, the `gdsllm` wheel is built and
+//! installed into it, and pytest runs `python/tests` (the GPU tests there skip without
+//! `GDSLLM_GPU_TESTS=1`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,6 +18,9 @@ pub struct Args {
     /// Also run `cargo clippy --workspace --all-targets -- -D warnings`.
     #[arg(long)]
     pub lint: bool,
+    /// Skip building the Python wheel and running pytest.
+    #[arg(long)]
+    pub no_python: bool,
     /// Extra arguments passed to `cargo test` after `--` (e.g. a test name filter).
     #[arg(last = true)]
     pub test_args: Vec<String>,
@@ -101,5 +107,76 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .args(&args.test_args)
             .env("GDSLLM_TEST_MODEL", &model_dir)
             .env("GDSLLM_TEST_GGUF", &gguf),
+    )?;
+    if !args.no_python {
+        python_tests(&target, &gdsllm, &model_dir)?;
+    }
+    Ok(())
+}
+
+/// `python -m pip install --quiet` of the virtual environment whose `bin` directory is `bin`.
+fn pip_install(bin: &Path) -> Command {
+    let mut cmd = Command::new(bin.join("python"));
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+    ]);
+    cmd
+}
+
+/// Versions of what the Python tests install from PyPI (pinned so CI does not drift).
+const PYTHON_TEST_PACKAGES: [&str; 3] = ["maturin==1.16.0", "numpy==2.4.6", "pytest==9.2.0"];
+
+/// Builds the `gdsllm` wheel with maturin into a virtual environment of its own and runs
+/// pytest on `python/tests` against it, with the real model and the freshly built `gdsllm`.
+fn python_tests(target: &Path, gdsllm: &Path, model_dir: &str) -> anyhow::Result<()> {
+    let root = target.join("python-ci");
+    let venv = root.join("venv");
+    let bin = venv.join("bin");
+    if !bin.join("python").exists() {
+        run_step(
+            "python3 -m venv target/python-ci/venv",
+            Command::new("python3").arg("-m").arg("venv").arg(&venv),
+        )?;
+    }
+    run_step(
+        "pip install maturin numpy pytest",
+        pip_install(&bin).args(PYTHON_TEST_PACKAGES),
+    )?;
+    let wheels = root.join("wheels");
+    // Only this build's wheel may be installed below.
+    let _ = std::fs::remove_dir_all(&wheels);
+    run_step(
+        "maturin build (the gdsllm wheel)",
+        Command::new(bin.join("maturin"))
+            .args(["build", "--quiet", "-m"])
+            .arg(workspace_root().join("python").join("Cargo.toml"))
+            .arg("-o")
+            .arg(&wheels)
+            .env("CARGO_TARGET_DIR", target),
+    )?;
+    let wheel = std::fs::read_dir(&wheels)
+        .with_context(|| format!("reading {}", wheels.display()))?
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| path.extension().is_some_and(|ext| ext == "whl"))
+        .with_context(|| format!("maturin left no wheel in {}", wheels.display()))?;
+    run_step(
+        "pip install the gdsllm wheel",
+        pip_install(&bin)
+            .args(["--force-reinstall", "--no-deps"])
+            .arg(&wheel),
+    )?;
+    run_step(
+        "pytest python/tests",
+        Command::new(bin.join("python"))
+            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+            .arg(workspace_root().join("python").join("tests"))
+            .current_dir(&root)
+            .env("GDSLLM_TEST_MODEL", model_dir)
+            .env("GDSLLM_BIN", gdsllm),
     )
 }
