@@ -52,7 +52,7 @@ fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) 
     }
     let mut xq = QuantizedActs::default();
     if kquants::handles(w.dtype) && wide.contains(&false) {
-        xq.quantize(x, k);
+        xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
@@ -174,8 +174,8 @@ impl Backend for CpuBackend {
             if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
             }
-            if xq.is_empty() && kquants::handles(w.dtype) {
-                xq.quantize(&x[..w.cols], w.cols);
+            if kquants::handles(w.dtype) {
+                xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
             let chunk = rows_per_task(w.rows, w.cols);
             for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {

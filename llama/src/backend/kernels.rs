@@ -412,7 +412,7 @@ fn matmul_rows_impl<const FMA: bool>(
                 DType::Q8_0 => dot_q8_0::<FMA>(row, xr(r)),
                 DType::Q4_0 => dot_q4_0::<FMA>(row, xr(r), xs(r)),
                 DType::Q4_1 => dot_q4_1::<FMA>(row, xr(r), xs(r)),
-                _ => kquants::dot(dtype, row, xq.row(r)),
+                _ => kquants::dot(dtype, row, xq.row(dtype, r)),
             };
         }
     }

@@ -26,60 +26,90 @@ pub(crate) fn handles(dtype: DType) -> bool {
     dtype.format_version() >= 2 && dtype.is_quantized()
 }
 
-/// Activation rows quantized for the integer dot products: per 32 values an f32 scale `d` and
-/// 32 `i8` (`x ≈ d·q`, round to nearest), and per 16 values `d·Σq`.
+/// Activation rows quantized for the integer dot products, in the two granularities the dtypes
+/// read (as llama.cpp's q8_0 and q8_K): the 32-value dtypes take a scale per 32 values, the
+/// super-block dtypes one per 256 (so that a whole super-block is one integer sum, scaled once).
+/// Each is computed on first use for the rows given ([`QuantizedActs::prepare`]).
 #[derive(Debug, Default)]
 pub(crate) struct QuantizedActs {
     cols: usize,
+    per32: Acts,
+    per256: Acts,
+}
+
+/// `x ≈ d·q` (round to nearest) with one f32 scale per `block` values (32 or 256), stored per 32
+/// values (repeated for 256), and per 16 values `Σq` and `d·Σq`.
+#[derive(Debug, Default)]
+struct Acts {
     q: Vec<i8>,
     d: Vec<f32>,
     s16: Vec<f32>,
+    bsums: Vec<i16>,
 }
 
-/// One row of [`QuantizedActs`].
+impl Acts {
+    fn quantize(&mut self, x: &[f32], block: usize) {
+        self.q.clear();
+        self.d.clear();
+        self.s16.clear();
+        self.bsums.clear();
+        for chunk in x.chunks_exact(block) {
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let start = self.q.len();
+            self.q
+                .extend(chunk.iter().map(|v| (v * id).round_ties_even() as i8));
+            for sixteen in self.q[start..].chunks_exact(16) {
+                let sum: i32 = sixteen.iter().map(|&v| v as i32).sum();
+                self.bsums.push(sum as i16);
+                self.s16.push(d * sum as f32);
+            }
+            self.d.extend(std::iter::repeat_n(d, block / 32));
+        }
+    }
+}
+
+/// One row of [`QuantizedActs`] in one granularity: `q` and, per 32 values, `d`; per 16
+/// values `s16 = d·Σq` and `bsums = Σq`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ActRow<'a> {
     pub q: &'a [i8],
     pub d: &'a [f32],
     pub s16: &'a [f32],
+    pub bsums: &'a [i16],
 }
 
 impl QuantizedActs {
-    /// Quantizes the rows of `x` (each `cols` values, a multiple of 32).
-    pub(crate) fn quantize(&mut self, x: &[f32], cols: usize) {
-        debug_assert!(cols.is_multiple_of(32) && x.len().is_multiple_of(cols));
+    /// Quantizes the rows of `x` (each `cols` values) for `dtype`, unless that granularity is
+    /// already there (every call on one `QuantizedActs` must pass the same `x`).
+    pub(crate) fn prepare(&mut self, x: &[f32], cols: usize, dtype: DType) {
+        debug_assert!(cols.is_multiple_of(dtype.block_len()) && x.len().is_multiple_of(cols));
         self.cols = cols;
-        self.q.clear();
-        self.d.clear();
-        self.s16.clear();
-        for block in x.chunks_exact(32) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut q = [0i8; 32];
-            for (o, v) in q.iter_mut().zip(block) {
-                *o = (v * id).round_ties_even() as i8;
-            }
-            for half in q.chunks_exact(16) {
-                self.s16
-                    .push(d * half.iter().map(|&v| v as i32).sum::<i32>() as f32);
-            }
-            self.q.extend_from_slice(&q);
-            self.d.push(d);
+        let block = dtype.block_len();
+        let acts = if block == 32 {
+            &mut self.per32
+        } else {
+            &mut self.per256
+        };
+        if acts.q.is_empty() {
+            acts.quantize(x, block);
         }
     }
 
-    /// Whether no row has been quantized yet.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.q.is_empty()
-    }
-
-    pub(crate) fn row(&self, r: usize) -> ActRow<'_> {
+    /// Row `r` in the granularity `dtype` reads.
+    pub(crate) fn row(&self, dtype: DType, r: usize) -> ActRow<'_> {
         let c = self.cols;
+        let acts = if dtype.block_len() == 32 {
+            &self.per32
+        } else {
+            &self.per256
+        };
         ActRow {
-            q: &self.q[r * c..(r + 1) * c],
-            d: &self.d[r * c / 32..(r + 1) * c / 32],
-            s16: &self.s16[r * c / 16..(r + 1) * c / 16],
+            q: &acts.q[r * c..(r + 1) * c],
+            d: &acts.d[r * c / 32..(r + 1) * c / 32],
+            s16: &acts.s16[r * c / 16..(r + 1) * c / 16],
+            bsums: &acts.bsums[r * c / 16..(r + 1) * c / 16],
         }
     }
 }
@@ -403,8 +433,10 @@ pub(crate) mod portable {
 
 /// The AVX2 kernels: the levels of 32 values are formed in one register, `maddubs` multiplies
 /// them with the activations and adds pairs (16 × i16), `madd` applies the integer sub-block
-/// scales and adds pairs again (8 × i32, lanes 0–3 the first 16 values, 4–7 the next), and one
-/// FMA per 32 values applies `d_weight · d_activation`. Loads go through `bytemuck` (arrays to
+/// scales and adds pairs again (8 × i32, lanes 0–3 the first 16 values, 4–7 the next). A
+/// super-block's products, offsets and mins (the latter two through the activations' per-16
+/// sums) add up as integers and one FMA applies `d_weight · d_activation`; the 32-value dtypes
+/// take one FMA per block, as their activations have a scale per block. Loads go through `bytemuck` (arrays to
 /// vectors), so nothing here is `unsafe`: the intrinsics are safe inside functions compiled
 /// with the features they need.
 #[cfg(target_arch = "x86_64")]
@@ -435,12 +467,12 @@ mod avx2 {
     }
 
     /// `acc + f · Σ_pairs sc16 · (Σ_pairs lv · q)`: 32 unsigned levels (≤ 63) times 32
-    /// activations, each 16-bit lane pair scaled by `sc16`.
+    /// activations, each 16-bit lane pair scaled by `sc16` (the 32-value dtypes, whose
+    /// activations have a scale per 32 values: one FMA per block).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn step(acc: __m256, lv: __m256i, q: __m256i, sc16: __m256i, f: f32) -> __m256 {
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, q), sc16);
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f), acc)
+        scale_add(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lv, q), sc16), f)
     }
 
     /// [`step`] for signed levels (the iq4 tables): |lv| times q with lv's sign.
@@ -490,6 +522,13 @@ mod avx2 {
         _mm256_and_si256(both, _mm256_set1_epi8(0xF))
     }
 
+    /// `acc + f · (the eight i32 lanes of v)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn scale_add(acc: __m256, v: __m256i, f: f32) -> __m256 {
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(f), acc)
+    }
+
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn hsum(v: __m256) -> f32 {
@@ -517,6 +556,11 @@ mod avx2 {
         let bit = _mm256_set1_epi8(1);
         let qx = |b: usize| load256_i8(&x.q[32 * b..32 * b + 32]);
         let s32 = |b: usize| x.s16[2 * b] + x.s16[2 * b + 1];
+        // The 16 per-16-value Σq of super-block sb (activations with one scale per 256).
+        let bsums = |sb: usize| -> __m256i {
+            let a: [i16; 16] = x.bsums[16 * sb..16 * sb + 16].try_into().unwrap();
+            bytemuck::cast(a)
+        };
         match dtype {
             DType::Q5_0 | DType::Q5_1 => {
                 let (bb, qs) = if dtype == DType::Q5_0 {
@@ -547,27 +591,30 @@ mod avx2 {
             DType::Iq4Xs => {
                 let table = iq4_table();
                 for (sb, blk) in row.chunks_exact(136).enumerate() {
-                    let d = f16_at(blk, 0);
                     let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
+                    let mut sumi = _mm256_setzero_si256();
                     for j in 0..8 {
-                        let b = 8 * sb + j;
                         let lv = _mm256_shuffle_epi8(table, nibbles_split(&blk[8 + 16 * j..]));
+                        let q = qx(8 * sb + j);
                         let s = _mm256_set1_epi16(iq4xs_scale(j, scales_h, &blk[4..8]) as i16);
-                        acc = step_signed(acc, lv, qx(b), s, d * x.d[b]);
+                        let p =
+                            _mm256_maddubs_epi16(_mm256_sign_epi8(lv, lv), _mm256_sign_epi8(q, lv));
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                     }
+                    acc = scale_add(acc, sumi, f16_at(blk, 0) * x.d[8 * sb]);
                 }
             }
             DType::Q4K | DType::Q5K => {
                 let five = dtype == DType::Q5K;
                 let (bb, qs) = if five { (176, 48) } else { (144, 16) };
                 for (sb, blk) in row.chunks_exact(bb).enumerate() {
-                    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
                     let (sc, mn) = k4_scales(&blk[4..16]);
                     let qh = if five {
                         load256(&blk[16..48])
                     } else {
                         _mm256_setzero_si256()
                     };
+                    let mut sumi = _mm256_setzero_si256();
                     for c in 0..4 {
                         let bits = load256(&blk[qs + 32 * c..]);
                         let mut lo = _mm256_and_si256(bits, low4);
@@ -585,19 +632,25 @@ mod avx2 {
                         }
                         for (half, lv) in [(0, lo), (1, hi)] {
                             let j = 2 * c + half;
-                            let b = 8 * sb + j;
+                            let p = _mm256_maddubs_epi16(lv, qx(8 * sb + j));
                             let s = _mm256_set1_epi16(sc[j] as i16);
-                            acc = step(acc, lv, qx(b), s, d * x.d[b]);
-                            offsets -= dmin * mn[j] as f32 * s32(b);
+                            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                         }
                     }
+                    let dx = x.d[8 * sb];
+                    acc = scale_add(acc, sumi, f16_at(blk, 0) * dx);
+                    // The mins: Σ_j mn[j]·Σq over sub-block j (two 16-value sums each).
+                    let mins = _mm_set_epi64x(0, u64::from_le_bytes(mn) as i64);
+                    let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+                    let m = _mm256_madd_epi16(bsums(sb), mins);
+                    acc = scale_add(acc, m, -(f16_at(blk, 2) * dx));
                 }
             }
             DType::Q6K => {
                 for (sb, blk) in row.chunks_exact(210).enumerate() {
-                    let d = f16_at(blk, 208);
                     let sc: [i8; 16] =
                         bytemuck::cast(<[u8; 16]>::try_from(&blk[192..208]).unwrap());
+                    let mut sumi = _mm256_setzero_si256();
                     for n in 0..2 {
                         let ql0 = load256(&blk[64 * n..]);
                         let ql1 = load256(&blk[64 * n + 32..]);
@@ -619,22 +672,24 @@ mod avx2 {
                             ),
                         ];
                         for (k, lv) in lvs.into_iter().enumerate() {
-                            let j = 4 * n + k;
-                            let b = 8 * sb + j;
-                            let (sa, sbb) = (sc[8 * n + 2 * k], sc[8 * n + 2 * k + 1]);
-                            acc = step(acc, lv, qx(b), halves(sa as i16, sbb as i16), d * x.d[b]);
-                            offsets -= 32.0
-                                * d
-                                * (sa as f32 * x.s16[2 * b] + sbb as f32 * x.s16[2 * b + 1]);
+                            let g = 8 * n + 2 * k;
+                            let p = _mm256_maddubs_epi16(lv, qx(8 * sb + 4 * n + k));
+                            let s = halves(sc[g] as i16, sc[g + 1] as i16);
+                            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                         }
                     }
+                    // Levels are stored + 32: subtract 32·Σ_g sc[g]·Σq over group g.
+                    let sc16 = _mm256_cvtepi8_epi16(bytemuck::cast::<[i8; 16], __m128i>(sc));
+                    let offset = _mm256_madd_epi16(bsums(sb), sc16);
+                    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
+                    acc = scale_add(acc, sumi, f16_at(blk, 208) * x.d[8 * sb]);
                 }
             }
             DType::Q3K => {
                 for (sb, blk) in row.chunks_exact(110).enumerate() {
-                    let d = f16_at(blk, 108);
-                    let scales = &blk[96..108];
+                    let sc: [i16; 16] = std::array::from_fn(|i| q3k_scale(i, &blk[96..108]) as i16);
                     let hm = load256(&blk[0..32]);
+                    let mut sumi = _mm256_setzero_si256();
                     for n in 0..2 {
                         let qs = load256(&blk[32 + 32 * n..]);
                         for k in 0..4 {
@@ -643,36 +698,41 @@ mod avx2 {
                             let hshift = _mm_cvtsi32_si128((4 * n + k) as i32);
                             let h = _mm256_and_si256(_mm256_srl_epi16(hm, hshift), bit);
                             let lv = _mm256_or_si256(q2, _mm256_slli_epi16(h, 2));
-                            let j = 4 * n + k;
-                            let b = 8 * sb + j;
-                            let sa = q3k_scale(8 * n + 2 * k, scales);
-                            let sbb = q3k_scale(8 * n + 2 * k + 1, scales);
-                            acc = step(acc, lv, qx(b), halves(sa as i16, sbb as i16), d * x.d[b]);
-                            offsets -= 4.0
-                                * d
-                                * (sa as f32 * x.s16[2 * b] + sbb as f32 * x.s16[2 * b + 1]);
+                            let g = 8 * n + 2 * k;
+                            let p = _mm256_maddubs_epi16(lv, qx(8 * sb + 4 * n + k));
+                            sumi = _mm256_add_epi32(
+                                sumi,
+                                _mm256_madd_epi16(p, halves(sc[g], sc[g + 1])),
+                            );
                         }
                     }
+                    // Levels are stored + 4: subtract 4·Σ_g sc[g]·Σq over group g.
+                    let offset = _mm256_madd_epi16(bsums(sb), bytemuck::cast(sc));
+                    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 2));
+                    acc = scale_add(acc, sumi, f16_at(blk, 108) * x.d[8 * sb]);
                 }
             }
             DType::Q2K => {
                 for (sb, blk) in row.chunks_exact(84).enumerate() {
-                    let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
+                    let mut sumi = _mm256_setzero_si256();
                     for n in 0..2 {
                         let qs = load256(&blk[16 + 32 * n..]);
                         for k in 0..4 {
                             let shift = _mm_cvtsi32_si128(2 * k as i32);
                             let lv = _mm256_and_si256(_mm256_srl_epi16(qs, shift), low2);
-                            let j = 4 * n + k;
-                            let b = 8 * sb + j;
-                            let (sa, sbb) = (blk[8 * n + 2 * k], blk[8 * n + 2 * k + 1]);
-                            let s = halves((sa & 0xF) as i16, (sbb & 0xF) as i16);
-                            acc = step(acc, lv, qx(b), s, d * x.d[b]);
-                            offsets -= dmin
-                                * ((sa >> 4) as f32 * x.s16[2 * b]
-                                    + (sbb >> 4) as f32 * x.s16[2 * b + 1]);
+                            let g = 8 * n + 2 * k;
+                            let s = halves((blk[g] & 0xF) as i16, (blk[g + 1] & 0xF) as i16);
+                            let p = _mm256_maddubs_epi16(lv, qx(8 * sb + 4 * n + k));
+                            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                         }
                     }
+                    let dx = x.d[8 * sb];
+                    acc = scale_add(acc, sumi, f16_at(blk, 80) * dx);
+                    // The mins, the high nibbles of the 16 scale bytes, times each group's Σq.
+                    let mins =
+                        _mm_and_si128(_mm_srli_epi16(load128(&blk[..16]), 4), _mm_set1_epi8(0xF));
+                    let m = _mm256_madd_epi16(bsums(sb), _mm256_cvtepu8_epi16(mins));
+                    acc = scale_add(acc, m, -(f16_at(blk, 82) * dx));
                 }
             }
             other => unreachable!("{other} is not handled here"),
@@ -724,9 +784,9 @@ mod tests {
     #[test]
     fn dot_products_match_the_dequantize_then_f32_reference() {
         // The kernels compute the dot product of the stored weights with the activations
-        // rounded to 8 bits per 32 values, |x − x̂| ≤ max|x|/254 per block, so their distance to
-        // the f32 reference is at most Σ_blocks max|x|/254 · Σ|w| (plus f32 rounding, bounded
-        // here by 1e-5 of Σ|w·x|). The AVX2 and portable kernels differ only in the order of
+        // rounded to 8 bits per 32 values (the 32-value dtypes) or per 256 (the super-block
+        // ones), |x − x̂| ≤ max|x|/254 per block, so their distance to the f32 reference is at
+        // most Σ_blocks max|x|/254 · Σ|w| (plus f32 rounding, bounded here by 1e-5 of Σ|w·x|). The AVX2 and portable kernels differ only in the order of
         // their f32 sums (tolerance 1e-5 of Σ|w·x̂|).
         let (rows, cols) = (24, 512);
         let mut rng = Rng(0x5DEE_CE66_D1CE_4E5B);
@@ -737,7 +797,9 @@ mod tests {
                 .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
                 .collect();
             let mut xq = QuantizedActs::default();
-            xq.quantize(&x, cols);
+            xq.prepare(&x, cols, dtype);
+            // The activations' rounding granularity: 32 values, or 256 for super-blocks.
+            let group = dtype.block_len();
             let row_bytes = w.len() / rows;
             let (mut worst_ref, mut worst_bound, mut worst_port) = (0f64, 0f64, 0f64);
             for wr in w.chunks_exact(row_bytes) {
@@ -750,16 +812,16 @@ mod tests {
                     .map(|(a, b)| (a * b).abs() as f64)
                     .sum();
                 let rounding: f64 = dense
-                    .chunks_exact(32)
-                    .zip(x.chunks_exact(32))
+                    .chunks_exact(group)
+                    .zip(x.chunks_exact(group))
                     .map(|(wb, xb)| {
                         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
                         amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
                     })
                     .sum();
                 let bound = rounding * 1.001 + 1e-5 * magnitude;
-                let fast = dot(dtype, wr, xq.row(0)) as f64;
-                let port = portable::dot(dtype, wr, xq.row(0)) as f64;
+                let fast = dot(dtype, wr, xq.row(dtype, 0)) as f64;
+                let port = portable::dot(dtype, wr, xq.row(dtype, 0)) as f64;
                 assert!(
                     (fast - reference).abs() <= bound,
                     "{dtype}: fast {fast} reference {reference} bound {bound}"
@@ -800,23 +862,27 @@ mod tests {
     #[test]
     fn activation_rounding_is_within_half_a_step() {
         let mut rng = Rng(3);
-        let x: Vec<f32> = (0..256)
+        let x: Vec<f32> = (0..512)
             .map(|i| rng.uniform() * (1 + i / 32) as f32)
             .collect();
-        let mut xq = QuantizedActs::default();
-        xq.quantize(&x, 256);
-        let r = xq.row(0);
-        for (b, xb) in x.chunks_exact(32).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for (j, v) in xb.iter().enumerate() {
-                let back = r.d[b] * r.q[32 * b + j] as f32;
-                assert!((v - back).abs() <= amax / 254.0 * 1.0001, "{v} vs {back}");
+        for dtype in [DType::Q5_0, DType::Q4K] {
+            let mut xq = QuantizedActs::default();
+            xq.prepare(&x, 512, dtype);
+            let r = xq.row(dtype, 0);
+            let group = dtype.block_len();
+            for (g, xg) in x.chunks_exact(group).enumerate() {
+                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (j, v) in xg.iter().enumerate() {
+                    let i = group * g + j;
+                    let back = r.d[i / 32] * r.q[i] as f32;
+                    assert!((v - back).abs() <= amax / 254.0 * 1.0001, "{v} vs {back}");
+                }
             }
-            for g in 0..2 {
-                let sum: f32 = (0..16)
-                    .map(|j| r.d[b] * r.q[32 * b + 16 * g + j] as f32)
-                    .sum();
-                assert!((sum - r.s16[2 * b + g]).abs() <= 1e-5 * amax * 16.0);
+            for (s, q) in r.bsums.iter().zip(r.q.chunks_exact(16)) {
+                assert_eq!(*s as i32, q.iter().map(|&v| v as i32).sum::<i32>());
+            }
+            for (i, s) in r.s16.iter().enumerate() {
+                assert_eq!(*s, r.d[i / 2] * r.bsums[i] as f32);
             }
         }
     }
