@@ -358,6 +358,30 @@ pub fn q4_k_m_dtype(name: &str, layer: Option<usize>, n_layers: usize, cols: u64
     }
 }
 
+/// A small llama config for k-quant tests: width 256 (whole super-blocks), 4 heads of 64 over 2
+/// KV heads, FFN 640 (2.5 super-blocks, so `ffn_down` falls back to a 32-value dtype in the
+/// [`q4_k_m_dtype`] mix), vocabulary 512, untied LM head.
+pub fn small_kquant_config(n_layers: u32) -> weights_format::ModelConfig {
+    weights_format::ModelConfig {
+        architecture: "llama".into(),
+        n_layers,
+        hidden_size: 256,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        ffn_dim: 640,
+        vocab_size: 512,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_norm_eps: 1e-5,
+        context_length: 256,
+        tie_word_embeddings: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        add_bos_token: false,
+    }
+}
+
 /// Writes a llama model of `config` at `dir` in the [`q4_k_m_dtype`] mix: normal random weights
 /// (std `std`; norms 1), the byte-level tokenizer of `gdsllm synth`. A small stand-in for a
 /// llama.cpp Q4_K_M file: every tensor type such a file has, chosen by the same rules.

@@ -214,6 +214,17 @@ fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     }
 }
 
+#[test]
+fn batched_greedy_equals_solo_for_a_q4_k_m_mix() {
+    // The k-quant kernels on 8-bit activations (four weight rows at a time where the task
+    // boundaries allow): a sequence's tokens must not depend on what it is batched with.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("q4km");
+    let config = gdsllm_convert::testing::small_kquant_config(3);
+    gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
+    ragged_batch_equals_solo(&mut in_memory(&dir, 256, 256), "cpu q4_k_m mix");
+}
+
 /// The same on the CUDA backend (weights resident, the trait's default batched ops unless the
 /// backend overrides them). Opt-in like `cuda_ops`: `GDSLLM_GPU_TESTS=1` and the `cuda`
 /// feature (`cargo test -p llama --features cuda --test batch cuda`).

@@ -7,31 +7,9 @@
 //! logit, a sum with much cancellation (random weights), is ~16× smaller than the sum of its
 //! terms' magnitudes that the rounding scales with.
 
-use gdsllm_convert::testing::{write_f32_twin, write_q4_k_m_model};
+use gdsllm_convert::testing::{small_kquant_config, write_f32_twin, write_q4_k_m_model};
 use llama::{CpuBackend, InMemoryWeights, Llama};
-use weights_format::{DType, Model, ModelConfig};
-
-fn config() -> ModelConfig {
-    ModelConfig {
-        architecture: "llama".into(),
-        n_layers: 4,
-        hidden_size: 256,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 64,
-        // 640 = 2.5 super-blocks: ffn_down's rows fall back to q5_0 / q8_0.
-        ffn_dim: 640,
-        vocab_size: 512,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-5,
-        context_length: 128,
-        tie_word_embeddings: false,
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
-        add_bos_token: false,
-    }
-}
+use weights_format::{DType, Model};
 
 fn open(dir: &std::path::Path) -> Llama<CpuBackend, InMemoryWeights> {
     let meta = Model::open(dir).unwrap().metadata().clone();
@@ -49,7 +27,8 @@ fn top2(logits: &[f32]) -> (u32, f32) {
 #[test]
 fn q4_k_m_mix_decodes_the_greedy_tokens_of_its_f32_twin() {
     let tmp = tempfile::tempdir().unwrap();
-    let mixed = write_q4_k_m_model(&tmp.path().join("q4km"), &config(), 0.05, 9).unwrap();
+    let mixed =
+        write_q4_k_m_model(&tmp.path().join("q4km"), &small_kquant_config(4), 0.05, 9).unwrap();
     let twin = write_f32_twin(&mixed, &tmp.path().join("f32")).unwrap();
     assert_eq!(twin.metadata().format_version, 1);
     let mut dtypes: Vec<DType> = mixed
