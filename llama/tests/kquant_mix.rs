@@ -1,7 +1,7 @@
 //! A model in llama.cpp's Q4_K_M mix (q4_k, q6_k, and the q5_0/q8_0 fallbacks for rows that are
 //! not whole super-blocks) on the CPU backend against its f32 twin (every tensor decoded with
 //! `weights_format::quant`): decoding (the k-quant kernels, on activations rounded to 8 bits per
-//! 32 values) gives the twin's greedy tokens wherever the twin's top-2 margin is at least 0.05,
+//! 32 or 256 values) gives the twin's greedy tokens wherever the twin's top-2 margin is at least 0.05,
 //! with logits within 5 % of the largest: the rounding (at most 1/254 of each block's largest
 //! activation) enters every matmul of every layer and the residual stream carries it on, and a
 //! logit, a sum with much cancellation (random weights), is ~16× smaller than the sum of its

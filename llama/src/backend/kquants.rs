@@ -1,14 +1,15 @@
 //! CPU dot products for the dtypes that came with the k-quants (q2_k … q6_k, iq4_xs, and the
 //! 32-value q5_0, q5_1, iq4_nl), read straight from the blocks, as llama.cpp's CPU backend does.
 //!
-//! The activations of a row are first quantized to 8 bits per 32 values ([`QuantizedActs`]:
-//! `x ≈ d·q`, `|x − d·q| ≤ max|x| / 254` over the 32) so that each block's product is an integer
-//! dot product of its levels with `q` — `maddubs` on AVX2, 32 multiply-adds per instruction —
-//! scaled once per 16 or 32 values. The weights' offsets and mins (q4_k's `dmin·m`, q6_k's −32 …)
-//! multiply the per-16 sums of the dequantized activations `d·Σq`, so the whole dot product is
-//! that of the stored weights with the quantized activations, up to f32 rounding. Only rows
-//! dotted one at a time take this path (decoding); rows of a prefill dot a weight row decoded
-//! once to f32 (see `kernels::matmul_rows`), so prompts keep f32 activations.
+//! The activations of a row are first quantized to 8 bits ([`QuantizedActs`]: `x ≈ d·q`,
+//! `|x − d·q| ≤ max|x| / 254` over the values sharing `d`: 32 for q5_0/q5_1/iq4_nl as llama.cpp's
+//! q8_0, 256 for the super-block dtypes as its q8_K) so that each block's product is an integer
+//! dot product of its levels with `q` — `maddubs` on AVX2, 32 multiply-adds per instruction.
+//! The weights' offsets and mins (q4_k's `dmin·m`, q6_k's −32 …) multiply the per-16 sums `Σq`,
+//! so the whole dot product is that of the stored weights with the quantized activations, up to
+//! f32 rounding; a super-block is one integer sum scaled once. Only the activation rows of
+//! matmuls of fewer than 4 rows take this path (decoding, small batches); longer prompts dot a
+//! weight row decoded once to f32 (see `kernels::matmul_rows`), so they keep f32 activations.
 //!
 //! [`dot`] picks the AVX2 kernels at run time (`multiversion`), else [`portable`]; both are
 //! checked against [`reference_dot`] (decode with `weights_format::quant`, then an f64 dot).
