@@ -378,26 +378,6 @@ fn matmul_rows_impl<const FMA: bool>(
             &[]
         }
     };
-    // The k-quant-era dtypes with no row decoded once: four weight rows at a time through the
-    // integer kernels (each row's result what it is alone), the rest one by one below.
-    let (mut w, mut out_t) = (w, out_t);
-    if kquants::handles(dtype) && !any_wide {
-        let split = w.len() / (4 * row_bytes) * 4;
-        let (w4, w_rest) = w.split_at(split * row_bytes);
-        let (o4, o_rest) = out_t.split_at_mut(split * n);
-        for (rows, out) in w4
-            .chunks_exact(4 * row_bytes)
-            .zip(o4.chunks_exact_mut(4 * n))
-        {
-            for r in 0..n {
-                let got = kquants::dot4(dtype, rows, row_bytes, xq.row(dtype, r));
-                for (i, v) in got.into_iter().enumerate() {
-                    out[i * n + r] = v;
-                }
-            }
-        }
-        (w, out_t) = (w_rest, o_rest);
-    }
     for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
         if any_wide {
             dequant_row(dtype, row, &mut tmp);

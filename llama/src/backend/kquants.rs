@@ -125,18 +125,6 @@ pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
     }
 }
 
-/// [`dot`] of four consecutive weight rows (`rows`: 4 · `row_bytes` bytes) with one activation
-/// row, each result bit for bit what `dot` gives for that row alone (the AVX2 kernels of q4_k,
-/// q5_k and q6_k load each activation vector once for all four).
-#[multiversion(targets("x86_64+avx2+fma+f16c", "aarch64+neon"))]
-pub(crate) fn dot4(dtype: DType, rows: &[u8], row_bytes: usize, x: ActRow<'_>) -> [f32; 4] {
-    let r: [&[u8]; 4] = std::array::from_fn(|i| &rows[i * row_bytes..(i + 1) * row_bytes]);
-    match_target! {
-        "x86_64+avx2+fma" => avx2::dot_rows::<4>(dtype, r, x),
-        _ => r.map(|row| portable::dot(dtype, row, x)),
-    }
-}
-
 /// The slow definition: `row` decoded with `weights_format::quant::dequantize`, then an f64
 /// dot product with `x` (f32 activations, not quantized). The kernels' tests compare with it.
 #[cfg(test)]
@@ -616,9 +604,9 @@ mod avx2 {
                     acc = scale_add(acc, sumi, f16_at(blk, 0) * x.d[8 * sb]);
                 }
             }
-            DType::Q4K => return q45k_rows::<1, false>([row], x)[0],
-            DType::Q5K => return q45k_rows::<1, true>([row], x)[0],
-            DType::Q6K => return q6k_rows::<1>([row], x)[0],
+            DType::Q4K => return q45k::<false>(row, x),
+            DType::Q5K => return q45k::<true>(row, x),
+            DType::Q6K => return q6k(row, x),
             DType::Q3K => {
                 for (sb, blk) in row.chunks_exact(110).enumerate() {
                     let sc: [i16; 16] = std::array::from_fn(|i| q3k_scale(i, &blk[96..108]) as i16);
@@ -674,24 +662,6 @@ mod avx2 {
         hsum(acc) + offsets
     }
 
-    /// `R` weight rows (the k-quant dtypes the Q4_K_M mix is made of) dotted with one
-    /// activation row: each activation vector is loaded once for all of them, and each row
-    /// takes exactly the operations of a single-row call (`dot` is this with `R = 1`), so a
-    /// row's result does not depend on the rows it is computed with.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn dot_rows<const R: usize>(
-        dtype: DType,
-        rows: [&[u8]; R],
-        x: ActRow<'_>,
-    ) -> [f32; R] {
-        match dtype {
-            DType::Q4K => q45k_rows::<R, false>(rows, x),
-            DType::Q5K => q45k_rows::<R, true>(rows, x),
-            DType::Q6K => q6k_rows::<R>(rows, x),
-            _ => rows.map(|row| dot(dtype, row, x)),
-        }
-    }
-
     /// The 16 per-16-value Σq of super-block `sb` (activations with one scale per 256).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -702,64 +672,66 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn q45k_rows<const R: usize, const FIVE: bool>(rows: [&[u8]; R], x: ActRow<'_>) -> [f32; R] {
+    fn q45k<const FIVE: bool>(row: &[u8], x: ActRow<'_>) -> f32 {
         let (bb, qs) = if FIVE { (176, 48) } else { (144, 16) };
         let (low4, bit) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(1));
-        let mut acc = [_mm256_setzero_ps(); R];
-        for sb in 0..rows[0].len() / bb {
-            let blks: [&[u8]; R] = rows.map(|r| &r[bb * sb..bb * (sb + 1)]);
-            let scales = blks.map(|b| k4_scales(&b[4..16]));
-            let qh = blks.map(|b| {
-                if FIVE {
-                    load256(&b[16..48])
-                } else {
-                    _mm256_setzero_si256()
-                }
-            });
-            let mut sumi = [_mm256_setzero_si256(); R];
+        let mut acc = _mm256_setzero_ps();
+        for (sb, blk) in row.chunks_exact(bb).enumerate() {
+            let (sc, mn) = k4_scales(&blk[4..16]);
+            let qh = if FIVE {
+                load256(&blk[16..48])
+            } else {
+                _mm256_setzero_si256()
+            };
+            let mut sumi = _mm256_setzero_si256();
             for c in 0..4 {
-                let q8 = [
-                    load256_i8(&x.q[256 * sb + 64 * c..]),
-                    load256_i8(&x.q[256 * sb + 64 * c + 32..]),
+                let bits = load256(&blk[qs + 32 * c..]);
+                let mut lv = [
+                    _mm256_and_si256(bits, low4),
+                    _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4),
                 ];
-                for r in 0..R {
-                    let bits = load256(&blks[r][qs + 32 * c..]);
-                    let mut lv = [
-                        _mm256_and_si256(bits, low4),
-                        _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4),
-                    ];
-                    if FIVE {
-                        // Bits 2c and 2c+1 of qh[l] as 16.
-                        let h = _mm256_srl_epi16(qh[r], _mm_cvtsi32_si128(2 * c as i32));
-                        lv[0] =
-                            _mm256_or_si256(lv[0], _mm256_slli_epi16(_mm256_and_si256(h, bit), 4));
-                        let h1 = _mm256_and_si256(_mm256_srli_epi16(h, 1), bit);
-                        lv[1] = _mm256_or_si256(lv[1], _mm256_slli_epi16(h1, 4));
-                    }
-                    for half in 0..2 {
-                        let p = _mm256_maddubs_epi16(lv[half], q8[half]);
-                        let s = _mm256_set1_epi16(scales[r].0[2 * c + half] as i16);
-                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
-                    }
+                if FIVE {
+                    // Bits 2c and 2c+1 of qh[l] as 16.
+                    let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c as i32));
+                    lv[0] = _mm256_or_si256(lv[0], _mm256_slli_epi16(_mm256_and_si256(h, bit), 4));
+                    let h1 = _mm256_and_si256(_mm256_srli_epi16(h, 1), bit);
+                    lv[1] = _mm256_or_si256(lv[1], _mm256_slli_epi16(h1, 4));
+                }
+                for (half, lv) in lv.into_iter().enumerate() {
+                    let j = 2 * c + half;
+                    let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
+                    let s = _mm256_set1_epi16(sc[j] as i16);
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                 }
             }
             let dx = x.d[8 * sb];
-            let bsums = bsums256(&x, sb);
-            for r in 0..R {
-                acc[r] = scale_add(acc[r], sumi[r], f16_at(blks[r], 0) * dx);
-                // The mins: Σ_j mn[j]·Σq over sub-block j (two 16-value sums each).
-                let mins = _mm_set_epi64x(0, u64::from_le_bytes(scales[r].1) as i64);
-                let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
-                let m = _mm256_madd_epi16(bsums, mins);
-                acc[r] = scale_add(acc[r], m, -(f16_at(blks[r], 2) * dx));
-            }
+            acc = scale_add(acc, sumi, f16_at(blk, 0) * dx);
+            acc = scale_add(acc, k4_mins(&x, sb, mn), -(f16_at(blk, 2) * dx));
         }
-        acc.map(|a| hsum(a))
+        hsum(acc)
+    }
+
+    /// The mins of a q4_k/q5_k super-block times the activations: Σ_j mn[j]·Σq over sub-block
+    /// j (two 16-value sums each), as eight i32 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn k4_mins(x: &ActRow<'_>, sb: usize, mn: [u8; 8]) -> __m256i {
+        let mins = _mm_set_epi64x(0, u64::from_le_bytes(mn) as i64);
+        let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+        _mm256_madd_epi16(bsums256(x, sb), mins)
+    }
+
+    /// The levels of a q6_k super-block are stored + 32: 32·Σ_g sc[g]·Σq over group g, to be
+    /// subtracted, as eight i32 lanes (`sc16`: the 16 scales as i16).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q6k_offset(x: &ActRow<'_>, sb: usize, sc16: __m256i) -> __m256i {
+        _mm256_slli_epi32(_mm256_madd_epi16(bsums256(x, sb), sc16), 5)
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn q6k_rows<const R: usize>(rows: [&[u8]; R], x: ActRow<'_>) -> [f32; R] {
+    fn q6k(row: &[u8], x: ActRow<'_>) -> f32 {
         let (low4, low2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
         // Bytes 0-1 of each 32-bit lane in the low half, bytes 2-3 in the high half: a lane
         // holding two i16 scales becomes the first for values 0-15, the second for 16-31.
@@ -767,47 +739,36 @@ mod avx2 {
             0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
             3, 2, 3,
         );
-        let mut acc = [_mm256_setzero_ps(); R];
-        for sb in 0..rows[0].len() / 210 {
-            let blks: [&[u8]; R] = rows.map(|r| &r[210 * sb..210 * (sb + 1)]);
-            // The 16 scales as i16, and pairs of them (groups 2j, 2j+1) spread over a block.
-            let sc16 = blks.map(|b| _mm256_cvtepi8_epi16(load128(&b[192..208])));
-            let mut sumi = [_mm256_setzero_si256(); R];
+        let mut acc = _mm256_setzero_ps();
+        for (sb, blk) in row.chunks_exact(210).enumerate() {
+            // The 16 scales as i16; pairs of them (groups 2j, 2j+1) spread over block j.
+            let sc16 = _mm256_cvtepi8_epi16(load128(&blk[192..208]));
+            let mut sumi = _mm256_setzero_si256();
             for n in 0..2 {
-                for r in 0..R {
-                    let b = blks[r];
-                    let ql = [load256(&b[64 * n..]), load256(&b[64 * n + 32..])];
-                    let qh = load256(&b[128 + 32 * n..]);
-                    for k in 0..4 {
-                        let low = if k < 2 {
-                            ql[k]
-                        } else {
-                            _mm256_srli_epi16(ql[k - 2], 4)
-                        };
-                        let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32));
-                        let lv = _mm256_or_si256(
-                            _mm256_and_si256(low, low4),
-                            _mm256_slli_epi16(_mm256_and_si256(h, low2), 4),
-                        );
-                        let j = 4 * n + k;
-                        let pair =
-                            _mm256_permutevar8x32_epi32(sc16[r], _mm256_set1_epi32(j as i32));
-                        let s = _mm256_shuffle_epi8(pair, spread);
-                        let q8 = load256_i8(&x.q[256 * sb + 32 * j..]);
-                        let p = _mm256_maddubs_epi16(lv, q8);
-                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s));
-                    }
+                let ql = [load256(&blk[64 * n..]), load256(&blk[64 * n + 32..])];
+                let qh = load256(&blk[128 + 32 * n..]);
+                for k in 0..4 {
+                    let low = if k < 2 {
+                        ql[k]
+                    } else {
+                        _mm256_srli_epi16(ql[k - 2], 4)
+                    };
+                    let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k as i32));
+                    let lv = _mm256_or_si256(
+                        _mm256_and_si256(low, low4),
+                        _mm256_slli_epi16(_mm256_and_si256(h, low2), 4),
+                    );
+                    let j = 4 * n + k;
+                    let pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j as i32));
+                    let s = _mm256_shuffle_epi8(pair, spread);
+                    let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
                 }
             }
-            let bsums = bsums256(&x, sb);
-            for r in 0..R {
-                // Levels are stored + 32: subtract 32·Σ_g sc[g]·Σq over group g.
-                let offset = _mm256_madd_epi16(bsums, sc16[r]);
-                let s = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(offset, 5));
-                acc[r] = scale_add(acc[r], s, f16_at(blks[r], 208) * x.d[8 * sb]);
-            }
+            let sumi = _mm256_sub_epi32(sumi, q6k_offset(&x, sb, sc16));
+            acc = scale_add(acc, sumi, f16_at(blk, 208) * x.d[8 * sb]);
         }
-        acc.map(|a| hsum(a))
+        hsum(acc)
     }
 }
 
@@ -853,11 +814,12 @@ mod tests {
 
     #[test]
     fn dot_products_match_the_dequantize_then_f32_reference() {
-        // The kernels compute the dot product of the stored weights with the activations
-        // rounded to 8 bits per 32 values (the 32-value dtypes) or per 256 (the super-block
-        // ones), |x − x̂| ≤ max|x|/254 per block, so their distance to the f32 reference is at
-        // most Σ_blocks max|x|/254 · Σ|w| (plus f32 rounding, bounded here by 1e-5 of Σ|w·x|). The AVX2 and portable kernels differ only in the order of
-        // their f32 sums (tolerance 1e-5 of Σ|w·x̂|).
+        // The kernels (AVX2 where the CPU has it, and portable) compute the dot
+        // product of the stored weights with the activations rounded to 8 bits per 32 values
+        // (the 32-value dtypes) or per 256 (the super-block ones), |x − x̂| ≤ max|x|/254 per
+        // block, so their distance to the f32 reference is at most Σ_blocks max|x|/254 · Σ|w|
+        // (plus f32 rounding, bounded here by 1e-5 of Σ|w·x|). They differ from each other
+        // only in the order of their f32 sums (tolerance 1e-5 of Σ|w·x̂|).
         let (rows, cols) = (24, 512);
         let mut rng = Rng(0x5DEE_CE66_D1CE_4E5B);
         for dtype in dtypes() {
@@ -910,26 +872,6 @@ mod tests {
                  8-bit activation bound); |avx2 - portable| / Σ|w·x| = {worst_port:.1e}",
                 worst_bound * 100.0
             );
-        }
-    }
-
-    #[test]
-    fn four_rows_at_a_time_give_each_row_its_own_result() {
-        // A weight row may go through `dot4` or `dot` depending on where the task boundaries
-        // fall (which depends on the batch), so both must give the same bits.
-        let mut rng = Rng(5);
-        for dtype in dtypes() {
-            let (rows, cols) = (4, 768);
-            let w = random_rows(dtype, rows, cols, &mut rng);
-            let x: Vec<f32> = (0..cols).map(|_| rng.uniform()).collect();
-            let mut xq = QuantizedActs::default();
-            xq.prepare(&x, cols, dtype);
-            let rb = w.len() / rows;
-            let four = dot4(dtype, &w, rb, xq.row(dtype, 0));
-            for (i, row) in w.chunks_exact(rb).enumerate() {
-                let one = dot(dtype, row, xq.row(dtype, 0));
-                assert_eq!(four[i].to_bits(), one.to_bits(), "{dtype} row {i}");
-            }
         }
     }
 
