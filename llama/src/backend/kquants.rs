@@ -741,6 +741,9 @@ mod avx2 {
         );
         let mut acc = _mm256_setzero_ps();
         for (sb, blk) in row.chunks_exact(210).enumerate() {
+            // The scale first: the block's last bytes, often on a cache line of their own, so
+            // their load starts before the levels' arithmetic needs the core.
+            let f = f16_at(blk, 208) * x.d[8 * sb];
             // The 16 scales as i16; pairs of them (groups 2j, 2j+1) spread over block j.
             let sc16 = _mm256_cvtepi8_epi16(load128(&blk[192..208]));
             let mut sumi = _mm256_setzero_si256();
@@ -766,7 +769,7 @@ mod avx2 {
                 }
             }
             let sumi = _mm256_sub_epi32(sumi, q6k_offset(&x, sb, sc16));
-            acc = scale_add(acc, sumi, f16_at(blk, 208) * x.d[8 * sb]);
+            acc = scale_add(acc, sumi, f);
         }
         hsum(acc)
     }
