@@ -539,6 +539,23 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    /// How far ahead of the block being computed the weights are prefetched: the rows of a
+    /// matrix lie one after the other, so this runs on into the next rows (a row is often only
+    /// a few super-blocks). The hardware prefetcher alone left the kernels at about half of a
+    /// core's streaming bandwidth.
+    const PREFETCH_AHEAD: usize = 2048;
+
+    /// Prefetches the cache lines `PREFETCH_AHEAD` bytes past those of `blk` (a hint: an
+    /// address past the end of the weights is never touched, prefetches do not fault).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn prefetch_ahead(blk: &[u8]) {
+        let start = blk.as_ptr().wrapping_add(PREFETCH_AHEAD);
+        for line in (0..blk.len()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line) as *const i8);
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn iq4_table() -> __m256i {
@@ -569,6 +586,7 @@ mod avx2 {
                     (24, 8)
                 };
                 for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    prefetch_ahead(blk);
                     let d = f16_at(blk, 0);
                     let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
                     let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
@@ -584,6 +602,7 @@ mod avx2 {
             DType::Iq4Nl => {
                 let table = iq4_table();
                 for (b, blk) in row.chunks_exact(18).enumerate() {
+                    prefetch_ahead(blk);
                     let lv = _mm256_shuffle_epi8(table, nibbles_split(&blk[2..18]));
                     acc = step_signed(acc, lv, qx(b), ones, f16_at(blk, 0) * x.d[b]);
                 }
@@ -591,6 +610,7 @@ mod avx2 {
             DType::Iq4Xs => {
                 let table = iq4_table();
                 for (sb, blk) in row.chunks_exact(136).enumerate() {
+                    prefetch_ahead(blk);
                     let scales_h = u16::from_le_bytes([blk[2], blk[3]]);
                     let mut sumi = _mm256_setzero_si256();
                     for j in 0..8 {
@@ -609,6 +629,7 @@ mod avx2 {
             DType::Q6K => return q6k(row, x),
             DType::Q3K => {
                 for (sb, blk) in row.chunks_exact(110).enumerate() {
+                    prefetch_ahead(blk);
                     let sc: [i16; 16] = std::array::from_fn(|i| q3k_scale(i, &blk[96..108]) as i16);
                     let hm = load256(&blk[0..32]);
                     let mut sumi = _mm256_setzero_si256();
@@ -636,6 +657,7 @@ mod avx2 {
             }
             DType::Q2K => {
                 for (sb, blk) in row.chunks_exact(84).enumerate() {
+                    prefetch_ahead(blk);
                     let mut sumi = _mm256_setzero_si256();
                     for n in 0..2 {
                         let qs = load256(&blk[16 + 32 * n..]);
@@ -677,6 +699,7 @@ mod avx2 {
         let (low4, bit) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(1));
         let mut acc = _mm256_setzero_ps();
         for (sb, blk) in row.chunks_exact(bb).enumerate() {
+            prefetch_ahead(blk);
             let (sc, mn) = k4_scales(&blk[4..16]);
             let qh = if FIVE {
                 load256(&blk[16..48])
@@ -741,6 +764,7 @@ mod avx2 {
         );
         let mut acc = _mm256_setzero_ps();
         for (sb, blk) in row.chunks_exact(210).enumerate() {
+            prefetch_ahead(blk);
             // The scale first: the block's last bytes, often on a cache line of their own, so
             // their load starts before the levels' arithmetic needs the core.
             let f = f16_at(blk, 208) * x.d[8 * sb];
