@@ -4,7 +4,7 @@
 # all, in this order):
 #   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
 #            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
-#            models against the CPU backend; the same models through `load_cuda` resident, with
+#            models against the CPU backend; the same models through `llama::open` resident, with
 #            every layer streamed, and through the pinned host tier, against the upload-once path.
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by

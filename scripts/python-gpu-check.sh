@@ -123,7 +123,14 @@ if has demo; then
 import json, sys
 d = json.load(open(sys.argv[1]))
 c = d.get("compare", {})
-print(f"{c.get(\"verdict\")}; {d[\"layer_reads\"]} layer reads ({d[\"gb_read\"]:.3f} GB) through open_model, {d[\"seconds\"]:.1f} s; gdsllm buffers alive after: {d[\"memory_after\"][\"device_buffers\"]}")' "$dir/demo.json" 2>/dev/null || echo "no result (see $dir/demo.log)")"
+print(f"{c.get(\"verdict\")}; {d[\"layer_reads\"]} layer reads ({d[\"gb_read\"]:.3f} GB) through open_model, {d[\"seconds\"]:.1f} s; gdsllm buffers alive after: {d[\"memory_after\"][\"device_buffers\"]}")' "$dir/demo.json" 2>"$dir/summary.err" || echo "no result (see $dir/demo.log)")"
+    if [ -s "$dir/summary.err" ]; then
+      # A demo that exits 0 without the JSON the summary reads is a failure too: show why.
+      status=1
+      echo "--- demo.json (head) ---" >&2; head -c 2000 "$dir/demo.json" >&2; echo >&2
+      echo "--- summary error ---" >&2; tail -n 5 "$dir/summary.err" >&2
+      echo "--- demo.log (tail) ---" >&2; tail -n 30 "$dir/demo.log" >&2
+    fi
   done
 fi
 

@@ -107,7 +107,7 @@ fn stream_pass(res: &Residency, compute: Duration) -> Duration {
         let guard = res.acquire(b).expect("acquire");
         let t = Instant::now();
         let mut sum = 0u64;
-        for page in guard.chunks(4096) {
+        for page in guard.host().expect("host memory").chunks(4096) {
             sum = sum.wrapping_add(u64::from(page[0]));
         }
         std::hint::black_box(sum);

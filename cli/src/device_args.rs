@@ -30,38 +30,16 @@ pub struct DeviceArgs {
     pub io: Option<String>,
 }
 
-/// The resolved choice.
-#[derive(Debug, Clone, Copy)]
-pub enum Device {
-    Cpu,
-    Cuda {
-        ordinal: usize,
-        io: residency::IoChoice,
-    },
-}
-
 impl DeviceArgs {
-    /// Resolves `auto` by trying CUDA (and says why when it falls back to the CPU).
-    pub fn resolve(&self) -> anyhow::Result<Device> {
-        let io = || gds_io::io_choice_from_env(self.io.as_deref()).context("--io / GDSLLM_IO");
-        match self.device {
-            DeviceArg::Cpu => Ok(Device::Cpu),
-            DeviceArg::Cuda => Ok(Device::Cuda {
-                ordinal: self.gpu,
-                io: io()?,
-            }),
-            DeviceArg::Auto => match llama::backend::cuda::cuda_usable_on(self.gpu) {
-                Ok(()) => Ok(Device::Cuda {
-                    ordinal: self.gpu,
-                    io: io()?,
-                }),
-                Err(e) => {
-                    tracing::info!(
-                        "--device auto: computing on the CPU because CUDA is not usable: {e}"
-                    );
-                    Ok(Device::Cpu)
-                }
-            },
-        }
+    /// Where to compute, for `llama::open` (which decides `auto` and says why when it falls
+    /// back to the CPU), and how weights are read into GPU memory.
+    pub fn resolve(&self) -> anyhow::Result<(llama::Device, residency::IoChoice)> {
+        let device = match self.device {
+            DeviceArg::Cpu => return Ok((llama::Device::Cpu, residency::IoChoice::Auto)),
+            DeviceArg::Cuda => llama::Device::Cuda { ordinal: self.gpu },
+            DeviceArg::Auto => llama::Device::Auto { ordinal: self.gpu },
+        };
+        let io = gds_io::io_choice_from_env(self.io.as_deref()).context("--io / GDSLLM_IO")?;
+        Ok((device, io))
     }
 }

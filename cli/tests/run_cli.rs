@@ -271,3 +271,30 @@ fn bench_batch_reports_aggregate_per_sequence_and_bytes_per_token() {
     assert!(bytes(0) > 1e6, "{v}");
     assert!(bytes(1) < bytes(0) / 2.0, "{v}");
 }
+
+#[test]
+fn ctx_size_beyond_the_model_is_clamped_with_a_warning() {
+    let Some(dir) = model_dir() else { return };
+    let out = gdsllm()
+        .args(["run", "-m"])
+        .arg(&dir)
+        .args([
+            "-p", "Hi", "--temp", "0", "-n", "2", "-c", "1000000", "--json",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let context = weights_format::Model::open(&dir)
+        .unwrap()
+        .config()
+        .context_length;
+    assert!(
+        stderr.contains(&format!(
+            "--ctx-size 1000000 is larger than the model's context length {context}; using {context}"
+        )),
+        "{stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report.is_object(), "{report}");
+}

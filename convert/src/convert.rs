@@ -169,9 +169,21 @@ pub struct PlannedTensor {
     /// Absolute byte offset in that file.
     pub offset: u64,
     pub length: u64,
-    /// Some(n_heads) when the rows are in llama.cpp's interleaved RoPE order and must be put
-    /// back into Hugging Face order with `n_heads` heads.
-    pub unpermute_heads: Option<u32>,
+    /// What to do to the bytes on the way.
+    pub transform: Transform,
+}
+
+/// A change a tensor's values need on the way into our format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum Transform {
+    /// None: the bytes are ours (bit for bit unless `--dtype` re-encodes them).
+    #[default]
+    Keep,
+    /// The rows are in llama.cpp's interleaved RoPE order and go back into Hugging Face order
+    /// with this many heads.
+    UnpermuteHeads(u32),
+    /// A Gemma norm weight `w` becomes `1 + w`, stored as f32 (see FORMAT.md).
+    AddOne,
 }
 
 /// One output blob and its tensors in writing order.
@@ -393,12 +405,13 @@ fn write_blobs(
         for t in &blob.tensors {
             let (path, file) = &source.files[t.file];
             let target = match dtype.dtype() {
+                _ if t.transform == Transform::AddOne => DType::F32,
                 // Norms and other vectors stay f32 whatever the matrices become.
                 Some(_) if t.shape.len() == 1 => DType::F32,
                 Some(d) => d,
                 None => t.dtype,
             };
-            if target == t.dtype && t.unpermute_heads.is_none() {
+            if target == t.dtype && t.transform == Transform::Keep {
                 // Bit for bit: read straight into the writer's staging buffer.
                 let mut tensor = blob_writer.begin_tensor(&t.name, target, &t.shape)?;
                 let mut offset = t.offset;
@@ -416,26 +429,22 @@ fn write_blobs(
             raw.resize(t.length as usize, 0);
             file.read_exact_at(&mut raw, t.offset)
                 .map_err(|e| ConvertError::io(path, e))?;
+            let bad = |reason: String| ConvertError::BadTensor {
+                path: path.clone(),
+                tensor: t.source_name.clone(),
+                reason,
+            };
             let mut data: &[u8] = &raw;
-            if let Some(n_heads) = t.unpermute_heads {
-                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+            if let Transform::UnpermuteHeads(n_heads) = t.transform {
+                unpermute_rows(data, &t.shape, n_heads, &mut converted).map_err(bad)?;
                 std::mem::swap(&mut raw, &mut converted);
                 data = &raw;
             }
-            if target != t.dtype {
-                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(|reason| {
-                    ConvertError::BadTensor {
-                        path: path.clone(),
-                        tensor: t.source_name.clone(),
-                        reason,
-                    }
-                })?;
+            if t.transform == Transform::AddOne {
+                add_one(data, t.dtype, &mut converted).map_err(bad)?;
+                data = &converted;
+            } else if target != t.dtype {
+                reencode(data, t.dtype, target, &t.shape, &mut converted).map_err(bad)?;
                 data = &converted;
             }
             blob_writer.write_tensor(&t.name, target, &t.shape, data)?;
@@ -486,6 +495,21 @@ pub fn unpermute_rows(
     Ok(())
 }
 
+/// A vector `w` (any float dtype) as the f32 bytes of `1 + w`.
+pub(crate) fn add_one(data: &[u8], from: DType, out: &mut Vec<u8>) -> Result<(), String> {
+    if from.is_quantized() {
+        return Err(format!(
+            "a norm weight stored as {from}; expected a float dtype"
+        ));
+    }
+    let n = data.len() / from.byte_len(&[1]).unwrap_or(4) as usize;
+    let mut values = vec![0f32; n];
+    quant::dequantize(from, data, &mut values).map_err(|e| e.to_string())?;
+    out.clear();
+    out.extend(values.iter().flat_map(|v| (1.0 + v).to_le_bytes()));
+    Ok(())
+}
+
 /// Re-encodes a tensor row by row (dequantize to f32, quantize), so memory stays at one
 /// source tensor plus one output tensor.
 fn reencode(
@@ -512,97 +536,73 @@ fn reencode(
     Ok(())
 }
 
-/// The shapes a LLaMA model's tensors must have, for checking sources against their config.
-pub(crate) fn expected_shape(config: &ModelConfig, name: &str) -> Vec<u64> {
-    use weights_format::names::*;
-    let dim = config.hidden_size as u64;
-    let q = (config.n_heads * config.head_dim) as u64;
-    let kv = (config.n_kv_heads * config.head_dim) as u64;
-    let ffn = config.ffn_dim as u64;
-    let vocab = config.vocab_size as u64;
-    match name {
-        TOKEN_EMBD | OUTPUT => vec![vocab, dim],
-        OUTPUT_NORM | ATTN_NORM | FFN_NORM => vec![dim],
-        ATTN_Q => vec![q, dim],
-        ATTN_K | ATTN_V => vec![kv, dim],
-        ATTN_OUTPUT => vec![dim, q],
-        FFN_GATE | FFN_UP => vec![ffn, dim],
-        FFN_DOWN => vec![dim, ffn],
-        _ => unreachable!("expected_shape called with non-canonical name {name}"),
-    }
-}
-
-/// Which of our tensors a LLaMA layer has, in writing order.
-pub(crate) const LAYER_TENSORS: [&str; 9] = {
-    use weights_format::names::*;
-    [
-        ATTN_NORM,
-        ATTN_Q,
-        ATTN_K,
-        ATTN_V,
-        ATTN_OUTPUT,
-        FFN_NORM,
-        FFN_GATE,
-        FFN_UP,
-        FFN_DOWN,
-    ]
-};
-
-/// Arranges found tensors into the canonical blobs, checking each shape against the config.
-/// `find(our_name, layer)` returns the planned tensor for that slot, or None if absent.
+/// Arranges found tensors into the canonical blobs (the tensors `weights_format::layout` asks
+/// of `config`), checking each shape. `find(our_name, layer)` returns the planned tensor for
+/// that slot, or None if absent.
 pub(crate) fn plan_blobs(
     config: &ModelConfig,
     path: &Path,
     mut find: impl FnMut(&str, Option<u32>) -> Result<Option<PlannedTensor>, ConvertError>,
 ) -> Result<Vec<PlannedBlob>, ConvertError> {
-    use weights_format::names::*;
-    let mut require = |name: &str, layer: Option<u32>| -> Result<PlannedTensor, ConvertError> {
-        let t = find(name, layer)?.ok_or_else(|| ConvertError::MissingTensor {
-            path: path.to_path_buf(),
-            tensor: match layer {
-                Some(l) => format!("{name} of layer {l}"),
-                None => name.to_string(),
-            },
-        })?;
-        check_shape(config, path, &t)?;
-        Ok(t)
-    };
-    let mut blobs = vec![PlannedBlob {
-        file: EMBED_BLOB.to_string(),
-        tensors: vec![require(TOKEN_EMBD, None)?],
-    }];
-    for layer in 0..config.n_layers {
-        let tensors = LAYER_TENSORS
-            .iter()
-            .map(|name| require(name, Some(layer)))
-            .collect::<Result<Vec<_>, _>>()?;
-        blobs.push(PlannedBlob {
-            file: layer_blob(layer as usize),
-            tensors,
-        });
+    use weights_format::layout::{self, BlobKind};
+    let mut blobs = Vec::with_capacity(config.n_layers as usize + 2);
+    for file in layout::blob_files(config.n_layers) {
+        let kind = layout::blob_kind(&file).expect("layout names are canonical");
+        let layer = match kind {
+            BlobKind::Layer(l) => Some(l as u32),
+            BlobKind::Embed | BlobKind::Output => None,
+        };
+        let mut tensors = Vec::new();
+        for spec in layout::blob_tensors(config, kind) {
+            let t = find(spec.name, layer)?.ok_or_else(|| ConvertError::MissingTensor {
+                path: path.to_path_buf(),
+                tensor: match layer {
+                    Some(l) => format!("{} of layer {l}", spec.name),
+                    None => spec.name.to_string(),
+                },
+            })?;
+            if t.shape != spec.shape {
+                return Err(ConvertError::BadTensor {
+                    path: path.to_path_buf(),
+                    tensor: t.source_name.clone(),
+                    reason: format!(
+                        "shape {:?} does not match the config (expected {:?})",
+                        t.shape, spec.shape
+                    ),
+                });
+            }
+            tensors.push(t);
+        }
+        blobs.push(PlannedBlob { file, tensors });
     }
-    let mut output = vec![require(OUTPUT_NORM, None)?];
-    if !config.tie_word_embeddings {
-        output.push(require(OUTPUT, None)?);
-    }
-    blobs.push(PlannedBlob {
-        file: OUTPUT_BLOB.to_string(),
-        tensors: output,
-    });
     Ok(blobs)
 }
 
-fn check_shape(config: &ModelConfig, path: &Path, t: &PlannedTensor) -> Result<(), ConvertError> {
-    let expected = expected_shape(config, &t.name);
-    if t.shape != expected {
+/// Narrows `t` to the rows `rows` picks of a fused tensor (a byte range: rows are contiguous),
+/// after checking that the fused tensor has the rows the config implies.
+pub(crate) fn take_rows(
+    mut t: PlannedTensor,
+    rows: crate::family::Rows,
+    config: &ModelConfig,
+    path: &Path,
+) -> Result<PlannedTensor, ConvertError> {
+    let (Some((first, count)), Some(total)) = (rows.range(config), rows.fused_rows(config)) else {
+        return Ok(t);
+    };
+    if t.shape.len() != 2 || t.shape[0] != total {
         return Err(ConvertError::BadTensor {
             path: path.to_path_buf(),
-            tensor: t.source_name.clone(),
+            tensor: t.source_name,
             reason: format!(
-                "shape {:?} does not match the config (expected {expected:?})",
+                "shape {:?}: a fused tensor of {total} rows is expected from the config",
                 t.shape
             ),
         });
     }
-    Ok(())
+    let row_bytes = t.length / total;
+    t.offset += first * row_bytes;
+    t.length = count * row_bytes;
+    t.shape[0] = count;
+    t.source_name = format!("{} (rows {first}..{})", t.source_name, first + count);
+    Ok(t)
 }

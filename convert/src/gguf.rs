@@ -64,14 +64,16 @@ pub enum GgufError {
         offset: u64,
     },
     #[error(
-        "{path}: tensor types that are not supported: {} (supported: {})",
-        UnsupportedType::list(.types),
-        supported_ggml_type_names()
+        "{path}: {} tensors have ggml types this converter does not support: {} (supported: {})",
+        tensors.iter().map(|t| t.2).sum::<usize>(),
+        tensors.iter().map(|(id, name, count, example)| format!("{name} (type {id}) ×{count} (e.g. {example})")).collect::<Vec<_>>().join(", "),
+        supported_type_names()
     )]
     UnsupportedTensorTypes {
         path: PathBuf,
-        /// Every unsupported type in the file, in order of type id.
-        types: Vec<UnsupportedType>,
+        /// Per unsupported type, in type-id order: its ggml id and name, how many tensors
+        /// have it, and the first of them.
+        tensors: Vec<(u32, &'static str, usize, String)>,
     },
     #[error(
         "{path}: tensor {tensor}: data at offsets {start}..{end} lies outside the file (length {file_len}; truncated?)"
@@ -94,37 +96,6 @@ pub enum GgufError {
     },
     #[error("{path}: no tensor named {tensor}")]
     MissingTensor { path: PathBuf, tensor: String },
-}
-
-/// One ggml tensor type a GGUF file uses that this converter cannot carry over.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnsupportedType {
-    pub type_id: u32,
-    pub type_name: &'static str,
-    /// How many tensors have it.
-    pub count: usize,
-    /// The first of them, for the message.
-    pub example: String,
-}
-
-impl UnsupportedType {
-    /// `Q2_0 (ggml type 42): 3 tensors, e.g. blk.0.attn_q.weight; …`
-    fn list(types: &[UnsupportedType]) -> String {
-        types
-            .iter()
-            .map(|t| {
-                format!(
-                    "{} (ggml type {}): {} tensor{}, e.g. {}",
-                    t.type_name,
-                    t.type_id,
-                    t.count,
-                    if t.count == 1 { "" } else { "s" },
-                    t.example
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    }
 }
 
 /// The type tag of a metadata value (GGUF `gguf_metadata_value_type`, 0–12).
@@ -296,11 +267,10 @@ pub fn dtype_from_ggml(type_id: u32) -> Option<DType> {
     DType::ALL.into_iter().find(|d| ggml_type_id(*d) == type_id)
 }
 
-/// ggml's names of the supported types, for messages.
-fn supported_ggml_type_names() -> String {
-    let mut ids: Vec<u32> = DType::ALL.into_iter().map(ggml_type_id).collect();
-    ids.sort_unstable();
-    ids.into_iter()
+/// The names of the ggml types [`dtype_from_ggml`] accepts, for error messages.
+pub fn supported_type_names() -> String {
+    (0..64)
+        .filter(|&id| dtype_from_ggml(id).is_some())
         .map(ggml_type_name)
         .collect::<Vec<_>>()
         .join(", ")
@@ -379,6 +349,10 @@ pub struct GgufFile {
     key_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// Tensors whose ggml type has no [`DType`]: (name, type id), in file order. They are left
+    /// out of `tensors` (their sizes are unknown, so they are not bounds-checked either) and
+    /// reported all at once by [`GgufFile::check_tensor_types`].
+    unsupported: Vec<(String, u32)>,
 }
 
 /// A metadata value as kept in memory.
@@ -863,31 +837,14 @@ impl GgufFile {
         }
         let data_offset = r.pos.div_ceil(alignment) * alignment;
 
-        // Every unsupported type at once, so one message says everything a file would need.
-        let mut unsupported: Vec<UnsupportedType> = Vec::new();
-        for t in raw.iter().filter(|t| dtype_from_ggml(t.type_id).is_none()) {
-            match unsupported.iter_mut().find(|u| u.type_id == t.type_id) {
-                Some(u) => u.count += 1,
-                None => unsupported.push(UnsupportedType {
-                    type_id: t.type_id,
-                    type_name: ggml_type_name(t.type_id),
-                    count: 1,
-                    example: t.name.clone(),
-                }),
-            }
-        }
-        if !unsupported.is_empty() {
-            unsupported.sort_by_key(|u| u.type_id);
-            return Err(GgufError::UnsupportedTensorTypes {
-                path: path.clone(),
-                types: unsupported,
-            });
-        }
-
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::with_capacity(raw.len());
+        let mut unsupported = Vec::new();
         for t in raw {
-            let dtype = dtype_from_ggml(t.type_id).expect("unsupported types were refused above");
+            let Some(dtype) = dtype_from_ggml(t.type_id) else {
+                unsupported.push((t.name, t.type_id));
+                continue;
+            };
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
             let length = dtype.byte_len(&shape).ok_or_else(|| GgufError::Invalid {
                 path: path.clone(),
@@ -958,7 +915,32 @@ impl GgufFile {
             key_index,
             tensors,
             tensor_index,
+            unsupported,
         })
+    }
+
+    /// Fails when any tensor has a ggml type this converter cannot carry, listing every such
+    /// type with its count (so one run tells everything that is missing).
+    pub fn check_tensor_types(&self) -> Result<(), GgufError> {
+        if self.unsupported.is_empty() {
+            return Ok(());
+        }
+        let mut by_type: std::collections::BTreeMap<u32, (usize, &str)> = Default::default();
+        for (name, type_id) in &self.unsupported {
+            by_type.entry(*type_id).or_insert((0, name)).0 += 1;
+        }
+        Err(GgufError::UnsupportedTensorTypes {
+            path: self.path.clone(),
+            tensors: by_type
+                .into_iter()
+                .map(|(id, (count, first))| (id, ggml_type_name(id), count, first.to_string()))
+                .collect(),
+        })
+    }
+
+    /// Names and ggml type ids of the tensors whose type has no [`DType`], in file order.
+    pub fn unsupported_tensors(&self) -> &[(String, u32)] {
+        &self.unsupported
     }
 
     pub fn path(&self) -> &Path {
@@ -995,7 +977,8 @@ impl GgufFile {
         self.key_index.get(key).map(|&i| &self.metadata[i].1)
     }
 
-    /// All tensor infos in file order.
+    /// All tensor infos in file order (those of a supported type; see
+    /// [`GgufFile::unsupported_tensors`]).
     pub fn tensors(&self) -> &[GgufTensorInfo] {
         &self.tensors
     }

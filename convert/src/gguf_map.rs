@@ -1,16 +1,49 @@
-//! GGUF (llama.cpp's `llama` architecture) → [`SourceModel`]: config from the `llama.*` and
-//! `tokenizer.ggml.*` keys, tensors from the `blk.N.*` names.
+//! GGUF (llama.cpp's `llama`, `qwen2`, `qwen3`, `gemma3` and `phi3` architectures) →
+//! [`SourceModel`]: config from the `<arch>.*` and `tokenizer.ggml.*` keys, tensors through the
+//! family's table in [`crate::family`].
+//!
+//! The order of the checks is the one a user wants: the architecture first (a file of a
+//! family we do not know fails on that, not on a detail of it), then every tensor type we
+//! cannot carry, all in one message, then the config and the tensors.
 
 use std::fs::File;
 use std::path::Path;
 
 use serde_json::{Map, Value};
-use weights_format::{ModelConfig, RopeScaling, names};
+use weights_format::{
+    Activation, Architecture, DType, ModelConfig, RopeScaling, SlidingWindow, names,
+};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
+use crate::convert::{
+    ConvertError, PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
+};
+use crate::family::{self, FamilyTable, source_name};
 use crate::gguf::{GgufError, GgufFile};
 
-/// The GGUF tensor name of one of our tensors.
+/// llama.cpp's per-frequency RoPE divisors (Llama 3.1 scaling).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+/// Phi-3's longrope factors.
+const ROPE_FACTORS_LONG: &str = "rope_factors_long.weight";
+const ROPE_FACTORS_SHORT: &str = "rope_factors_short.weight";
+/// llama.cpp's default for Gemma 3 files without `sliding_window_pattern`: five windowed
+/// layers, then one global.
+const GEMMA3_SWA_PATTERN: u32 = 6;
+/// GGUF `tokenizer.ggml.token_type` of control tokens.
+const TOKEN_TYPE_CONTROL: i64 = 3;
+/// Texts of control tokens that end a turn (llama.cpp's end-of-generation list, the entries
+/// of the families converted here).
+const END_OF_TURN_TEXTS: [&str; 6] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<｜end▁of▁sentence｜>",
+];
+/// llama.cpp's default RoPE base of the windowed layers (`rope_freq_base_train_swa`).
+const DEFAULT_SWA_ROPE_THETA: f32 = 10000.0;
+
+/// The GGUF tensor name of one of our llama tensors (kept for tools and tests).
 pub fn gguf_tensor_name(name: &str, layer: Option<u32>) -> String {
     match layer {
         Some(l) => format!("blk.{l}.{name}.weight"),
@@ -18,17 +51,28 @@ pub fn gguf_tensor_name(name: &str, layer: Option<u32>) -> String {
     }
 }
 
+/// The family of `general.architecture`; anything else is an error naming what is supported.
+pub fn architecture_of(gguf: &GgufFile) -> Result<Architecture, ConvertError> {
+    let name = gguf.require_str("general.architecture")?;
+    Architecture::from_name(name).ok_or_else(|| ConvertError::BadKey {
+        path: gguf.path().to_path_buf(),
+        key: "general.architecture".into(),
+        reason: format!(
+            "{name:?} is not supported (supported: {})",
+            Architecture::names()
+        ),
+    })
+}
+
 /// Reads the model config from GGUF metadata. A missing required key is an error naming it.
 pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
-    let arch = gguf.require_str("general.architecture")?;
-    if arch != "llama" {
-        return Err(ConvertError::BadKey {
-            path: gguf.path().to_path_buf(),
-            key: "general.architecture".into(),
-            reason: format!("{arch:?} is not supported (only llama)"),
-        });
-    }
-    let key = |k: &str| format!("llama.{k}");
+    let arch = architecture_of(gguf)?;
+    let key = |k: &str| format!("{}.{k}", arch.name());
+    let bad = |k: &str, reason: String| ConvertError::BadKey {
+        path: gguf.path().to_path_buf(),
+        key: k.to_string(),
+        reason,
+    };
     let n_layers = gguf.require_u32(&key("block_count"))?;
     let hidden_size = gguf.require_u32(&key("embedding_length"))?;
     let ffn_dim = gguf.require_u32(&key("feed_forward_length"))?;
@@ -37,11 +81,6 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
     let n_kv_heads = gguf
         .opt_u32(&key("attention.head_count_kv"))?
         .unwrap_or(n_heads);
-    let bad = |k: &str, reason: String| ConvertError::BadKey {
-        path: gguf.path().to_path_buf(),
-        key: k.to_string(),
-        reason,
-    };
     if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 {
         return Err(bad(
             &key("attention.head_count_kv"),
@@ -58,6 +97,14 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
             ));
         }
     };
+    if let Some(v) = gguf.opt_u32(&key("attention.value_length"))?
+        && v != head_dim
+    {
+        return Err(bad(
+            &key("attention.value_length"),
+            format!("{v} differs from the key length {head_dim}; both must be equal"),
+        ));
+    }
     if let Some(rot) = gguf.opt_u32(&key("rope.dimension_count"))?
         && rot != head_dim
     {
@@ -72,12 +119,9 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
     let rope_scaling = match gguf.opt_str(&key("rope.scaling.type"))? {
         None | Some("none") => None,
         Some("linear") => Some(RopeScaling {
-            rope_type: "linear".into(),
-            factor: gguf.require_f32(&key("rope.scaling.factor"))?,
-            low_freq_factor: None,
-            high_freq_factor: None,
             original_max_position_embeddings: gguf
                 .opt_u32(&key("rope.scaling.original_context_length"))?,
+            ..RopeScaling::new("linear", gguf.require_f32(&key("rope.scaling.factor"))?)
         }),
         Some(other) => {
             return Err(bad(
@@ -86,13 +130,6 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
             ));
         }
     };
-    if gguf.tensor("rope_freqs.weight").is_some() {
-        return Err(ConvertError::BadTensor {
-            path: gguf.path().to_path_buf(),
-            tensor: "rope_freqs.weight".into(),
-            reason: "per-frequency RoPE factors (Llama 3.1 scaling) are not supported".into(),
-        });
-    }
     let vocab_size = match gguf.opt_u32(&key("vocab_size"))? {
         Some(v) => v,
         None => match gguf.opt_str_array("tokenizer.ggml.tokens")? {
@@ -100,7 +137,7 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
             None => {
                 return Err(ConvertError::MissingKey {
                     path: gguf.path().to_path_buf(),
-                    key: "llama.vocab_size (or tokenizer.ggml.tokens)".into(),
+                    key: format!("{} (or tokenizer.ggml.tokens)", key("vocab_size")),
                 });
             }
         },
@@ -120,9 +157,27 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
     {
         eos_token_ids.push(eot);
     }
-    let tie_word_embeddings = gguf.tensor("output.weight").is_none();
-    Ok(ModelConfig {
-        architecture: "llama".into(),
+    if arch != Architecture::Llama {
+        // Chat models of these families end a turn with a control token that the file does not
+        // always name (Gemma 3's `<end_of_turn>`); llama.cpp finds such tokens by their text,
+        // and so do we. (Llama files are left as they were converted before.)
+        if let (Some(tokens), Some(types)) = (
+            gguf.opt_str_array("tokenizer.ggml.tokens")?,
+            gguf.opt_int_array("tokenizer.ggml.token_type")?,
+        ) {
+            for (id, (text, kind)) in tokens.iter().zip(&types).enumerate() {
+                if *kind == TOKEN_TYPE_CONTROL
+                    && END_OF_TURN_TEXTS.contains(text)
+                    && !eos_token_ids.contains(&(id as u32))
+                {
+                    eos_token_ids.push(id as u32);
+                }
+            }
+        }
+    }
+    let rules = arch.rules();
+    let mut config = ModelConfig {
+        architecture: arch.name().into(),
         n_layers,
         hidden_size,
         n_heads,
@@ -134,11 +189,127 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
         rope_scaling,
         rms_norm_eps,
         context_length,
-        tie_word_embeddings,
+        tie_word_embeddings: gguf.tensor("output.weight").is_none()
+            && !gguf
+                .unsupported_tensors()
+                .iter()
+                .any(|t| t.0 == "output.weight"),
         bos_token_id,
         eos_token_ids,
         add_bos_token,
-    })
+        attention_bias: rules.attention_bias,
+        qk_norm: rules.qk_norm,
+        post_norms: rules.post_norms,
+        activation: rules.activation,
+        ..ModelConfig::default()
+    };
+    match arch {
+        Architecture::Llama => {
+            if let Some(factors) = read_f32_vector(gguf, ROPE_FREQS)? {
+                if config.rope_scaling.is_some() {
+                    return Err(bad(
+                        &key("rope.scaling.type"),
+                        format!("set together with the {ROPE_FREQS} tensor; expected one"),
+                    ));
+                }
+                config.rope_scaling = Some(RopeScaling {
+                    freq_factors: Some(factors),
+                    ..RopeScaling::new("freq_factors", 1.0)
+                });
+            }
+        }
+        Architecture::Qwen2 | Architecture::Qwen3 => {}
+        Architecture::Gemma3 => gemma3_config(gguf, &mut config)?,
+        Architecture::Phi3 => {
+            let long = read_f32_vector(gguf, ROPE_FACTORS_LONG)?;
+            let short = read_f32_vector(gguf, ROPE_FACTORS_SHORT)?;
+            if long.is_some() || short.is_some() {
+                let original = gguf.require_u32(&key("rope.scaling.original_context_length"))?;
+                config.rope_scaling = Some(RopeScaling {
+                    short_factor: short,
+                    long_factor: long,
+                    original_max_position_embeddings: Some(original),
+                    attention_factor: gguf.opt_f32(&key("rope.scaling.attn_factor"))?,
+                    ..RopeScaling::new("longrope", context_length as f32 / original.max(1) as f32)
+                });
+            }
+            // llama.cpp turns Phi-3's sliding window off (and warns); so do we, so that both
+            // compute the same thing. It matters only beyond the window (2047 positions).
+        }
+    }
+    Ok(config)
+}
+
+/// Gemma 3's extras, with llama.cpp's defaults where the file leaves them out.
+fn gemma3_config(gguf: &GgufFile, config: &mut ModelConfig) -> Result<(), ConvertError> {
+    let key = |k: &str| format!("gemma3.{k}");
+    config.activation = Activation::GeluTanh;
+    config.embedding_scale = (config.hidden_size as f32).sqrt();
+    // llama.cpp: the 27B model (62 layers) scales queries by 1/sqrt(dim/heads) (its
+    // query_pre_attn_scalar), the others by the default 1/sqrt(head_dim).
+    if config.n_layers == 62 {
+        config.attention_scale = Some(1.0 / ((config.hidden_size / config.n_heads) as f32).sqrt());
+    }
+    config.final_logit_softcap = gguf
+        .opt_f32(&key("final_logit_softcapping"))?
+        .filter(|&c| c != 0.0);
+    let window = gguf.opt_u32(&key("attention.sliding_window"))?.unwrap_or(0);
+    if window > 0 {
+        let pattern_key = key("attention.sliding_window_pattern");
+        let layers: Vec<u32> = match gguf.get(&pattern_key) {
+            Some(crate::gguf::GgufValue::Array(_, items)) => {
+                if items.len() != config.n_layers as usize {
+                    return Err(ConvertError::BadKey {
+                        path: gguf.path().to_path_buf(),
+                        key: pattern_key,
+                        reason: format!("{} entries for {} layers", items.len(), config.n_layers),
+                    });
+                }
+                (0..config.n_layers)
+                    .filter(|&l| matches!(items[l as usize], crate::gguf::GgufValue::Bool(true)))
+                    .collect()
+            }
+            _ => {
+                let n = gguf.opt_u32(&pattern_key)?.unwrap_or(GEMMA3_SWA_PATTERN);
+                // llama.cpp's set_swa_pattern: windowed unless the last of each group of n.
+                (0..config.n_layers)
+                    .filter(|&l| n == 0 || l % n < n - 1)
+                    .collect()
+            }
+        };
+        if !layers.is_empty() {
+            config.sliding_window = Some(SlidingWindow {
+                size: window,
+                layers,
+                rope_theta: gguf
+                    .opt_f32(&key("rope.freq_base_swa"))?
+                    .unwrap_or(DEFAULT_SWA_ROPE_THETA),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A small f32 tensor's values (RoPE factors), or None when the file has no such tensor.
+fn read_f32_vector(gguf: &GgufFile, name: &str) -> Result<Option<Vec<f32>>, ConvertError> {
+    let Some(info) = gguf.tensor(name) else {
+        return Ok(None);
+    };
+    if info.dtype != DType::F32 || info.shape.len() != 1 {
+        return Err(ConvertError::BadTensor {
+            path: gguf.path().to_path_buf(),
+            tensor: name.into(),
+            reason: format!("{} {:?}; expected a vector of f32", info.dtype, info.shape),
+        });
+    }
+    let mut bytes = Vec::new();
+    gguf.read_tensor(info, &mut bytes)?;
+    Ok(Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect(),
+    ))
 }
 
 /// Opens a GGUF file as a conversion source.
@@ -149,36 +320,23 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
         "gguf header parsed in {:.1} ms",
         started.elapsed().as_secs_f64() * 1e3
     );
+    let arch = architecture_of(&gguf)?;
+    gguf.check_tensor_types()?;
     let config = config_from_gguf(&gguf)?;
+    let table = family::table(arch);
 
     let mut used = std::collections::HashSet::new();
+    for consumed in [ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT] {
+        used.insert(consumed.to_string());
+    }
     let blobs = plan_blobs(&config, path, |name, layer| {
-        let gguf_name = gguf_tensor_name(name, layer);
-        let Some(info) = gguf.tensor(&gguf_name) else {
-            return Ok(None);
-        };
-        used.insert(gguf_name.clone());
-        let unpermute_heads = match name {
-            names::ATTN_Q => Some(config.n_heads),
-            names::ATTN_K => Some(config.n_kv_heads),
-            _ => None,
-        };
-        Ok(Some(PlannedTensor {
-            name: name.to_string(),
-            source_name: gguf_name,
-            dtype: info.dtype,
-            shape: info.shape.clone(),
-            file: 0,
-            offset: info.file_offset,
-            length: info.length,
-            unpermute_heads,
-        }))
+        plan_gguf_tensor(&gguf, table, &config, name, layer, &mut used)
     })?;
     if let Some(extra) = gguf.tensors().iter().find(|t| !used.contains(&t.name)) {
         return Err(ConvertError::BadTensor {
             path: path.to_path_buf(),
             tensor: extra.name.clone(),
-            reason: "not part of a LLaMA model this converter understands".into(),
+            reason: format!("not part of a {arch} model this converter understands"),
         });
     }
 
@@ -207,4 +365,40 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
         blobs,
         files: vec![(path.to_path_buf(), file)],
     })
+}
+
+/// Where our tensor `name` of `layer` lies in the GGUF, by the family's table.
+fn plan_gguf_tensor(
+    gguf: &GgufFile,
+    table: &FamilyTable,
+    config: &ModelConfig,
+    name: &str,
+    layer: Option<u32>,
+    used: &mut std::collections::HashSet<String>,
+) -> Result<Option<PlannedTensor>, ConvertError> {
+    let entry = FamilyTable::find(table.gguf, name).ok_or_else(|| ConvertError::BadInput {
+        path: gguf.path().to_path_buf(),
+        reason: format!("the {} table has no GGUF name for {name}", table.arch),
+    })?;
+    let gguf_name = source_name(entry.theirs, layer);
+    let Some(info) = gguf.tensor(&gguf_name) else {
+        return Ok(None);
+    };
+    used.insert(gguf_name.clone());
+    let transform = match name {
+        names::ATTN_Q if table.gguf_permutes_qk => Transform::UnpermuteHeads(config.n_heads),
+        names::ATTN_K if table.gguf_permutes_qk => Transform::UnpermuteHeads(config.n_kv_heads),
+        _ => Transform::Keep,
+    };
+    let planned = PlannedTensor {
+        name: name.to_string(),
+        source_name: gguf_name,
+        dtype: info.dtype,
+        shape: info.shape.clone(),
+        file: 0,
+        offset: info.file_offset,
+        length: info.length,
+        transform,
+    };
+    take_rows(planned, entry.rows, config, gguf.path()).map(Some)
 }

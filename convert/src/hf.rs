@@ -9,33 +9,16 @@ use std::io::Read;
 use std::path::Path;
 
 use serde_json::{Map, Value};
-use weights_format::{DType, ModelConfig, RopeScaling, names};
+use weights_format::{Architecture, DType, ModelConfig, RopeScaling, SlidingWindow};
 
-use crate::convert::{ConvertError, PlannedTensor, SourceModel, TokenizerSource, plan_blobs};
+use crate::convert::{
+    ConvertError, PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
+};
+use crate::family::{self, FamilyTable, source_name};
 use crate::tokenizer::chat_template_from_tokenizer_config;
 
 /// safetensors refuses headers above 100 MB; so do we, before allocating.
 const MAX_HEADER_LEN: u64 = 100_000_000;
-
-/// The Hugging Face tensor name of one of our tensors (`layer` for per-layer tensors).
-pub fn hf_tensor_name(name: &str, layer: Option<u32>) -> String {
-    let l = layer.unwrap_or(0);
-    match name {
-        names::TOKEN_EMBD => "model.embed_tokens.weight".into(),
-        names::OUTPUT_NORM => "model.norm.weight".into(),
-        names::OUTPUT => "lm_head.weight".into(),
-        names::ATTN_NORM => format!("model.layers.{l}.input_layernorm.weight"),
-        names::ATTN_Q => format!("model.layers.{l}.self_attn.q_proj.weight"),
-        names::ATTN_K => format!("model.layers.{l}.self_attn.k_proj.weight"),
-        names::ATTN_V => format!("model.layers.{l}.self_attn.v_proj.weight"),
-        names::ATTN_OUTPUT => format!("model.layers.{l}.self_attn.o_proj.weight"),
-        names::FFN_NORM => format!("model.layers.{l}.post_attention_layernorm.weight"),
-        names::FFN_GATE => format!("model.layers.{l}.mlp.gate_proj.weight"),
-        names::FFN_UP => format!("model.layers.{l}.mlp.up_proj.weight"),
-        names::FFN_DOWN => format!("model.layers.{l}.mlp.down_proj.weight"),
-        _ => unreachable!("hf_tensor_name called with non-canonical name {name}"),
-    }
-}
 
 fn read_json(path: &Path) -> Result<Value, ConvertError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConvertError::io(path, e))?;
@@ -45,8 +28,57 @@ fn read_json(path: &Path) -> Result<Value, ConvertError> {
     })
 }
 
+/// The family of a `config.json`: from `architectures` (the model class), else from
+/// `model_type`, else llama (the oldest configs name neither).
+pub fn family_of(path: &Path, config: &Value) -> Result<&'static FamilyTable, ConvertError> {
+    let bad = |key: &str, reason: String| ConvertError::BadKey {
+        path: path.to_path_buf(),
+        key: key.to_string(),
+        reason,
+    };
+    let supported = || {
+        family::FAMILIES
+            .iter()
+            .flat_map(|t| t.hf_classes)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(classes) = config.get("architectures").and_then(Value::as_array)
+        && let Some(class) = classes.first().and_then(Value::as_str)
+    {
+        return family::from_hf_class(class).ok_or_else(|| {
+            bad(
+                "architectures",
+                format!("{class:?} is not supported (supported: {})", supported()),
+            )
+        });
+    }
+    let arch = match config.get("model_type").and_then(Value::as_str) {
+        None | Some("llama" | "mistral") => Architecture::Llama,
+        Some("qwen2") => Architecture::Qwen2,
+        Some("qwen3") => Architecture::Qwen3,
+        Some("gemma3" | "gemma3_text") => Architecture::Gemma3,
+        Some("phi3") => Architecture::Phi3,
+        Some(other) => {
+            return Err(bad(
+                "model_type",
+                format!("{other:?} is not supported (supported: {})", supported()),
+            ));
+        }
+    };
+    Ok(family::table(arch))
+}
+
 /// Reads `config.json` into our config. Keys with a Hugging Face default may be absent.
 pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, ConvertError> {
+    let table = family_of(path, config)?;
+    let arch = table.arch;
+    // Gemma3ForConditionalGeneration keeps the language model's config in `text_config`.
+    let config = match config.get("text_config") {
+        Some(text) if text.is_object() => text,
+        _ => config,
+    };
     let missing = |key: &str| ConvertError::MissingKey {
         path: path.to_path_buf(),
         key: key.to_string(),
@@ -76,15 +108,26 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
                 .ok_or_else(|| bad(key, "expected a number")),
         }
     };
+    let opt_bool = |key: &str| -> Result<Option<bool>, ConvertError> {
+        match config.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(bad(key, "expected true or false")),
+        }
+    };
+    let opt_factors = |obj: &Value, key: &str| -> Result<Option<Vec<f32>>, ConvertError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_f64().map(|v| v as f32))
+                .collect::<Option<Vec<f32>>>()
+                .map(Some)
+                .ok_or_else(|| bad(key, "expected a list of numbers")),
+            Some(_) => Err(bad(key, "expected a list of numbers")),
+        }
+    };
 
-    if let Some(model_type) = config.get("model_type").and_then(Value::as_str)
-        && model_type != "llama"
-    {
-        return Err(bad(
-            "model_type",
-            &format!("{model_type:?} is not supported (only llama)"),
-        ));
-    }
     let hidden_size = req_u32("hidden_size")?;
     let ffn_dim = req_u32("intermediate_size")?;
     let n_layers = req_u32("num_hidden_layers")?;
@@ -101,17 +144,34 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
         None if hidden_size % n_heads == 0 => hidden_size / n_heads,
         None => return Err(missing("head_dim")),
     };
-    // transformers 5 moved rope_theta and rope_scaling into `rope_parameters`.
+    if let Some(p) = opt_f32(config, "partial_rotary_factor")?
+        && p != 1.0
+    {
+        return Err(bad(
+            "partial_rotary_factor",
+            &format!("{p}: partial rotary embedding is not supported"),
+        ));
+    }
+    // transformers 5 moved rope_theta and rope_scaling into `rope_parameters`, which for
+    // models with two kinds of layers (Gemma 3) holds one entry per kind.
     let rope_parameters = config.get("rope_parameters").filter(|v| v.is_object());
-    let rope_theta = match rope_parameters {
+    let global_rope = rope_parameters.map(|p| p.get("full_attention").unwrap_or(p));
+    let local_rope = rope_parameters.and_then(|p| p.get("sliding_attention"));
+    let rope_theta = match global_rope {
         Some(p) => opt_f32(p, "rope_theta")?,
         None => None,
     }
     .or(opt_f32(config, "rope_theta")?)
-    .unwrap_or(10000.0);
-    let scaling = rope_parameters
+    .unwrap_or(if arch == Architecture::Gemma3 {
+        1_000_000.0
+    } else {
+        10000.0
+    });
+    let scaling = global_rope
         .or(config.get("rope_scaling"))
         .filter(|v| v.is_object());
+    let original_max = opt_u32("original_max_position_embeddings")?;
+    let context_length = req_u32("max_position_embeddings")?;
     let rope_scaling = match scaling {
         None => None,
         Some(s) => {
@@ -123,37 +183,76 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
             match rope_type {
                 "default" => None,
                 "linear" | "llama3" => Some(RopeScaling {
-                    rope_type: rope_type.to_string(),
-                    factor: opt_f32(s, "factor")?.ok_or_else(|| missing("rope_scaling.factor"))?,
                     low_freq_factor: opt_f32(s, "low_freq_factor")?,
                     high_freq_factor: opt_f32(s, "high_freq_factor")?,
-                    original_max_position_embeddings: s
+                    original_max_position_embeddings: match s
                         .get("original_max_position_embeddings")
-                        .and_then(Value::as_u64)
-                        .map(|v| v as u32),
+                    {
+                        None | Some(Value::Null) => None,
+                        Some(v) => {
+                            Some(v.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or_else(
+                                || {
+                                    bad(
+                                        "rope_scaling.original_max_position_embeddings",
+                                        "expected an integer in 0..2^32",
+                                    )
+                                },
+                            )?)
+                        }
+                    },
+                    ..RopeScaling::new(
+                        rope_type,
+                        opt_f32(s, "factor")?.ok_or_else(|| missing("rope_scaling.factor"))?,
+                    )
                 }),
+                // Phi-3's ("su" is its old name).
+                "longrope" | "su" => {
+                    let original = opt_u32("original_max_position_embeddings")?
+                        .or(original_max)
+                        .ok_or_else(|| missing("original_max_position_embeddings"))?;
+                    let scale = context_length as f32 / original.max(1) as f32;
+                    // Hugging Face's default when the config gives none.
+                    let attention_factor = opt_f32(s, "attention_factor")?.unwrap_or_else(|| {
+                        if scale <= 1.0 {
+                            1.0
+                        } else {
+                            (1.0 + scale.ln() / (original as f32).ln()).sqrt()
+                        }
+                    });
+                    Some(RopeScaling {
+                        short_factor: opt_factors(s, "short_factor")?,
+                        long_factor: opt_factors(s, "long_factor")?,
+                        original_max_position_embeddings: Some(original),
+                        attention_factor: Some(attention_factor),
+                        ..RopeScaling::new("longrope", scale)
+                    })
+                }
                 other => {
                     return Err(bad(
                         "rope_scaling.rope_type",
-                        &format!("{other:?} is not supported (default, linear, llama3)"),
+                        &format!("{other:?} is not supported (default, linear, llama3, longrope)"),
                     ));
                 }
             }
         }
     };
-    let rms_norm_eps = opt_f32(config, "rms_norm_eps")?.ok_or_else(|| missing("rms_norm_eps"))?;
-    let context_length = req_u32("max_position_embeddings")?;
+    let rms_norm_eps = opt_f32(config, "rms_norm_eps")?
+        .or(if arch == Architecture::Gemma3 {
+            Some(1e-6)
+        } else {
+            None
+        })
+        .ok_or_else(|| missing("rms_norm_eps"))?;
     let vocab_size = req_u32("vocab_size")?;
-    let tie_word_embeddings = match config.get("tie_word_embeddings") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("tie_word_embeddings", "expected true or false")),
-    };
+    let tie_word_embeddings = opt_bool("tie_word_embeddings")?
+        // Gemma's configs leave it out and mean true.
+        .unwrap_or(arch == Architecture::Gemma3);
     let bos_token_id = opt_u32("bos_token_id")?;
     let eos_token_ids = token_ids(config.get("eos_token_id"))
         .ok_or_else(|| bad("eos_token_id", "expected an integer or a list of integers"))?;
-    Ok(ModelConfig {
-        architecture: "llama".into(),
+    let rules = arch.rules();
+    let mut out = ModelConfig {
+        architecture: arch.name().into(),
         n_layers,
         hidden_size,
         n_heads,
@@ -169,7 +268,105 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
         bos_token_id,
         eos_token_ids,
         add_bos_token: false,
-    })
+        attention_bias: rules.attention_bias,
+        qk_norm: rules.qk_norm,
+        post_norms: rules.post_norms,
+        activation: rules.activation,
+        ..ModelConfig::default()
+    };
+    let window = opt_u32("sliding_window")?;
+    match arch {
+        Architecture::Llama | Architecture::Phi3 => {
+            if let Some(w) = window {
+                // llama.cpp converts these as full-attention models (Mistral 7B v0.1, Phi-3);
+                // the two agree on every context up to the window.
+                tracing::warn!(
+                    "{}: sliding_window {w} is ignored, as llama.cpp does: contexts longer than \
+                     {w} positions will differ from the original model",
+                    path.display()
+                );
+            }
+        }
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            if opt_bool("use_sliding_window")? == Some(true) {
+                return Err(bad(
+                    "use_sliding_window",
+                    "sliding-window attention is not supported for this family",
+                ));
+            }
+            if opt_bool("attention_bias")? == Some(!rules.attention_bias) {
+                return Err(bad(
+                    "attention_bias",
+                    &format!(
+                        "{} models have attention_bias {}",
+                        arch, rules.attention_bias
+                    ),
+                ));
+            }
+        }
+        Architecture::Gemma3 => {
+            if let Some(act) = config
+                .get("hidden_activation")
+                .or(config.get("hidden_act"))
+                .and_then(Value::as_str)
+                && act != "gelu_pytorch_tanh"
+            {
+                return Err(bad(
+                    "hidden_activation",
+                    &format!("{act:?} is not supported (gelu_pytorch_tanh)"),
+                ));
+            }
+            if config
+                .get("attn_logit_softcapping")
+                .is_some_and(|v| !v.is_null())
+            {
+                return Err(bad(
+                    "attn_logit_softcapping",
+                    "attention logit soft-capping is not supported (Gemma 3 has none)",
+                ));
+            }
+            out.embedding_scale = (hidden_size as f32).sqrt();
+            if let Some(q) = opt_f32(config, "query_pre_attn_scalar")?
+                && q != head_dim as f32
+            {
+                out.attention_scale = Some(1.0 / q.sqrt());
+            }
+            out.final_logit_softcap = opt_f32(config, "final_logit_softcapping")?;
+            if let Some(size) = window {
+                let layers: Vec<u32> = match config.get("layer_types").and_then(Value::as_array) {
+                    Some(types) => {
+                        if types.len() != n_layers as usize {
+                            return Err(bad(
+                                "layer_types",
+                                &format!("{} entries for {n_layers} layers", types.len()),
+                            ));
+                        }
+                        (0..n_layers)
+                            .filter(|&l| types[l as usize] == "sliding_attention")
+                            .collect()
+                    }
+                    None => {
+                        let n = opt_u32("sliding_window_pattern")?.unwrap_or(6);
+                        (0..n_layers).filter(|&l| n == 0 || l % n < n - 1).collect()
+                    }
+                };
+                let local_theta = match local_rope {
+                    Some(p) => opt_f32(p, "rope_theta")?,
+                    None => None,
+                }
+                .or(opt_f32(config, "rope_local_base_freq")?)
+                .unwrap_or(10000.0);
+                if !layers.is_empty() {
+                    out.sliding_window = Some(SlidingWindow {
+                        size,
+                        layers,
+                        rope_theta: local_theta,
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// `eos_token_id` is an int, a list of ints, or absent.
@@ -366,13 +563,58 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
         files.push((path, file));
     }
 
-    // `lm_head.weight` absent means tied, whatever config.json says.
-    if !names_seen.iter().any(|n| n == "lm_head.weight") {
+    let table = family_of(&config_path, &config_json)?;
+    // Gemma3ForConditionalGeneration nests the language model: `language_model.model.*`
+    // (transformers 4) or `model.language_model.*` (transformers 5); its vision tower and
+    // projector are left out.
+    let (prefix, lm_head) = if names_seen
+        .iter()
+        .any(|n| n.starts_with("language_model.model."))
+    {
+        ("language_model.model.", "language_model.lm_head.weight")
+    } else if names_seen
+        .iter()
+        .any(|n| n.starts_with("model.language_model."))
+    {
+        ("model.language_model.", "lm_head.weight")
+    } else {
+        ("model.", "lm_head.weight")
+    };
+    let hf_name = |theirs: &str, layer: Option<u32>| -> String {
+        let name = source_name(theirs, layer);
+        if name == "lm_head.weight" {
+            lm_head.to_string()
+        } else {
+            match name.strip_prefix("model.") {
+                Some(rest) => format!("{prefix}{rest}"),
+                None => name,
+            }
+        }
+    };
+    let is_vision = |n: &str| {
+        [
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ]
+        .iter()
+        .any(|p| n.starts_with(p))
+    };
+    // The LM head absent means tied, whatever config.json says.
+    if !names_seen.iter().any(|n| n == lm_head) {
         config.tie_word_embeddings = true;
     }
     let mut used = std::collections::HashSet::new();
     let blobs = plan_blobs(&config, dir, |name, layer| {
-        let hf = hf_tensor_name(name, layer);
+        let entry = FamilyTable::find(table.hf, name).ok_or_else(|| ConvertError::BadInput {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "the {} table has no Hugging Face name for {name}",
+                table.arch
+            ),
+        })?;
+        let hf = hf_name(entry.theirs, layer);
         let Some(t) = tensors.get(&hf) else {
             if names_seen.contains(&hf) {
                 return Err(ConvertError::BadTensor {
@@ -384,7 +626,13 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
             return Ok(None);
         };
         used.insert(hf.clone());
-        Ok(Some(PlannedTensor {
+        // Every canonical norm name ends in `_norm`.
+        let transform = if table.hf_norms_minus_one && name.ends_with("_norm") {
+            Transform::AddOne
+        } else {
+            Transform::Keep
+        };
+        let planned = PlannedTensor {
             name: name.to_string(),
             source_name: hf,
             dtype: t.dtype,
@@ -392,21 +640,26 @@ pub fn open_hf_dir(dir: &Path) -> Result<SourceModel, ConvertError> {
             file: t.file,
             offset: t.offset,
             length: t.length,
-            unpermute_heads: None,
-        }))
+            transform,
+        };
+        take_rows(planned, entry.rows, &config, dir).map(Some)
     })?;
     let mut unknown: Vec<&String> = names_seen
         .iter()
         .filter(|n| !used.contains(*n))
         // Precomputed RoPE tables and a tied head's duplicate carry nothing we need.
-        .filter(|n| !n.ends_with("rotary_emb.inv_freq") && n.as_str() != "lm_head.weight")
+        .filter(|n| !n.ends_with("rotary_emb.inv_freq") && n.as_str() != lm_head)
+        .filter(|n| !is_vision(n))
         .collect();
     unknown.sort();
     if let Some(extra) = unknown.first() {
         return Err(ConvertError::BadTensor {
             path: dir.to_path_buf(),
             tensor: extra.to_string(),
-            reason: "not part of a LLaMA model this converter understands".into(),
+            reason: format!(
+                "not part of a {} model this converter understands",
+                table.arch
+            ),
         });
     }
 

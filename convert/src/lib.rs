@@ -8,6 +8,7 @@
 //! It is shared by the `gdsllm` binary and `cargo xtask` so that both convert with the same code.
 
 pub mod convert;
+pub mod family;
 pub mod gguf;
 pub mod gguf_map;
 pub mod gguf_writer;

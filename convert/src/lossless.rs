@@ -1,17 +1,16 @@
-//! Whether a converted model holds a GGUF file's tensors bit for bit: every tensor of the model
-//! is compared with the tensor of the GGUF it came from (after the same Q/K row move the
-//! converter makes), byte for byte. `gdsllm verify MODEL --against FILE.gguf` prints the result;
-//! it is how a llama.cpp k-quant mix (Q4_K_M …) is shown to convert without re-encoding.
+//! Whether a converted model holds its source's tensors bit for bit: every tensor of the model
+//! is compared with the bytes the converter's plan reads for it (the GGUF tensor, after the
+//! same Q/K row move or `1 + w` the converter makes), byte for byte.
+//! `gdsllm verify MODEL --against FILE.gguf` prints the result; it is how a llama.cpp k-quant
+//! mix (Q4_K_M …) is shown to convert without re-encoding.
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::FileExt;
 
 use serde::Serialize;
-use weights_format::layout::{self, BlobKind};
-use weights_format::{DType, Model, names};
+use weights_format::{DType, Model};
 
-use crate::convert::{ConvertError, unpermute_rows};
-use crate::gguf::GgufFile;
-use crate::gguf_map::gguf_tensor_name;
+use crate::convert::{ConvertError, SourceModel, Transform, add_one, unpermute_rows};
 
 /// One tensor of the model against the GGUF's.
 #[derive(Debug, Clone, Serialize)]
@@ -22,6 +21,8 @@ pub struct TensorComparison {
     /// The model's dtype, and the GGUF's (equal when converted with `--dtype keep`).
     pub dtype: DType,
     pub gguf_dtype: DType,
+    /// What the converter does to the source bytes on the way (see [`Transform`]).
+    pub transform: Transform,
     pub bytes: u64,
     /// Whether every byte is equal (dtypes and lengths included).
     pub equal: bool,
@@ -43,60 +44,62 @@ impl LosslessReport {
     }
 }
 
-/// Whether the converter moves the Q/K rows of this GGUF (llama.cpp permutes them for the
-/// `llama` architecture only).
-pub fn qk_rows_permuted(gguf: &GgufFile) -> bool {
-    gguf.opt_str("general.architecture").ok().flatten() == Some("llama")
-}
-
-/// Compares every tensor of `model` with the GGUF tensor of the same name
-/// (`blk.N.attn_q.weight` …). With `qk_permuted`, the GGUF's `attn_q`/`attn_k` rows are put in
-/// Hugging Face order first, as the converter does. A tensor missing from the GGUF is an error;
-/// one that differs is reported, not an error.
-pub fn compare_with_gguf(
+/// Compares every tensor of `model` with the tensor the converter planned for it from
+/// `source` ([`crate::convert::open_source`] of the file the model was converted from). With
+/// `undo_transforms`, the source bytes go through the plan's transform first (llama.cpp's
+/// Q/K row order moved back, Gemma's norms as `1 + w`), as the converter does; without, they
+/// are compared as stored (which shows that the transformed tensors really changed). A planned
+/// tensor missing from the model is an error; one that differs is reported, not an error.
+pub fn compare_with_source(
     model: &Model,
-    gguf: &GgufFile,
-    qk_permuted: bool,
+    source: &SourceModel,
+    undo_transforms: bool,
 ) -> Result<LosslessReport, ConvertError> {
-    let config = model.config();
     let mut tensors = Vec::new();
-    let mut source = Vec::new();
+    let mut raw = Vec::new();
     let mut moved = Vec::new();
-    for i in 0..model.blob_count() {
-        let blob = model.blob(i);
-        let layer = match layout::blob_kind(&blob.file) {
-            Some(BlobKind::Layer(l)) => Some(l as u32),
-            _ => None,
-        };
-        for t in &blob.tensors {
-            let gguf_name = gguf_tensor_name(&t.name, layer);
-            let info = gguf
-                .tensor(&gguf_name)
-                .ok_or_else(|| ConvertError::MissingTensor {
-                    path: gguf.path().to_path_buf(),
-                    tensor: gguf_name.clone(),
-                })?;
-            let ours = model.read_tensor(i, &t.name)?;
-            gguf.read_tensor(info, &mut source)?;
-            let heads = match t.name.as_str() {
-                names::ATTN_Q if qk_permuted => Some(config.n_heads),
-                names::ATTN_K if qk_permuted => Some(config.n_kv_heads),
-                _ => None,
+    for planned_blob in &source.blobs {
+        let index = model
+            .metadata()
+            .blobs
+            .iter()
+            .position(|b| b.file == planned_blob.file)
+            .ok_or_else(|| ConvertError::BadInput {
+                path: model.dir().to_path_buf(),
+                reason: format!("the model has no blob {}", planned_blob.file),
+            })?;
+        let blob = model.blob(index);
+        for t in &planned_blob.tensors {
+            let (path, file) = &source.files[t.file];
+            let bad = |reason: String| ConvertError::BadTensor {
+                path: path.clone(),
+                tensor: t.source_name.clone(),
+                reason,
             };
-            let theirs: &[u8] = match heads {
-                Some(h) => {
-                    unpermute_rows(&source, &info.shape, h, &mut moved).map_err(|reason| {
-                        ConvertError::BadTensor {
-                            path: gguf.path().to_path_buf(),
-                            tensor: gguf_name.clone(),
-                            reason,
-                        }
-                    })?;
-                    &moved
+            let ours_meta = blob
+                .tensor(&t.name)
+                .ok_or_else(|| bad(format!("{} has no tensor {}", blob.file, t.name)))?;
+            let ours = model.read_tensor(index, &t.name)?;
+            raw.resize(t.length as usize, 0);
+            file.read_exact_at(&mut raw, t.offset)
+                .map_err(|e| ConvertError::io(path, e))?;
+            let mut theirs: &[u8] = &raw;
+            let mut their_dtype = t.dtype;
+            if undo_transforms {
+                match t.transform {
+                    Transform::Keep => {}
+                    Transform::UnpermuteHeads(heads) => {
+                        unpermute_rows(&raw, &t.shape, heads, &mut moved).map_err(bad)?;
+                        theirs = &moved;
+                    }
+                    Transform::AddOne => {
+                        add_one(&raw, t.dtype, &mut moved).map_err(bad)?;
+                        theirs = &moved;
+                        their_dtype = DType::F32;
+                    }
                 }
-                None => &source,
-            };
-            let same_type = t.dtype == info.dtype && t.shape == info.shape;
+            }
+            let same_type = ours_meta.dtype == their_dtype && ours_meta.shape == t.shape;
             let first_difference = (same_type && ours.len() == theirs.len())
                 .then(|| ours.iter().zip(theirs).position(|(a, b)| a != b))
                 .flatten()
@@ -105,10 +108,11 @@ pub fn compare_with_gguf(
             tensors.push(TensorComparison {
                 blob: blob.file.clone(),
                 tensor: t.name.clone(),
-                gguf_tensor: gguf_name,
-                dtype: t.dtype,
-                gguf_dtype: info.dtype,
-                bytes: t.length,
+                gguf_tensor: t.source_name.clone(),
+                dtype: ours_meta.dtype,
+                gguf_dtype: t.dtype,
+                transform: t.transform,
+                bytes: ours_meta.length,
                 equal,
                 first_difference,
             });

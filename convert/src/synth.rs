@@ -106,7 +106,6 @@ impl SynthShape {
     /// The model config written into metadata.json.
     pub fn config(&self) -> ModelConfig {
         ModelConfig {
-            architecture: "llama".into(),
             n_layers: self.n_layers,
             hidden_size: self.hidden_size,
             n_heads: self.n_heads,
@@ -122,6 +121,7 @@ impl SynthShape {
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
             add_bos_token: false,
+            ..ModelConfig::default()
         }
     }
 
@@ -229,7 +229,7 @@ fn plan(opts: &SynthOptions) -> (Vec<String>, Vec<TensorPlan>) {
         let kind = layout::blob_kind(file).expect("layout produced a canonical name");
         for spec in layout::blob_tensors(&config, kind) {
             let (dtype, std) = match spec.role {
-                TensorRole::Norm => (norm_dtype(opts.dtype), 0.0),
+                TensorRole::Norm | TensorRole::Bias => (norm_dtype(opts.dtype), 0.0),
                 TensorRole::Matrix
                     if spec.name == weights_format::names::ATTN_OUTPUT
                         || spec.name == weights_format::names::FFN_DOWN =>
@@ -434,6 +434,11 @@ fn generate(t: &TensorPlan, job: &Job, tables: &[ScaledTable], buf: &mut Vec<u8>
     let n_rows = (job.rows.end - job.rows.start) as usize;
     let n = n_rows * cols;
     buf.clear();
+    if t.spec.role == TensorRole::Bias {
+        // Synthetic models are llama-shaped and have none; a zero bias would be the neutral one.
+        buf.resize(n * t.dtype.byte_len(&[1]).unwrap_or(4) as usize, 0);
+        return;
+    }
     if t.spec.role == TensorRole::Norm {
         let one = match t.dtype {
             DType::F16 => half::f16::ONE.to_le_bytes().to_vec(),
@@ -852,7 +857,7 @@ mod tests {
             synth(&tmp.path().join("m"), &opts, &mut |_| {}).unwrap();
             let model = Model::open(tmp.path().join("m")).unwrap();
             model.verify().unwrap();
-            assert_eq!(model.metadata().format_version, 2);
+            assert_eq!(model.metadata().format_version, 3);
             let t = model.tensor(1, weights_format::names::FFN_UP).unwrap();
             assert_eq!(t.dtype, dtype);
             let bytes = model.read_tensor(1, weights_format::names::FFN_UP).unwrap();

@@ -11,6 +11,20 @@ use weights_format::{DType, quant};
 use crate::gguf::{GgufValue, GgufValueType};
 use crate::gguf_writer::{GgufBuilder, permute_rows_like_llama_cpp};
 
+/// The next value in [-0.5, 0.5) of a xorshift64 stream (`state` must not be 0).
+fn next_uniform(state: &mut u64) -> f32 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    (*state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
+/// `n` deterministic values in [-0.5, 0.5) for test weights, a stream per `seed`.
+pub fn pseudo_random(seed: u64, n: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n).map(|_| next_uniform(&mut state)).collect()
+}
+
 /// A small LLaMA with deterministic pseudo-random f32 weights, named as in Hugging Face.
 #[derive(Debug, Clone)]
 pub struct TinyLlama {
@@ -39,14 +53,7 @@ impl TinyLlama {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
             let n: u64 = shape.iter().product();
-            (0..n)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-                })
-                .collect()
+            (0..n).map(|_| next_uniform(&mut state) * scale).collect()
         };
         let mut tensors = Vec::new();
         let mut add = |name: String, shape: Vec<u64>, scale: f32, offset: f32| {
@@ -363,7 +370,6 @@ pub fn q4_k_m_dtype(name: &str, layer: Option<usize>, n_layers: usize, cols: u64
 /// [`q4_k_m_dtype`] mix), vocabulary 512, untied LM head.
 pub fn small_kquant_config(n_layers: u32) -> weights_format::ModelConfig {
     weights_format::ModelConfig {
-        architecture: "llama".into(),
         n_layers,
         hidden_size: 256,
         n_heads: 4,
@@ -371,14 +377,10 @@ pub fn small_kquant_config(n_layers: u32) -> weights_format::ModelConfig {
         head_dim: 64,
         ffn_dim: 640,
         vocab_size: 512,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-5,
         context_length: 256,
-        tie_word_embeddings: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
-        add_bos_token: false,
+        ..weights_format::ModelConfig::default()
     }
 }
 

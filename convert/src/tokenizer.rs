@@ -18,6 +18,9 @@ const TOKEN_TYPE_UNKNOWN: i64 = 2;
 
 /// The regex llama.cpp calls `llama-bpe` (Llama 3's pre-tokenizer).
 const LLAMA3_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's (llama.cpp's `qwen2`, also used for `deepseek-r1-qwen`): Llama 3's with digits
+/// split one by one.
+const QWEN2_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -26,7 +29,7 @@ pub enum TokenizerError {
     #[error("{path}: tokenizer.ggml.model {model:?} is not supported (supported: gpt2, llama)")]
     UnsupportedModel { path: String, model: String },
     #[error(
-        "{path}: tokenizer.ggml.pre {pre:?} is not supported (supported: smollm, gpt2, default, llama-bpe, llama3)"
+        "{path}: tokenizer.ggml.pre {pre:?} is not supported (supported: smollm, gpt2, default, llama-bpe, llama3, qwen2, deepseek-r1-qwen)"
     )]
     UnsupportedPreTokenizer { path: String, pre: String },
     #[error("{path}: {key} has {found} entries but tokenizer.ggml.tokens has {tokens}")]
@@ -76,6 +79,9 @@ enum TokenizerModel<'g> {
     Llama {
         scores: Vec<f32>,
         unk: Option<&'g str>,
+        /// `tokenizer.ggml.add_space_prefix` (llama.cpp's default for SentencePiece: true;
+        /// Gemma's files say false).
+        add_space_prefix: bool,
     },
 }
 
@@ -84,8 +90,11 @@ enum PreTokenizer {
     Smollm,
     /// `gpt2`, `default`: GPT-2 byte level.
     Gpt2,
-    /// `llama-bpe`, `llama3`: Llama 3's split regex, then byte level without its regex.
+    /// `llama-bpe`, `llama3`: Llama 3's split regex, then byte level without its regex; a
+    /// word that is itself a token is taken whole (llama.cpp's `ignore_merges`).
     Llama3,
+    /// `qwen2`, `deepseek-r1-qwen`: Qwen2's split regex, then byte level without its regex.
+    Qwen2,
 }
 
 impl<'g> GgufTokenizer<'g> {
@@ -159,6 +168,7 @@ impl<'g> GgufTokenizer<'g> {
                     "smollm" => PreTokenizer::Smollm,
                     "gpt2" | "default" => PreTokenizer::Gpt2,
                     "llama-bpe" | "llama3" => PreTokenizer::Llama3,
+                    "qwen2" | "deepseek-r1-qwen" => PreTokenizer::Qwen2,
                     other => {
                         return Err(TokenizerError::UnsupportedPreTokenizer {
                             path,
@@ -188,7 +198,14 @@ impl<'g> GgufTokenizer<'g> {
                         .map(|u| u as usize))
                     .and_then(|id| tokens.get(id))
                     .copied();
-                TokenizerModel::Llama { scores, unk }
+                let add_space_prefix = gguf
+                    .opt_bool("tokenizer.ggml.add_space_prefix")?
+                    .unwrap_or(true);
+                TokenizerModel::Llama {
+                    scores,
+                    unk,
+                    add_space_prefix,
+                }
             }
             other => {
                 return Err(TokenizerError::UnsupportedModel {
@@ -228,6 +245,7 @@ impl<'g> GgufTokenizer<'g> {
             })
             .collect();
 
+        let mut normalizer = None;
         let (pre_tokenizer, decoder, model) = match &self.model {
             TokenizerModel::Gpt2 { merges, pre } => {
                 let byte_level = |use_regex: bool| {
@@ -247,12 +265,15 @@ impl<'g> GgufTokenizer<'g> {
                         ],
                     }),
                     PreTokenizer::Gpt2 => byte_level(true),
-                    PreTokenizer::Llama3 => json!({
+                    PreTokenizer::Llama3 | PreTokenizer::Qwen2 => json!({
                         "type": "Sequence",
                         "pretokenizers": [
                             {
                                 "type": "Split",
-                                "pattern": {"Regex": LLAMA3_SPLIT_REGEX},
+                                "pattern": {"Regex": match pre {
+                                    PreTokenizer::Qwen2 => QWEN2_SPLIT_REGEX,
+                                    _ => LLAMA3_SPLIT_REGEX,
+                                }},
                                 "behavior": "Isolated",
                                 "invert": false,
                             },
@@ -272,7 +293,7 @@ impl<'g> GgufTokenizer<'g> {
                     dropout: None,
                     end_of_word_suffix: None,
                     fuse_unk: false,
-                    ignore_merges: false,
+                    ignore_merges: matches!(pre, PreTokenizer::Llama3),
                     merges: Merges::Joined(merges),
                     kind: "BPE",
                     unk_token: None,
@@ -280,24 +301,38 @@ impl<'g> GgufTokenizer<'g> {
                 };
                 (pre_tokenizer, decoder, model)
             }
-            TokenizerModel::Llama { scores, unk } => {
+            TokenizerModel::Llama {
+                scores,
+                unk,
+                add_space_prefix,
+            } => {
                 let first_id: HashMap<&str, u32> = vocab.iter().copied().collect();
                 let merges = merges_from_scores(&self.tokens, scores, &first_id);
-                let pre_tokenizer = json!({
-                    "type": "Metaspace",
-                    "replacement": "\u{2581}",
-                    "prepend_scheme": "first",
-                    "split": false,
-                });
-                let decoder = json!({
-                    "type": "Sequence",
-                    "decoders": [
-                        {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
-                        {"type": "ByteFallback"},
-                        {"type": "Fuse"},
-                        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-                    ],
-                });
+                // llama.cpp's SentencePiece path: a space before every piece of text that
+                // starts the input or follows a special token (when add_space_prefix), even
+                // one that already starts with a space, then every space as U+2581. The
+                // `tokenizers` normalizers run on exactly those pieces; its Metaspace
+                // pre-tokenizer would skip the space before text that starts with one.
+                let mut normalizers = Vec::new();
+                if *add_space_prefix {
+                    normalizers.push(json!({"type": "Prepend", "prepend": "\u{2581}"}));
+                }
+                normalizers.push(json!({
+                    "type": "Replace",
+                    "pattern": {"String": " "},
+                    "content": "\u{2581}",
+                }));
+                normalizer = Some(json!({"type": "Sequence", "normalizers": normalizers}));
+                let pre_tokenizer = Value::Null;
+                let mut decoders = vec![
+                    json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+                    json!({"type": "ByteFallback"}),
+                    json!({"type": "Fuse"}),
+                ];
+                if *add_space_prefix {
+                    decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+                }
+                let decoder = json!({"type": "Sequence", "decoders": decoders});
                 let model = BpeModel {
                     byte_fallback: true,
                     continuing_subword_prefix: None,
@@ -318,7 +353,7 @@ impl<'g> GgufTokenizer<'g> {
             added_tokens,
             decoder,
             model,
-            normalizer: None,
+            normalizer,
             padding: None,
             post_processor: None,
             pre_tokenizer,
@@ -339,7 +374,7 @@ struct TokenizerJson<'a> {
     added_tokens: Vec<Value>,
     decoder: Value,
     model: BpeModel<'a>,
-    normalizer: Option<()>,
+    normalizer: Option<Value>,
     padding: Option<()>,
     post_processor: Option<()>,
     pre_tokenizer: Value,

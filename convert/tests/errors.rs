@@ -203,8 +203,9 @@ fn every_unsupported_tensor_type_is_listed_with_its_count() {
     let msg = convert_err(&path, &tmp.path().join("out"));
     for part in [
         "iq.gguf",
-        "IQ2_XXS (ggml type 16): 2 tensors, e.g. blk.0.extra_a.weight",
-        "IQ3_S (ggml type 21): 1 tensor, e.g. blk.1.extra_c.weight",
+        "3 tensors have ggml types",
+        "IQ2_XXS (type 16) ×2 (e.g. blk.0.extra_a.weight)",
+        "IQ3_S (type 21) ×1 (e.g. blk.1.extra_c.weight)",
         "Q4_K",
     ] {
         assert!(msg.contains(part), "{part:?} missing from: {msg}");

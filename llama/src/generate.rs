@@ -1,6 +1,11 @@
-//! The generation loop: prefill the prompt in one pass, then sample token by token until EOS, a
-//! stop string, the token limit or the end of the context, streaming text as it is complete.
+//! Generating text. [`SeqStep`] is the one per-sequence step — sample (with penalties), end on
+//! EOS or a stop string, detokenize for streaming, log-probabilities on request — that every
+//! generation loop uses: the session's ([`Session::generate`], which the server's single
+//! requests run too), and the batched ones ([`crate::batch::generate_batch`], the server's
+//! batches). [`Session`] is a model with its tokenizer and the tokens in its KV cache.
 
+use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -9,6 +14,7 @@ use crate::LlamaError;
 use crate::backend::Backend;
 use crate::model::Llama;
 use crate::sampling::{Sampler, SamplerConfig};
+use crate::stop::StopMatcher;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::weights::WeightSource;
 
@@ -34,6 +40,8 @@ pub enum FinishReason {
     Length,
     /// The KV cache is full.
     Context,
+    /// The caller said stop (a cancelled request, a client gone).
+    Cancelled,
 }
 
 /// The result of one generation.
@@ -57,6 +65,177 @@ impl Generation {
     /// Decode speed: the first token comes from the prefill, so it is not counted.
     pub fn generation_tokens_per_second(&self) -> f64 {
         self.tokens.len().saturating_sub(1) as f64 / self.generation_seconds.max(1e-9)
+    }
+}
+
+/// OpenAI's penalties, subtracted from the logits of tokens already generated (0: off).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Penalties {
+    /// Once for every token that occurred.
+    pub presence: f32,
+    /// Per occurrence.
+    pub frequency: f32,
+}
+
+impl Penalties {
+    fn active(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0
+    }
+}
+
+/// Log-probabilities (log-softmax of the logits the token was sampled from) of a token and of
+/// the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    pub token: f32,
+    /// `(id, log-probability)`, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What [`SeqStep::next`] chose.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// The sampled token (an EOS id when the sequence ends with it).
+    pub token: u32,
+    /// Text that can be handed out now: what the token completed, minus anything that may be
+    /// the start of a stop string (held back until a later token decides).
+    pub text: String,
+    /// When asked for ([`SeqStep::with_logprobs`]; not for an EOS).
+    pub logprobs: Option<Logprobs>,
+    /// Set when the sequence ends with this token: [`FinishReason::Eos`] (no text) or
+    /// [`FinishReason::Stop`] (`text` is what came before the stop string).
+    pub end: Option<FinishReason>,
+}
+
+/// One sequence's choice of tokens and its text: sampling, EOS and stop strings, streaming
+/// detokenization, and on request OpenAI penalties and log-probabilities.
+pub struct SeqStep {
+    sampler: Sampler,
+    /// Prompt and generated ids (for the repeat penalty).
+    history: Vec<u32>,
+    /// Generated ids, including a final EOS.
+    tokens: Vec<u32>,
+    eos: Vec<u32>,
+    decoder: StreamDecoder,
+    stop: StopMatcher,
+    /// The text handed out so far.
+    text: String,
+    penalties: Penalties,
+    counts: HashMap<u32, u32>,
+    /// The penalised logits (only when a penalty is set).
+    penalised: Vec<f32>,
+    logprobs: Option<usize>,
+}
+
+impl SeqStep {
+    /// A sequence after `prompt`, sampled by `sampler`, ending at any of the `eos` ids or
+    /// before any of the `stop` strings.
+    pub fn new(prompt: &[u32], sampler: Sampler, eos: &[u32], stop: &[String]) -> SeqStep {
+        SeqStep {
+            sampler,
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
+            eos: eos.to_vec(),
+            decoder: StreamDecoder::new(),
+            stop: StopMatcher::new(stop),
+            text: String::new(),
+            penalties: Penalties::default(),
+            counts: HashMap::new(),
+            penalised: Vec::new(),
+            logprobs: None,
+        }
+    }
+
+    /// Applies `penalties` to the logits before sampling.
+    pub fn with_penalties(mut self, penalties: Penalties) -> SeqStep {
+        self.penalties = penalties;
+        self
+    }
+
+    /// Reports the chosen token's log-probability and those of the `k` most likely tokens
+    /// with every step.
+    pub fn with_logprobs(mut self, k: Option<usize>) -> SeqStep {
+        self.logprobs = k;
+        self
+    }
+
+    /// The tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Chooses the token after `logits` and turns it into text.
+    pub fn next(&mut self, logits: &[f32], tokenizer: &Tokenizer) -> Result<Step, LlamaError> {
+        let logits = if self.penalties.active() {
+            self.penalised.clear();
+            self.penalised.extend_from_slice(logits);
+            for (&id, &n) in &self.counts {
+                if let Some(l) = self.penalised.get_mut(id as usize) {
+                    *l -= self.penalties.frequency * n as f32 + self.penalties.presence;
+                }
+            }
+            &self.penalised[..]
+        } else {
+            logits
+        };
+        let token = self.sampler.sample(logits, &self.history);
+        self.tokens.push(token);
+        self.history.push(token);
+        if self.eos.contains(&token) {
+            return Ok(Step {
+                token,
+                text: String::new(),
+                logprobs: None,
+                end: Some(FinishReason::Eos),
+            });
+        }
+        let logprobs = self.logprobs.map(|k| logprobs(logits, token, k));
+        let piece = self.decoder.push(tokenizer, token)?;
+        *self.counts.entry(token).or_default() += 1;
+        let out = self.stop.push(&piece);
+        self.text.push_str(&out.emit);
+        Ok(Step {
+            token,
+            text: out.emit,
+            logprobs,
+            end: out.stopped.then_some(FinishReason::Stop),
+        })
+    }
+
+    /// Ends the sequence: the tokens, the whole text, and the part of it not handed out yet
+    /// (the detokenizer's rest and the held-back tail; nothing after a stop string).
+    pub fn finish(
+        mut self,
+        reason: FinishReason,
+        tokenizer: &Tokenizer,
+    ) -> Result<(Vec<u32>, String, String), LlamaError> {
+        let mut tail = String::new();
+        if reason != FinishReason::Stop {
+            tail = self.stop.flush();
+            tail.push_str(&self.decoder.finish(tokenizer)?);
+            self.text.push_str(&tail);
+        }
+        Ok((self.tokens, self.text, tail))
+    }
+}
+
+/// `log_softmax(logits)` of `token` and of the `k` most likely ids.
+fn logprobs(logits: &[f32], token: u32, k: usize) -> Logprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let lp: Vec<f32> = logits.iter().map(|&l| l - lse).collect();
+    let mut order: Vec<u32> = (0..lp.len() as u32).collect();
+    let k = k.min(order.len());
+    let by_lp = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]).then(a.cmp(b));
+    if k > 0 && k < order.len() {
+        order.select_nth_unstable_by(k - 1, by_lp);
+    }
+    order.truncate(k);
+    order.sort_unstable_by(by_lp);
+    Logprobs {
+        token: lp[token as usize],
+        top: order.iter().map(|&id| (id, lp[id as usize])).collect(),
     }
 }
 
@@ -126,6 +305,22 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         Ok(ids)
     }
 
+    /// A step for a sequence after `prompt` with `options`' sampler and stop strings and this
+    /// model's EOS ids.
+    pub fn step_for(
+        &self,
+        prompt: &[u32],
+        options: &GenerateOptions,
+    ) -> Result<SeqStep, LlamaError> {
+        let sampler = Sampler::new(options.sampler.clone())?;
+        Ok(SeqStep::new(
+            prompt,
+            sampler,
+            &self.model.config().eos_token_ids,
+            &options.stop,
+        ))
+    }
+
     /// Generates a continuation of `prompt`, calling `on_text` with each complete piece.
     pub fn generate(
         &mut self,
@@ -133,6 +328,31 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         options: &GenerateOptions,
         mut on_text: impl FnMut(&str),
     ) -> Result<Generation, LlamaError> {
+        let step = self.step_for(prompt, options)?;
+        let (generation, tail) = self.generate_with(prompt, step, options.max_tokens, |s| {
+            if !s.text.is_empty() {
+                on_text(&s.text);
+            }
+            ControlFlow::Continue(())
+        })?;
+        if !tail.is_empty() {
+            on_text(&tail);
+        }
+        Ok(generation)
+    }
+
+    /// Generates a continuation of `prompt` with `step` choosing every token, until it ends
+    /// the sequence (EOS, a stop string), `max_tokens`, the end of the context, or `on_step`
+    /// (called with every token but an EOS) breaks ([`FinishReason::Cancelled`]). The cached
+    /// prefix the prompt shares with the last sequence is reused. Returns the generation and
+    /// the end of its text that no step handed out.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[u32],
+        mut step: SeqStep,
+        max_tokens: usize,
+        mut on_step: impl FnMut(&Step) -> ControlFlow<()>,
+    ) -> Result<(Generation, String), LlamaError> {
         let context = self.model.context();
         if prompt.len() > context {
             return Err(LlamaError::ContextOverflow {
@@ -146,8 +366,6 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
                 message: "is empty".into(),
             });
         }
-        let sampler = Sampler::new(options.sampler.clone())?;
-
         // Reuse the cached prefix, but always recompute at least the last prompt token so
         // that there are logits to sample from.
         let reuse = self
@@ -166,31 +384,14 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         self.cached.extend_from_slice(&prompt[reuse..]);
         let prompt_seconds = started.elapsed().as_secs_f64();
 
-        let eos = self.model.config().eos_token_ids.clone();
-        let mut text = TextOut::new(prompt, sampler);
         let started = Instant::now();
-        let finish_reason = loop {
-            if text.tokens.len() >= options.max_tokens {
-                break FinishReason::Length;
-            }
-            if let Some(end) =
-                text.accept(&logits, &eos, &self.tokenizer, &options.stop, &mut on_text)?
-            {
-                break end;
-            }
-            if text.tokens.len() >= options.max_tokens {
-                break FinishReason::Length;
-            }
-            if self.model.pos() >= context {
-                break FinishReason::Context;
-            }
-            let next = *text.tokens.last().expect("accept pushed a token");
-            logits.clear();
-            logits.extend_from_slice(self.model.forward(&[next])?);
-            self.cached.push(next);
-        };
-        let (tokens, text) = text.finish(finish_reason, &self.tokenizer, &mut on_text)?;
-        Ok(Generation {
+        let decoded = self.decode(&mut step, &mut logits, max_tokens, &mut on_step);
+        // Every token but the last sampled one has been fed to the model.
+        let fed = self.model.pos() - prompt.len();
+        self.cached.extend_from_slice(&step.tokens()[..fed]);
+        let finish_reason = decoded?;
+        let (tokens, text, tail) = step.finish(finish_reason, &self.tokenizer)?;
+        let generation = Generation {
             prompt_tokens: prompt.to_vec(),
             tokens,
             text,
@@ -198,110 +399,43 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
             prompt_computed: prompt.len() - reuse,
             prompt_seconds,
             generation_seconds: started.elapsed().as_secs_f64(),
-        })
-    }
-}
-
-/// One sequence's output as it is sampled: the tokens, the text decoded so far and how much of
-/// it has been handed out, with stop strings held back until they cannot match. Shared by
-/// [`Session::generate`] and the batched [`crate::batch::generate_batch`], so that both end
-/// sequences by the same rules.
-pub(crate) struct TextOut {
-    sampler: Sampler,
-    /// Prompt and generated ids (for the repeat penalty).
-    history: Vec<u32>,
-    pub(crate) tokens: Vec<u32>,
-    text: String,
-    emitted: usize,
-    decoder: StreamDecoder,
-}
-
-impl TextOut {
-    pub(crate) fn new(prompt: &[u32], sampler: Sampler) -> TextOut {
-        TextOut {
-            sampler,
-            history: prompt.to_vec(),
-            tokens: Vec::new(),
-            text: String::new(),
-            emitted: 0,
-            decoder: StreamDecoder::new(),
-        }
+        };
+        Ok((generation, tail))
     }
 
-    /// Samples the next token from `logits` and adds it, calling `on_text` with whatever text
-    /// is now complete. Returns the reason the sequence ends with this token (an EOS id or a
-    /// stop string), or `None` when it goes on.
-    pub(crate) fn accept(
+    /// Samples after `logits` and feeds each token back until the sequence ends.
+    fn decode(
         &mut self,
-        logits: &[f32],
-        eos: &[u32],
-        tokenizer: &Tokenizer,
-        stop: &[String],
-        on_text: &mut impl FnMut(&str),
-    ) -> Result<Option<FinishReason>, LlamaError> {
-        let next = self.sampler.sample(logits, &self.history);
-        self.tokens.push(next);
-        self.history.push(next);
-        if eos.contains(&next) {
-            return Ok(Some(FinishReason::Eos));
-        }
-        self.text.push_str(&self.decoder.push(tokenizer, next)?);
-        if let Some(cut) = find_stop(&self.text, stop) {
-            self.text.truncate(cut);
-            if cut > self.emitted {
-                on_text(&self.text[self.emitted..]);
+        step: &mut SeqStep,
+        logits: &mut Vec<f32>,
+        max_tokens: usize,
+        on_step: &mut impl FnMut(&Step) -> ControlFlow<()>,
+    ) -> Result<FinishReason, LlamaError> {
+        let context = self.model.context();
+        loop {
+            if step.tokens().len() >= max_tokens {
+                return Ok(FinishReason::Length);
             }
-            self.emitted = self.text.len();
-            return Ok(Some(FinishReason::Stop));
-        }
-        // Hold back a tail that might grow into a stop string.
-        let safe = self.text.len() - held_back(&self.text, stop);
-        if safe > self.emitted {
-            on_text(&self.text[self.emitted..safe]);
-            self.emitted = safe;
-        }
-        Ok(None)
-    }
-
-    /// Ends the sequence: flushes the decoder and the held-back tail (unless a stop string cut
-    /// the text) and returns the tokens and the text.
-    pub(crate) fn finish(
-        mut self,
-        reason: FinishReason,
-        tokenizer: &Tokenizer,
-        on_text: &mut impl FnMut(&str),
-    ) -> Result<(Vec<u32>, String), LlamaError> {
-        if reason != FinishReason::Stop {
-            self.text.push_str(&self.decoder.finish(tokenizer)?);
-            if self.text.len() > self.emitted {
-                on_text(&self.text[self.emitted..]);
+            let s = step.next(logits, &self.tokenizer)?;
+            if s.end == Some(FinishReason::Eos) {
+                return Ok(FinishReason::Eos);
             }
-        }
-        Ok((self.tokens, self.text))
-    }
-}
-
-/// Byte offset of the earliest stop string in `text`.
-fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
-}
-
-/// Length of the longest suffix of `text` that is a proper prefix of a stop string (on a char
-/// boundary).
-fn held_back(text: &str, stops: &[String]) -> usize {
-    let mut hold = 0;
-    for s in stops {
-        for (i, _) in s.char_indices().skip(1) {
-            if i > hold && text.ends_with(&s[..i]) {
-                hold = i;
+            if on_step(&s).is_break() {
+                return Ok(FinishReason::Cancelled);
             }
+            if let Some(end) = s.end {
+                return Ok(end);
+            }
+            if step.tokens().len() >= max_tokens {
+                return Ok(FinishReason::Length);
+            }
+            if self.model.pos() >= context {
+                return Ok(FinishReason::Context);
+            }
+            logits.clear();
+            logits.extend_from_slice(self.model.forward(&[s.token])?);
         }
     }
-    hold
 }
 
 #[cfg(test)]
@@ -309,13 +443,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stop_strings_are_found_and_partial_ones_held_back() {
-        let stops = vec!["</s>".to_string(), "\n\n".to_string()];
-        assert_eq!(find_stop("abc</s>def", &stops), Some(3));
-        assert_eq!(find_stop("a\n\nb</s>", &stops), Some(1));
-        assert_eq!(find_stop("abc", &stops), None);
-        assert_eq!(held_back("abc</", &stops), 2);
-        assert_eq!(held_back("abc\n", &stops), 1);
-        assert_eq!(held_back("abc", &stops), 0);
+    fn logprobs_are_the_log_softmax_ranked_with_ties_to_the_lower_id() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0];
+        let lse = logits.iter().map(|&l| (l as f64).exp()).sum::<f64>().ln();
+        let lp = logprobs(&logits, 2, 3);
+        assert!((lp.token as f64 - (2.0 - lse)).abs() < 1e-6, "{}", lp.token);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 2]);
+        for &(id, l) in &lp.top {
+            assert!((l as f64 - (logits[id as usize] as f64 - lse)).abs() < 1e-6);
+        }
+        assert!(logprobs(&logits, 0, 0).top.is_empty());
     }
 }

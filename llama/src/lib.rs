@@ -4,7 +4,10 @@
 //! continuous batching and the forward pass over a narrow `Backend` trait, with a CPU
 //! implementation always built and a CUDA one behind the `cuda` feature (kernels compiled at
 //! run time by NVRTC; a build with the feature runs without a GPU and reports why CUDA is
-//! unusable).
+//! unusable), and [`open`], which makes a model of a directory on either.
+//!
+//! Layers, bottom to top (each uses only those below it; `ARCHITECTURE.md` has the map):
+//! [`weights`] → [`backend`] → [`model`] → [`generate`] → [`batch`] → [`load`].
 //!
 //! It is not for: deciding where weights live or when they are read (that is `residency`), nor
 //! HTTP (that is `server`).
@@ -15,22 +18,30 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod generate;
-mod load;
+pub mod load;
 pub mod model;
 pub mod sampling;
+pub mod stop;
 pub mod tokenizer;
 pub mod weights;
 
-pub use backend::{AttentionSeq, Backend, CpuBackend, ReferenceBackend, RowGroup, WeightView};
+pub use backend::{
+    AttentionSeq, Backend, BackendError, CpuBackend, PassInfo, ReferenceBackend, RowGroup,
+};
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};
 pub use batch::{BatchConfig, Batcher, Finished, SeqEnd, SeqId, generate_batch};
-pub use chat::{ChatTemplate, Message};
-pub use config::LlamaConfig;
+pub use chat::{ChatTemplate, ChatValue, Message};
+pub use config::{LlamaConfig, clamp_context, rope_inv_freq};
 pub use error::LlamaError;
-pub use generate::{FinishReason, GenerateOptions, Generation, Session};
-pub use load::{CpuModel, LoadedModel, load_cpu, load_cpu_rows};
+pub use generate::{
+    FinishReason, GenerateOptions, Generation, Logprobs, Penalties, SeqStep, Session, Step,
+};
+#[cfg(feature = "cuda")]
+pub use load::CudaModel;
+pub use load::{CpuModel, Device, LoadedModel, OpenOptions, OpenedModel, open};
 pub use model::{BatchSeq, KvCache, Llama};
 pub use sampling::{Sampler, SamplerConfig};
+pub use stop::{StopMatcher, StopOutcome};
 pub use tokenizer::{StreamDecoder, Tokenizer};
-pub use weights::{BlobBytes, BlobLayout, InMemoryWeights, WeightSource};
+pub use weights::{BlobBytes, DevicePtr, InMemoryWeights, WeightBytes, WeightSource, WeightView};

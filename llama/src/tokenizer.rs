@@ -2,12 +2,14 @@
 //! streaming.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::LlamaError;
 
-/// A loaded `tokenizer.json`.
+/// A loaded `tokenizer.json`; clones share it.
+#[derive(Clone)]
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Arc<tokenizers::Tokenizer>,
     path: PathBuf,
 }
 
@@ -18,7 +20,10 @@ impl Tokenizer {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        Ok(Tokenizer { inner, path })
+        Ok(Tokenizer {
+            inner: Arc::new(inner),
+            path,
+        })
     }
 
     fn err(&self, e: impl std::fmt::Display) -> LlamaError {

@@ -1,51 +1,72 @@
-//! Where the forward pass gets weight bytes from, and typed, checked views of the tensors
-//! inside a blob.
+//! Where the forward pass gets weight bytes from, and the typed view of one tensor that the
+//! backends compute with.
 //!
-//! [`WeightSource`] is the forward pass's only way to weights. It mirrors `residency`'s API
-//! (acquire a whole blob for the duration of its use, `read_range` for embedding rows of an
-//! untied model, `end_pass` after the LM head) so that the production path is residency itself.
+//! Bytes flow one way: residency (or an in-memory source) hands out a blob as
+//! [`WeightBytes`] — host memory or a device range, never an empty slice standing for device
+//! memory — the model cuts its tensors out of it with the offsets it resolved once at load
+//! ([`crate::model::arch`]), and each backend op receives a [`WeightView`] in the memory that
+//! backend computes from.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use weights_format::{BlobMeta, DType, Metadata, names};
+use weights_format::{DType, Metadata};
 
 use crate::LlamaError;
-use crate::backend::WeightView;
 
-/// Where one acquired blob's bytes are: host memory (the CPU backend), device memory (the CUDA
-/// backend streaming through residency), or both (weights uploaded once for tests).
-pub trait BlobBytes {
-    /// The bytes in host memory; empty when the blob is only in device memory.
-    fn host(&self) -> &[u8];
-    /// The blob's length in bytes.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
+pub use residency::{DevicePtr, WeightBytes};
+
+/// A weight tensor as stored in a blob: row-major `[rows, cols]` (a vector has `rows == 1`),
+/// `cols` a whole number of `dtype` blocks, in host or device memory.
+#[derive(Debug, Clone, Copy)]
+pub struct WeightView<'a> {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: WeightBytes<'a>,
+}
+
+impl<'a> WeightView<'a> {
+    /// A view of host bytes.
+    pub fn host(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> WeightView<'a> {
+        WeightView {
+            dtype,
+            rows,
+            cols,
+            bytes: WeightBytes::Host(bytes),
+        }
     }
-    /// The device address of the blob's first byte, when it is in device memory.
-    fn device_ptr(&self) -> Option<u64> {
-        None
+
+    /// A view of device memory.
+    pub fn device(dtype: DType, rows: usize, cols: usize, ptr: DevicePtr<'a>) -> WeightView<'a> {
+        WeightView {
+            dtype,
+            rows,
+            cols,
+            bytes: WeightBytes::Device(ptr),
+        }
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols / self.dtype.block_len() * self.dtype.block_bytes()
     }
 }
 
+/// One acquired blob: where its bytes are, valid while the value lives.
+pub trait BlobBytes {
+    fn bytes(&self) -> WeightBytes<'_>;
+}
+
 impl BlobBytes for &[u8] {
-    fn host(&self) -> &[u8] {
-        self
-    }
-    fn len(&self) -> usize {
-        <[u8]>::len(self)
+    fn bytes(&self) -> WeightBytes<'_> {
+        WeightBytes::Host(self)
     }
 }
 
 impl BlobBytes for residency::BlobGuard<'_> {
-    fn host(&self) -> &[u8] {
-        self
-    }
-    fn len(&self) -> usize {
-        residency::BlobGuard::len(self)
-    }
-    fn device_ptr(&self) -> Option<u64> {
-        residency::BlobGuard::device_ptr(self)
+    fn bytes(&self) -> WeightBytes<'_> {
+        residency::BlobGuard::bytes(self)
     }
 }
 
@@ -59,136 +80,29 @@ pub trait WeightSource {
     /// The whole blob `index` (into `metadata.blobs`).
     fn acquire(&self, index: usize) -> Result<Self::Guard<'_>, LlamaError>;
 
-    /// `len` bytes of blob `index` from `offset` (embedding rows of an untied model).
+    /// `len` bytes of blob `index` from `offset`, in host memory (embedding rows of an untied
+    /// model).
     fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError>;
 
     /// Called after each forward pass (after the LM head).
     fn end_pass(&self);
 
-    /// The residency cache's statistics, when weights come through one.
-    fn residency_stats(&self) -> Option<residency::ResidencyStats> {
+    /// The residency cache the weights come through, shared: its statistics can be read while
+    /// the model is busy (`/metrics`).
+    fn residency_handle(&self) -> Option<Arc<residency::Residency>> {
         None
     }
 
+    /// The residency cache's statistics, when weights come through one.
+    fn residency_stats(&self) -> Option<residency::ResidencyStats> {
+        self.residency_handle().map(|r| r.stats())
+    }
+
     /// Whether every blob stays where it is for the model's lifetime (nothing streams): then
-    /// a blob's address never changes, so a recorded decode step may keep using it, and
-    /// acquiring the whole embedding table costs nothing.
+    /// a blob's address never changes, so a recorded pass may keep using it.
     fn all_resident(&self) -> bool {
         false
     }
-}
-
-/// Blob indices of one model, in streaming order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BlobLayout {
-    pub embed: usize,
-    pub layers: Vec<usize>,
-    pub output: usize,
-}
-
-impl BlobLayout {
-    /// Finds `embed.bin`, `layer_NNN.bin` and `output.bin` in `metadata.blobs`.
-    pub fn from_metadata(meta: &Metadata, n_layers: usize) -> Result<BlobLayout, LlamaError> {
-        let find = |file: &str| {
-            meta.blobs
-                .iter()
-                .position(|b| b.file == file)
-                .ok_or_else(|| LlamaError::MissingBlob {
-                    file: file.to_string(),
-                })
-        };
-        Ok(BlobLayout {
-            embed: find(names::EMBED_BLOB)?,
-            layers: (0..n_layers)
-                .map(|i| find(&names::layer_blob(i)))
-                .collect::<Result<_, _>>()?,
-            output: find(names::OUTPUT_BLOB)?,
-        })
-    }
-}
-
-/// Finds tensor `name` in `blob` (whose bytes `bytes` holds) and checks its shape and extent.
-/// `expected` is the row-major shape the forward pass needs: `[rows, cols]` or `[len]`.
-pub fn tensor<'a, G: BlobBytes + ?Sized>(
-    blob: &BlobMeta,
-    bytes: &'a G,
-    name: &str,
-    expected: &[usize],
-) -> Result<WeightView<'a>, LlamaError> {
-    let t = blob.tensor(name).ok_or_else(|| LlamaError::MissingTensor {
-        blob: blob.file.clone(),
-        name: name.to_string(),
-    })?;
-    let expected_u64: Vec<u64> = expected.iter().map(|&d| d as u64).collect();
-    if t.shape != expected_u64 {
-        return Err(LlamaError::TensorShape {
-            blob: blob.file.clone(),
-            name: name.to_string(),
-            found: t.shape.clone(),
-            expected: expected_u64,
-        });
-    }
-    let bounds = || LlamaError::TensorBounds {
-        blob: blob.file.clone(),
-        name: name.to_string(),
-        dtype: t.dtype,
-        offset: t.offset,
-        length: t.length,
-        blob_len: bytes.len(),
-    };
-    let host = bytes.host();
-    if t.dtype.byte_len(&t.shape) != Some(t.length) {
-        return Err(bounds());
-    }
-    let start = usize::try_from(t.offset).map_err(|_| bounds())?;
-    let len = usize::try_from(t.length).map_err(|_| bounds())?;
-    let end = start.checked_add(len).ok_or_else(bounds)?;
-    if end > bytes.len() {
-        return Err(bounds());
-    }
-    let device = bytes.device_ptr().map(|p| p + start as u64);
-    // Device-only blobs have no host bytes: the view is empty there and carries the address.
-    let slice = match (host.get(start..end), device) {
-        (Some(s), _) => s,
-        (None, Some(_)) => &[],
-        (None, None) => return Err(bounds()),
-    };
-    let (rows, cols) = match expected {
-        [n] => (1, *n),
-        [r, c] => (*r, *c),
-        _ => return Err(bounds()),
-    };
-    Ok(WeightView {
-        dtype: t.dtype,
-        rows,
-        cols,
-        bytes: slice,
-        device,
-    })
-}
-
-/// The dtype, byte offset and row length of the embedding table, for `read_range` lookups.
-pub(crate) fn embedding_rows(
-    blob: &BlobMeta,
-    vocab: usize,
-    dim: usize,
-) -> Result<(DType, u64, usize), LlamaError> {
-    let t = blob
-        .tensor(names::TOKEN_EMBD)
-        .ok_or_else(|| LlamaError::MissingTensor {
-            blob: blob.file.clone(),
-            name: names::TOKEN_EMBD.to_string(),
-        })?;
-    if t.shape != [vocab as u64, dim as u64] {
-        return Err(LlamaError::TensorShape {
-            blob: blob.file.clone(),
-            name: names::TOKEN_EMBD.to_string(),
-            found: t.shape.clone(),
-            expected: vec![vocab as u64, dim as u64],
-        });
-    }
-    let row_bytes = dim / t.dtype.block_len() * t.dtype.block_bytes();
-    Ok((t.dtype, t.offset, row_bytes))
 }
 
 /// Every blob read whole into memory: a [`WeightSource`] for tests and tools that build models
@@ -215,6 +129,11 @@ impl InMemoryWeights {
             })
             .collect::<Result<_, _>>()?;
         Ok(InMemoryWeights { blobs })
+    }
+
+    /// The blobs, in `metadata.blobs` order.
+    pub fn into_blobs(self) -> Vec<Vec<u8>> {
+        self.blobs
     }
 
     fn blob(&self, index: usize) -> Result<&[u8], LlamaError> {
@@ -283,5 +202,27 @@ impl WeightSource for residency::Residency {
 
     fn residency_stats(&self) -> Option<residency::ResidencyStats> {
         Some(self.stats())
+    }
+}
+
+/// Residency shared between the model (which reads weights through it) and whoever reads its
+/// statistics while the model is busy (`/metrics`): the CPU backend's production source.
+impl WeightSource for Arc<residency::Residency> {
+    type Guard<'a> = residency::BlobGuard<'a>;
+
+    fn acquire(&self, index: usize) -> Result<residency::BlobGuard<'_>, LlamaError> {
+        WeightSource::acquire(&**self, index)
+    }
+
+    fn read_range(&self, index: usize, offset: u64, len: usize) -> Result<Vec<u8>, LlamaError> {
+        WeightSource::read_range(&**self, index, offset, len)
+    }
+
+    fn end_pass(&self) {
+        residency::Residency::end_pass(self)
+    }
+
+    fn residency_handle(&self) -> Option<Arc<residency::Residency>> {
+        Some(Arc::clone(self))
     }
 }

@@ -239,7 +239,7 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false)] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let mut model = llama::backend::cuda::open_resident(&dir, 0, 256).unwrap();
+        let mut model = llama::load::open_uploaded(&dir, 0, 256).unwrap();
         ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
     }
 }

@@ -1,7 +1,7 @@
 //! Whole model against Hugging Face transformers: `scripts/hf_reference.py` builds a
 //! LlamaForCausalLM with random weights on the device, saves it (f16 or bf16) and writes the
 //! float32 reference of the same weights; `gdsllm convert` turns the directory into our format;
-//! this test loads it on the GPU through `load_cuda` and compares.
+//! this test loads it on the GPU through `llama::open` and compares.
 //!
 //! Opt-in: `GDSLLM_HF_CASES=DIR[:DIR…]`, each DIR holding `model/` (converted) and
 //! `reference.json`. Checks: last-position logits of the prompt within 1e-2 relative error
@@ -12,8 +12,7 @@
 //! part). Needs the `cuda` feature.
 #![cfg(feature = "cuda")]
 
-use llama::backend::cuda::load_cuda;
-use residency::{IoChoice, ResidencyOptions};
+use llama::{Device, OpenOptions};
 
 const LOGITS_TOL: f32 = 1e-2;
 /// Top-2 margin (in logits) below which a differing greedy token is not a failure.
@@ -48,15 +47,14 @@ fn converted_transformers_models_match_their_float32_reference() {
         let r: Reference = serde_json::from_str(&text).unwrap();
         let label = format!("{} {}", r.shape, r.dtype);
         let context = r.prompt.len() + r.greedy_tokens.len() + 1;
-        let loaded = load_cuda(
-            dir.join("model"),
-            &ResidencyOptions::default(),
+        let options = OpenOptions {
             context,
-            1,
-            0,
-            IoChoice::Auto,
-        )
-        .unwrap();
+            ..OpenOptions::default()
+        };
+        let loaded = llama::open(dir.join("model"), Device::Cuda { ordinal: 0 }, &options)
+            .unwrap()
+            .into_cuda()
+            .unwrap();
         let (mut llama, _) = loaded.session.into_parts();
         let got = llama.forward(&r.prompt).unwrap().to_vec();
         let scale = r.last_logits.iter().fold(1e-6f32, |m, v| m.max(v.abs()));

@@ -3,24 +3,25 @@
 //! `weights_format::quant`) on random blocks: the matmul kernels at one row (decode), a few rows
 //! (batched decode) and many rows (prefill through cuBLAS on a dequantized f16 copy), and the
 //! embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
-//! `common::cuda::check_matmul`: 1e-4 relative on the kernels — exact integer sums of the levels
+//! `support::cuda::check_matmul`: 1e-4 relative on the kernels — exact integer sums of the levels
 //! with x as 16-bit integers per 32 values, f32 scaling — and 2e-3 through cuBLAS). Opt-in: `GDSLLM_GPU_TESTS=1`
 //! (then a machine without a usable GPU FAILS these tests instead of skipping them). Needs the
 //! `cuda` feature. Whole models in a k-quant mix are in `cuda_ops.rs`.
 #![cfg(feature = "cuda")]
 
-mod common;
+mod support;
 
-use common::cuda::{check_matmul, down, gpu, max_rel_diff};
 use gdsllm_convert::testing::random_blocks;
 use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use support::cuda::{alloc, check_matmul, down, gpu, on_device, view};
+use support::max_rel_diff;
 use weights_format::DType;
 
-/// The dtypes of `kernels/kquants.cu`: those format version 2 added.
+/// The dtypes of `kernels/kquants.cu`: those format version 3 added.
 fn kquant_dtypes() -> impl Iterator<Item = DType> {
-    DType::ALL.into_iter().filter(|d| d.format_version() == 2)
+    DType::ALL.into_iter().filter(|d| d.format_version() == 3)
 }
 
 #[test]
@@ -37,9 +38,8 @@ fn kquant_matmuls_match_the_reference_for_every_row_count() {
         };
         for &(m, k) in shapes {
             let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
-            let view = WeightView::host(dtype, m, k, &w);
             for rows in [1, 3, 8, 9, 40] {
-                check_matmul(&be, view, rows, &mut rng);
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
             }
         }
     }
@@ -52,12 +52,14 @@ fn kquant_embedding_rows_are_the_decoded_rows() {
     let (vocab, dim) = (50, 512);
     for dtype in kquant_dtypes() {
         let table = random_blocks(dtype, vocab * dim / dtype.block_len(), rng.random());
-        let view = WeightView::host(dtype, vocab, dim, &table);
+        let host = WeightView::host(dtype, vocab, dim, &table);
+        let dev = on_device(&be, &table);
         let ids: Vec<u32> = (0..7).map(|_| rng.random_range(0..vocab as u32)).collect();
         let mut want = vec![0f32; ids.len() * dim];
-        ReferenceBackend.embed_rows(view, &ids, &mut want);
-        let mut out = be.alloc(ids.len() * dim);
-        be.embed_rows(view, &ids, &mut out);
+        ReferenceBackend.embed_rows(host, &ids, &mut want).unwrap();
+        let mut out = alloc(&be, ids.len() * dim);
+        be.embed_rows(view(&dev, dtype, vocab, dim), &ids, &mut out)
+            .unwrap();
         let got = down(&be, &out, ids.len() * dim);
         // The device may fuse a·level + c into one FMA: one rounding fewer than the reference.
         let d = max_rel_diff(&got, &want);

@@ -4,39 +4,22 @@
 //! these tests instead of skipping them). Needs the `cuda` feature.
 #![cfg(feature = "cuda")]
 
-mod common;
+mod support;
 
-use common::cuda::{MATMUL_TOL, check_matmul, down, gpu, max_rel_diff, up, via_f16};
-use llama::backend::cuda::{CudaBuf, open_resident};
-use llama::backend::{AttentionShape, rope_inv_freq};
+use llama::backend::cuda::CudaBuf;
+use llama::backend::{AttentionShape, RowGroup};
+use llama::load::open_uploaded;
 use llama::{
     Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
+    rope_inv_freq,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use support::cuda::{
+    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, on_device, up, via_f16, view,
+};
+use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
-use weights_format::quant::quantize;
-
-/// The dtypes of `kernels/ops.cu` (those of format version 1; `cuda_kquants.rs` tests the
-/// others).
-const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
-
-fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-fn weights(rng: &mut StdRng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    quantize(dtype, &random(rng, rows * cols), &mut bytes).unwrap();
-    bytes
-}
 
 /// Elementwise ops and row reductions in f32.
 const ELEMENT_TOL: f32 = 1e-5;
@@ -49,7 +32,7 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
         for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
             let w = weights(&mut rng, dtype, m, k);
             for rows in [1, 3, 8, 9, 33, 70] {
-                check_matmul(&be, WeightView::host(dtype, m, k, &w), rows, &mut rng);
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
             }
         }
     }
@@ -63,24 +46,43 @@ fn embed_rows_and_rmsnorm_match_reference() {
     let ids = [0u32, 299, 17, 17, 150];
     for dtype in ALL {
         let table = weights(&mut rng, dtype, vocab, dim);
-        let view = WeightView::host(dtype, vocab, dim, &table);
+        let host = WeightView::host(dtype, vocab, dim, &table);
+        let dev = on_device(&be, &table);
         let mut want = vec![0f32; ids.len() * dim];
-        ReferenceBackend.embed_rows(view, &ids, &mut want);
-        let mut out = be.alloc(ids.len() * dim);
-        be.embed_rows(view, &ids, &mut out);
+        ReferenceBackend.embed_rows(host, &ids, &mut want).unwrap();
+        let mut out = alloc(&be, ids.len() * dim);
+        be.embed_rows(view(&dev, dtype, vocab, dim), &ids, &mut out)
+            .unwrap();
         let d = max_rel_diff(&down(&be, &out, ids.len() * dim), &want);
         println!("embed_rows {dtype:?}: max rel diff {d:.2e} (tol 0: same dequantization)");
         assert!(d == 0.0, "embed_rows {dtype:?}: {d}");
+
+        // The same rows read into host memory and copied up by `embed_host_rows`.
+        let rb = host.row_bytes();
+        let picked: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| table[id as usize * rb..(id as usize + 1) * rb].to_vec())
+            .collect();
+        let mut out = alloc(&be, ids.len() * dim);
+        be.embed_host_rows(WeightView::host(dtype, ids.len(), dim, &picked), &mut out)
+            .unwrap();
+        let d = max_rel_diff(&down(&be, &out, ids.len() * dim), &want);
+        println!("embed_host_rows {dtype:?}: max rel diff {d:.2e} (tol 0)");
+        assert!(d == 0.0, "embed_host_rows {dtype:?}: {d}");
 
         let rows = 5;
         let x = random(&mut rng, rows * dim);
         let norm = weights(&mut rng, dtype, 1, dim);
         let nv = WeightView::host(dtype, 1, dim, &norm);
+        let nd = on_device(&be, &norm);
         let mut want = vec![0f32; rows * dim];
-        ReferenceBackend.rmsnorm(&x, rows, nv, 1e-5, &mut want);
+        ReferenceBackend
+            .rmsnorm(&x, rows, nv, 1e-5, &mut want)
+            .unwrap();
         let xd = up(&be, &x);
-        let mut out = be.alloc(rows * dim);
-        be.rmsnorm(&xd, rows, nv, 1e-5, &mut out);
+        let mut out = alloc(&be, rows * dim);
+        be.rmsnorm(&xd, rows, view(&nd, dtype, 1, dim), 1e-5, &mut out)
+            .unwrap();
         let d = max_rel_diff(&down(&be, &out, rows * dim), &want);
         println!("rmsnorm weight {dtype:?}: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
         assert!(d < ELEMENT_TOL, "rmsnorm {dtype:?}: {d}");
@@ -92,12 +94,52 @@ fn rope_swiglu_add_match_reference() {
     let Some(be) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(13);
     let (rows, heads, hd) = (7, 9, 64);
+    let shape = AttentionShape {
+        n_heads: heads,
+        n_kv_heads: 3,
+        head_dim: hd,
+    };
+    let (q_w, kv_w, ctx, pos0) = (heads * hd, 3 * hd, 64, 37);
     let inv = rope_inv_freq(hd, 100000.0, None);
-    let x = random(&mut rng, rows * heads * hd);
-    let mut want = x.clone();
-    ReferenceBackend.rope(&mut want, rows, heads, hd, 37, &inv);
-    let mut xd = up(&be, &x);
-    be.rope(&mut xd, rows, heads, hd, 37, &inv);
+    let (x, k, v) = (
+        random(&mut rng, rows * q_w),
+        random(&mut rng, rows * kv_w),
+        random(&mut rng, rows * kv_w),
+    );
+    let (mut want, mut want_k) = (x.clone(), k.clone());
+    let (mut rkc, mut rvc) = (vec![0f32; ctx * kv_w], vec![0f32; ctx * kv_w]);
+    ReferenceBackend
+        .rope_store_kv(
+            &mut want,
+            &mut want_k,
+            &v,
+            0,
+            rows,
+            pos0,
+            shape,
+            &inv,
+            &mut rkc,
+            &mut rvc,
+        )
+        .unwrap();
+    let (mut xd, mut kd) = (up(&be, &x), up(&be, &k));
+    let (mut kc, mut vc) = (
+        be.alloc_kv(ctx * kv_w).unwrap(),
+        be.alloc_kv(ctx * kv_w).unwrap(),
+    );
+    be.rope_store_kv(
+        &mut xd,
+        &mut kd,
+        &up(&be, &v),
+        0,
+        rows,
+        pos0,
+        shape,
+        &up(&be, &inv),
+        &mut kc,
+        &mut vc,
+    )
+    .unwrap();
     let d = max_rel_diff(&down(&be, &xd, x.len()), &want);
     // The angle is pos·inv_freq in f32 on the device, in f64 in the reference.
     println!("rope: max rel diff {d:.2e} (tol 1e-5)");
@@ -108,21 +150,39 @@ fn rope_swiglu_add_match_reference() {
     for n in [3008, 3000, 3001] {
         let (g, u) = (random(&mut rng, n), random(&mut rng, n));
         let mut want = g.clone();
-        ReferenceBackend.swiglu(&mut want, &u, n);
+        ReferenceBackend.swiglu(&mut want, &u, n).unwrap();
         let mut gd = up(&be, &g);
-        be.swiglu(&mut gd, &up(&be, &u), n);
+        be.swiglu(&mut gd, &up(&be, &u), n).unwrap();
         let d = max_rel_diff(&down(&be, &gd, n), &want);
         println!("swiglu n={n}: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
         assert!(d < ELEMENT_TOL, "swiglu n={n}: {d}");
     }
-    let n = 3000;
-    let (g, u) = (random(&mut rng, n), random(&mut rng, n));
 
-    let mut want = g.clone();
-    ReferenceBackend.add(&mut want, &u, n);
-    let mut gd = up(&be, &g);
-    be.add(&mut gd, &up(&be, &u), n);
-    let d = max_rel_diff(&down(&be, &gd, n), &want);
+    // The residual add (`matmul_add_batch`): base + x·Wᵀ.
+    let (m, k) = (3000, 32);
+    let (base, x) = (random(&mut rng, m), random(&mut rng, k));
+    let w = weights(&mut rng, DType::F32, m, k);
+    let wd = on_device(&be, &w);
+    let mut product = vec![0f32; m];
+    matmul(
+        &ReferenceBackend,
+        &x,
+        1,
+        WeightView::host(DType::F32, m, k, &w),
+        &mut product,
+    );
+    let want: Vec<f32> = base.iter().zip(&product).map(|(a, b)| a + b).collect();
+    let mut acc = up(&be, &base);
+    let mut scratch = alloc(&be, m);
+    be.matmul_add_batch(
+        &up(&be, &x),
+        &[RowGroup::solo(1)],
+        view(&wd, DType::F32, m, k),
+        &mut scratch,
+        &mut acc,
+    )
+    .unwrap();
+    let d = max_rel_diff(&down(&be, &acc, m), &want);
     println!("add: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
     assert!(d < ELEMENT_TOL, "add: {d}");
 }
@@ -137,21 +197,20 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
     let mut rng = StdRng::seed_from_u64(31);
     let (rows, dim, ffn, m) = (3, 576, 1536, 40);
     let norm = weights(&mut rng, DType::F32, 1, dim);
-    let nv = WeightView::host(DType::F32, 1, dim, &norm);
+    let norm_dev = on_device(&be, &norm);
+    let nv = view(&norm_dev, DType::F32, 1, dim);
     for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         let (w1, w2) = (
             weights(&mut rng, dtype, m, dim),
             weights(&mut rng, dtype, m, ffn),
         );
-        let (v1, v2) = (
-            WeightView::host(dtype, m, dim, &w1),
-            WeightView::host(dtype, m, ffn, &w2),
-        );
+        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
+        let (v1, v2) = (view(&d1, dtype, m, dim), view(&d2, dtype, m, ffn));
         // The same values through quantize_x16.
         let fresh = |x: &[f32], k: usize, w: WeightView<'_>| {
             let before = be.x16_launches();
-            let mut o = be.alloc(rows * m);
-            be.matmul(&up(&be, x), rows, w, &mut o);
+            let mut o = alloc(&be, rows * m);
+            matmul(&be, &up(&be, x), rows, w, &mut o);
             let got = down(&be, &o, rows * m);
             assert_eq!(
                 be.x16_launches(),
@@ -165,7 +224,7 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
         let check_used =
             |label: &str, x: &CudaBuf, k: usize, w: WeightView<'_>, o: &mut CudaBuf| {
                 let before = be.x16_launches();
-                be.matmul(x, rows, w, o);
+                matmul(&be, x, rows, w, o);
                 assert_eq!(
                     be.x16_launches(),
                     before,
@@ -180,32 +239,34 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
             };
         // (An allocation between them would count as an op: `o` comes first.)
         let x = random(&mut rng, rows * dim);
-        let (mut h, mut o) = (be.alloc(rows * dim), be.alloc(rows * m));
-        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h);
+        let (mut h, mut o) = (alloc(&be, rows * dim), alloc(&be, rows * m));
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h).unwrap();
         check_used("rmsnorm", &h, dim, v1, &mut o);
 
         let (g, u) = (random(&mut rng, rows * ffn), random(&mut rng, rows * ffn));
-        let (mut gd, mut o) = (up(&be, &g), be.alloc(rows * m));
-        be.swiglu(&mut gd, &up(&be, &u), rows * ffn);
+        let (mut gd, mut o) = (up(&be, &g), alloc(&be, rows * m));
+        be.swiglu(&mut gd, &up(&be, &u), rows * ffn).unwrap();
         check_used("swiglu", &gd, ffn, v2, &mut o);
 
-        // An op between the producer and the matmul: the stale quantized copy is not used.
+        // An op between the producer and the matmul (one that rewrites the producer's
+        // output): the stale quantized copy is not used.
         let y = random(&mut rng, rows * dim);
-        let (mut h, mut o, yd) = (be.alloc(rows * dim), be.alloc(rows * m), up(&be, &y));
-        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h);
-        be.add(&mut h, &yd, rows * dim);
+        let (mut h, mut o, yd) = (alloc(&be, rows * dim), alloc(&be, rows * m), up(&be, &y));
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h).unwrap();
+        be.copy_rows(&yd, 0, &mut h, 0, rows, dim).unwrap();
         let before = be.x16_launches();
-        be.matmul(&h, rows, v1, &mut o);
+        matmul(&be, &h, rows, v1, &mut o);
         assert_eq!(
             be.x16_launches(),
             before + 1,
-            "{dtype:?}: converted again after add"
+            "{dtype:?}: converted again after copy_rows"
         );
         let h_values = down(&be, &h, rows * dim);
         let mut want = vec![0f32; rows * m];
-        ReferenceBackend.matmul(&h_values, rows, v1, &mut want);
+        let host1 = WeightView::host(dtype, m, dim, &w1);
+        matmul(&ReferenceBackend, &h_values, rows, host1, &mut want);
         let d = max_rel_diff(&down(&be, &o, rows * m), &want);
-        assert!(d < MATMUL_TOL, "{dtype:?} after rmsnorm + add: {d}");
+        assert!(d < MATMUL_TOL, "{dtype:?} after rmsnorm + copy_rows: {d}");
     }
     println!(
         "quantized matmul inputs written by rmsnorm and swiglu: the bits of quantize_x16's, and not reused after another op"
@@ -219,7 +280,6 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
 /// share the launch (batched decoding relies on it), bit for bit.
 #[test]
 fn fused_launches_match_reference() {
-    use llama::backend::RowGroup;
     let Some(be) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(21);
     for dtype in ALL {
@@ -228,19 +288,27 @@ fn fused_launches_match_reference() {
             weights(&mut rng, dtype, m1, k),
             weights(&mut rng, dtype, m2, k),
         );
-        let (v1, v2) = (
+        let (h1, h2) = (
             WeightView::host(dtype, m1, k, &w1),
             WeightView::host(dtype, m2, k, &w2),
         );
+        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
+        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
         for rows in [1, 5, 9] {
             let x = random(&mut rng, rows * k);
             let base = random(&mut rng, rows * m1);
             let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
-            ReferenceBackend.matmul(&x, rows, v1, &mut want1);
-            ReferenceBackend.matmul(&x, rows, v2, &mut want2);
+            matmul(&ReferenceBackend, &x, rows, h1, &mut want1);
+            matmul(&ReferenceBackend, &x, rows, h2, &mut want2);
             let xd = up(&be, &x);
-            let (mut o1, mut o2) = (be.alloc(rows * m1), be.alloc(rows * m2));
-            be.matmul_many(&xd, rows, &[v1, v2], &mut [&mut o1, &mut o2]);
+            let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
+            be.matmul_batch(
+                &xd,
+                &[RowGroup::solo(rows)],
+                &[v1, v2],
+                &mut [&mut o1, &mut o2],
+            )
+            .unwrap();
             let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
                 .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
             println!(
@@ -253,8 +321,9 @@ fn fused_launches_match_reference() {
                 solo_rows: rows,
             }];
             let mut acc = up(&be, &base);
-            let mut scratch = be.alloc(rows * m1);
-            be.matmul_add_batch(&xd, &groups, v1, &mut scratch, &mut acc);
+            let mut scratch = alloc(&be, rows * m1);
+            be.matmul_add_batch(&xd, &groups, v1, &mut scratch, &mut acc)
+                .unwrap();
             let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
             let d = max_rel_diff(&down(&be, &acc, rows * m1), &want);
             println!(
@@ -269,8 +338,8 @@ fn fused_launches_match_reference() {
             let all = down(&be, &o1, rows * m1);
             for r in 0..rows {
                 let xr = up(&be, &x[r * k..(r + 1) * k]);
-                let mut o = be.alloc(m1);
-                be.matmul(&xr, 1, v1, &mut o);
+                let mut o = alloc(&be, m1);
+                matmul(&be, &xr, 1, v1, &mut o);
                 assert_eq!(
                     down(&be, &o, m1),
                     all[r * m1..(r + 1) * m1],
@@ -296,24 +365,36 @@ fn fused_launches_match_reference() {
     );
     let (mut rq, mut rk) = (q.clone(), k.clone());
     let (mut rkc, mut rvc) = (vec![0f32; capacity * kv_dim], vec![0f32; capacity * kv_dim]);
-    ReferenceBackend.rope_store_kv(
-        &mut rq, &mut rk, &v, row0, rows, pos0, shape, &inv, &mut rkc, &mut rvc,
-    );
+    ReferenceBackend
+        .rope_store_kv(
+            &mut rq, &mut rk, &v, row0, rows, pos0, shape, &inv, &mut rkc, &mut rvc,
+        )
+        .unwrap();
     let (mut dq, mut dk, dv) = (up(&be, &q), up(&be, &k), up(&be, &v));
     let (mut kc, mut vc) = (
-        be.alloc_kv(capacity * kv_dim),
-        be.alloc_kv(capacity * kv_dim),
+        be.alloc_kv(capacity * kv_dim).unwrap(),
+        be.alloc_kv(capacity * kv_dim).unwrap(),
     );
     be.rope_store_kv(
-        &mut dq, &mut dk, &dv, row0, rows, pos0, shape, &inv, &mut kc, &mut vc,
-    );
+        &mut dq,
+        &mut dk,
+        &dv,
+        row0,
+        rows,
+        pos0,
+        shape,
+        &up(&be, &inv),
+        &mut kc,
+        &mut vc,
+    )
+    .unwrap();
     let d = max_rel_diff(&down(&be, &dq, q.len()), &rq)
         .max(max_rel_diff(&down(&be, &dk, k.len()), &rk));
     println!("rope_store_kv q and k: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
     assert!(d < ELEMENT_TOL, "rope_store_kv q/k: {d}");
     // The caches are f16: compare with the reference's rounded to f16 (the same rounding).
-    let d = max_rel_diff(&down(&be, &kc, capacity * kv_dim), &via_f16(&rkc)).max(max_rel_diff(
-        &down(&be, &vc, capacity * kv_dim),
+    let d = max_rel_diff(&down_kv(&be, &kc, capacity * kv_dim), &via_f16(&rkc)).max(max_rel_diff(
+        &down_kv(&be, &vc, capacity * kv_dim),
         &via_f16(&rvc),
     ));
     println!("rope_store_kv f16 caches: max rel diff {d:.2e} (tol 1e-3: one f16 rounding)");
@@ -350,14 +431,22 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
             .map(|x| x * 4.0)
             .collect();
         let mut want = vec![0f32; rows * q_width];
-        ReferenceBackend.attention(&q, rows, &via_f16(&k), &via_f16(&v), pos0, shape, &mut want);
+        let (k16, v16) = (via_f16(&k), via_f16(&v));
+        attention(
+            &ReferenceBackend,
+            &q,
+            rows,
+            &k16,
+            &v16,
+            pos0,
+            shape,
+            &mut want,
+        );
 
-        let mut kc = be.alloc_kv(ctx * kv_width);
-        let mut vc = be.alloc_kv(ctx * kv_width);
-        be.copy_rows(&up(&be, &k), 0, &mut kc, 0, ctx, kv_width);
-        be.copy_rows(&up(&be, &v), 0, &mut vc, 0, ctx, kv_width);
-        let mut out = be.alloc(rows * q_width);
-        be.attention(&up(&be, &q), rows, &kc, &vc, pos0, shape, &mut out);
+        let kc = be.upload_kv(&k).unwrap();
+        let vc = be.upload_kv(&v).unwrap();
+        let mut out = alloc(&be, rows * q_width);
+        attention(&be, &up(&be, &q), rows, &kc, &vc, pos0, shape, &mut out);
         let d = max_rel_diff(&down(&be, &out, rows * q_width), &want);
         println!(
             "attention rows={rows} pos0={pos0}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e}, cache rounded to f16 on both sides)"
@@ -436,7 +525,7 @@ fn compare_model(dir: &std::path::Path, cpu_dir: &std::path::Path, label: &str) 
         context,
     )
     .unwrap();
-    let mut cuda = open_resident(dir, 0, context).unwrap();
+    let mut cuda = open_uploaded(dir, 0, context).unwrap();
     let vocab = meta.config.vocab_size;
     let mut rng = StdRng::seed_from_u64(15);
     let prompt: Vec<u32> = (0..20).map(|_| rng.random_range(0..vocab)).collect();
@@ -523,16 +612,33 @@ fn greedy_run<W: llama::WeightSource>(
     (tokens, all)
 }
 
-/// The production path (`load_cuda`: weights in device memory through residency, read by
+/// `dir` on device 0 through the production path (`llama::open`: weights in device memory
+/// through residency, read by gds-io).
+fn open_cuda(
+    dir: &std::path::Path,
+    residency: residency::ResidencyOptions,
+    context: usize,
+) -> llama::CudaModel {
+    let options = llama::OpenOptions {
+        residency,
+        context,
+        ..llama::OpenOptions::default()
+    };
+    llama::open(dir, llama::Device::Cuda { ordinal: 0 }, &options)
+        .unwrap()
+        .into_cuda()
+        .unwrap()
+}
+
+/// The production path (`llama::open`: weights in device memory through residency, read by
 /// gds-io) with everything resident, with every layer streamed through the staging ring, and
 /// with streamed layers coming back from the pinned host tier gives exactly the tokens and
 /// logits of the upload-once path: the kernels are the same, so the bytes must be too.
 fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
-    use llama::backend::cuda::load_cuda;
-    use residency::{Budget, HostCache, IoChoice, ResidencyOptions};
+    use residency::{Budget, HostCache, ResidencyOptions};
     let context = 64;
     let steps = 24;
-    let mut uploaded = open_resident(dir, 0, context).unwrap();
+    let mut uploaded = open_uploaded(dir, 0, context).unwrap();
     let (want_tokens, want_logits) = greedy_run(&mut uploaded, steps);
     drop(uploaded);
     // (name, options, streams, uses the host tier)
@@ -561,7 +667,7 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
         ),
     ];
     for (name, options, streams, host_tier) in variants {
-        let loaded = load_cuda(dir, &options, context, 1, 0, IoChoice::Auto).unwrap();
+        let loaded = open_cuda(dir, options, context);
         let (mut llama, _) = loaded.session.into_parts();
         let (tokens, logits) = greedy_run(&mut llama, steps);
         let max_diff = logits

@@ -30,7 +30,7 @@ fn q4_k_m_mix_decodes_the_greedy_tokens_of_its_f32_twin() {
     let mixed =
         write_q4_k_m_model(&tmp.path().join("q4km"), &small_kquant_config(4), 0.05, 9).unwrap();
     let twin = write_f32_twin(&mixed, &tmp.path().join("f32")).unwrap();
-    assert_eq!(twin.metadata().format_version, 1);
+    assert_eq!(twin.metadata().format_version, 2);
     let mut dtypes: Vec<DType> = mixed
         .metadata()
         .blobs

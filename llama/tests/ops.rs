@@ -1,43 +1,14 @@
 //! Every fast CPU op against its slow reference on random inputs and random quantized blocks,
 //! with the max difference printed and a stated tolerance.
 
-use llama::backend::{AttentionShape, rope_inv_freq};
-use llama::{Backend, CpuBackend, ReferenceBackend, WeightView};
+mod support;
+
+use llama::backend::{AttentionShape, RowGroup};
+use llama::{Backend, CpuBackend, ReferenceBackend, WeightView, rope_inv_freq};
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
+use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
-use weights_format::quant::quantize;
-
-const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
-
-fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
-}
-
-/// Random weights stored as `dtype` (for quantized types: random blocks, built by the
-/// reference quantizer so every layout detail is that of `weights_format::quant`).
-fn weights(rng: &mut StdRng, dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    quantize(dtype, &random(rng, rows * cols), &mut bytes).unwrap();
-    bytes
-}
-
-/// Max |a-b| relative to the largest |b| (so the tolerance reads as a fraction of the scale).
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-        / scale
-}
 
 /// f32 accumulation in a different order than the f64 reference: a few ulps of the scale.
 const TOL: f32 = 2e-5;
@@ -54,8 +25,8 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
             for rows in [1, 2, 5, 17] {
                 let x = random(&mut rng, rows * k);
                 let (mut fast, mut slow) = (vec![0f32; rows * m], vec![0f32; rows * m]);
-                CpuBackend::new().matmul(&x, rows, view, &mut fast);
-                ReferenceBackend.matmul(&x, rows, view, &mut slow);
+                matmul(&CpuBackend::new(), &x, rows, view, &mut fast);
+                matmul(&ReferenceBackend, &x, rows, view, &mut slow);
                 let d = max_rel_diff(&fast, &slow);
                 println!(
                     "matmul {dtype} [{m}x{k}] rows {rows}: max rel diff {d:.2e} (tol {TOL:.0e})"
@@ -75,8 +46,10 @@ fn embed_rows_and_rmsnorm_match_reference() {
         let table = WeightView::host(dtype, vocab, dim, &t);
         let ids = [3u32, 49, 0, 3, 17];
         let (mut fast, mut slow) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
-        CpuBackend::new().embed_rows(table, &ids, &mut fast);
-        ReferenceBackend.embed_rows(table, &ids, &mut slow);
+        CpuBackend::new()
+            .embed_rows(table, &ids, &mut fast)
+            .unwrap();
+        ReferenceBackend.embed_rows(table, &ids, &mut slow).unwrap();
         let d = max_rel_diff(&fast, &slow);
         println!("embed_rows {dtype}: max rel diff {d:.2e} (tol 0: both decode exactly)");
         assert_eq!(d, 0.0);
@@ -84,8 +57,12 @@ fn embed_rows_and_rmsnorm_match_reference() {
         let nw = weights(&mut rng, dtype, 1, dim);
         let norm = WeightView::host(dtype, 1, dim, &nw);
         let (mut a, mut b) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
-        CpuBackend::new().rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a);
-        ReferenceBackend.rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b);
+        CpuBackend::new()
+            .rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a)
+            .unwrap();
+        ReferenceBackend
+            .rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b)
+            .unwrap();
         let d = max_rel_diff(&a, &b);
         println!("rmsnorm {dtype}: max rel diff {d:.2e} (tol {TOL:.0e})");
         assert!(d <= TOL);
@@ -106,28 +83,47 @@ fn rope_attention_swiglu_add_match_reference() {
     let kv_w = shape.n_kv_heads * shape.head_dim;
     let cpu = CpuBackend::new();
 
-    let q0 = random(&mut rng, rows * q_w);
-    let (mut qf, mut qs) = (q0.clone(), q0.clone());
-    cpu.rope(&mut qf, rows, shape.n_heads, shape.head_dim, pos0, &inv);
-    ReferenceBackend.rope(&mut qs, rows, shape.n_heads, shape.head_dim, pos0, &inv);
-    let d = max_rel_diff(&qf, &qs);
+    // RoPE (of q and k, with k and v stored in the caches at the same positions).
+    let (q0, k0, v0) = (
+        random(&mut rng, rows * q_w),
+        random(&mut rng, rows * kv_w),
+        random(&mut rng, rows * kv_w),
+    );
+    let (mut qf, mut qs, mut kf, mut ks) = (q0.clone(), q0.clone(), k0.clone(), k0.clone());
+    let mut caches = [(); 4].map(|_| vec![0f32; ctx * kv_w]);
+    let [kcf, vcf, kcs, vcs] = &mut caches;
+    cpu.rope_store_kv(&mut qf, &mut kf, &v0, 0, rows, pos0, shape, &inv, kcf, vcf)
+        .unwrap();
+    ReferenceBackend
+        .rope_store_kv(&mut qs, &mut ks, &v0, 0, rows, pos0, shape, &inv, kcs, vcs)
+        .unwrap();
+    let d = max_rel_diff(&qf, &qs).max(max_rel_diff(&kf, &ks));
     println!(
         "rope: max rel diff {d:.2e} (tol 1e-5: f32 vs f64 sin/cos of angles up to {})",
         pos0 + rows
     );
     assert!(d <= 1e-5);
+    let stored = pos0 * kv_w..(pos0 + rows) * kv_w;
+    assert_eq!(&kcf[stored.clone()], &kf[..]);
+    assert_eq!(&vcf[stored.clone()], &v0[..]);
+    assert!(
+        kcf[..stored.start]
+            .iter()
+            .chain(&kcf[stored.end..])
+            .all(|&x| x == 0.0)
+    );
 
     let k = random(&mut rng, ctx * kv_w);
     let v = random(&mut rng, ctx * kv_w);
     let (mut of, mut os) = (vec![0f32; rows * q_w], vec![0f32; rows * q_w]);
-    cpu.attention(&qs, rows, &k, &v, pos0, shape, &mut of);
-    ReferenceBackend.attention(&qs, rows, &k, &v, pos0, shape, &mut os);
+    attention(&cpu, &qs, rows, &k, &v, pos0, shape, &mut of);
+    attention(&ReferenceBackend, &qs, rows, &k, &v, pos0, shape, &mut os);
     let d = max_rel_diff(&of, &os);
     println!("attention: max rel diff {d:.2e} (tol {TOL:.0e})");
     assert!(d <= TOL);
 
     let mut kc = vec![0f32; ctx * kv_w];
-    cpu.copy_rows(&k, 2, &mut kc, 5, 3, kv_w);
+    cpu.copy_rows(&k, 2, &mut kc, 5, 3, kv_w).unwrap();
     assert_eq!(&kc[5 * kv_w..8 * kv_w], &k[2 * kv_w..5 * kv_w]);
     assert!(
         kc[..5 * kv_w]
@@ -139,16 +135,35 @@ fn rope_attention_swiglu_add_match_reference() {
     let g = random(&mut rng, 1000);
     let u = random(&mut rng, 1000);
     let (mut gf, mut gs) = (g.clone(), g.clone());
-    cpu.swiglu(&mut gf, &u, 1000);
-    ReferenceBackend.swiglu(&mut gs, &u, 1000);
+    cpu.swiglu(&mut gf, &u, 1000).unwrap();
+    ReferenceBackend.swiglu(&mut gs, &u, 1000).unwrap();
     let d = max_rel_diff(&gf, &gs);
     println!("swiglu: max rel diff {d:.2e} (tol {TOL:.0e})");
     assert!(d <= TOL);
 
-    let (mut af, mut as_) = (g.clone(), g.clone());
-    cpu.add(&mut af, &u, 1000);
-    ReferenceBackend.add(&mut as_, &u, 1000);
-    assert_eq!(af, as_);
+    // The residual add of `matmul_add_batch`: exactly the product of `matmul_batch` added to
+    // what `out` held, on both backends.
+    let (m, k) = (40, 25);
+    let w = weights(&mut rng, DType::F32, m, k);
+    let view = WeightView::host(DType::F32, m, k, &w);
+    let x = random(&mut rng, 2 * k);
+    let base = random(&mut rng, 2 * m);
+    fn add_check<B: Backend<Buf = Vec<f32>>>(
+        be: &B,
+        x: &Vec<f32>,
+        w: WeightView<'_>,
+        base: &[f32],
+    ) {
+        let mut product = vec![0f32; base.len()];
+        matmul(be, x, 2, w, &mut product);
+        let want: Vec<f32> = base.iter().zip(&product).map(|(a, b)| a + b).collect();
+        let (mut got, mut scratch) = (base.to_vec(), vec![0f32; base.len()]);
+        be.matmul_add_batch(x, &[RowGroup::solo(2)], w, &mut scratch, &mut got)
+            .unwrap();
+        assert_eq!(got, want, "{}", be.name());
+    }
+    add_check(&cpu, &x, view, &base);
+    add_check(&ReferenceBackend, &x, view, &base);
 }
 
 #[test]
@@ -186,10 +201,11 @@ fn matmul_many_equals_separate_matmuls() {
         let x = random(&mut rng, rows * k);
         let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(_, m)| vec![0f32; rows * m]).collect();
         let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
-        cpu.matmul_many(&x, rows, &views, &mut refs);
+        cpu.matmul_batch(&x, &[RowGroup::solo(rows)], &views, &mut refs)
+            .unwrap();
         for (v, got) in views.iter().zip(&outs) {
             let mut want = vec![0f32; rows * v.rows];
-            cpu.matmul(&x, rows, *v, &mut want);
+            matmul(&cpu, &x, rows, *v, &mut want);
             println!(
                 "matmul_many {} rows {rows}: identical to matmul (tol 0)",
                 v.dtype
@@ -199,10 +215,10 @@ fn matmul_many_equals_separate_matmuls() {
     }
 }
 
-/// Batched ops (issue 7): each sequence's rows of `matmul_batch`, `rope_at` and
-/// `attention_batch` are bit for bit what the plain op gives that sequence alone, on the CPU
-/// backend (its overrides) and on the reference backend (the trait's default implementations).
-fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
+/// Batched ops (issue 7): each sequence's rows of `matmul_batch`, `rope_store_kv` and
+/// `attention_batch` are bit for bit what the op gives that sequence alone, on the CPU backend
+/// and on the reference backend.
+fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>, KvBuf = Vec<f32>>>(be: &B, name: &str) {
     let mut rng = StdRng::seed_from_u64(5);
     let (m, k) = (72, 128);
     // (rows in the batch, rows the sequence has alone): decode rows, a prompt chunk of a long
@@ -224,19 +240,20 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
     for dtype in ALL {
         let w = weights(&mut rng, dtype, m, k);
         let view = WeightView::host(dtype, m, k, &w);
-        let row_groups: Vec<llama::RowGroup> = groups
+        let row_groups: Vec<RowGroup> = groups
             .iter()
-            .map(|&(rows, solo_rows)| llama::RowGroup { rows, solo_rows })
+            .map(|&(rows, solo_rows)| RowGroup { rows, solo_rows })
             .collect();
         let mut got = vec![0f32; rows * m];
-        be.matmul_batch(&x, &row_groups, &[view], &mut [&mut got]);
+        be.matmul_batch(&x, &row_groups, &[view], &mut [&mut got])
+            .unwrap();
         let mut r0 = 0;
         for &(n, solo) in &groups {
             // The group's rows inside a call of `solo` rows (the other rows are noise).
             let mut alone_x = random(&mut rng, solo * k);
             alone_x[..n * k].copy_from_slice(&x[r0 * k..(r0 + n) * k]);
             let mut want = vec![0f32; solo * m];
-            be.matmul(&alone_x, solo, view, &mut want);
+            matmul(be, &alone_x, solo, view, &mut want);
             assert_eq!(
                 &got[r0 * m..(r0 + n) * m],
                 &want[..n * m],
@@ -259,6 +276,7 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
     let seqs = [(2usize, 5usize), (1, 0), (4, 9)];
     let total: usize = seqs.iter().map(|s| s.0).sum();
     let q = random(&mut rng, total * width);
+    let kv = random(&mut rng, total * kv_width);
     let caches: Vec<(Vec<f32>, Vec<f32>)> = seqs
         .iter()
         .map(|&(n, p)| {
@@ -268,11 +286,24 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
             )
         })
         .collect();
-    let mut roped = q.clone();
+    let (mut roped, mut roped_k) = (q.clone(), kv.clone());
     let mut row0 = 0;
     let mut attn = Vec::new();
     for (&(n, p), (kc, vc)) in seqs.iter().zip(&caches) {
-        be.rope_at(&mut roped, row0, n, 4, 16, p, &inv);
+        let (mut kc_w, mut vc_w) = (kc.clone(), vc.clone());
+        be.rope_store_kv(
+            &mut roped,
+            &mut roped_k,
+            &kv,
+            row0,
+            n,
+            p,
+            shape,
+            &inv,
+            &mut kc_w,
+            &mut vc_w,
+        )
+        .unwrap();
         attn.push(llama::AttentionSeq {
             row0,
             rows: n,
@@ -283,22 +314,41 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>>>(be: &B, name: &str) {
         row0 += n;
     }
     let mut out = vec![0f32; total * width];
-    be.attention_batch(&roped, &attn, shape, &mut out);
+    be.attention_batch(&roped, &attn, shape, &mut out).unwrap();
     let mut row0 = 0;
     for (&(n, p), (kc, vc)) in seqs.iter().zip(&caches) {
         let mut alone = q[row0 * width..(row0 + n) * width].to_vec();
-        be.rope(&mut alone, n, 4, 16, p, &inv);
+        let mut alone_k = kv[row0 * kv_width..(row0 + n) * kv_width].to_vec();
+        let alone_v = alone_k.clone();
+        let (mut kc_w, mut vc_w) = (kc.clone(), vc.clone());
+        be.rope_store_kv(
+            &mut alone,
+            &mut alone_k,
+            &alone_v,
+            0,
+            n,
+            p,
+            shape,
+            &inv,
+            &mut kc_w,
+            &mut vc_w,
+        )
+        .unwrap();
         assert_eq!(&roped[row0 * width..(row0 + n) * width], &alone[..]);
+        assert_eq!(
+            &roped_k[row0 * kv_width..(row0 + n) * kv_width],
+            &alone_k[..]
+        );
         let mut want = vec![0f32; n * width];
-        be.attention(&alone, n, kc, vc, p, shape, &mut want);
+        attention(be, &alone, n, kc, vc, p, shape, &mut want);
         assert_eq!(&out[row0 * width..(row0 + n) * width], &want[..]);
         row0 += n;
     }
-    println!("{name} rope_at and attention_batch: identical to rope and attention alone (tol 0)");
+    println!("{name} rope_store_kv and attention_batch: identical to each sequence alone (tol 0)");
 }
 
 #[test]
 fn batched_ops_give_each_sequence_its_solo_result() {
     batched_ops_equal_ops_alone(&CpuBackend::new(), "cpu");
-    batched_ops_equal_ops_alone(&ReferenceBackend, "reference (trait defaults)");
+    batched_ops_equal_ops_alone(&ReferenceBackend, "reference");
 }

@@ -3,7 +3,9 @@
 mod common;
 
 use common::*;
-use llama::{FinishReason, GenerateOptions, LlamaError, Message, SamplerConfig, load_cpu};
+use llama::{
+    Device, FinishReason, GenerateOptions, LlamaError, Message, OpenOptions, SamplerConfig,
+};
 use residency::ResidencyOptions;
 
 /// Logit tolerance against the f32 reference: the weights are the same quantized values, only
@@ -12,7 +14,20 @@ const LOGIT_TOL: f32 = 0.05;
 
 fn open(context: usize) -> Option<llama::CpuModel> {
     let dir = model_dir()?;
-    Some(load_cpu(&dir, &ResidencyOptions::default(), context).unwrap())
+    Some(load_cpu(&dir, ResidencyOptions::default(), context))
+}
+
+/// `dir` through the production path on the CPU.
+fn load_cpu(dir: &std::path::Path, residency: ResidencyOptions, context: usize) -> llama::CpuModel {
+    let options = OpenOptions {
+        residency,
+        context,
+        ..OpenOptions::default()
+    };
+    llama::open(dir, Device::Cpu, &options)
+        .unwrap()
+        .into_cpu()
+        .unwrap()
 }
 
 fn greedy(n: usize) -> GenerateOptions {
@@ -217,7 +232,7 @@ fn streamed_run_gives_the_same_tokens_as_resident_run() {
     let text = case["prompt"].as_str().unwrap();
     let steps = 12;
     let run = |options: ResidencyOptions| {
-        let mut m = load_cpu(&dir, &options, 256).unwrap();
+        let mut m = load_cpu(&dir, options, 256);
         let prompt = m.session.encode_prompt(text).unwrap();
         let tokens = m
             .session

@@ -65,7 +65,10 @@ def make_test_file():
         base = os.environ.get("GDSLLM_GPU_TEST_DIR") or tempfile.gettempdir()
         mib = int(os.environ.get("GDSLLM_GPU_TEST_MIB", "256"))
         directory = tempfile.mkdtemp(prefix="gdsllm-py-gpu-", dir=base)
-        data = random.Random(7).randbytes((mib << 20) + 5000)
+        # randbytes of more than 256 MiB overflows a C int inside getrandbits (Python 3.12), so
+        # the bytes come in 1 MiB pieces.
+        rng = random.Random(7)
+        data = b"".join(rng.randbytes(1 << 20) for _ in range(mib)) + rng.randbytes(5000)
         path = os.path.join(directory, "weights.bin")
         with open(path, "wb") as f:
             f.write(data)

@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // The simulated compute: busy for `compute`, touching the bytes once.
             let t = Instant::now();
             let mut sum = 0u64;
-            for chunk in guard.chunks(4096) {
+            for chunk in guard.host().expect("host memory").chunks(4096) {
                 sum = sum.wrapping_add(chunk[0] as u64);
             }
             std::hint::black_box(sum);

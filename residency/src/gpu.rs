@@ -25,7 +25,9 @@ use parking_lot::Mutex;
 use weights_format::Metadata;
 
 use crate::error::ResidencyError;
-use crate::memory::{Completion, DeviceBuffer, DeviceMemory, HostBlock, Reservation, Usage};
+use crate::memory::{
+    Completion, DeviceBuffer, DeviceMemory, HostBlock, Reservation, Usage, WeightBytes,
+};
 use crate::source::BlobSource;
 
 impl HostBlock for PinnedHostBuf {
@@ -265,11 +267,7 @@ impl DeviceBuffer for GpuBuffer {
         Ok(Completion::done())
     }
 
-    fn host_view(&self) -> &[u8] {
-        &[]
-    }
-
-    fn device_ptr(&self) -> Option<u64> {
-        Some(self.buf.device_ptr())
+    fn bytes(&self) -> WeightBytes<'_> {
+        WeightBytes::Device(self.buf.as_device_ptr())
     }
 }

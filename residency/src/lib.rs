@@ -26,9 +26,12 @@ mod stats;
 
 pub use clock::{Clock, SystemClock, VirtualClock};
 pub use error::ResidencyError;
+pub use gds_io::DevicePtr;
 pub use gds_io::{BackendKind as IoBackendKind, IoChoice};
 pub use gpu::GpuMemory;
-pub use memory::{Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
+pub use memory::{
+    Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence, WeightBytes,
+};
 pub use options::{
     AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
     mem_available, parse_bytes,

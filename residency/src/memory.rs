@@ -9,10 +9,58 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use gds_io::AlignedBuf;
+use gds_io::{AlignedBuf, DevicePtr};
 
 use crate::error::ResidencyError;
 use crate::source::BlobSource;
+
+/// Where a blob's bytes are: host memory (the CPU backend reads them as a slice) or device
+/// memory (kernels read them by address). What compute is handed says which, so no one reads an
+/// empty slice or looks a device copy up by host address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightBytes<'a> {
+    Host(&'a [u8]),
+    Device(DevicePtr<'a>),
+}
+
+impl<'a> WeightBytes<'a> {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightBytes::Host(b) => b.len(),
+            WeightBytes::Device(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `len` bytes from `offset`, in the same memory; `None` past the end.
+    pub fn slice(&self, offset: usize, len: usize) -> Option<WeightBytes<'a>> {
+        match self {
+            WeightBytes::Host(b) => b
+                .get(offset..offset.checked_add(len)?)
+                .map(WeightBytes::Host),
+            WeightBytes::Device(p) => p.slice(offset, len).map(WeightBytes::Device),
+        }
+    }
+
+    /// The bytes, when they are in host memory.
+    pub fn host(&self) -> Option<&'a [u8]> {
+        match self {
+            WeightBytes::Host(b) => Some(b),
+            WeightBytes::Device(_) => None,
+        }
+    }
+
+    /// The device range, when the bytes are in device memory.
+    pub fn device(&self) -> Option<DevicePtr<'a>> {
+        match self {
+            WeightBytes::Host(_) => None,
+            WeightBytes::Device(p) => Some(*p),
+        }
+    }
+}
 
 /// Marks a finished fill. CPU fills complete before they return, so this carries nothing yet.
 #[derive(Debug)]
@@ -85,12 +133,8 @@ pub trait DeviceBuffer: Send + Sync {
     ) -> Result<Completion, ResidencyError>;
     /// Copies `bytes` from the host tier into the start of the buffer.
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
-    /// The bytes, for compute on the CPU backend; empty when the buffer is device memory.
-    fn host_view(&self) -> &[u8];
-    /// The device address of the buffer, when it is device memory.
-    fn device_ptr(&self) -> Option<u64> {
-        None
-    }
+    /// The whole buffer, in host or device memory.
+    fn bytes(&self) -> WeightBytes<'_>;
 }
 
 /// Host memory standing in for device memory on the CPU backend.
@@ -231,7 +275,7 @@ impl DeviceBuffer for CpuBuffer {
         Ok(Completion::done())
     }
 
-    fn host_view(&self) -> &[u8] {
-        &self.buf
+    fn bytes(&self) -> WeightBytes<'_> {
+        WeightBytes::Host(&self.buf)
     }
 }

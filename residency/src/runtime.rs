@@ -13,7 +13,7 @@ use weights_format::Model;
 use crate::clock::{Clock, SystemClock};
 use crate::engine::{Engine, Job, Location, LocationState, Lookup, Outcome, ReadFrom};
 use crate::error::ResidencyError;
-use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence};
+use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence, WeightBytes};
 use crate::options::{
     AUTO_RAM_SHARE, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
 };
@@ -53,10 +53,9 @@ pub struct Residency {
     reader: Option<JoinHandle<()>>,
 }
 
-/// A blob in memory. In host memory (the CPU backend) it derefs to exactly the blob's bytes;
-/// in device memory it derefs to an empty slice and [`BlobGuard::device_ptr`] gives its address.
-/// Dropping it releases the staging slot so the next read in plan order can start — after the
-/// [`ReleaseFence`] given to [`BlobGuard::release_after`], if any.
+/// A blob in memory: [`BlobGuard::bytes`] says whether in host memory (the CPU backend) or
+/// in device memory. Dropping it releases the staging slot so the next read in plan order can
+/// start — after the [`ReleaseFence`] given to [`BlobGuard::release_after`], if any.
 pub struct BlobGuard<'a> {
     owner: &'a Residency,
     location: Location,
@@ -65,15 +64,21 @@ pub struct BlobGuard<'a> {
     fence: Option<Box<dyn ReleaseFence>>,
 }
 
-impl std::ops::Deref for BlobGuard<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        let buffer = self.buffer.as_ref().expect("present until drop");
-        buffer.host_view().get(..self.len).unwrap_or(&[])
-    }
-}
-
 impl BlobGuard<'_> {
+    /// The blob's bytes (without the padding of its buffer), where they are.
+    pub fn bytes(&self) -> WeightBytes<'_> {
+        let buffer = self.buffer.as_ref().expect("present until drop");
+        buffer
+            .bytes()
+            .slice(0, self.len)
+            .expect("a buffer holds the blob it was filled with")
+    }
+
+    /// The bytes when the blob is in host memory.
+    pub fn host(&self) -> Option<&[u8]> {
+        self.bytes().host()
+    }
+
     /// The blob's length in bytes (without the padding of its buffer).
     pub fn len(&self) -> usize {
         self.len
@@ -81,11 +86,6 @@ impl BlobGuard<'_> {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// The device address of the blob's first byte, when it is in device memory.
-    pub fn device_ptr(&self) -> Option<u64> {
-        self.buffer.as_ref().and_then(|b| b.device_ptr())
     }
 
     /// Whether the blob stays in memory for the whole run (no later read replaces it).

@@ -9,12 +9,11 @@ use residency::{
     Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource, Placement, Policy,
     Residency, ResidencyError, ResidencyOptions, SystemClock,
 };
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{DType, Model, ModelConfig, ModelWriter};
 
 fn config(n_layers: u32, tied: bool) -> ModelConfig {
     ModelConfig {
-        architecture: "llama".into(),
         n_layers,
         hidden_size: 64,
         n_heads: 4,
@@ -30,6 +29,7 @@ fn config(n_layers: u32, tied: bool) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         add_bos_token: false,
+        ..ModelConfig::default()
     }
 }
 
@@ -53,7 +53,7 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dtype = if spec.role == TensorRole::Norm {
+            let dtype = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 DType::F16
@@ -114,7 +114,7 @@ fn host_backend_bytes_equal_plain_reads() {
                 for &b in &plan.order {
                     let guard = res.acquire(b).unwrap();
                     assert_eq!(
-                        &guard[..],
+                        guard.host().unwrap(),
                         &files[b][..],
                         "{} tied={tied}",
                         plan.blobs[b].file
@@ -179,7 +179,7 @@ fn all_resident_and_all_streamed_deliver_the_same_bytes() {
         let mut seen = Vec::new();
         for _ in 0..3 {
             for &b in &layout.order {
-                seen.extend_from_slice(&res.acquire(b).unwrap());
+                seen.extend_from_slice(res.acquire(b).unwrap().host().unwrap());
             }
             res.end_pass();
         }
@@ -215,7 +215,10 @@ fn memory_pressure_shrinks_the_resident_set() {
     assert_eq!(plan.resident_layers, 3);
     for _ in 0..2 {
         for &b in &layout.order {
-            assert!(PatternSource::check(b, &res.acquire(b).unwrap()));
+            assert!(PatternSource::check(
+                b,
+                res.acquire(b).unwrap().host().unwrap()
+            ));
         }
         res.end_pass();
     }
@@ -299,9 +302,17 @@ proptest! {
             match res.acquire(blob) {
                 Ok(guard) => {
                     prop_assert_eq!(guard.len() as u64, lengths[blob]);
-                    prop_assert!(PatternSource::check(blob, &guard), "blob {} bytes", blob);
+                    prop_assert!(
+                        PatternSource::check(blob, guard.host().unwrap()),
+                        "blob {} bytes",
+                        blob
+                    );
                     if let Some((b, g)) = &held {
-                        prop_assert!(PatternSource::check(*b, g), "held blob {} overwritten", b);
+                        prop_assert!(
+                            PatternSource::check(*b, g.host().unwrap()),
+                            "held blob {} overwritten",
+                            b
+                        );
                     }
                     if hold {
                         held = Some((blob, guard));

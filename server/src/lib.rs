@@ -15,14 +15,11 @@ pub mod params;
 mod routes;
 pub mod scheduler;
 mod server;
-pub mod stop;
 
 pub use engine::{
     CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
     GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
-pub use llama_engine::{CpuEngine, LlamaEngine, open_cpu};
-#[cfg(feature = "cuda")]
-pub use llama_engine::{CudaEngine, open_cuda};
+pub use llama_engine::{LlamaEngine, open};
 pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};

@@ -25,7 +25,7 @@ use crate::engine::{
 };
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::stop::StopMatcher;
+use llama::StopMatcher;
 
 /// Why a sequence ended, as reported to the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,7 +3,8 @@
 //! against one-at-a-time ones.
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use gdsllm_server::{
     CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, SamplingParams,
@@ -23,6 +24,23 @@ fn model_dir() -> Option<PathBuf> {
         "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
          converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
     );
+}
+
+/// The engine `gdsllm serve` runs on the CPU, for batches of `max_batch` sequences of
+/// `context` positions whose KV caches hold `kv_budget` bytes together (None: room for all).
+fn open_cpu(
+    dir: &Path,
+    context: usize,
+    max_batch: usize,
+    kv_budget: Option<u64>,
+) -> Arc<dyn Engine> {
+    let options = llama::OpenOptions {
+        context,
+        sequences: max_batch,
+        kv_budget,
+        ..llama::OpenOptions::default()
+    };
+    gdsllm_server::open(dir, "smol", llama::Device::Cpu, &options).unwrap()
 }
 
 fn greedy() -> SamplingParams {
@@ -71,14 +89,7 @@ fn final_hidden_state_reproduces_the_logits() {
 #[test]
 fn logprobs_are_the_log_softmax_of_the_logits_and_cancel_stops() {
     let Some(dir) = model_dir() else { return };
-    let engine = gdsllm_server::open_cpu(
-        &dir,
-        "smol",
-        &residency::ResidencyOptions::default(),
-        128,
-        1,
-    )
-    .unwrap();
+    let engine = open_cpu(&dir, 128, 1, None);
     let prompt = engine.tokenize("The capital of France is", true).unwrap();
 
     // Independent reference: the prompt's logits straight from the model, log-softmax in f64.
@@ -160,9 +171,8 @@ fn logprobs_are_the_log_softmax_of_the_logits_and_cancel_stops() {
 #[test]
 fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
     let Some(dir) = model_dir() else { return };
-    let options = residency::ResidencyOptions::default();
     let context = 128;
-    let probe = gdsllm_server::open_cpu(&dir, "smol", &options, context, 4).unwrap();
+    let probe = open_cpu(&dir, context, 4, None);
     let texts = [
         "The capital of France is",
         "def fibonacci(n):",
@@ -210,9 +220,12 @@ fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
         .unwrap();
     let meta = Model::open(&dir).unwrap().metadata().clone();
     let per_position = residency::kv_cache_bytes(&meta.config, 1, 4);
-    let engine = gdsllm_server::open_cpu(&dir, "smol", &options, context, 4)
-        .unwrap()
-        .with_kv_budget(per_position * (2 * longest as u64 + 1));
+    let engine = open_cpu(
+        &dir,
+        context,
+        4,
+        Some(per_position * (2 * longest as u64 + 1)),
+    );
     let mut batch = engine.batch(4).unwrap().expect("the llama engine batches");
     let mut ids = Vec::new();
     for r in &requests {

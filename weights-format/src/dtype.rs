@@ -113,12 +113,13 @@ impl DType {
     }
 
     /// The oldest `metadata.json` format version that has this dtype: 1 for the original six,
-    /// 2 for those added with the k-quants. A writer stamps a model with the highest version
-    /// any of its tensors needs, so models without the new types stay readable by older builds.
+    /// 3 for those added with the k-quants (version 2 added the family fields). A writer stamps
+    /// a model with the highest version any of its tensors needs (at least 2), so models
+    /// without the new types stay readable by builds that predate them.
     pub const fn format_version(self) -> u32 {
         match self {
             DType::F32 | DType::F16 | DType::Bf16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 1,
-            _ => 2,
+            _ => 3,
         }
     }
 

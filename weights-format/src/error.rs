@@ -25,8 +25,8 @@ pub enum FormatError {
     },
 
     #[error(
-        "{}: format_version {found} is not supported (this build reads versions 1 to {supported})",
-        path.display()
+        "{}: format_version {found} is not supported (this build reads versions {} to {supported})",
+        path.display(), crate::OLDEST_FORMAT_VERSION
     )]
     UnsupportedVersion {
         path: PathBuf,

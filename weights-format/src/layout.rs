@@ -9,8 +9,17 @@ use crate::{ModelConfig, names};
 pub enum TensorRole {
     /// An RMSNorm weight vector: any float dtype (f32, f16, bf16), never quantized.
     Norm,
+    /// A bias vector: any float dtype, never quantized.
+    Bias,
     /// A weight matrix or the embedding table: any dtype.
     Matrix,
+}
+
+impl TensorRole {
+    /// Norms and biases are vectors kept in a float dtype; only matrices may be quantized.
+    pub fn is_float_only(self) -> bool {
+        matches!(self, TensorRole::Norm | TensorRole::Bias)
+    }
 }
 
 /// One tensor a blob must contain.
@@ -65,18 +74,22 @@ pub fn blob_index(kind: BlobKind, n_layers: u32) -> usize {
     }
 }
 
-/// The tensors a blob of `kind` holds for `config`, in the order writers put them.
+/// The tensors a blob of `kind` holds for `config`, in the order writers put them. The layer's
+/// optional tensors follow the config's feature flags (`attention_bias`, `qk_norm`,
+/// `post_norms`).
 pub fn blob_tensors(config: &ModelConfig, kind: BlobKind) -> Vec<TensorSpec> {
     let dim = u64::from(config.hidden_size);
     let vocab = u64::from(config.vocab_size);
-    let q_rows = u64::from(config.n_heads) * u64::from(config.head_dim);
-    let kv_rows = u64::from(config.n_kv_heads) * u64::from(config.head_dim);
+    let head_dim = u64::from(config.head_dim);
+    let q_rows = u64::from(config.n_heads) * head_dim;
+    let kv_rows = u64::from(config.n_kv_heads) * head_dim;
     let ffn = u64::from(config.ffn_dim);
-    let norm = |name| TensorSpec {
+    let vector = |name, len, role| TensorSpec {
         name,
-        shape: vec![dim],
-        role: TensorRole::Norm,
+        shape: vec![len],
+        role,
     };
+    let norm = |name| vector(name, dim, TensorRole::Norm);
     let matrix = |name, rows, cols| TensorSpec {
         name,
         shape: vec![rows, cols],
@@ -84,17 +97,41 @@ pub fn blob_tensors(config: &ModelConfig, kind: BlobKind) -> Vec<TensorSpec> {
     };
     match kind {
         BlobKind::Embed => vec![matrix(names::TOKEN_EMBD, vocab, dim)],
-        BlobKind::Layer(_) => vec![
-            norm(names::ATTN_NORM),
-            matrix(names::ATTN_Q, q_rows, dim),
-            matrix(names::ATTN_K, kv_rows, dim),
-            matrix(names::ATTN_V, kv_rows, dim),
-            matrix(names::ATTN_OUTPUT, dim, q_rows),
-            norm(names::FFN_NORM),
-            matrix(names::FFN_GATE, ffn, dim),
-            matrix(names::FFN_UP, ffn, dim),
-            matrix(names::FFN_DOWN, dim, ffn),
-        ],
+        BlobKind::Layer(_) => {
+            let mut specs = vec![
+                norm(names::ATTN_NORM),
+                matrix(names::ATTN_Q, q_rows, dim),
+                matrix(names::ATTN_K, kv_rows, dim),
+                matrix(names::ATTN_V, kv_rows, dim),
+            ];
+            if config.attention_bias {
+                specs.extend([
+                    vector(names::ATTN_Q_BIAS, q_rows, TensorRole::Bias),
+                    vector(names::ATTN_K_BIAS, kv_rows, TensorRole::Bias),
+                    vector(names::ATTN_V_BIAS, kv_rows, TensorRole::Bias),
+                ]);
+            }
+            if config.qk_norm {
+                specs.extend([
+                    vector(names::ATTN_Q_NORM, head_dim, TensorRole::Norm),
+                    vector(names::ATTN_K_NORM, head_dim, TensorRole::Norm),
+                ]);
+            }
+            specs.push(matrix(names::ATTN_OUTPUT, dim, q_rows));
+            if config.post_norms {
+                specs.push(norm(names::ATTN_POST_NORM));
+            }
+            specs.extend([
+                norm(names::FFN_NORM),
+                matrix(names::FFN_GATE, ffn, dim),
+                matrix(names::FFN_UP, ffn, dim),
+                matrix(names::FFN_DOWN, dim, ffn),
+            ]);
+            if config.post_norms {
+                specs.push(norm(names::FFN_POST_NORM));
+            }
+            specs
+        }
         BlobKind::Output => {
             let mut specs = vec![norm(names::OUTPUT_NORM)];
             if !config.tie_word_embeddings {

@@ -8,6 +8,7 @@
 //! It is not for: converting from other formats (`gdsllm-convert`), deciding what to keep in
 //! memory (`residency`), or doing arithmetic on the weights (`llama`).
 
+mod architecture;
 mod dtype;
 mod error;
 pub mod layout;
@@ -16,10 +17,12 @@ mod model;
 pub mod quant;
 mod writer;
 
+pub use architecture::{Architecture, FamilyRules};
 pub use dtype::DType;
 pub use error::FormatError;
 pub use metadata::{
-    BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig, RopeScaling, TensorMeta,
+    Activation, BlobMeta, ChatTemplateRef, FAMILY_FORMAT_VERSION, FORMAT_VERSION, Metadata,
+    ModelConfig, OLDEST_FORMAT_VERSION, RopeScaling, SlidingWindow, TensorMeta,
 };
 pub use model::{Model, VerifyProgress, VerifyReport};
 pub use writer::{BlobWriter, ModelWriter, TensorWriter};
@@ -34,7 +37,8 @@ pub const METADATA_FILE: &str = "metadata.json";
 pub const METADATA_CHECKSUM_FILE: &str = "metadata.json.xxh3";
 
 /// Canonical tensor names inside each blob. One convention everywhere: Hugging Face row order
-/// for Q/K (no llama.cpp RoPE permutation), row-major `[out_features, in_features]` matrices.
+/// for Q/K (no llama.cpp RoPE permutation), row-major `[out_features, in_features]` matrices,
+/// norm weights as the multiplier itself (Gemma's `1 + w` is stored as `1 + w`).
 pub mod names {
     /// In `embed.bin`: `[vocab, dim]`. Also the LM head when `tie_word_embeddings`.
     pub const TOKEN_EMBD: &str = "token_embd";
@@ -60,6 +64,20 @@ pub mod names {
     pub const FFN_UP: &str = "ffn_up";
     /// `[dim, ffn_dim]`.
     pub const FFN_DOWN: &str = "ffn_down";
+    /// With `attention_bias`: `[n_heads * head_dim]`, added to `attn_q`'s output.
+    pub const ATTN_Q_BIAS: &str = "attn_q_bias";
+    /// With `attention_bias`: `[n_kv_heads * head_dim]`.
+    pub const ATTN_K_BIAS: &str = "attn_k_bias";
+    /// With `attention_bias`: `[n_kv_heads * head_dim]`.
+    pub const ATTN_V_BIAS: &str = "attn_v_bias";
+    /// With `qk_norm`: `[head_dim]`, RMSNorm weight applied to each query head before RoPE.
+    pub const ATTN_Q_NORM: &str = "attn_q_norm";
+    /// With `qk_norm`: `[head_dim]`, the same for each key head.
+    pub const ATTN_K_NORM: &str = "attn_k_norm";
+    /// With `post_norms`: `[dim]`, RMSNorm of the attention output before the residual add.
+    pub const ATTN_POST_NORM: &str = "attn_post_norm";
+    /// With `post_norms`: `[dim]`, RMSNorm of the FFN output before the residual add.
+    pub const FFN_POST_NORM: &str = "ffn_post_norm";
 
     /// File name of layer `i`'s blob.
     pub fn layer_blob(i: usize) -> String {

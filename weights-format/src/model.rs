@@ -11,10 +11,10 @@ use std::time::Instant;
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::layout::{self, BlobKind, TensorRole};
+use crate::layout::{self, BlobKind};
 use crate::{
-    ALIGNMENT, BlobMeta, FORMAT_VERSION, FormatError, METADATA_CHECKSUM_FILE, METADATA_FILE,
-    Metadata, ModelConfig, TensorMeta,
+    ALIGNMENT, Architecture, BlobMeta, FORMAT_VERSION, FormatError, METADATA_CHECKSUM_FILE,
+    METADATA_FILE, Metadata, ModelConfig, OLDEST_FORMAT_VERSION, TensorMeta,
 };
 
 /// metadata.json of an 80-layer model is ~100 KB; anything near this limit is not ours.
@@ -384,7 +384,7 @@ fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
         .get("format_version")
         .and_then(serde_json::Value::as_u64)
     {
-        Some(v) if (1..=u64::from(FORMAT_VERSION)).contains(&v) => {}
+        Some(v) if (u64::from(OLDEST_FORMAT_VERSION)..=u64::from(FORMAT_VERSION)).contains(&v) => {}
         Some(v) => {
             return Err(FormatError::UnsupportedVersion {
                 path,
@@ -414,21 +414,41 @@ fn config_error(key: &str, reason: impl Into<String>) -> FormatError {
 }
 
 impl ModelConfig {
-    /// Checks the hyper-parameters alone (non-zero sizes, heads divisible by KV heads, even head
-    /// dimension, finite positive RoPE base and norm epsilon, supported RoPE scaling, special
-    /// token ids inside the vocabulary): what [`Model::open`] checks of the config.
+    /// Checks the hyper-parameters alone (a known architecture, non-zero sizes, heads divisible
+    /// by KV heads, even head dimension, finite positive RoPE bases, norm epsilon and scales,
+    /// supported RoPE scaling with its fields, a sliding window inside the layers, the feature
+    /// fields the family has, special token ids inside the vocabulary): what [`Model::open`]
+    /// checks of the config.
     pub fn validate(&self) -> Result<(), FormatError> {
         validate_config(self)
+    }
+
+    /// The family; `None` when `architecture` names none (which [`ModelConfig::validate`]
+    /// refuses).
+    pub fn family(&self) -> Option<Architecture> {
+        Architecture::from_name(&self.architecture)
+    }
+
+    /// Whether layer `layer` attends only to a sliding window (and so keeps only the window
+    /// in its KV cache).
+    pub fn is_sliding_layer(&self, layer: u32) -> bool {
+        self.sliding_window
+            .as_ref()
+            .is_some_and(|w| w.layers.binary_search(&layer).is_ok())
     }
 }
 
 fn validate_config(c: &ModelConfig) -> Result<(), FormatError> {
-    if c.architecture != "llama" {
+    let Some(arch) = Architecture::from_name(&c.architecture) else {
         return Err(config_error(
             "architecture",
-            format!("{:?} is not supported (only \"llama\")", c.architecture),
+            format!(
+                "{:?} is not supported ({})",
+                c.architecture,
+                Architecture::names()
+            ),
         ));
-    }
+    };
     for (key, v) in [
         ("n_layers", c.n_layers),
         ("hidden_size", c.hidden_size),
@@ -455,59 +475,44 @@ fn validate_config(c: &ModelConfig) -> Result<(), FormatError> {
             format!("{} is odd; RoPE rotates pairs", c.head_dim),
         ));
     }
-    for (key, v) in [
-        ("rope_theta", c.rope_theta),
-        ("rms_norm_eps", c.rms_norm_eps),
-    ] {
-        if !(v.is_finite() && v > 0.0) {
+    positive(&[
+        ("rope_theta", Some(c.rope_theta)),
+        ("rms_norm_eps", Some(c.rms_norm_eps)),
+        ("embedding_scale", Some(c.embedding_scale)),
+        ("attention_scale", c.attention_scale),
+        ("final_logit_softcap", c.final_logit_softcap),
+    ])?;
+    if let Some(s) = &c.rope_scaling {
+        validate_rope_scaling(c, s)?;
+    }
+    if let Some(w) = &c.sliding_window {
+        if w.size == 0 {
+            return Err(config_error("sliding_window.size", "must not be 0"));
+        }
+        if w.layers.is_empty() {
             return Err(config_error(
-                key,
-                format!("{v} is not a finite positive number"),
+                "sliding_window.layers",
+                "is empty (use \"sliding_window\": null)",
             ));
         }
-    }
-    if let Some(s) = &c.rope_scaling {
-        match s.rope_type.as_str() {
-            "linear" => {}
-            "llama3" => {
-                for (key, present) in [
-                    ("low_freq_factor", s.low_freq_factor.is_some()),
-                    ("high_freq_factor", s.high_freq_factor.is_some()),
-                    (
-                        "original_max_position_embeddings",
-                        s.original_max_position_embeddings.is_some(),
-                    ),
-                ] {
-                    if !present {
-                        return Err(config_error(
-                            &format!("rope_scaling.{key}"),
-                            "required for rope_type \"llama3\"",
-                        ));
-                    }
-                }
-            }
-            other => {
-                return Err(config_error(
-                    "rope_scaling.rope_type",
-                    format!("{other:?} is not supported (\"linear\" or \"llama3\")"),
-                ));
-            }
+        if let Some(pair) = w.layers.windows(2).find(|p| p[0] >= p[1]) {
+            return Err(config_error(
+                "sliding_window.layers",
+                format!(
+                    "must be ascending without repeats ({} then {})",
+                    pair[0], pair[1]
+                ),
+            ));
         }
-        for (key, v) in [
-            ("factor", Some(s.factor)),
-            ("low_freq_factor", s.low_freq_factor),
-            ("high_freq_factor", s.high_freq_factor),
-        ] {
-            if let Some(v) = v
-                && !(v.is_finite() && v > 0.0)
-            {
-                return Err(config_error(
-                    &format!("rope_scaling.{key}"),
-                    format!("{v} is not a finite positive number"),
-                ));
-            }
+        if let Some(&l) = w.layers.iter().find(|&&l| l >= c.n_layers) {
+            return Err(config_error(
+                "sliding_window.layers",
+                format!("layer {l} is not below n_layers {}", c.n_layers),
+            ));
         }
+        positive(&[("sliding_window.rope_theta", Some(w.rope_theta))])?;
     }
+    validate_family(arch, c)?;
     if let Some(bos) = c.bos_token_id
         && bos >= c.vocab_size
     {
@@ -525,8 +530,207 @@ fn validate_config(c: &ModelConfig) -> Result<(), FormatError> {
     Ok(())
 }
 
+/// Each `Some` value must be finite and > 0.
+fn positive(values: &[(&str, Option<f32>)]) -> Result<(), FormatError> {
+    for &(key, v) in values {
+        if let Some(v) = v
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(config_error(
+                key,
+                format!("{v} is not a finite positive number"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn validate_rope_scaling(c: &ModelConfig, s: &crate::RopeScaling) -> Result<(), FormatError> {
+    let key = |k: &str| format!("rope_scaling.{k}");
+    let require = |name: &str, present: bool| {
+        if present {
+            Ok(())
+        } else {
+            Err(config_error(
+                &key(name),
+                format!("required for rope_type {:?}", s.rope_type),
+            ))
+        }
+    };
+    let refuse = |name: &str, present: bool| {
+        if present {
+            Err(config_error(
+                &key(name),
+                format!("not used by rope_type {:?} (must be null)", s.rope_type),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    // One factor per rotated pair, each finite and > 0.
+    let factors = |name: &str, v: &Option<Vec<f32>>| -> Result<(), FormatError> {
+        let Some(v) = v else { return Ok(()) };
+        if v.len() != c.head_dim as usize / 2 {
+            return Err(config_error(
+                &key(name),
+                format!("has {} values, head_dim/2 = {}", v.len(), c.head_dim / 2),
+            ));
+        }
+        if let Some(x) = v.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(config_error(
+                &key(name),
+                format!("{x} is not a finite positive number"),
+            ));
+        }
+        Ok(())
+    };
+    match s.rope_type.as_str() {
+        "linear" => {
+            refuse("freq_factors", s.freq_factors.is_some())?;
+            refuse("short_factor", s.short_factor.is_some())?;
+            refuse("long_factor", s.long_factor.is_some())?;
+        }
+        "llama3" => {
+            require("low_freq_factor", s.low_freq_factor.is_some())?;
+            require("high_freq_factor", s.high_freq_factor.is_some())?;
+            require(
+                "original_max_position_embeddings",
+                s.original_max_position_embeddings.is_some(),
+            )?;
+            refuse("freq_factors", s.freq_factors.is_some())?;
+            if let (Some(low), Some(high)) = (s.low_freq_factor, s.high_freq_factor)
+                && low >= high
+            {
+                return Err(config_error(
+                    &key("high_freq_factor"),
+                    format!("{high} is not above low_freq_factor {low}"),
+                ));
+            }
+        }
+        "freq_factors" => {
+            require("freq_factors", s.freq_factors.is_some())?;
+            if s.factor != 1.0 {
+                return Err(config_error(
+                    &key("factor"),
+                    format!("{} must be 1 for rope_type \"freq_factors\"", s.factor),
+                ));
+            }
+        }
+        "longrope" => {
+            require("short_factor", s.short_factor.is_some())?;
+            require("long_factor", s.long_factor.is_some())?;
+            require(
+                "original_max_position_embeddings",
+                s.original_max_position_embeddings.is_some(),
+            )?;
+            refuse("freq_factors", s.freq_factors.is_some())?;
+        }
+        other => {
+            return Err(config_error(
+                &key("rope_type"),
+                format!(
+                    "{other:?} is not supported (\"linear\", \"llama3\", \"freq_factors\" or \"longrope\")"
+                ),
+            ));
+        }
+    }
+    if s.original_max_position_embeddings == Some(0) {
+        return Err(config_error(
+            &key("original_max_position_embeddings"),
+            "must not be 0",
+        ));
+    }
+    factors("freq_factors", &s.freq_factors)?;
+    factors("short_factor", &s.short_factor)?;
+    factors("long_factor", &s.long_factor)?;
+    positive(&[
+        ("rope_scaling.factor", Some(s.factor)),
+        ("rope_scaling.low_freq_factor", s.low_freq_factor),
+        ("rope_scaling.high_freq_factor", s.high_freq_factor),
+        ("rope_scaling.attention_factor", s.attention_factor),
+    ])
+}
+
+/// The feature fields must be the family's (see [`Architecture::rules`]).
+fn validate_family(arch: Architecture, c: &ModelConfig) -> Result<(), FormatError> {
+    let rules = arch.rules();
+    let must = |key: &str, found: String, expected: String| {
+        Err(config_error(
+            key,
+            format!("is {found}, but {arch} models have {expected}"),
+        ))
+    };
+    if c.attention_bias != rules.attention_bias {
+        return must(
+            "attention_bias",
+            c.attention_bias.to_string(),
+            rules.attention_bias.to_string(),
+        );
+    }
+    if c.qk_norm != rules.qk_norm {
+        return must("qk_norm", c.qk_norm.to_string(), rules.qk_norm.to_string());
+    }
+    if c.post_norms != rules.post_norms {
+        return must(
+            "post_norms",
+            c.post_norms.to_string(),
+            rules.post_norms.to_string(),
+        );
+    }
+    if c.activation != rules.activation {
+        return must(
+            "activation",
+            format!("{:?}", c.activation),
+            format!("{:?}", rules.activation),
+        );
+    }
+    if !rules.gemma_extras {
+        let only_gemma = |key: &str| {
+            Err(config_error(
+                key,
+                format!("is set, which {arch} models do not use"),
+            ))
+        };
+        if c.embedding_scale != 1.0 {
+            return only_gemma("embedding_scale");
+        }
+        if c.attention_scale.is_some() {
+            return only_gemma("attention_scale");
+        }
+        if c.final_logit_softcap.is_some() {
+            return only_gemma("final_logit_softcap");
+        }
+        if c.sliding_window.is_some() {
+            return only_gemma("sliding_window");
+        }
+    }
+    if let Some(s) = &c.rope_scaling
+        && !rules.rope_types.contains(&s.rope_type.as_str())
+    {
+        return Err(config_error(
+            "rope_scaling.rope_type",
+            format!(
+                "{:?} is not used by {arch} models ({})",
+                s.rope_type,
+                rules.rope_types.join(", ")
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
     validate_config(&m.config)?;
+    // Version 1 knew only llama; a version 1 file with a newer family is a hand edit gone wrong.
+    if m.format_version < 2 && m.config.architecture != Architecture::Llama.name() {
+        return Err(config_error(
+            "architecture",
+            format!(
+                "{:?} needs format_version 2 (this file says {})",
+                m.config.architecture, m.format_version
+            ),
+        ));
+    }
     let n_layers = m.config.n_layers;
 
     for (field, name) in std::iter::once(("tokenizer", &m.tokenizer)).chain(
@@ -710,12 +914,12 @@ fn validate_expected_tensors(
                 found: t.shape.clone(),
             });
         }
-        if spec.role == TensorRole::Norm && t.dtype.is_quantized() {
+        if spec.role.is_float_only() && t.dtype.is_quantized() {
             return Err(FormatError::DTypeNotAllowed {
                 blob: blob.file.clone(),
                 tensor: t.name.clone(),
                 dtype: t.dtype,
-                reason: "norm weights must be f32, f16 or bf16",
+                reason: "norm and bias vectors must be f32, f16 or bf16",
             });
         }
     }

@@ -1,7 +1,7 @@
 mod common;
 
 use common::{super_block_config, tensor_bytes, tiny_config, write_model, write_tiny};
-use weights_format::layout::{self, TensorRole};
+use weights_format::layout;
 use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
 
 #[test]
@@ -21,11 +21,13 @@ fn round_trip_every_dtype_bit_exact() {
             let model = Model::open(&out).unwrap();
             assert_eq!(model.metadata(), written.metadata());
             assert_eq!(model.blob_count(), 4);
-            // The oldest version that has the dtype, so older readers keep reading models
-            // without the k-quant-era dtypes.
+            // The oldest version that has the family fields and the dtype, so older readers
+            // keep reading models without the k-quant-era dtypes.
             assert_eq!(
                 model.metadata().format_version,
-                dtype.format_version(),
+                dtype
+                    .format_version()
+                    .max(weights_format::FAMILY_FORMAT_VERSION),
                 "{dtype}"
             );
             for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
@@ -33,7 +35,7 @@ fn round_trip_every_dtype_bit_exact() {
                 assert_eq!(model.blob(i).length % ALIGNMENT, 0);
                 let kind = layout::blob_kind(file).unwrap();
                 for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-                    let dt = if spec.role == TensorRole::Norm {
+                    let dt = if spec.role.is_float_only() {
                         DType::F32
                     } else {
                         dtype
@@ -98,7 +100,7 @@ fn chunked_tensor_equals_whole_tensor_and_blobs_sort() {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dt = if spec.role == TensorRole::Norm {
+            let dt = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 DType::Q8_0

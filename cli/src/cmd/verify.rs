@@ -63,10 +63,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let lossless = match &args.against {
         Some(path) => {
-            let gguf = gdsllm_convert::gguf::GgufFile::open(path)?;
-            let permuted = gdsllm_convert::lossless::qk_rows_permuted(&gguf);
+            let source = gdsllm_convert::convert::open_source(path)?;
             Some(
-                gdsllm_convert::lossless::compare_with_gguf(&model, &gguf, permuted)
+                gdsllm_convert::lossless::compare_with_source(&model, &source, true)
                     .with_context(|| format!("comparing with {}", path.display()))?,
             )
         }

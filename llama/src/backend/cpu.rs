@@ -1,12 +1,15 @@
 //! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
-//! the vectorised inner loops of [`super::kernels`], f32 activations and accumulation.
+//! the vectorised inner loops of `kernels.rs`, f32 activations and accumulation.
 
 use rayon::prelude::*;
 use weights_format::DType;
 
 use super::kernels::{self, QK};
 use super::kquants::{self, QuantizedActs};
-use super::{AttentionSeq, AttentionShape, Backend, RowGroup, WeightView};
+use super::{
+    AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView, host_bytes,
+    matmul_then_add,
+};
 
 /// Multi-threaded CPU backend on the global rayon pool.
 #[derive(Debug, Clone, Default)]
@@ -36,7 +39,13 @@ fn silu(x: f32) -> f32 {
 
 /// `out = x · Wᵀ` for the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it
 /// (see [`kernels::matmul_rows`]).
-fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) {
+fn matmul_rows_of(
+    x: &[f32],
+    wide: &[bool],
+    w: WeightView<'_>,
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    let bytes = host(&w)?;
     let rows = wide.len();
     let (m, k) = (w.rows, w.cols);
     let row_bytes = w.row_bytes();
@@ -59,7 +68,7 @@ fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) 
     let task = |(ci, o): (usize, &mut [f32])| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
-        let wb = &w.bytes[first * row_bytes..(first + n_rows) * row_bytes];
+        let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
         kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, wide, o);
     };
     if rows == 1 {
@@ -77,6 +86,11 @@ fn matmul_rows_of(x: &[f32], wide: &[bool], w: WeightView<'_>, out: &mut [f32]) 
             }
         }
     }
+    Ok(())
+}
+
+fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
+    host_bytes(w, "cpu")
 }
 
 /// Rotary embedding of whole rows of `width` values, the first at position `pos0`.
@@ -102,26 +116,113 @@ fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq
     }
 }
 
+impl CpuBackend {
+    /// `out = x · Wᵀ` for `rows` rows computed together.
+    fn matmul(
+        &self,
+        x: &[f32],
+        rows: usize,
+        w: WeightView<'_>,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
+        matmul_rows_of(x, &wide, w, out)
+    }
+
+    /// Several matmuls of the same input; decoding runs them as one parallel region.
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        rows: usize,
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), BackendError> {
+        if rows != 1 {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul(x, rows, *w, out)?;
+            }
+            return Ok(());
+        }
+        // Decoding: one parallel region over the row chunks of all weights, so the threads
+        // meet once instead of once per weight.
+        let mut xsums = Vec::new();
+        let mut xq = QuantizedActs::default();
+        let mut tasks: Vec<(WeightView<'_>, &[u8], usize, &mut [f32])> = Vec::new();
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
+                kernels::block_sums(&x[..w.cols], &mut xsums);
+            }
+            if kquants::handles(w.dtype) {
+                xq.prepare(&x[..w.cols], w.cols, w.dtype);
+            }
+            let bytes = host(w)?;
+            let chunk = rows_per_task(w.rows, w.cols);
+            for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
+                tasks.push((*w, bytes, ci * chunk, o));
+            }
+        }
+        let xq = &xq;
+        tasks.into_par_iter().for_each(|(w, bytes, first, o)| {
+            let rb = w.row_bytes();
+            let wb = &bytes[first * rb..(first + o.len()) * rb];
+            let x = &x[..w.cols];
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, &[false], o);
+        });
+        Ok(())
+    }
+}
+
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
+    type KvBuf = Vec<f32>;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
 
-    fn alloc(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+    fn alloc(&self, len: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; len])
     }
 
-    fn read(&self, buf: &Vec<f32>, out: &mut [f32]) {
+    fn alloc_kv(&self, len: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn kv_value_bytes(&self) -> usize {
+        4
+    }
+
+    fn upload(&self, values: &[f32]) -> Result<Vec<f32>, BackendError> {
+        Ok(values.to_vec())
+    }
+
+    fn read(&self, buf: &Vec<f32>, out: &mut [f32]) -> Result<(), BackendError> {
         out.copy_from_slice(&buf[..out.len()]);
+        Ok(())
     }
 
-    fn embed_rows(&self, table: WeightView<'_>, ids: &[u32], out: &mut Vec<f32>) {
-        let dim = table.cols;
+    fn embed_rows(
+        &self,
+        table: WeightView<'_>,
+        ids: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (bytes, dim, rb) = (host(&table)?, table.cols, table.row_bytes());
         for (o, &id) in out.chunks_exact_mut(dim).zip(ids) {
-            kernels::dequantize_row(table.dtype, table.row(id as usize), o);
+            let id = id as usize;
+            kernels::dequantize_row(table.dtype, &bytes[id * rb..(id + 1) * rb], o);
         }
+        Ok(())
+    }
+
+    /// The rows are in host memory already: decoded like any table.
+    fn embed_host_rows(
+        &self,
+        rows: WeightView<'_>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let ids: Vec<u32> = (0..rows.rows as u32).collect();
+        self.embed_rows(rows, &ids, out)
     }
 
     fn rmsnorm(
@@ -131,10 +232,10 @@ impl Backend for CpuBackend {
         weight: WeightView<'_>,
         eps: f32,
         out: &mut Vec<f32>,
-    ) {
+    ) -> Result<(), BackendError> {
         let dim = weight.cols;
         let mut w = vec![0f32; dim];
-        kernels::dequantize_row(weight.dtype, weight.bytes, &mut w);
+        kernels::dequantize_row(weight.dtype, host(&weight)?, &mut w);
         for (xr, or) in x[..rows * dim]
             .chunks_exact(dim)
             .zip(out[..rows * dim].chunks_exact_mut(dim))
@@ -145,124 +246,72 @@ impl Backend for CpuBackend {
                 *o = xv * scale * wv;
             }
         }
+        Ok(())
     }
 
-    fn matmul(&self, x: &Vec<f32>, rows: usize, w: WeightView<'_>, out: &mut Vec<f32>) {
-        let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
-        matmul_rows_of(x, &wide, w, out);
-    }
-
-    fn matmul_many(
+    fn matmul_batch(
         &self,
         x: &Vec<f32>,
-        rows: usize,
+        groups: &[RowGroup],
         ws: &[WeightView<'_>],
         outs: &mut [&mut Vec<f32>],
-    ) {
-        if rows != 1 {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(x, rows, *w, out);
-            }
-            return;
+    ) -> Result<(), BackendError> {
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        let wide: Vec<bool> = groups
+            .iter()
+            .flat_map(|g| std::iter::repeat_n(g.solo_rows >= kernels::DECODE_ONCE_MIN_ROWS, g.rows))
+            .collect();
+        // When every row would use the kernel that `rows` rows get anyway, this is an ordinary
+        // matmul (a single sequence, or a batch of decode rows below the threshold).
+        if wide
+            .iter()
+            .all(|&w| w == (rows >= kernels::DECODE_ONCE_MIN_ROWS))
+        {
+            return self.matmul_many(x, rows, ws, outs);
         }
-        // Decoding: one parallel region over the row chunks of all weights, so the threads
-        // meet once instead of once per weight.
-        let mut xsums = Vec::new();
-        let mut xq = QuantizedActs::default();
-        let mut tasks: Vec<(WeightView<'_>, usize, &mut [f32])> = Vec::new();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
-                kernels::block_sums(&x[..w.cols], &mut xsums);
-            }
-            if kquants::handles(w.dtype) {
-                xq.prepare(&x[..w.cols], w.cols, w.dtype);
-            }
-            let chunk = rows_per_task(w.rows, w.cols);
-            for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
-                tasks.push((*w, ci * chunk, o));
-            }
+            matmul_rows_of(x, &wide, *w, out)?;
         }
-        tasks.into_par_iter().for_each(|(w, first, o)| {
-            let rb = w.row_bytes();
-            let wb = &w.bytes[first * rb..(first + o.len()) * rb];
-            let xq = &xq;
-            kernels::matmul_rows(
-                w.dtype,
-                wb,
-                rb,
-                w.cols,
-                &x[..w.cols],
-                &xsums,
-                xq,
-                &[false],
-                o,
-            );
-        });
+        Ok(())
     }
 
-    fn rope(
+    /// The product into `scratch`, then added to `out`.
+    fn matmul_add_batch(
         &self,
-        x: &mut Vec<f32>,
-        rows: usize,
-        n_heads: usize,
-        head_dim: usize,
-        pos0: usize,
-        inv_freq: &[f32],
-    ) {
-        self.rope_at(x, 0, rows, n_heads, head_dim, pos0, inv_freq);
+        x: &Vec<f32>,
+        groups: &[RowGroup],
+        w: WeightView<'_>,
+        scratch: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        matmul_then_add(self, x, groups, w, scratch, out)
     }
 
-    fn rope_at(
+    fn rope_store_kv(
         &self,
-        x: &mut Vec<f32>,
+        q: &mut Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &Vec<f32>,
         row0: usize,
         rows: usize,
-        n_heads: usize,
-        head_dim: usize,
-        pos0: usize,
-        inv_freq: &[f32],
-    ) {
-        let width = n_heads * head_dim;
-        rope_rows(
-            &mut x[row0 * width..(row0 + rows) * width],
-            width,
-            head_dim,
-            pos0,
-            inv_freq,
-        );
-    }
-
-    fn copy_rows(
-        &self,
-        src: &Vec<f32>,
-        src_row: usize,
-        dst: &mut Vec<f32>,
-        dst_row: usize,
-        rows: usize,
-        row_len: usize,
-    ) {
-        dst[dst_row * row_len..(dst_row + rows) * row_len]
-            .copy_from_slice(&src[src_row * row_len..(src_row + rows) * row_len]);
-    }
-
-    fn attention(
-        &self,
-        q: &Vec<f32>,
-        rows: usize,
-        k_cache: &Vec<f32>,
-        v_cache: &Vec<f32>,
         pos0: usize,
         shape: AttentionShape,
-        out: &mut Vec<f32>,
-    ) {
-        let seq = AttentionSeq {
-            row0: 0,
-            rows,
-            pos0,
-            k_cache,
-            v_cache,
-        };
-        self.attention_batch(q, &[seq], shape, out);
+        inv_freq: &Vec<f32>,
+        k_cache: &mut Vec<f32>,
+        v_cache: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (hd, q_dim, kv_dim) = (
+            shape.head_dim,
+            shape.n_heads * shape.head_dim,
+            shape.n_kv_heads * shape.head_dim,
+        );
+        let rows_of = |width: usize| row0 * width..(row0 + rows) * width;
+        rope_rows(&mut q[rows_of(q_dim)], q_dim, hd, pos0, inv_freq);
+        rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, pos0, inv_freq);
+        let at = pos0 * kv_dim..(pos0 + rows) * kv_dim;
+        k_cache[at.clone()].copy_from_slice(&k[rows_of(kv_dim)]);
+        v_cache[at].copy_from_slice(&v[rows_of(kv_dim)]);
+        Ok(())
     }
 
     fn attention_batch(
@@ -271,7 +320,7 @@ impl Backend for CpuBackend {
         seqs: &[AttentionSeq<'_, Vec<f32>>],
         shape: AttentionShape,
         out: &mut Vec<f32>,
-    ) {
+    ) -> Result<(), BackendError> {
         let AttentionShape {
             n_heads,
             n_kv_heads,
@@ -318,42 +367,27 @@ impl Backend for CpuBackend {
                     kernels::axpy(s * inv, vt, o);
                 }
             });
+        Ok(())
     }
 
-    fn matmul_batch(
-        &self,
-        x: &Vec<f32>,
-        groups: &[RowGroup],
-        ws: &[WeightView<'_>],
-        outs: &mut [&mut Vec<f32>],
-    ) {
-        let rows: usize = groups.iter().map(|g| g.rows).sum();
-        let wide: Vec<bool> = groups
-            .iter()
-            .flat_map(|g| std::iter::repeat_n(g.solo_rows >= kernels::DECODE_ONCE_MIN_ROWS, g.rows))
-            .collect();
-        // When every row would use the kernel that `rows` rows get anyway, this is an ordinary
-        // matmul (a single sequence, or a batch of decode rows below the threshold).
-        if wide
-            .iter()
-            .all(|&w| w == (rows >= kernels::DECODE_ONCE_MIN_ROWS))
-        {
-            return self.matmul_many(x, rows, ws, outs);
-        }
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_rows_of(x, &wide, *w, out);
-        }
-    }
-
-    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) {
+    fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
         for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
             *g = silu(*g) * u;
         }
+        Ok(())
     }
 
-    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, len: usize) {
-        for (a, b) in x[..len].iter_mut().zip(&y[..len]) {
-            *a += b;
-        }
+    fn copy_rows(
+        &self,
+        src: &Vec<f32>,
+        src_row: usize,
+        dst: &mut Vec<f32>,
+        dst_row: usize,
+        rows: usize,
+        row_len: usize,
+    ) -> Result<(), BackendError> {
+        dst[dst_row * row_len..(dst_row + rows) * row_len]
+            .copy_from_slice(&src[src_row * row_len..(src_row + rows) * row_len]);
+        Ok(())
     }
 }

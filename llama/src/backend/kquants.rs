@@ -22,9 +22,9 @@ use weights_format::quant::{IQ4_LEVELS, iq4xs_scale, q3k_scale};
 
 use super::kernels::f16_bits_to_f32;
 
-/// Whether [`dot`] handles `dtype` (the dtypes added with the k-quants).
+/// Whether [`dot`] handles `dtype` (the dtypes added with the k-quants, format version 3).
 pub(crate) fn handles(dtype: DType) -> bool {
-    dtype.format_version() >= 2 && dtype.is_quantized()
+    dtype.format_version() >= 3 && dtype.is_quantized()
 }
 
 /// Activation rows quantized for the integer dot products, in the two granularities the dtypes
@@ -829,7 +829,7 @@ mod tests {
     }
 
     #[test]
-    fn handles_the_quantized_dtypes_of_format_version_2() {
+    fn handles_the_quantized_dtypes_of_format_version_3() {
         let names: Vec<&str> = dtypes().map(DType::name).collect();
         assert_eq!(
             names,

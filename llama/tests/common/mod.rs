@@ -1,10 +1,7 @@
-//! Shared by the tests that need the real SmolLM2 model, and (`cuda`) by the CUDA tests.
+//! Shared by the tests that need the real SmolLM2 model.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-
-#[cfg(feature = "cuda")]
-pub mod cuda;
 
 /// The converted model directory from `GDSLLM_TEST_MODEL`, or `None` (after saying so) when
 /// `GDSLLM_SKIP_MODEL_TESTS=1`. Panics with instructions when neither is set.

@@ -3,12 +3,11 @@
 
 use std::path::Path;
 
-use weights_format::layout::{self, BlobKind, TensorRole};
+use weights_format::layout::{self, BlobKind};
 use weights_format::{ChatTemplateRef, DType, Model, ModelConfig, ModelWriter, quant};
 
 pub fn tiny_config(tied: bool) -> ModelConfig {
     ModelConfig {
-        architecture: "llama".into(),
         n_layers: 2,
         hidden_size: 64,
         n_heads: 4,
@@ -24,6 +23,7 @@ pub fn tiny_config(tied: bool) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         add_bos_token: false,
+        ..ModelConfig::default()
     }
 }
 
@@ -75,14 +75,14 @@ pub fn write_tiny(out: &Path, dtype: DType, tied: bool) -> Model {
     write_model(out, tiny_config(tied), dtype)
 }
 
-/// Writes a complete model of `config` at `out`; matrices use `dtype`, norms f32.
+/// Writes a complete model of `config` at `out`; matrices use `dtype`, norms and biases f32.
 pub fn write_model(out: &Path, config: ModelConfig, dtype: DType) -> Model {
     let mut w = ModelWriter::create(out).unwrap();
     for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dt = if spec.role == TensorRole::Norm {
+            let dt = if spec.role.is_float_only() {
                 DType::F32
             } else {
                 dtype

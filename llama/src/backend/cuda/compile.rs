@@ -1,6 +1,10 @@
 //! NVRTC compilation of the embedded kernel sources for the device's compute capability, with
 //! an on-disk PTX cache keyed by source hash + architecture + NVRTC version (compiling costs
 //! about a second; loading cached PTX a few milliseconds).
+//!
+//! The kernels live in one `.cu` file per kind of op ([`KERNEL_FILES`]), each after the shared
+//! helpers of `common.cuh`; they are compiled as one program (with `#line` markers, so NVRTC's
+//! messages name the right file and line). A new file of kernels is one more line in the list.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,17 +14,35 @@ use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 
 use crate::LlamaError;
 
-/// The kernels of the backend, compiled as one module.
-pub(super) const OPS_SOURCE: &str = include_str!("kernels/ops.cu");
-/// The kernels of the dtypes added with the k-quants: compiled in the same program, after
-/// ops.cu, whose helpers they use.
-pub(super) const KQUANTS_SOURCE: &str = include_str!("kernels/kquants.cu");
-const OPS_FILE: &str = "llama/src/backend/cuda/kernels/{ops,kquants}.cu";
+/// Where the kernel files are, for messages.
+const KERNEL_DIR: &str = "llama/src/backend/cuda/kernels";
 
-/// The source NVRTC compiles: ops.cu, then kquants.cu (a `#line` directive keeps the compiler's
-/// messages pointing at the right file and line).
+/// The helpers every kernel file uses (conversions, warp reductions, the quantized-activation
+/// format).
+const COMMON: (&str, &str) = ("common.cuh", include_str!("kernels/common.cuh"));
+
+/// The kernel files, by kind of op.
+pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
+    ("quant.cu", include_str!("kernels/quant.cu")),
+    ("norm_rope.cu", include_str!("kernels/norm_rope.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("matmul.cu", include_str!("kernels/matmul.cu")),
+    // The dtypes added with the k-quants; after matmul.cu, whose tile and loads they use.
+    ("kquants.cu", include_str!("kernels/kquants.cu")),
+];
+
+/// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
 pub(super) fn program_source() -> String {
-    format!("{OPS_SOURCE}\n#line 1 \"kquants.cu\"\n{KQUANTS_SOURCE}")
+    let mut src = String::new();
+    for (name, text) in std::iter::once(&COMMON).chain(KERNEL_FILES) {
+        src.push_str(&format!("#line 1 \"{name}\"\n"));
+        src.push_str(text);
+        if !text.ends_with('\n') {
+            src.push('\n');
+        }
+    }
+    src
 }
 
 /// FNV-1a: stable across Rust versions and platforms, unlike `DefaultHasher`, so cache file
@@ -65,17 +87,17 @@ pub fn kernel_cache_dir() -> Option<PathBuf> {
     env("HOME").map(|h| h.join(".cache").join("gdsllm").join("kernels"))
 }
 
-/// Loads the ops module for `ctx`'s device: from the cache when a PTX file for this exact
-/// source, architecture and NVRTC version exists and loads, else compiled now (and cached).
-pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
+/// Loads the kernels for `ctx`'s device: from the cache when a PTX file for this exact source,
+/// architecture and NVRTC version exists and loads, else compiled now (and cached).
+pub(super) fn load_module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
+    let source = program_source();
     let (major, minor) = ctx.compute_capability().map_err(|e| LlamaError::Device {
         message: format!("cuDeviceGetAttribute(compute capability): {e}"),
     })?;
     let (nv_major, nv_minor) = nvrtc_version()?;
     let arch = format!("compute_{major}{minor}");
-    let source = program_source();
     let file_name = format!(
-        "ops-{:016x}-{arch}-nvrtc{nv_major}.{nv_minor}.ptx",
+        "kernels-{:016x}-{arch}-nvrtc{nv_major}.{nv_minor}.ptx",
         fnv1a64(source.as_bytes())
     );
     let cached = kernel_cache_dir().map(|d| d.join(&file_name));
@@ -96,16 +118,17 @@ pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaE
     let started = std::time::Instant::now();
     let opts = CompileOptions {
         options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
-        name: Some("ops.cu".into()),
+        name: Some("kernels.cu".into()),
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(&source, opts).map_err(|e| LlamaError::Device {
+    let ptx = compile_ptx_with_opts(source, opts).map_err(|e| LlamaError::Device {
         message: match e {
             CompileError::CompileError { nvrtc, log, .. } => format!(
-                "NVRTC {nv_major}.{nv_minor} could not compile {OPS_FILE} for {arch} ({nvrtc:?}):\n{}",
+                "NVRTC {nv_major}.{nv_minor} could not compile the kernels of {KERNEL_DIR} for \
+                 {arch} ({nvrtc:?}):\n{}",
                 log.to_string_lossy()
             ),
-            other => format!("NVRTC {nv_major}.{nv_minor}, {OPS_FILE} for {arch}: {other}"),
+            other => format!("NVRTC {nv_major}.{nv_minor}, {KERNEL_DIR} for {arch}: {other}"),
         },
     })?;
     tracing::info!(
@@ -119,7 +142,7 @@ pub(super) fn load_ops(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaE
     }
     ctx.load_module(Ptx::from_src(text))
         .map_err(|e| LlamaError::Device {
-            message: format!("loading the PTX of {OPS_FILE} for {arch}: {e}"),
+            message: format!("loading the PTX of {KERNEL_DIR} for {arch}: {e}"),
         })
 }
 
@@ -153,16 +176,80 @@ mod tests {
     }
 
     #[test]
-    fn kernel_source_is_embedded() {
+    fn kernel_sources_are_embedded_with_line_markers() {
+        let src = program_source();
         // The matmul kernels are stamped out by a macro, the others written out.
-        assert!(OPS_SOURCE.contains("MATMUL_KERNELS(matmul_f16, 1)"));
-        assert!(OPS_SOURCE.contains("MATMUL_Q_KERNELS(matmul_q4_1, 5)"));
-        assert!(OPS_SOURCE.contains("extern \"C\" __global__ void rope_store_kv("));
-        assert!(OPS_SOURCE.contains("extern \"C\" __global__ void quantize_x16("));
+        assert!(src.contains("MATMUL_KERNELS(matmul_f16, 1)"));
+        assert!(src.contains("MATMUL_Q_KERNELS(matmul_q4_1, 5)"));
+        assert!(src.contains("extern \"C\" __global__ void rope_store_kv("));
+        assert!(src.contains("extern \"C\" __global__ void quantize_x16("));
+        // The shared helpers come first, then every file from its own line 1.
+        assert!(src.starts_with("#line 1 \"common.cuh\"\n"));
+        let helpers = src.find("quantize_x16_lanes(float4 v").unwrap();
+        for (name, _) in KERNEL_FILES {
+            let at = src.find(&format!("#line 1 \"{name}\"\n")).unwrap();
+            assert!(at > helpers, "{name} comes after common.cuh");
+        }
+    }
+
+    /// Every kernel `Kernels::load` looks up is defined in exactly one file.
+    #[test]
+    fn every_loaded_kernel_is_defined_once() {
+        let loader = include_str!("device.rs");
+        let src = program_source();
+        let mut names = Vec::new();
+        for part in loader.split("f(\"").skip(1) {
+            names.push(part.split('"').next().unwrap());
+        }
+        // The matmul kernels are looked up per dtype by name (below), the others by literal.
+        assert!(names.len() >= 15, "{names:?}");
+        for name in names {
+            let (stem, plain) = match name.rsplit_once('_') {
+                Some((stem, "r1" | "r8")) => (stem, false),
+                _ => (name, true),
+            };
+            let defined = if plain {
+                src.matches(&format!(" {name}(")).count()
+            } else {
+                src.matches(&format!("KERNELS({stem}, ")).count()
+            };
+            assert_eq!(defined, 1, "kernel {name}");
+        }
+    }
+
+    #[test]
+    fn every_matmul_kernel_the_backend_loads_is_in_the_source() {
+        // `Kernels::load` loads `matmul_<dtype>_r1` and `_r8` for every dtype, by its code;
+        // the kernels are stamped out by macros with the same code.
         let program = program_source();
-        assert!(program.starts_with(OPS_SOURCE) && program.ends_with(KQUANTS_SOURCE));
-        assert!(KQUANTS_SOURCE.contains("extern \"C\" __global__ void kq_embed_rows("));
-        assert!(KQUANTS_SOURCE.contains("__device__ void kq_values8("));
+        let kquants = KERNEL_FILES
+            .iter()
+            .find(|(name, _)| *name == "kquants.cu")
+            .unwrap()
+            .1;
+        for (code, dtype) in weights_format::DType::ALL.iter().enumerate() {
+            let name = format!("matmul_{}", dtype.name());
+            let stamped = [
+                format!("MATMUL_KERNELS({name}, {code})"),
+                format!("MATMUL_Q_KERNELS({name}, {code})"),
+                format!(
+                    "MATMUL_KQ_KERNELS({name}, KQ_{})",
+                    dtype.name().to_uppercase()
+                ),
+            ];
+            assert_eq!(
+                stamped
+                    .iter()
+                    .map(|s| program.matches(s.as_str()).count())
+                    .sum::<usize>(),
+                1,
+                "kernel {name} with code {code}"
+            );
+            if code >= 6 {
+                let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
+                assert!(kquants.contains(&define), "{define}");
+            }
+        }
     }
 
     #[test]
@@ -184,7 +271,7 @@ mod tests {
         for arch in ["compute_80", "compute_90"] {
             let opts = CompileOptions {
                 options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
-                name: Some("ops.cu".into()),
+                name: Some("kernels.cu".into()),
                 ..Default::default()
             };
             let ptx = compile_ptx_with_opts(program_source(), opts).unwrap_or_else(|e| match e {
@@ -202,32 +289,6 @@ mod tests {
                 "NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX",
                 text.len()
             );
-        }
-    }
-
-    #[test]
-    fn every_matmul_kernel_the_backend_loads_is_in_the_source() {
-        // `Kernels::load` loads `matmul_<dtype>_r1` and `_r8` for every dtype, by its code;
-        // the kernels are stamped out by macros with the same code.
-        let program = program_source();
-        for (code, dtype) in weights_format::DType::ALL.iter().enumerate() {
-            let name = format!("matmul_{}", dtype.name());
-            let stamped = [
-                format!("MATMUL_KERNELS({name}, {code})"),
-                format!("MATMUL_Q_KERNELS({name}, {code})"),
-                format!(
-                    "MATMUL_KQ_KERNELS({name}, KQ_{})",
-                    dtype.name().to_uppercase()
-                ),
-            ];
-            assert!(
-                stamped.iter().any(|s| program.contains(s.as_str())),
-                "no kernel {name} with code {code}"
-            );
-            if code >= 6 {
-                let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
-                assert!(KQUANTS_SOURCE.contains(&define), "{define}");
-            }
         }
     }
 }

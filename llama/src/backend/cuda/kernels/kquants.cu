@@ -1,9 +1,11 @@
 // Kernels for the dtypes added with the k-quants: q5_0, q5_1, iq4_nl (32-value blocks) and
 // q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs (256-value super-blocks). Compiled by NVRTC in one
-// program after ops.cu, whose helpers (h2f, f2h, load_u16, the matmul tile and store, the
-// 16-bit activation format of `quantize_x16_lanes`) they use. Layouts: weights-format/FORMAT.md.
+// program after the other kernel files, whose helpers (h2f, f2h, load_u16 of common.cuh, the
+// 16-bit activation format of `quantize_x16_lanes`, the matmul tile, store and `x16_block` of
+// matmul.cu) they use; `dequant8` of quant.cu calls `kq_values8`. Layouts:
+// weights-format/FORMAT.md.
 //
-// Dtype codes (must match `dtype_code` in cuda/mod.rs: the order of `DType::ALL`): 6 q5_0,
+// Dtype codes (must match `dtype_code` in cuda/device.rs: the order of `DType::ALL`): 6 q5_0,
 // 7 q5_1, 8 q2_k, 9 q3_k, 10 q4_k, 11 q5_k, 12 q6_k, 13 iq4_nl, 14 iq4_xs.
 //
 // Every kernel works on 32-value blocks: a super-block is 8 of them (its sub-block j = block
@@ -279,7 +281,7 @@ extern "C" __global__ void kq_embed_rows(const u8* table, u64 row_bytes, int dty
     }
 }
 
-// Values 8·i .. 8·i+7 of a weight (the part of `dequant_f32` / `dequant_f16` in ops.cu, which
+// Values 8·i .. 8·i+7 of a weight (the part of `dequant_f32` / `dequant_f16` in quant.cu, which
 // decode a matrix for a cuBLAS GEMM, for these dtypes).
 __device__ void kq_values8(const u8* w, int dtype, u64 i, float* v) {
     KqBlock q;

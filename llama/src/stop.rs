@@ -1,5 +1,7 @@
 //! Stop strings over streamed text: text that might be the start of a stop string is held back
-//! until the next token decides, so a client never sees any part of a stop string.
+//! until the next token decides, so a reader of the stream never sees any part of a stop
+//! string. The one matcher of the workspace: [`crate::generate::SeqStep`] (so `gdsllm run` and
+//! batched generation) and the server's streaming responses use it.
 
 /// What [`StopMatcher::push`] decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -10,6 +12,7 @@ pub struct StopOutcome {
     pub stopped: bool,
 }
 
+/// Holds back streamed text until it is known not to start a stop string.
 #[derive(Debug, Clone, Default)]
 pub struct StopMatcher {
     stops: Vec<String>,
@@ -94,6 +97,25 @@ mod tests {
         }
         out.push_str(&m.flush());
         (out, false)
+    }
+
+    /// (Was `generate.rs`'s test of its own matcher, whose job this one now does.)
+    #[test]
+    fn stop_strings_are_found_and_partial_ones_held_back() {
+        let stops = ["</s>", "\n\n"];
+        // The earliest stop string ends the text before it.
+        assert_eq!(run(&stops, &["abc</s>def"]), ("abc".into(), true));
+        assert_eq!(run(&stops, &["a\n\nb</s>"]), ("a".into(), true));
+        assert_eq!(run(&stops, &["abc"]), ("abc".into(), false));
+        // The longest tail that may start a stop string is held back.
+        let held = |text: &str| {
+            let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+            let mut m = StopMatcher::new(&stops);
+            text.len() - m.push(text).emit.len()
+        };
+        assert_eq!(held("abc</"), 2);
+        assert_eq!(held("abc\n"), 1);
+        assert_eq!(held("abc"), 0);
     }
 
     #[test]

@@ -1,0 +1,464 @@
+//! The device: the one stream every op is queued on ([`Queue`]), cuBLAS on it, the compiled
+//! kernels ([`Kernels`]) and the weight dtype codes they share with the `.cu` files.
+//!
+//! Every piece of work that reaches the device — a launch, a copy, an allocation, a GEMM, a
+//! graph replay — goes through a [`Queue`] method, and each one counts itself
+//! ([`Queue::issued`]). The raw stream is private to this module, so the count cannot be
+//! bypassed: `scratch`'s memo of quantized activations relies on it to know that nothing ran
+//! between the op that wrote them and the matmul that reads them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DeviceRepr, DriverError, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use weights_format::DType;
+
+use crate::LlamaError;
+use crate::backend::BackendError;
+
+use super::compile;
+
+/// Threads per block of elementwise kernels.
+pub(super) const ELEMENT_THREADS: u32 = 256;
+
+/// A launch configuration of one thread per element, `n` elements.
+pub(super) fn elementwise(n: usize) -> LaunchConfig {
+    blocks(((n as u32).div_ceil(ELEMENT_THREADS), 1), ELEMENT_THREADS)
+}
+
+/// The dtype codes of the kernels: the position in [`DType::ALL`] (0–5 in `common.cuh`,
+/// 6–14, the dtypes added with the k-quants, in `kquants.cu`, whose `KQ_*` defines match).
+pub(super) fn dtype_code(dtype: DType) -> i32 {
+    DType::ALL
+        .iter()
+        .position(|d| *d == dtype)
+        .expect("DType::ALL has every dtype") as i32
+}
+
+/// Whether `dtype`'s kernels are those of `kernels/kquants.cu` (its embedding lookup is
+/// `kq_embed_rows`).
+pub(super) fn kq_kernels(dtype: DType) -> bool {
+    dtype_code(dtype) >= 6
+}
+
+pub(super) fn device_error(message: impl Into<String>) -> LlamaError {
+    LlamaError::Device {
+        message: message.into(),
+    }
+}
+
+/// Opens device `ordinal` after checking that the driver and NVRTC libraries load (cudarc
+/// panics on the first call into a missing library, so this comes before any other call).
+pub(super) fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, LlamaError> {
+    let library_path = || std::env::var("LD_LIBRARY_PATH").unwrap_or_else(|_| "<unset>".into());
+    // SAFETY: `is_culib_present` only tries to dlopen the library.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(device_error(format!(
+            "the CUDA driver library (libcuda.so.1) is not loadable (LD_LIBRARY_PATH={})",
+            library_path()
+        )));
+    }
+    // SAFETY: as above, for libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(device_error(format!(
+            "the NVRTC library (libnvrtc.so) is not loadable; it ships with the CUDA \
+             toolkit, e.g. LD_LIBRARY_PATH=/usr/local/cuda/lib64 (now {})",
+            library_path()
+        )));
+    }
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| device_error(format!("cannot open CUDA device {ordinal}: {e}")))?;
+    // SAFETY: nothing has been allocated or launched on this context object yet. Every op
+    // runs on the one stream of the `Queue`, so the per-buffer events that cudarc would record
+    // to order several streams are unnecessary, and raw device pointers are passed to kernels.
+    unsafe { ctx.disable_event_tracking() };
+    Ok(ctx)
+}
+
+/// The stream every op of the backend is queued on, cuBLAS bound to it, and the count of the
+/// work queued so far.
+pub(super) struct Queue {
+    stream: Arc<CudaStream>,
+    /// "NVIDIA H100 80GB HBM3 (0)", for errors.
+    device: String,
+    issued: AtomicU64,
+    /// cuBLAS on the same stream, when libcublas loads.
+    blas: Option<cudarc::cublas::CudaBlas>,
+}
+
+impl Queue {
+    pub fn new(ctx: &Arc<CudaContext>, device: String) -> Result<Queue, LlamaError> {
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| device_error(format!("cuStreamCreate: {e}")))?;
+        // SAFETY: only tries to dlopen libcublas; cudarc panics on a call into a missing library.
+        let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            match cudarc::cublas::CudaBlas::new(stream.clone()) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::warn!(
+                        "cuBLAS did not initialise ({e}); f16/bf16 prefill uses the built-in matmul kernel"
+                    );
+                    None
+                }
+            }
+        } else {
+            tracing::info!(
+                "libcublas is not loadable; f16/bf16 prefill uses the built-in matmul kernel"
+            );
+            None
+        };
+        Ok(Queue {
+            stream,
+            device,
+            issued: AtomicU64::new(0),
+            blas,
+        })
+    }
+
+    /// Work queued so far: launches, copies, allocations, GEMMs, graph replays.
+    pub fn issued(&self) -> u64 {
+        self.issued.load(Ordering::Relaxed)
+    }
+
+    fn issue(&self) {
+        self.issued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The error of `op` failing with `source`.
+    pub fn error(&self, op: &'static str, source: DriverError) -> BackendError {
+        BackendError::Cuda {
+            device: self.device.clone(),
+            op,
+            source,
+        }
+    }
+
+    /// Whether cuBLAS is there.
+    pub fn has_blas(&self) -> bool {
+        self.blas.is_some()
+    }
+
+    /// A launch of `kernel` (the arguments follow), reported as `op` if it fails.
+    pub fn kernel<'a>(&'a self, kernel: &'a CudaFunction, op: &'static str) -> Launch<'a> {
+        Launch {
+            args: self.stream.launch_builder(kernel),
+            queue: self,
+            op,
+        }
+    }
+
+    /// `len` zeroed values.
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+        op: &'static str,
+    ) -> Result<CudaSlice<T>, BackendError> {
+        self.issue();
+        self.stream
+            .alloc_zeros(len.max(1))
+            .map_err(|e| self.error(op, e))
+    }
+
+    /// `len` values, not initialised.
+    ///
+    /// # Safety
+    ///
+    /// Nothing may read the values before a queued op has written them.
+    pub unsafe fn alloc<T: DeviceRepr>(
+        &self,
+        len: usize,
+        op: &'static str,
+    ) -> Result<CudaSlice<T>, BackendError> {
+        self.issue();
+        // SAFETY: the caller writes before reading.
+        unsafe { self.stream.alloc(len.max(1)) }.map_err(|e| self.error(op, e))
+    }
+
+    /// A new device copy of `data`.
+    pub fn upload<T: DeviceRepr>(
+        &self,
+        data: &[T],
+        op: &'static str,
+    ) -> Result<CudaSlice<T>, BackendError> {
+        self.issue();
+        self.stream.clone_htod(data).map_err(|e| self.error(op, e))
+    }
+
+    /// `data` into the start of `dst`.
+    pub fn write<T: DeviceRepr>(
+        &self,
+        data: &[T],
+        dst: &mut CudaSlice<T>,
+        op: &'static str,
+    ) -> Result<(), BackendError> {
+        self.issue();
+        self.stream
+            .memcpy_htod(data, dst)
+            .map_err(|e| self.error(op, e))
+    }
+
+    /// The first `out.len()` values of `src`, once everything queued before has run.
+    pub fn read<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        out: &mut [T],
+        op: &'static str,
+    ) -> Result<(), BackendError> {
+        self.issue();
+        self.stream
+            .memcpy_dtoh(&src.slice(0..out.len()), out)
+            .map_err(|e| self.error(op, e))?;
+        self.synchronize()
+    }
+
+    pub fn synchronize(&self) -> Result<(), BackendError> {
+        self.stream
+            .synchronize()
+            .map_err(|e| self.error("synchronising the stream", e))
+    }
+
+    /// The device address of `s`.
+    pub fn addr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// One cuBLAS `gemm_ex` on this stream; `false` when there is no cuBLAS.
+    ///
+    /// # Safety
+    ///
+    /// Every pointer of `args` must be a live device allocation of the extent the GEMM's
+    /// dimensions and leading dimensions give it.
+    pub unsafe fn gemm(&self, args: GemmArgs) -> Result<(), BackendError> {
+        let Some(blas) = &self.blas else {
+            return Err(BackendError::Unsupported {
+                op: "cublasGemmEx",
+                message: "cuBLAS is not loaded".into(),
+            });
+        };
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
+        self.issue();
+        // SAFETY: the handle runs on this queue's stream; the caller vouches for the pointers.
+        let r = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                args.m,
+                args.n,
+                args.k,
+                (&args.alpha as *const f32).cast(),
+                args.a as *const std::ffi::c_void,
+                args.ab_type,
+                args.k,
+                args.b as *const std::ffi::c_void,
+                args.ab_type,
+                args.k,
+                (&args.beta as *const f32).cast(),
+                args.c as *mut std::ffi::c_void,
+                cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
+                args.m,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        r.map_err(|source| BackendError::Cublas {
+            device: self.device.clone(),
+            op: "cublasGemmEx",
+            source,
+        })
+    }
+
+    /// Starts recording what is queued into a graph instead of running it. Thread-local: the
+    /// residency reader's driver calls on other threads stay legal.
+    pub fn begin_capture(&self) -> Result<(), DriverError> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    }
+
+    /// Ends the recording: the graph of what was queued since [`Queue::begin_capture`].
+    pub fn end_capture(&self) -> Result<Option<CudaGraph>, DriverError> {
+        self.stream.end_capture(CUgraphInstantiate_flags(0))
+    }
+
+    /// Queues a recorded graph.
+    pub fn launch_graph(&self, graph: &CudaGraph) -> Result<(), BackendError> {
+        self.issue();
+        graph.launch().map_err(|e| self.error("cuGraphLaunch", e))
+    }
+
+    /// An event after everything queued so far, whose `synchronize` blocks the calling
+    /// thread (it sleeps instead of spinning a core). Writes nothing.
+    pub fn record_blocking_event(&self) -> Result<CudaEvent, DriverError> {
+        self.stream
+            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+    }
+
+    /// Device-to-device copy speed over `bytes`-byte buffers: (bytes read, bytes read + bytes
+    /// written) per second, in GB/s, best of a few copies.
+    pub fn measure_copy_gbps(&self, bytes: usize) -> Result<(f64, f64), BackendError> {
+        let src = self.alloc_zeros::<u8>(bytes, "copy benchmark")?;
+        let mut dst = self.alloc_zeros::<u8>(bytes, "copy benchmark")?;
+        let best = self.best_of(
+            6,
+            || self.stream.memcpy_dtod(&src, &mut dst),
+            "copy benchmark",
+        )?;
+        let read = bytes as f64 / best / 1e9;
+        Ok((read, 2.0 * read))
+    }
+
+    /// Host-to-device copy speed from page-locked memory over `bytes` bytes, GB/s, best of a
+    /// few copies.
+    pub fn measure_pinned_h2d_gbps(&self, bytes: usize) -> Result<f64, BackendError> {
+        // SAFETY: `alloc_pinned` leaves the memory uninitialised; it is only ever a copy source
+        // and every byte pattern is a valid u8.
+        let host = unsafe { self.stream.context().alloc_pinned::<u8>(bytes) }
+            .map_err(|e| self.error("H2D benchmark", e))?;
+        let mut dst = self.alloc_zeros::<u8>(bytes, "H2D benchmark")?;
+        let best = self.best_of(
+            4,
+            || self.stream.memcpy_htod(&host, &mut dst),
+            "H2D benchmark",
+        )?;
+        Ok(bytes as f64 / best / 1e9)
+    }
+
+    /// The shortest of `n` timed runs of `copy`, each from an idle stream to its completion.
+    fn best_of(
+        &self,
+        n: usize,
+        mut copy: impl FnMut() -> Result<(), DriverError>,
+        op: &'static str,
+    ) -> Result<f64, BackendError> {
+        let mut best = f64::MAX;
+        for _ in 0..n {
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            self.issue();
+            copy().map_err(|e| self.error(op, e))?;
+            self.synchronize()?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    }
+}
+
+/// A launch configuration of `grid` blocks of `threads` threads.
+pub(super) fn blocks(grid: (u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The operands of one [`Queue::gemm`]: `C[m, n] = α·Aᵀ·B + β·C` in cuBLAS's column-major
+/// terms (A is `k×m`, B `k×n`, C `m×n`, leading dimensions k, k and m), A and B of `ab_type`,
+/// C f32.
+pub(super) struct GemmArgs {
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub a: u64,
+    pub b: u64,
+    pub c: u64,
+    pub ab_type: cudarc::cublas::sys::cudaDataType,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+/// A kernel launch being put together: its arguments, then [`Launch::run`].
+pub(super) struct Launch<'a> {
+    args: LaunchArgs<'a>,
+    queue: &'a Queue,
+    op: &'static str,
+}
+
+impl<'a> Launch<'a> {
+    /// The next argument, by value (device addresses as `u64`).
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.arg(value);
+        self
+    }
+
+    /// Queues the kernel.
+    ///
+    /// # Safety
+    ///
+    /// The arguments must be what the kernel expects, and every address it is given must be a
+    /// live device allocation large enough for what the kernel reads and writes with `cfg`.
+    pub unsafe fn run(mut self, cfg: LaunchConfig) -> Result<(), BackendError> {
+        self.queue.issue();
+        // SAFETY: the caller vouches for the arguments and the grid.
+        unsafe { self.args.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| self.queue.error(self.op, e))
+    }
+}
+
+/// The kernels of every `.cu` file, loaded once.
+pub(super) struct Kernels {
+    pub embed_rows: CudaFunction,
+    pub rmsnorm: CudaFunction,
+    pub rope_store_kv: CudaFunction,
+    pub copy_f32: CudaFunction,
+    pub copy_f32_to_f16: CudaFunction,
+    pub copy_f32_to_bf16: CudaFunction,
+    pub copy_f16_to_f32: CudaFunction,
+    pub swiglu: CudaFunction,
+    pub attention: CudaFunction,
+    pub attention_decode: CudaFunction,
+    pub attention_combine: CudaFunction,
+    pub dequant_f16: CudaFunction,
+    pub dequant_f32: CudaFunction,
+    pub quantize_x16: CudaFunction,
+    /// `embed_rows` for the dtypes of `kquants.cu`.
+    pub kq_embed_rows: CudaFunction,
+    /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
+    pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
+}
+
+impl Kernels {
+    /// Compiles (or loads from the cache) the kernel sources for `ctx`'s device and looks up
+    /// every kernel.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, LlamaError> {
+        let module: Arc<CudaModule> = compile::load_module(ctx)?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| device_error(format!("kernel `{name}`: {e}")))
+        };
+        Ok(Kernels {
+            embed_rows: f("embed_rows")?,
+            rmsnorm: f("rmsnorm")?,
+            rope_store_kv: f("rope_store_kv")?,
+            copy_f32: f("copy_f32")?,
+            copy_f32_to_f16: f("copy_f32_to_f16")?,
+            copy_f32_to_bf16: f("copy_f32_to_bf16")?,
+            copy_f16_to_f32: f("copy_f16_to_f32")?,
+            swiglu: f("swiglu")?,
+            attention: f("attention")?,
+            attention_decode: f("attention_decode")?,
+            attention_combine: f("attention_combine")?,
+            dequant_f16: f("dequant_f16")?,
+            dequant_f32: f("dequant_f32")?,
+            quantize_x16: f("quantize_x16")?,
+            kq_embed_rows: f("kq_embed_rows")?,
+            // `matmul_<dtype>_r1` and `_r8`, in dtype-code order.
+            matmul: DType::ALL
+                .iter()
+                .map(|d| {
+                    let name = format!("matmul_{}", d.name());
+                    Ok([f(&format!("{name}_r1"))?, f(&format!("{name}_r8"))?])
+                })
+                .collect::<Result<Vec<_>, LlamaError>>()?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
+        })
+    }
+}

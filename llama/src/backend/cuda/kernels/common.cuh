@@ -1,0 +1,113 @@
+// Shared by every kernel file of llama's CUDA backend (compile.rs puts it before each of them;
+// they are compiled together by NVRTC at run time). No system headers: only built-in types,
+// so halves are converted with PTX `cvt` and bf16 by shifting bits.
+//
+// Weight dtype codes (must match `dtype_code` in cuda/device.rs):
+//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1; 6 and up: the dtypes of kquants.cu.
+// Block layouts (32 values): q8_0 = f16 d, i8 qs[32] (34 bytes); q4_0 = f16 d, u8 qs[16]
+// (18 bytes, x = (nibble - 8)·d); q4_1 = f16 d, f16 m, u8 qs[16] (20 bytes, x = nibble·d + m);
+// low nibbles are values 0..15, high nibbles 16..31.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// Quantized blocks are not 2-byte aligned in general (q8_0 is 34 bytes), so halves are read
+// byte by byte.
+__device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Element j of a row of `dtype` starting at `row` (slow path: embeddings and norms).
+__device__ float load_elem(const u8* row, int dtype, int j) {
+    switch (dtype) {
+        case 0: return ((const float*)row)[j];
+        case 1: return h2f(load_u16(row + 2 * j));
+        case 2: return bf2f(load_u16(row + 2 * j));
+        case 3: {
+            const u8* b = row + (j / 32) * 34;
+            return h2f(load_u16(b)) * (float)(signed char)b[2 + j % 32];
+        }
+        case 4: {
+            const u8* b = row + (j / 32) * 18;
+            int i = j % 32;
+            int q = i < 16 ? (b[2 + i] & 0xF) : (b[2 + i - 16] >> 4);
+            return (float)(q - 8) * h2f(load_u16(b));
+        }
+        default: {
+            const u8* b = row + (j / 32) * 20;
+            int i = j % 32;
+            int q = i < 16 ? (b[4 + i] & 0xF) : (b[4 + i - 16] >> 4);
+            return (float)q * h2f(load_u16(b)) + h2f(load_u16(b + 2));
+        }
+    }
+}
+
+// Activations of the quantized matmuls: each 32-value block of x as 16-bit integers
+// q = rn(x / d) with d = max|x| / 32767, so the products with the weights' 4- and 8-bit integers
+// are exact integer dot products (`dp2a`: two 16×8-bit products per instruction) and the only
+// rounding is x's, at most 2^-16 of its block's largest value (f16 keeps 2^-11 of each value).
+// This replaces a float conversion and an FMA per weight value, which bounded those kernels
+// well below the memory bandwidth. Per block, beside the 32 integers (`xq`, 64 bytes): d, Σx
+// (exact, for q4_1's offset m) and Σq (for q4_0's −8) in one float4 (`xs`). Blocks of
+// consecutive rows are contiguous (rows are whole blocks), so a block is addressed by its index
+// in the flat array.
+//
+// Eight consecutive lanes hold one block, four values each (lane t of the eight: values
+// 4t..4t+3); every lane of the warp must call this (it shuffles), `live` says whether the
+// lane's block exists. The kernels that produce a matmul's input (rmsnorm, swiglu) write this
+// as they write x, and `quantize_x16` does it for any other input, all through this function,
+// so the integers and sums are the same bits whichever kernel made them.
+__device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
+    int t = threadIdx.x % 8;
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    float sum = ((v.x + v.y) + v.z) + v.w;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int a = max(-32767, min(32767, __float2int_rn(v.x * inv)));
+    int b = max(-32767, min(32767, __float2int_rn(v.y * inv)));
+    int c = max(-32767, min(32767, __float2int_rn(v.z * inv)));
+    int d = max(-32767, min(32767, __float2int_rn(v.w * inv)));
+    int qsum = (a + b) + (c + d);
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+    if (live) {
+        ((uint2*)(xq + block * 32))[t] =
+            make_uint2(((u32)a & 0xFFFFu) | ((u32)b << 16), ((u32)c & 0xFFFFu) | ((u32)d << 16));
+        if (t == 0) xs[block] = make_float4(amax / 32767.f, sum, __int_as_float(qsum), 0.f);
+    }
+}
+
+
+// The position a kernel starts at: `*pos_dev` when given (a recorded decode step reads it from
+// the step parameters written before each replay), else `pos0`.
+__device__ __forceinline__ int start_pos(int pos0, const int* pos_dev) { return pos_dev ? *pos_dev : pos0; }

@@ -1,0 +1,304 @@
+// Matrix-vector and small matrix-matrix products over the stored weight blocks.
+
+// out[r, i] (+)= Σ_c x[r, c] · w[i, c] for up to MM_MAX_JOBS weights of one dtype read with the
+// same x (Q/K/V, gate/up), f32 accumulation. A block of MM_WARPS warps owns MM_WROWS weight rows
+// of one job and up to NR input rows (1 when decoding one sequence, so the accumulators of unused
+// rows take no registers; MM_ROWS for batches); its warps split the columns (warp w, lane l take
+// the 8-value groups or 32-value blocks (it·MM_WARPS + w)·32 + l), so a 4096-column row is one
+// step per lane with every load issued at once. Each row's partial sums are added in a fixed
+// order and with explicit fmaf, the same in every NR variant: a row's result does not depend on
+// how many rows are computed with it (batched decoding gives the solo result).
+// grid = (Σ_jobs ceil(m_j / MM_WROWS), ceil(rows / NR)).
+#define MM_ROWS 8
+#define MM_WARPS 4
+#define MM_WROWS 4
+#define MM_MAX_JOBS 3
+
+// Must match `MatmulJobs` in cuda/matmul.rs.
+struct MatmulJobs {
+    const u8* w[MM_MAX_JOBS];
+    float* out[MM_MAX_JOBS];
+    int m[MM_MAX_JOBS];
+    int n_jobs;
+    int accumulate;  // out += x·Wᵀ (residual connections) instead of out = x·Wᵀ
+};
+
+// The weight, output and row count of this block's job; returns its first weight row.
+__device__ __forceinline__ int matmul_job(const MatmulJobs& jobs, const u8*& w, float*& out, int& m) {
+    int cta = blockIdx.x;
+    w = jobs.w[0];
+    out = jobs.out[0];
+    m = jobs.m[0];
+#pragma unroll
+    for (int j = 1; j < MM_MAX_JOBS; j++) {
+        int ctas = (m + MM_WROWS - 1) / MM_WROWS;
+        if (j < jobs.n_jobs && cta >= ctas) {
+            cta -= ctas;
+            w = jobs.w[j];
+            out = jobs.out[j];
+            m = jobs.m[j];
+        }
+    }
+    return cta * MM_WROWS;
+}
+
+// The weight rows and input rows one block of a matmul kernel owns.
+struct MatmulTile {
+    const u8* w;  // the job's weight
+    float* out;   // the job's output
+    int m;        // the job's weight rows
+    int i0, nw;   // the block's first weight row, and how many it has (<= MM_WROWS)
+    int r0, nr;   // its first input row, and how many (<= NR)
+};
+
+// This block's tile; false when it has no weight rows (then the whole block returns, so no
+// barrier is skipped by part of it).
+template <int NR>
+__device__ __forceinline__ bool matmul_tile(const MatmulJobs& jobs, int rows, MatmulTile& t) {
+    t.i0 = matmul_job(jobs, t.w, t.out, t.m);
+    if (t.i0 >= t.m) return false;
+    t.nw = min(MM_WROWS, t.m - t.i0);
+    t.r0 = blockIdx.y * NR;
+    t.nr = min(NR, rows - t.r0);
+    return true;
+}
+
+// Warp sums, then the warps' partials in warp order, written (or added) to the outputs.
+template <int NR>
+__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], const MatmulTile& t, int accumulate) {
+    int nr = t.nr, nw = t.nw;
+    __shared__ float red[MM_WARPS][NR][MM_WROWS];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < NR; r++) {
+        if (r >= nr) continue;  // the same for the whole block
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++) {
+            float v = warp_sum(acc[r][j]);
+            if (lane == 0) red[warp][r][j] = v;
+        }
+    }
+    __syncthreads();
+    int tid = threadIdx.x;
+    if (tid < NR * MM_WROWS) {
+        int r = tid / MM_WROWS, j = tid % MM_WROWS;
+        if (r < nr && j < nw) {
+            float v = 0.f;
+#pragma unroll
+            for (int wi = 0; wi < MM_WARPS; wi++) v += red[wi][r][j];
+            float* o = t.out + (u64)(t.r0 + r) * t.m + t.i0 + j;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}
+
+__device__ __forceinline__ float half_bits(u32 bits, int dtype) {
+    return dtype == 1 ? h2f((u16)bits) : bf2f((u16)bits);
+}
+
+// f32, f16 and bf16 weights with f32 activations.
+template <int DTYPE, int NR>
+__device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
+    MatmulTile t;
+    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    const int nw = t.nw, nr = t.nr, r0 = t.r0;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float acc[NR][MM_WROWS] = {};
+    const int step = MM_WARPS * 32;
+    if constexpr (DTYPE == 1 || DTYPE == 2) {
+        // 16-byte loads: 8 halves per lane per row and step.
+        u64 row_bytes = (u64)k * 2;
+        const u8* w0 = t.w + (u64)t.i0 * row_bytes;
+        int k8 = (k % 8 == 0 && ((u64)w0 & 15) == 0) ? k / 8 : 0;
+#pragma unroll 2
+        for (int c8 = warp * 32 + lane; c8 < k8; c8 += step) {
+            uint4 raw[MM_WROWS];
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++)
+                raw[j] = j < nw ? ((const uint4*)(w0 + j * row_bytes))[c8] : make_uint4(0, 0, 0, 0);
+            float wv[MM_WROWS][8];
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) {
+                u32 words[4] = {raw[j].x, raw[j].y, raw[j].z, raw[j].w};
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    wv[j][2 * q] = half_bits(words[q] & 0xFFFF, DTYPE);
+                    wv[j][2 * q + 1] = half_bits(words[q] >> 16, DTYPE);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                if (r < nr) {
+                    const float4* xr = (const float4*)(x + (u64)(r0 + r) * k + (u64)c8 * 8);
+                    float4 a = xr[0], b = xr[1];
+#pragma unroll
+                    for (int j = 0; j < MM_WROWS; j++) {
+                        float s = wv[j][0] * a.x;
+                        s = fmaf(wv[j][1], a.y, s);
+                        s = fmaf(wv[j][2], a.z, s);
+                        s = fmaf(wv[j][3], a.w, s);
+                        s = fmaf(wv[j][4], b.x, s);
+                        s = fmaf(wv[j][5], b.y, s);
+                        s = fmaf(wv[j][6], b.z, s);
+                        s = fmaf(wv[j][7], b.w, s);
+                        acc[r][j] += s;
+                    }
+                }
+            }
+        }
+        for (int c = k8 * 8 + warp * 32 + lane; c < k; c += step) {
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) {
+                if (j >= nw) continue;
+                float wv = half_bits(((const u16*)(w0 + j * row_bytes))[c], DTYPE);
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
+            }
+        }
+    } else {
+        for (int c = warp * 32 + lane; c < k; c += step) {
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) {
+                if (j >= nw) continue;
+                float wv = ((const float*)(t.w + ((u64)(t.i0 + j) * k) * 4))[c];
+#pragma unroll
+                for (int r = 0; r < NR; r++)
+                    if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
+            }
+        }
+    }
+    matmul_store<NR>(acc, t, jobs.accumulate);
+}
+
+// A quantized block's raw words, loaded before any arithmetic so that every weight row's loads
+// are in flight together. Blocks are read in the widest words their alignment allows (tensors
+// start 4096-aligned: q4_1's 20-byte blocks are 4-aligned, q8_0's 34 and q4_0's 18 only
+// 2-aligned), never byte by byte.
+template <int DTYPE> struct QBlock;
+template <> struct QBlock<3> { u16 h[17]; };
+template <> struct QBlock<4> { u16 h[9]; };
+template <> struct QBlock<5> { u32 w[5]; };
+
+template <int DTYPE> __device__ __forceinline__ constexpr int qblock_bytes() { return DTYPE == 3 ? 34 : DTYPE == 4 ? 18 : 20; }
+
+template <int DTYPE>
+__device__ __forceinline__ void load_qblock(const u8* p, QBlock<DTYPE>& q) {
+    if constexpr (DTYPE == 5) {
+#pragma unroll
+        for (int i = 0; i < 5; i++) q.w[i] = ((const u32*)p)[i];
+    } else {
+        constexpr int n = DTYPE == 3 ? 17 : 9;
+#pragma unroll
+        for (int i = 0; i < n; i++) q.h[i] = ((const u16*)p)[i];
+    }
+}
+
+// Σ_i q_i · xq_i over a block, exactly: `xw` holds the block's 16-bit activations in pairs
+// (value 2i low, 2i+1 high); q8_0's bytes are signed, q4's nibbles 0..15 as stored (q4_0's −8
+// is applied by the caller). A q4 word t holds values 4t..4t+3 in its low nibbles and
+// 16+4t..16+4t+3 in its high ones.
+__device__ __forceinline__ int q4_word_idot(u32 v, int t, const int* xw, int s) {
+    u32 lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+    s = __dp2a_lo(xw[2 * t], (int)lo, s);
+    s = __dp2a_hi(xw[2 * t + 1], (int)lo, s);
+    s = __dp2a_lo(xw[8 + 2 * t], (int)hi, s);
+    return __dp2a_hi(xw[9 + 2 * t], (int)hi, s);
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<3>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) s = __dp2a_lo(xw[i], (int)q.h[1 + i], s);
+    return s;
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<4>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int t = 0; t < 4; t++) s = q4_word_idot((u32)q.h[1 + 2 * t] | ((u32)q.h[2 + 2 * t] << 16), t, xw, s);
+    return s;
+}
+__device__ __forceinline__ int qblock_idot(const QBlock<5>& q, const int* xw) {
+    int s = 0;
+#pragma unroll
+    for (int t = 0; t < 4; t++) s = q4_word_idot(q.w[1 + t], t, xw, s);
+    return s;
+}
+
+// acc + (the block's weights) · (its activations), from the integer dot product: `xs` is the
+// block's (d, Σx, Σq as int bits) of `quantize_x16_lanes`.
+__device__ __forceinline__ float qblock_acc(const QBlock<3>& q, int dot, float4 xs, float acc) {
+    return fmaf(h2f(q.h[0]), xs.x * (float)dot, acc);
+}
+__device__ __forceinline__ float qblock_acc(const QBlock<4>& q, int dot, float4 xs, float acc) {
+    return fmaf(h2f(q.h[0]), xs.x * (float)(dot - 8 * __float_as_int(xs.z)), acc);
+}
+__device__ __forceinline__ float qblock_acc(const QBlock<5>& q, int dot, float4 xs, float acc) {
+    acc = fmaf(h2f((u16)(q.w[0] & 0xFFFF)), xs.x * (float)dot, acc);
+    return fmaf(h2f((u16)(q.w[0] >> 16)), xs.y, acc);
+}
+
+// Activation block `xb` in the format of `quantize_x16_lanes`: its 32 16-bit integers as 16
+// pairs (`xw`, four 16-byte loads), and its (d, Σx, Σq) record.
+__device__ __forceinline__ float4 x16_block(const short* xq, const float4* xs, u64 xb, int* xw) {
+    const uint4* xp = (const uint4*)(xq + xb * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 t = xp[i];
+        xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
+    }
+    return xs[xb];
+}
+
+// q8_0, q4_0 and q4_1 weights read as stored (no dequantized copy), with the activations of
+// `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
+template <int DTYPE, int NR>
+__device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
+    MatmulTile t;
+    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    const int nw = t.nw, nr = t.nr, r0 = t.r0;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float acc[NR][MM_WROWS] = {};
+    int n_blocks = k / 32;
+    u64 row_bytes = (u64)n_blocks * qblock_bytes<DTYPE>();
+    const u8* w0 = t.w + (u64)t.i0 * row_bytes;
+    // Each lane reads its own block straight (staging a warp's blocks through shared memory
+    // with coalesced 16-byte loads measured slower on the H200).
+    for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
+        QBlock<DTYPE> q[MM_WROWS];
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++)
+            load_qblock<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)b * qblock_bytes<DTYPE>(), q[j]);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r >= nr) continue;
+            int xw[16];
+            float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
+        }
+    }
+    matmul_store<NR>(acc, t, jobs.accumulate);
+}
+
+// One kernel per weight dtype and row count per block: `_r1` for one input row (decoding one
+// sequence), `_r8` for MM_ROWS.
+#define MATMUL_KERNELS(NAME, DTYPE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, 1>(x, rows, k, jobs); } \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs); }
+#define MATMUL_Q_KERNELS(NAME, DTYPE)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        matmul_q_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                              \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        matmul_q_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                        \
+    }
+MATMUL_KERNELS(matmul_f32, 0)
+MATMUL_KERNELS(matmul_f16, 1)
+MATMUL_KERNELS(matmul_bf16, 2)
+MATMUL_Q_KERNELS(matmul_q8_0, 3)
+MATMUL_Q_KERNELS(matmul_q4_0, 4)
+MATMUL_Q_KERNELS(matmul_q4_1, 5)

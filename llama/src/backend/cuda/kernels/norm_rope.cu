@@ -1,0 +1,109 @@
+// Normalisation and rotary embeddings.
+
+// One block of RMS_THREADS per row, f32 sum of squares. Rows whose width is a multiple of 4
+// are read as float4 and kept in registers between the two passes (up to RMS_VEC per thread;
+// a 4096-wide row is one load per thread): with one row per block (decoding), the latency of
+// dependent loads, not bandwidth, is the cost. When `xq` is given (width a multiple of 32) the
+// normalized rows are also written for the quantized matmuls that read them next.
+#define RMS_THREADS 1024
+#define RMS_VEC 4
+// Values 4c..4c+3 of row r of rmsnorm's output from those of its input `t`.
+__device__ __forceinline__ void rmsnorm_store(float4 t, int c, int n4, int r, float scale, const u8* weight,
+                                              int dtype, float* orow, short* xq, float4* xs) {
+    bool live = c < n4;
+    float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (live) {
+        w = dtype == 0 ? ((const float4*)weight)[c]
+                       : make_float4(load_elem(weight, dtype, 4 * c), load_elem(weight, dtype, 4 * c + 1),
+                                     load_elem(weight, dtype, 4 * c + 2), load_elem(weight, dtype, 4 * c + 3));
+    }
+    float4 o = make_float4(t.x * scale * w.x, t.y * scale * w.y, t.z * scale * w.z, t.w * scale * w.w);
+    if (live) ((float4*)orow)[c] = o;
+    if (xq) quantize_x16_lanes(o, live, ((u64)r * n4 + c) / 8, xq, xs);
+}
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x, const u8* weight, int dtype,
+                                                                 int dim, float eps, float* out, short* xq,
+                                                                 float4* xs) {
+    __shared__ float partial[RMS_THREADS / 32];
+    int r = blockIdx.x;
+    const float* xr = x + (u64)r * dim;
+    float* orow = out + (u64)r * dim;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    bool vec = dim % 4 == 0;
+    int n4 = vec ? dim / 4 : 0;
+    float4 v[RMS_VEC];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < RMS_VEC; i++) {
+        int c = threadIdx.x + i * RMS_THREADS;
+        v[i] = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+    }
+    for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4; c += RMS_THREADS) {
+        float4 t = ((const float4*)xr)[c];
+        ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
+    ss = warp_sum(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
+        p = warp_sum(p);
+        if (lane == 0) partial[0] = p;
+    }
+    __syncthreads();
+    float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
+    // Whole warps run every step (quantize_x16_lanes shuffles); `c < n4` says which lanes hold
+    // values.
+    int n4_warps = (n4 + 31) / 32 * 32;
+#pragma unroll
+    for (int i = 0; i < RMS_VEC; i++) {
+        int c = threadIdx.x + i * RMS_THREADS;
+        if (c < n4_warps) rmsnorm_store(v[i], c, n4, r, scale, weight, dtype, orow, xq, xs);
+    }
+    for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4_warps; c += RMS_THREADS) {
+        float4 t = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        rmsnorm_store(t, c, n4, r, scale, weight, dtype, orow, xq, xs);
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS)
+        orow[j] = xr[j] * scale * load_elem(weight, dtype, j);
+}
+
+// HF rotate_half: the pair (i, i + half) of head h, rotated by pos·inv_freq[i].
+__device__ __forceinline__ void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq) {
+    float angle = pos * inv_freq[i];
+    float c = cosf(angle), s = sinf(angle);
+    float x1 = head[i], x2 = head[i + half];
+    head[i] = x1 * c - x2 * s;
+    head[i + half] = x2 * c + x1 * s;
+}
+
+// The attention block's position-dependent steps in one launch: q and k rows r roped at
+// position p + r (p = start_pos), k and v rows stored in the f16 caches at that position.
+// One thread per rotated pair of a q or k head; the k pairs also store v's pair.
+extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
+                                         int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
+                                         const float* inv_freq, u16* k_cache, u16* v_cache) {
+    int half = head_dim / 2;
+    int heads = n_heads + n_kv_heads;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * heads * half) return;
+    int i = idx % half;
+    int h = (idx / half) % heads;
+    int r = idx / (half * heads);
+    int pos = start_pos(pos0, pos_dev) + r;
+    if (h < n_heads) {
+        rotate_pair(q + ((u64)r * n_heads + h) * head_dim, i, half, (float)pos, inv_freq);
+        return;
+    }
+    int kvh = h - n_heads;
+    u64 row = ((u64)r * n_kv_heads + kvh) * head_dim;
+    float* kh = k + row;
+    rotate_pair(kh, i, half, (float)pos, inv_freq);
+    u64 at = ((u64)pos * n_kv_heads + kvh) * head_dim;
+    k_cache[at + i] = f2h(kh[i]);
+    k_cache[at + i + half] = f2h(kh[i + half]);
+    v_cache[at + i] = f2h(v[row + i]);
+    v_cache[at + i + half] = f2h(v[row + i + half]);
+}

@@ -1,0 +1,320 @@
+//! Matmuls: the kernels of `matmul.cu` for decoding and small batches (they read the stored
+//! blocks once at full bandwidth and keep the activations in f32, or for quantized weights in
+//! the 16-bit integers of [`super::scratch::X16`]), cuBLAS for prompts.
+
+use cudarc::cublas::sys::cudaDataType;
+use cudarc::driver::CudaSlice;
+use weights_format::DType;
+
+use crate::backend::{BackendError, RowGroup, WeightView};
+
+use super::device::{GemmArgs, blocks, dtype_code, elementwise};
+use super::weights::device_ptr;
+use super::{CudaBackend, CudaBuf};
+
+/// Warps per block (they split the columns), weight rows per block (`MM_WROWS`), input rows
+/// per block (`MM_ROWS`) and weights per launch (`MM_MAX_JOBS`) of the matmul kernels (must
+/// match `matmul.cu`).
+const MM_WARPS: u32 = 4;
+const MM_WROWS: u32 = 4;
+const MM_ROWS: u32 = 8;
+const MM_MAX_JOBS: usize = 3;
+
+/// The weights one matmul launch multiplies the same input with: must match `MatmulJobs` in
+/// `matmul.cu` (three pointers, three pointers, five ints; 72 bytes with padding).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct MatmulJobs {
+    w: [u64; MM_MAX_JOBS],
+    out: [u64; MM_MAX_JOBS],
+    m: [i32; MM_MAX_JOBS],
+    n_jobs: i32,
+    accumulate: i32,
+}
+
+// SAFETY: plain data with the C layout of the kernel's by-value parameter (`repr(C)`, no
+// pointers the host dereferences, every bit pattern valid).
+unsafe impl cudarc::driver::DeviceRepr for MatmulJobs {}
+
+/// What a matmul kernel reads as x: f32 rows, or (quantized weights) `quantize_x16`'s
+/// integers and block records, by device address.
+#[derive(Clone, Copy)]
+enum MatmulInput {
+    F32(u64),
+    Int16 { xq: u64, xs: u64 },
+}
+
+/// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
+/// compute-bound there): f16 weights as they are; bf16 and quantized ones converted to f16 one
+/// matrix at a time into a temporary (as llama.cpp does for large batches). bf16 is not fed as
+/// bf16 because x would then be rounded to 8 mantissa bits: on a 7B-shaped model that put the
+/// prefill logits 3.3e-2 (relative) from the float32 reference, against 5e-3 with f16. Fewer rows —
+/// decoding — stay on `matmul_*`, which reads the stored blocks once at full bandwidth and keeps
+/// the activations in f32.
+pub const CUBLAS_MIN_ROWS: usize = 16;
+
+impl CudaBackend {
+    /// `outs[i] (+)= x · ws[i]ᵀ` over the rows of `groups`, accumulating when `accumulate`:
+    /// runs of sequences whose solo pass has fewer than [`CUBLAS_MIN_ROWS`] rows (decoding)
+    /// share one launch of the matmul kernel, whose result per row does not depend on the row
+    /// count; a sequence prefilling a prompt of at least that many rows gets its own cuBLAS
+    /// GEMM, as alone.
+    pub(super) fn matmul_groups(
+        &self,
+        x: &CudaBuf,
+        groups: &[RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut CudaBuf],
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let Some(cols) = ws.first().map(|w| w.cols) else {
+            return Ok(());
+        };
+        let mut row0 = 0;
+        let mut i = 0;
+        while i < groups.len() {
+            let kernel_rows = groups[i].solo_rows < CUBLAS_MIN_ROWS;
+            let mut rows = 0;
+            while i < groups.len() && (groups[i].solo_rows < CUBLAS_MIN_ROWS) == kernel_rows {
+                rows += groups[i].rows;
+                i += 1;
+                if !kernel_rows {
+                    break; // one GEMM per prefilling sequence
+                }
+            }
+            if rows > 0 {
+                let xp = self.addr(x, row0 * cols);
+                let jobs: Vec<(&WeightView<'_>, u64)> = ws
+                    .iter()
+                    .zip(outs.iter())
+                    .map(|(w, out)| (w, self.addr(out, row0 * w.rows)))
+                    .collect();
+                let solo = if kernel_rows { 1 } else { CUBLAS_MIN_ROWS };
+                self.matmul_jobs(xp, rows, &jobs, solo, accumulate)?;
+            }
+            row0 += rows;
+        }
+        Ok(())
+    }
+
+    /// `out (+)= x · Wᵀ` for each `(W, out)` of `jobs` (weights of the same input, so of the
+    /// same column count), `rows` rows at device addresses `xp` and `out`; `solo_rows` is the
+    /// row count whose numerics the rows must have (cuBLAS from [`CUBLAS_MIN_ROWS`] on, the
+    /// matmul kernels below it). Consecutive weights of one dtype share a kernel launch; the
+    /// quantized ones share one conversion of x (`quantize_x16`).
+    fn matmul_jobs(
+        &self,
+        xp: u64,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        solo_rows: usize,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let Some(&(first, _)) = jobs.first() else {
+            return Ok(());
+        };
+        let blas = self.queue.has_blas() && solo_rows >= CUBLAS_MIN_ROWS;
+        let mut x16 = self.x16.lookup(&self.queue, xp, rows * first.cols);
+        let mut start = 0;
+        while start < jobs.len() {
+            let first = jobs[start].0;
+            if blas && first.dtype != DType::F32 {
+                self.matmul_blas(xp, rows, first, jobs[start].1, accumulate)?;
+                start += 1;
+                continue;
+            }
+            let mut end = start + 1;
+            while end < jobs.len()
+                && end - start < MM_MAX_JOBS
+                && jobs[end].0.dtype == first.dtype
+                && !blas
+            {
+                end += 1;
+            }
+            let x = if first.dtype.is_quantized() {
+                let (xq, xs) = match x16 {
+                    Some(q) => q,
+                    None => {
+                        let q = self.x16.quantize(
+                            &self.queue,
+                            &self.graphs,
+                            &self.kernels,
+                            xp,
+                            rows * first.cols,
+                        )?;
+                        x16 = Some(q);
+                        q
+                    }
+                };
+                MatmulInput::Int16 { xq, xs }
+            } else {
+                MatmulInput::F32(xp)
+            };
+            self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// One launch of a matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
+    fn launch_matmul(
+        &self,
+        x: MatmulInput,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let mut params = MatmulJobs {
+            n_jobs: jobs.len() as i32,
+            accumulate: accumulate as i32,
+            ..MatmulJobs::default()
+        };
+        let mut n_blocks = 0;
+        for (i, (w, op)) in jobs.iter().enumerate() {
+            params.w[i] = device_ptr(w)?.addr();
+            params.out[i] = *op;
+            params.m[i] = w.rows as i32;
+            n_blocks += (w.rows as u32).div_ceil(MM_WROWS);
+        }
+        let w = jobs[0].0;
+        let (rows_i, k) = (rows as i32, w.cols as i32);
+        // One input row per block when there is one: the kernel then keeps no accumulators
+        // for rows that do not exist.
+        let (variant, rows_per_block) = if rows == 1 { (0, 1) } else { (1, MM_ROWS) };
+        let (x0, x1) = match x {
+            MatmulInput::F32(xp) => (xp, None),
+            MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
+        };
+        let kernel = &self.kernels.matmul[dtype_code(w.dtype) as usize][variant];
+        let mut b = self.queue.kernel(kernel, "matmul kernel");
+        b.arg(&x0);
+        if let Some(xs) = &x1 {
+            b.arg(xs);
+        }
+        b.arg(&rows_i).arg(&k).arg(&params);
+        let cfg = blocks(
+            (n_blocks, (rows as u32).div_ceil(rows_per_block)),
+            MM_WARPS * 32,
+        );
+        // SAFETY: x holds rows·k values (f32, or for quantized weights the 16-bit integers and
+        // block records of `quantize_x16` over them); each job's weight has m rows of k values
+        // in whole blocks of the shared dtype (checked when the model resolved its tensors) in
+        // device memory, and its output rows·m values; the grid covers ceil(m / MM_WROWS)
+        // blocks per job and the rows in groups of the variant's rows per block, as the kernel
+        // expects.
+        unsafe { b.run(cfg) }
+    }
+
+    /// One cuBLAS GEMM: f16 weights as they are, bf16 through an f32 copy, quantized ones
+    /// through an f16 copy (see [`CUBLAS_MIN_ROWS`]).
+    fn matmul_blas(
+        &self,
+        xp: u64,
+        rows: usize,
+        w: &WeightView<'_>,
+        op: u64,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let wp = device_ptr(w)?.addr();
+        let to = match w.dtype {
+            DType::F16 => return self.matmul_cublas(xp, rows, w, wp, DType::F16, op, accumulate),
+            DType::Bf16 => DType::F32,
+            _ => DType::F16,
+        };
+        let tmp = self.dequantize(w, wp, to)?;
+        let tp = self.queue.addr(&tmp);
+        self.matmul_cublas(xp, rows, w, tp, to, op, accumulate)?;
+        // Freed in stream order, after the GEMM that reads it.
+        drop(tmp);
+        Ok(())
+    }
+
+    /// A bf16 or quantized weight matrix as f16 or f32 (`to`), in a temporary (stream-ordered)
+    /// allocation of raw bytes.
+    fn dequantize(
+        &self,
+        w: &WeightView<'_>,
+        w_ptr: u64,
+        to: DType,
+    ) -> Result<CudaSlice<u8>, BackendError> {
+        let n = w.rows * w.cols;
+        let (kernel, elem) = match to {
+            DType::F32 => (&self.kernels.dequant_f32, 4),
+            _ => (&self.kernels.dequant_f16, 2),
+        };
+        // Not zeroed first: that would be one more pass over the matrix.
+        // SAFETY: the kernel below writes all n·elem bytes before the GEMM that reads them (and
+        // if it fails to launch, the error stops the pass before the GEMM).
+        let tmp = unsafe {
+            self.queue
+                .alloc::<u8>(n * elem, "allocating a converted weight")
+        }?;
+        let out = self.queue.addr(&tmp);
+        let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
+        let mut b = self.queue.kernel(kernel, "dequant kernel");
+        b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
+        // SAFETY: the weight holds n_blocks·32 values in whole blocks of its dtype (checked when
+        // the model resolved it: rows of 32-value block dtypes are multiples of 32, of
+        // super-block dtypes multiples of 256) and `tmp` room for n_blocks·32 values of `to`;
+        // eight values per thread.
+        unsafe { b.run(elementwise(n / 8)) }?;
+        Ok(tmp)
+    }
+
+    /// `out[rows, m] (+)= x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or f32)
+    /// at `w_ptr`: x is rounded to that type (tensor cores take both operands in one type),
+    /// products accumulate in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_cublas(
+        &self,
+        xp: u64,
+        rows: usize,
+        w: &WeightView<'_>,
+        w_ptr: u64,
+        w_type: DType,
+        op: u64,
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let (m, k) = (w.rows, w.cols);
+        let n = rows * k;
+        // x in the weights' type: f32 as it is, else a rounded copy.
+        let (x_in, x16, ab_type) = if w_type == DType::F32 {
+            (xp, None, cudaDataType::CUDA_R_32F)
+        } else {
+            let x16 = self
+                .queue
+                .alloc_zeros::<u16>(n, "allocating a half-precision copy of x")?;
+            let x16p = self.queue.addr(&x16);
+            let (convert, data_type) = match w_type {
+                DType::F16 => (&self.kernels.copy_f32_to_f16, cudaDataType::CUDA_R_16F),
+                _ => (&self.kernels.copy_f32_to_bf16, cudaDataType::CUDA_R_16BF),
+            };
+            let n64 = n as u64;
+            let mut b = self.queue.kernel(convert, "f32 to half kernel");
+            b.arg(&xp).arg(&x16p).arg(&n64);
+            // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
+            unsafe { b.run(elementwise(n)) }?;
+            (x16p, Some(x16), data_type)
+        };
+        let args = GemmArgs {
+            m: m as i32,
+            n: rows as i32,
+            k: k as i32,
+            a: w_ptr,
+            b: x_in,
+            c: op,
+            ab_type,
+            alpha: 1.0,
+            beta: if accumulate { 1.0 } else { 0.0 },
+        };
+        // SAFETY: column-major view of the row-major operands: W is k×m (ld k) taken
+        // transposed, x16 is k×rows (ld k), out is m×rows (ld m) = row-major [rows, m]. Every
+        // pointer is a live device allocation of at least that extent (the weight's shape was
+        // checked when the model resolved it; x and out hold rows·k and rows·m values); the
+        // handle runs on the queue's stream, so x16 outlives the queued GEMM (its free is
+        // ordered on the same stream).
+        unsafe { self.queue.gemm(args) }?;
+        drop(x16);
+        Ok(())
+    }
+}

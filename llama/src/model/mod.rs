@@ -1,0 +1,479 @@
+//! The model: its state, KV caches and the forward pass, written once over [`Backend`]
+//! (llama2.c style: top to bottom, state allocated once). A pass is the embedding, then every
+//! layer's attention and FFN blocks, then the LM head (the blocks are in `graph.rs`); which
+//! tensors those read, and where they lie in each blob, comes from the family description
+//! resolved at load ([`arch`]).
+
+pub mod arch;
+pub(crate) mod graph;
+mod hidden;
+
+use weights_format::Metadata;
+
+use crate::LlamaError;
+use crate::backend::{Backend, BackendError, PassInfo, RowGroup};
+use crate::config::LlamaConfig;
+use crate::weights::{BlobBytes, WeightSource, WeightView};
+
+use arch::ModelTable;
+use graph::{Graph, Layer, PassShape, Segment, State};
+
+/// Per layer, a key and a value cache buffer.
+type KvLayers<B> = Vec<(<B as Backend>::KvBuf, <B as Backend>::KvBuf)>;
+
+/// One sequence's keys and values for every layer, `[capacity, kv_dim]` each, and how many
+/// positions are filled. Batched decoding gives each sequence its own cache of the size it
+/// needs (see [`crate::batch`] for why per-sequence rather than paged).
+pub struct KvCache<B: Backend> {
+    layers: KvLayers<B>,
+    kv_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Positions filled.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets positions from `len` on.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+/// One sequence's part of a [`Llama::forward_batch`]: `tokens` run at positions `kv.len() ..`.
+pub struct BatchSeq<'a, B: Backend> {
+    pub kv: &'a mut KvCache<B>,
+    pub tokens: &'a [u32],
+    /// The row count a single-sequence [`Llama::forward`] computes these positions with (the
+    /// whole prompt while prefilling it in chunks, 1 when decoding), so that the results are
+    /// bit for bit those of the sequence alone (see [`RowGroup`]).
+    pub solo_rows: usize,
+    /// Whether to compute the logits after the last token (a prefill chunk that does not end
+    /// the prompt needs none).
+    pub logits: bool,
+}
+
+/// A LLaMA-family model bound to a backend, a weight source and a KV cache of `context`
+/// positions.
+pub struct Llama<B: Backend, W: WeightSource> {
+    backend: B,
+    weights: W,
+    metadata: Metadata,
+    config: LlamaConfig,
+    table: ModelTable,
+    context: usize,
+    max_rows: usize,
+    state: State<B>,
+    /// Per layer `[context, kv_dim]` keys and values of the single sequence of
+    /// [`Llama::forward`]; allocated by its first call, so that a model used only for batches
+    /// (which own their caches) does not hold a whole context's cache it never uses.
+    kv_cache: KvLayers<B>,
+    pos: usize,
+    logits: Vec<f32>,
+    /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
+    batch_logits: Vec<f32>,
+    /// Bumped whenever `state` or `kv_cache` get new buffers (see [`PassInfo::generation`]).
+    generation: u64,
+}
+
+impl<B: Backend, W: WeightSource> Llama<B, W> {
+    /// Allocates state for `context` positions (at most the model's) and up to `max_rows`
+    /// positions per forward pass (a longer prompt takes several passes; the sequences of a
+    /// batch share them).
+    pub fn new(
+        backend: B,
+        weights: W,
+        metadata: Metadata,
+        context: usize,
+        max_rows: usize,
+    ) -> Result<Self, LlamaError> {
+        let config = LlamaConfig::from_model_config(&metadata.config)?;
+        let table = ModelTable::resolve(&metadata, &config)?;
+        between_1_and(
+            "context",
+            context,
+            config.context_length,
+            "the model's context_length",
+        )?;
+        // A single sequence never has more than `context` rows, but a batch of them may.
+        let max_rows = max_rows.max(1);
+        let state = State::new(&backend, &config, max_rows)?;
+        let logits = vec![0.0; config.vocab_size];
+        Ok(Llama {
+            backend,
+            weights,
+            metadata,
+            config,
+            table,
+            context,
+            max_rows,
+            state,
+            kv_cache: Vec::new(),
+            pos: 0,
+            logits,
+            batch_logits: Vec::new(),
+            generation: 0,
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn weights(&self) -> &W {
+        &self.weights
+    }
+
+    /// Positions the KV cache holds.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Most positions one pass computes (all sequences of a batch together).
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Bytes of a [`KvCache`] of `capacity` positions on this model's backend.
+    pub fn kv_cache_bytes(&self, capacity: usize) -> u64 {
+        let c = &self.config;
+        (capacity * c.kv_dim() * 2 * c.n_layers * self.backend.kv_value_bytes()) as u64
+    }
+
+    /// `n_layers` pairs of zeroed key and value buffers of `capacity` positions.
+    fn alloc_kv_layers(&self, capacity: usize) -> Result<KvLayers<B>, LlamaError> {
+        let len = capacity * self.config.kv_dim();
+        (0..self.config.n_layers)
+            .map(|_| Ok((self.backend.alloc_kv(len)?, self.backend.alloc_kv(len)?)))
+            .collect()
+    }
+
+    /// An empty cache of `capacity` positions (1 ..= `context()`) for [`Llama::forward_batch`].
+    pub fn new_kv_cache(&self, capacity: usize) -> Result<KvCache<B>, LlamaError> {
+        between_1_and("KV cache capacity", capacity, self.context, "the context")?;
+        Ok(KvCache {
+            layers: self.alloc_kv_layers(capacity)?,
+            kv_dim: self.config.kv_dim(),
+            capacity,
+            len: 0,
+        })
+    }
+
+    /// Positions already in the KV cache.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// Logits after the last position computed.
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// Forgets cached positions from `pos` on (0 starts a new sequence).
+    pub fn truncate(&mut self, pos: usize) {
+        self.pos = self.pos.min(pos);
+    }
+
+    /// Checks that `rows` more positions fit the context and that every token is in the
+    /// vocabulary.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), LlamaError> {
+        if self.pos + tokens.len() > self.context {
+            return Err(LlamaError::ContextOverflow {
+                prompt: self.pos + tokens.len(),
+                context: self.context,
+            });
+        }
+        self.check_vocab(tokens)
+    }
+
+    fn check_vocab(&self, tokens: &[u32]) -> Result<(), LlamaError> {
+        match tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            Some(&id) => Err(LlamaError::TokenOutOfRange {
+                id,
+                vocab: self.config.vocab_size,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `tokens` at positions `pos() ..` (in passes of at most `max_rows` positions) and
+    /// returns the logits after the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<&[f32], LlamaError> {
+        if tokens.is_empty() {
+            return Ok(&self.logits);
+        }
+        self.check_tokens(tokens)?;
+        for chunk in tokens.chunks(self.max_rows) {
+            self.single_pass(chunk)?;
+        }
+        Ok(&self.logits)
+    }
+
+    /// One pass of the single sequence over `tokens` at positions `pos ..`, on the model's own
+    /// cache.
+    fn single_pass(&mut self, tokens: &[u32]) -> Result<(), LlamaError> {
+        if self.kv_cache.is_empty() {
+            self.kv_cache = self.alloc_kv_layers(self.context)?;
+            self.generation += 1;
+        }
+        let mut kv = std::mem::take(&mut self.kv_cache);
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut seg = [Segment {
+            kv: &mut kv,
+            row0: 0,
+            rows: tokens.len(),
+            pos0: self.pos,
+            solo_rows: tokens.len(),
+            logits: true,
+        }];
+        let mut done = self.pass(tokens, &mut seg, &mut logits, true);
+        if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
+            // The backend tried to record the pass and could not; it runs op by op from now.
+            tracing::debug!("{reason}; running the pass op by op");
+            done = self.pass(tokens, &mut seg, &mut logits, true);
+        }
+        self.kv_cache = kv;
+        self.logits = logits;
+        done?;
+        self.pos += tokens.len();
+        Ok(())
+    }
+
+    /// Runs several sequences through one pass over the weights: each entry's tokens at
+    /// positions `kv.len() ..` of its own cache, which then advances. Returns the logits after
+    /// the last token of each entry that asked for them, `[n, vocab]` in entry order. Every
+    /// sequence's results are those it gets alone (see [`BatchSeq::solo_rows`]). All tokens
+    /// together must fit one pass (`max_rows()`).
+    pub fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_, B>]) -> Result<&[f32], LlamaError> {
+        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if rows > self.max_rows {
+            return Err(LlamaError::Config {
+                setting: "batch",
+                message: format!(
+                    "{rows} tokens in one pass; the model was set up for at most {}",
+                    self.max_rows
+                ),
+            });
+        }
+        let mut tokens = Vec::with_capacity(rows);
+        for s in seqs.iter() {
+            if s.tokens.is_empty() {
+                return Err(LlamaError::Config {
+                    setting: "batch",
+                    message: "a sequence of the batch has no tokens".into(),
+                });
+            }
+            if s.kv.layers.len() != self.config.n_layers || s.kv.kv_dim != self.config.kv_dim() {
+                return Err(LlamaError::Config {
+                    setting: "batch",
+                    message: "a KV cache was made for a model of another shape".into(),
+                });
+            }
+            if s.kv.len + s.tokens.len() > s.kv.capacity {
+                return Err(LlamaError::ContextOverflow {
+                    prompt: s.kv.len + s.tokens.len(),
+                    context: s.kv.capacity,
+                });
+            }
+            self.check_vocab(s.tokens)?;
+            tokens.extend_from_slice(s.tokens);
+        }
+        if seqs.is_empty() {
+            self.batch_logits.clear();
+            return Ok(&self.batch_logits);
+        }
+        let mut row0 = 0;
+        let mut segs: Vec<Segment<'_, B>> = seqs
+            .iter_mut()
+            .map(|s| {
+                let seg = Segment {
+                    row0,
+                    rows: s.tokens.len(),
+                    pos0: s.kv.len,
+                    solo_rows: s.solo_rows.max(1),
+                    logits: s.logits,
+                    kv: &mut s.kv.layers,
+                };
+                row0 += seg.rows;
+                seg
+            })
+            .collect();
+        let mut logits = std::mem::take(&mut self.batch_logits);
+        let done = self.pass(&tokens, &mut segs, &mut logits, false);
+        self.batch_logits = logits;
+        done?;
+        for s in seqs.iter_mut() {
+            s.kv.len += s.tokens.len();
+        }
+        Ok(&self.batch_logits)
+    }
+
+    /// Makes `last`, `last_norm` and `logits` hold `n` rows.
+    fn ensure_logit_rows(&mut self, n: usize) -> Result<(), LlamaError> {
+        if n > self.state.logit_rows {
+            let (be, c, s) = (&self.backend, &self.config, &mut self.state);
+            s.last = be.alloc(n * c.dim)?;
+            s.last_norm = be.alloc(n * c.dim)?;
+            s.logits = be.alloc(n * c.vocab_size)?;
+            s.logit_rows = n;
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
+    /// One pass over all weights for `tokens` (at most `max_rows`): the rows of each segment,
+    /// each at its own positions in its own cache (`single`: the model's own sequence). The
+    /// logits after each segment that asks for them go to `logits_out` (`[n, vocab]`).
+    fn pass(
+        &mut self,
+        tokens: &[u32],
+        segs: &mut [Segment<'_, B>],
+        logits_out: &mut Vec<f32>,
+        single: bool,
+    ) -> Result<(), LlamaError> {
+        let n_logits = segs.iter().filter(|s| s.logits).count();
+        self.ensure_logit_rows(n_logits)?;
+        let Llama {
+            backend: be,
+            weights,
+            config: c,
+            table,
+            state: s,
+            generation,
+            ..
+        } = self;
+        let groups: Vec<RowGroup> = segs
+            .iter()
+            .map(|g| RowGroup {
+                rows: g.rows,
+                solo_rows: g.solo_rows,
+            })
+            .collect();
+        let p = PassShape::of(c, table, tokens.len(), &groups);
+
+        // The inputs, then every layer, then the LM head (only the last position's logits of
+        // each segment are needed: prefill samples after the prompt). The output blob is taken
+        // even when no logits are, to keep the pass's order.
+        let embed_guard = embed(be, weights, table, tokens, &mut s.x)?;
+        be.begin_pass(&PassInfo {
+            rows: tokens.len(),
+            single_sequence: single,
+            pos: segs.first().map_or(0, |g| g.pos0),
+            weights_stable: weights.all_resident(),
+            generation: *generation,
+        })?;
+        let mut graph = Graph { be, s, segs, p: &p };
+        let ran = (|| {
+            for (l, layer) in table.layers.iter().enumerate() {
+                let guard = weights.acquire(layer.blob)?;
+                let w = Layer {
+                    table: layer,
+                    bytes: guard.bytes(),
+                };
+                graph.layer(l, &w)?;
+            }
+            let out = &table.output;
+            let output_guard = weights.acquire(out.blob)?;
+            if n_logits > 0 {
+                let output_norm = out.output_norm.view(output_guard.bytes(), &out.file)?; // [dim]
+                let head = match (&out.output, &embed_guard) {
+                    (Some(t), _) => t.view(output_guard.bytes(), &out.file)?, // [vocab, dim]
+                    (None, Some(tied)) => {
+                        table
+                            .embed
+                            .token_embd
+                            .view(tied.bytes(), &table.embed.file)? // [vocab, dim]
+                    }
+                    (None, None) => {
+                        return Err(LlamaError::MissingTensor {
+                            blob: out.file.clone(),
+                            name: weights_format::names::OUTPUT.to_string(),
+                        });
+                    }
+                };
+                graph.head(output_norm, head)?;
+            }
+            Ok::<_, LlamaError>(output_guard)
+        })();
+        let ended = be.end_pass(ran.is_ok());
+        let output_guard = ran?;
+        ended?;
+        if n_logits > 0 {
+            logits_out.resize(n_logits * c.vocab_size, 0.0);
+            be.read(&s.logits, logits_out)?;
+        } else {
+            logits_out.clear();
+        }
+        drop(output_guard);
+        drop(embed_guard);
+        weights.end_pass();
+        Ok(())
+    }
+}
+
+/// An error for `setting` unless `1 <= value <= max` (`max` being `what`).
+fn between_1_and(
+    setting: &'static str,
+    value: usize,
+    max: usize,
+    what: &str,
+) -> Result<(), LlamaError> {
+    if value == 0 || value > max {
+        return Err(LlamaError::Config {
+            setting,
+            message: format!("{value} must be between 1 and {what} {max}"),
+        });
+    }
+    Ok(())
+}
+
+/// The pass's inputs: the embeddings of `tokens` into `x` (`[rows, dim]`). A tied table is also
+/// the LM head, so its blob is acquired and its guard returned, to be held for the whole pass;
+/// an untied one is only read row by row, into host memory.
+fn embed<'w, B: Backend, W: WeightSource>(
+    be: &B,
+    weights: &'w W,
+    table: &ModelTable,
+    tokens: &[u32],
+    x: &mut B::Buf,
+) -> Result<Option<W::Guard<'w>>, LlamaError> {
+    let embed = &table.embed;
+    let t = &embed.token_embd; // [vocab, dim]
+    if table.output.output.is_none() {
+        let guard = weights.acquire(embed.blob)?;
+        be.embed_rows(t.view(guard.bytes(), &embed.file)?, tokens, x)?;
+        return Ok(Some(guard));
+    }
+    let row_bytes = t.row_bytes();
+    let mut bytes = Vec::with_capacity(tokens.len() * row_bytes);
+    for &id in tokens {
+        let at = (t.offset + id as usize * row_bytes) as u64;
+        bytes.extend(weights.read_range(embed.blob, at, row_bytes)?);
+    }
+    let rows = WeightView::host(t.dtype, tokens.len(), t.cols, &bytes); // [rows, dim]
+    be.embed_host_rows(rows, x)?;
+    Ok(None)
+}
