@@ -140,16 +140,13 @@ fn llama_cpp_q4_k_m_tensors_convert_bit_for_bit() {
     for dtype in ["q4_k", "q6_k", "q5_0", "q8_0"] {
         assert!(report.by_dtype[dtype].0 > 0, "no {dtype} tensor compared");
     }
-    // The check is not vacuous: compared as stored, exactly the transformed tensors (the
-    // norms) differ, and every quantized one is still equal.
-    let as_stored = compare_with_source(&model, &source, false).unwrap();
-    let differing: Vec<_> = as_stored.tensors.iter().filter(|t| !t.equal).collect();
-    println!(
-        "without the transforms, {} tensors differ (the norms stored as 1 + w)",
-        differing.len()
+    // A GGUF's Gemma norms are stored as 1 + w already and its Q/K rows are not permuted
+    // (llama.cpp permutes llama's only): nothing is transformed. tiny_llama.rs checks the
+    // permuted case, where the comparison must undo the row move.
+    assert!(
+        report
+            .tensors
+            .iter()
+            .all(|t| t.transform == Transform::Keep)
     );
-    assert!(!differing.is_empty());
-    for t in &as_stored.tensors {
-        assert_eq!(t.equal, t.transform == Transform::Keep, "{t:?}");
-    }
 }

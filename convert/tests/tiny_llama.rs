@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use gdsllm_convert::convert::{ConvertOptions, NoProgress, TargetDType, convert};
+use gdsllm_convert::convert::{ConvertOptions, NoProgress, TargetDType, convert, open_source};
+use gdsllm_convert::lossless::compare_with_source;
 use gdsllm_convert::testing::TinyLlama;
 use weights_format::{DType, Model, quant};
 
@@ -149,6 +150,45 @@ fn quantized_gguf_rows_move_without_requantizing() {
             quant::quantize(dtype, values, &mut reference).unwrap();
             assert!(ours == reference, "{dtype} {name}");
         }
+        // The lossless check (`gdsllm verify --against`) finds every tensor equal once the
+        // row move is undone, and exactly the moved ones (Q and K) different without.
+        let source = open_source(&path).unwrap();
+        let report = compare_with_source(&model, &source, true).unwrap();
+        assert!(report.all_equal(), "{dtype}: {:?}", report.by_dtype);
+        let as_stored = compare_with_source(&model, &source, false).unwrap();
+        for t in &as_stored.tensors {
+            let moved = t.tensor == "attn_q" || t.tensor == "attn_k";
+            assert_eq!(t.equal, !moved, "{dtype} {}/{}", t.blob, t.tensor);
+        }
+    }
+}
+
+#[test]
+fn the_lossless_check_reports_a_re_encoded_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("f32.gguf");
+    TinyLlama::new(11, true)
+        .gguf(DType::F32)
+        .write_to(&path)
+        .unwrap();
+    let out = tmp.path().join("q8");
+    let options = ConvertOptions {
+        dtype: TargetDType::Q8_0,
+        ..ConvertOptions::default()
+    };
+    convert(&path, &out, &options, &NoProgress).unwrap();
+    let model = Model::open(&out).unwrap();
+    let report = compare_with_source(&model, &open_source(&path).unwrap(), true).unwrap();
+    assert!(!report.all_equal());
+    // The matrices became q8_0 (different bytes and length); the f32 norms stayed as they were.
+    for t in &report.tensors {
+        assert_eq!(
+            t.equal,
+            t.dtype == DType::F32,
+            "{}/{}: {t:?}",
+            t.blob,
+            t.tensor
+        );
     }
 }
 
