@@ -5,7 +5,8 @@
 #   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
 #            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
 #            models against the CPU backend; the same models through `llama::open` resident, with
-#            every layer streamed, and through the pinned host tier, against the upload-once path.
+#            every layer streamed, and through the pinned host tier, against the upload-once path;
+#            a small model in llama.cpp's Q4_K_M mix against its f32 twin on the CPU, streamed too.
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
 #            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.

@@ -7,8 +7,9 @@ use weights_format::{FormatError, Model, VerifyProgress};
 /// compare checksums. Exits non-zero naming every bad file.
 ///
 /// With `--against FILE.gguf`, also compare every tensor byte for byte with the GGUF tensor it
-/// was converted from (after the same Q/K row move the converter makes): a model converted with
-/// `--dtype keep` from a llama.cpp file (a Q4_K_M mix, say) must hold its blocks unchanged.
+/// was converted from (after the same transform the converter makes: llama's Q/K row move,
+/// Gemma's `1 + w` norms): a model converted with `--dtype keep` from a llama.cpp file (a
+/// Q4_K_M mix, say) must hold its blocks unchanged.
 #[derive(clap::Args)]
 pub struct Args {
     /// A model directory, or the name of a model in the store (see `gdsllm pull`).
