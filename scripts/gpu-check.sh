@@ -15,6 +15,10 @@
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
 #   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
 #            scripts/serve_bench.py at 1, 8 and 32 clients.
+#   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
+#            streamed from disk, and through the pinned host tier); then the cost of checking
+#            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
+#            with 4 GiB (--host-cache off), with and without --no-checksums, alternated.
 #   kquants  (opt-in) llama/tests/cuda_kquants.rs with GDSLLM_GPU_TESTS=1 (every k-quant-era
 #            dtype's matmuls and embedding against the reference); then for each GGUF in
 #            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
@@ -53,25 +57,9 @@ export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache goes to $GDSLLM_H
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
-
-run_test_bin() { # label binary [env...]
-  local label=$1 bin=$2; shift 2
-  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
-  env "$@" "$bin" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
-  local rc=${PIPESTATUS[0]}
-  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
-  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
-  note "$label: $line"
-  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
-}
 
 if has tests; then
   step "CUDA op, model and streaming tests"
@@ -277,6 +265,56 @@ if has serve; then
     note "serve bench FAILED"; tail -n 5 "$WORK_DIR/serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has checksums; then
+  # Issue 17: blob checksums at run time on the GPU paths (device buffers are hashed by copying
+  # them back; the host tier is hashed in place), and what checking costs on the streamed 7B.
+  small="$WORK_DIR/smollm2-q4_1-flip"
+  rm -rf "$small"
+  "$BIN" synth --shape smollm2-135m --dtype q4_1 --layers 4 "$small" >&2 || status=1
+  python3 - "$small/layer_002.bin" <<'PY'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(5000); b = f.read(1); f.seek(5000); f.write(bytes([b[0] ^ 0x10]))
+PY
+  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 64MiB --host-cache off" "host-tier:--vram-budget 64MiB --host-cache 1GiB"; do
+    name=${mode%%:*}; flags=${mode#*:}
+    step "flipped bit, run --device cuda ($name)"
+    # shellcheck disable=SC2086
+    if "$BIN" run --device cuda -m "$small" $flags -p hello -n 4 --temp 0 >/dev/null 2>"$WORK_DIR/flip-$name.log"; then
+      note "checksums $name: FAILED (a flipped bit ran without error)"; status=1
+    elif grep -q "layer_002.bin: checksum mismatch" "$WORK_DIR/flip-$name.log"; then
+      note "checksums $name: flipped bit refused: $(grep -o 'layer_002.bin: checksum mismatch[^(]*' "$WORK_DIR/flip-$name.log" | head -n1)"
+    else
+      note "checksums $name: FAILED (error without the checksum message)"; tail -n 3 "$WORK_DIR/flip-$name.log" >&2; status=1
+    fi
+  done
+  model="$WORK_DIR/llama7b-f16"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype f16 "$model" >&2 || status=1
+  for rep in 1 2; do
+    for check in on off; do
+      extra=""; [ "$check" = off ] && extra="--no-checksums"
+      step "checksum cost: bench 7b f16 streamed 4GiB, checksums $check (round $rep)"
+      j="$WORK_DIR/bench-7b-checksums-$check-$rep.json"
+      # shellcheck disable=SC2086
+      "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json $extra >"$j" 2>"$j.log" || { note "checksum bench $check FAILED"; status=1; }
+    done
+  done
+  python3 - "$WORK_DIR" >>"$WORK_DIR/lines" <<'PY' && tail -n 1 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+import json, sys
+w = sys.argv[1]
+def load(check):
+    runs = [json.load(open(f"{w}/bench-7b-checksums-{check}-{r}.json")) for r in (1, 2)]
+    tg = sum(d["tg"]["mean"] for d in runs) / 2
+    first = sum(d["load"]["first_pass_s"] for d in runs) / 2
+    return tg, first, runs[0]
+on, first_on, d_on = load("on")
+off, first_off, _ = load("off")
+res = d_on["residency"]
+print(f"7b f16 streamed 4GiB: tg {on:.3f} tok/s with checksums vs {off:.3f} without ({(on/off-1)*100:+.1f}%, target >= -3%); "
+      f"first pass {first_on:.2f} s vs {first_off:.2f} s; hashed {res['checksum_bytes']/1e9:.2f} GB in {res['checksum_seconds']:.2f} s; checksums field: {d_on['checksums']}")
+PY
 fi
 
 echo

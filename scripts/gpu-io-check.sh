@@ -5,7 +5,7 @@
 #      cuFileHandleRegister on a file in the work dir, and the likely fixes are tried one at a
 #      time (udev record variants, /run/udev/control, force_compat_mode, a mount that names
 #      the real device node) until registration works; the first that works is reported,
-#   2. `gdsllm doctor --json` (probe reads with every backend),
+#   2. `gdsllm doctor --json` (probe reads with every I/O path),
 #   3. the gds-io GPU tests (GDSLLM_GPU_TESTS=1: they fail, not skip, without a GPU),
 #   4. a synthetic 7B-shaped model (bf16-sized blobs) and `gdsllm bench-io --drop-caches` on
 #      it: raw O_DIRECT (start and end of the run), buffered, host, cufile, bounce at each

@@ -123,7 +123,10 @@ if has demo; then
 import json, sys
 d = json.load(open(sys.argv[1]))
 c = d.get("compare", {})
-print(f"{c.get(\"verdict\")}; {d[\"layer_reads\"]} layer reads ({d[\"gb_read\"]:.3f} GB) through open_model, {d[\"seconds\"]:.1f} s; gdsllm buffers alive after: {d[\"memory_after\"][\"device_buffers\"]}")' "$dir/demo.json" 2>"$dir/summary.err" || echo "no result (see $dir/demo.log)")"
+verdict, reads, gb, secs = c.get("verdict"), d["layer_reads"], d["gb_read"], d["seconds"]
+alive = d["memory_after"]["device_buffers"]
+# No backslashes inside the f-string: Python before 3.12 refuses them.
+print(f"{verdict}; {reads} layer reads ({gb:.3f} GB) through open_model, {secs:.1f} s; gdsllm buffers alive after: {alive}")' "$dir/demo.json" 2>"$dir/summary.err" || echo "no result (see $dir/demo.log)")"
     if [ -s "$dir/summary.err" ]; then
       # A demo that exits 0 without the JSON the summary reads is a failure too: show why.
       status=1

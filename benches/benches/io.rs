@@ -1,6 +1,6 @@
-//! GB/s of one layer-sized blob read per I/O backend (criterion reports bytes/s).
+//! GB/s of one layer-sized blob read per I/O path (criterion reports bytes/s).
 //!
-//! Without a GPU only the `host` backend (O_DIRECT into aligned host memory) is measured; with
+//! Without a GPU only the `host` I/O path (O_DIRECT into aligned host memory) is measured; with
 //! one, `bounce`, `host_to_gpu` and, when cuFile registers the file, `cufile` too. Device reads
 //! are timed to completion: the async form's ticket is waited on before the clock is read.
 //! `GDSLLM_BENCH_DIR` picks a disk-backed directory for the blob (default: the temp dir),
@@ -10,9 +10,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use gds_io::{
-    BackendKind, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, ParallelRead,
-};
+use gds_io::{DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IoPath, ParallelRead};
 
 fn blob_file() -> (tempfile::TempDir, std::path::PathBuf, usize) {
     let base = std::env::var_os("GDSLLM_BENCH_DIR")
@@ -57,14 +55,14 @@ fn io(c: &mut Criterion) {
     });
 
     match Gpu::open(0) {
-        Err(err) => eprintln!("io bench: device backends skipped: {err}"),
+        Err(err) => eprintln!("io bench: device I/O paths skipped: {err}"),
         Ok(gpu) => {
             let driver = Driver::open().ok();
             let buffer = GdsBuffer::alloc(&gpu, len).expect("device buffer");
             let stream = gpu.new_stream().expect("stream");
-            for kind in [BackendKind::Bounce, BackendKind::Host, BackendKind::Cufile] {
+            for kind in [IoPath::Bounce, IoPath::Host, IoPath::Cufile] {
                 let mut file = GdsFile::open(&path).expect("open blob");
-                if kind == BackendKind::Cufile {
+                if kind == IoPath::Cufile {
                     let registered = driver.as_ref().map(|d| file.register(d));
                     if !matches!(registered, Some(Ok(()))) {
                         eprintln!("io bench: cufile skipped: {registered:?}");
@@ -72,8 +70,8 @@ fn io(c: &mut Criterion) {
                     }
                 }
                 let reader: Box<dyn DeviceReader> =
-                    gds_io::build_reader(kind, &gpu, driver.as_ref()).expect("backend");
-                let name = if kind == BackendKind::Host {
+                    gds_io::build_reader(kind, &gpu, driver.as_ref()).expect("I/O path");
+                let name = if kind == IoPath::Host {
                     "host_to_gpu"
                 } else {
                     kind.name()

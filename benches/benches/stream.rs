@@ -1,4 +1,4 @@
-//! One streaming pass over a model's blobs through `residency::Residency` (host backend) with
+//! One streaming pass over a model's blobs through `residency::Residency` (host path) with
 //! a simulated compute load, against a raw sequential O_DIRECT read of the same blobs in the
 //! same run (issue 3, Performance: with compute ≤ I/O time the ratio should be ≥ 0.95).
 //!

@@ -26,7 +26,7 @@ pub struct DeviceArgs {
     /// How weights are read into GPU memory: `auto` (cuFile where GPUDirect Storage works,
     /// else bounce), `cufile`, `bounce` (O_DIRECT into pinned host buffers, then async copies)
     /// or `host`. Also GDSLLM_IO.
-    #[arg(long, value_name = "BACKEND")]
+    #[arg(long, value_name = "IO_PATH")]
     pub io: Option<String>,
 }
 

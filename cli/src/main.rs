@@ -28,7 +28,7 @@ enum Command {
     Pull(cmd::pull::Args),
     /// Check GPU, CUDA libraries, cuFile/GDS, udev and the model store; measure read speed.
     Doctor(cmd::doctor::Args),
-    /// Read every blob of a model with each I/O backend; GB/s against raw O_DIRECT.
+    /// Read every blob of a model with each I/O path; GB/s against raw O_DIRECT.
     BenchIo(cmd::bench_io::Args),
     /// Write a model of a given shape with random weights (for benchmarks).
     Synth(cmd::synth::Args),

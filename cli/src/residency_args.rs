@@ -1,6 +1,6 @@
 //! The residency flags shared by `gdsllm run`, `bench`, `serve` and `plan`.
 
-use residency::{Budget, HostCache, Policy, ResidencyOptions};
+use residency::{BlobChecksums, Budget, HostCache, Policy, ResidencyOptions};
 
 /// How much device memory to use and what to keep in it.
 #[derive(clap::Args, Debug, Clone)]
@@ -26,6 +26,12 @@ pub struct ResidencyArgs {
     /// comparison only; collapses under the cyclic access of decoding).
     #[arg(long, value_enum, default_value = "planned", hide = true)]
     pub policy: PolicyArg,
+    /// Do not check blobs against their XXH3 checksums while loading. By default the first
+    /// read of each blob from disk is hashed before the model uses it, so a corrupt file fails
+    /// loudly (naming the blob) instead of changing the output; later re-reads of streamed
+    /// blobs are not hashed again. `gdsllm verify` checks every byte.
+    #[arg(long)]
+    pub no_checksums: bool,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +54,16 @@ impl ResidencyArgs {
                 PolicyArg::Lru => Policy::Lru,
             },
             reserved_bytes,
+            checksums: self.checksums(),
+        }
+    }
+
+    /// What `--no-checksums` says, as reported by `--json` outputs.
+    pub fn checksums(&self) -> BlobChecksums {
+        if self.no_checksums {
+            BlobChecksums::Off
+        } else {
+            BlobChecksums::FirstRead
         }
     }
 }
@@ -87,6 +103,9 @@ mod tests {
         let t = Test::try_parse_from(["t"]).unwrap();
         assert_eq!(t.residency.vram_budget, Budget::Auto);
         assert_eq!(t.residency.options(0).policy, Policy::Planned);
+        assert_eq!(t.residency.options(0).checksums, BlobChecksums::FirstRead);
+        let t = Test::try_parse_from(["t", "--no-checksums"]).unwrap();
+        assert_eq!(t.residency.options(0).checksums, BlobChecksums::Off);
         assert!(Test::try_parse_from(["t", "--vram-budget", "lots"]).is_err());
         assert!(Test::try_parse_from(["t", "--prefetch", "0"]).is_err());
         let t = Test::try_parse_from(["t", "--host-cache", "512MiB", "--policy", "lru"]).unwrap();

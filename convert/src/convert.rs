@@ -1,16 +1,17 @@
 //! The conversion driver shared by every source format: a source is first turned into a
-//! [`SourceModel`] (config, tokenizer, and for every output tensor where its bytes lie in which
-//! input file), which is then streamed into a [`ModelWriter`] one tensor at a time.
+//! [`SourceModel`] (by `hf` or `gguf_map`), which is then streamed into a [`ModelWriter`] one
+//! tensor at a time.
 
-use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
-use weights_format::{ChatTemplateRef, DType, FormatError, Model, ModelConfig, ModelWriter, quant};
+use serde_json::Value;
+use weights_format::{ChatTemplateRef, DType, Model, ModelWriter, quant};
 
-use crate::gguf::{GgufError, GgufFile};
-use crate::tokenizer::{GgufTokenizer, TokenizerError};
+// Re-exported where it used to live, so `convert::ConvertError` keeps working for callers.
+pub use crate::error::ConvertError;
+use crate::source::{SourceModel, TokenizerSource, Transform};
+use crate::tokenizer::{GgufTokenizer, check_chat_template, check_tokenizer_json};
 
 /// File name of the tokenizer inside a converted model.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
@@ -108,138 +109,34 @@ pub trait Progress {
 pub struct NoProgress;
 impl Progress for NoProgress {}
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConvertError {
-    #[error(transparent)]
-    Gguf(#[from] GgufError),
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    #[error(transparent)]
-    Format(#[from] FormatError),
-    #[error("{path}: {error}")]
-    Io {
-        path: PathBuf,
-        error: std::io::Error,
-    },
-    #[error("{path}: neither a .gguf file nor a Hugging Face directory with config.json")]
-    UnknownInput { path: PathBuf },
-    #[error("{path}: missing config key {key}")]
-    MissingKey { path: PathBuf, key: String },
-    #[error("{path}: config key {key}: {reason}")]
-    BadKey {
-        path: PathBuf,
-        key: String,
-        reason: String,
-    },
-    #[error("{path}: missing tensor {tensor}")]
-    MissingTensor { path: PathBuf, tensor: String },
-    #[error("{path}: tensor {tensor}: {reason}")]
-    BadTensor {
-        path: PathBuf,
-        tensor: String,
-        reason: String,
-    },
-    #[error("{path}: {reason}")]
-    BadInput { path: PathBuf, reason: String },
-    #[error("{path}: output exists (use --force to replace it)")]
-    OutputExists { path: PathBuf },
-}
-
-impl ConvertError {
-    pub(crate) fn io(path: &Path, source: std::io::Error) -> ConvertError {
-        ConvertError::Io {
-            path: path.to_path_buf(),
-            error: source,
-        }
-    }
-}
-
-/// Where one output tensor's bytes come from.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PlannedTensor {
-    /// Canonical name in the blob (`weights_format::names`).
-    pub name: String,
-    /// Name in the source, for messages.
-    pub source_name: String,
-    pub dtype: DType,
-    /// Row-major shape.
-    pub shape: Vec<u64>,
-    /// Index into [`SourceModel::files`].
-    pub file: usize,
-    /// Absolute byte offset in that file.
-    pub offset: u64,
-    pub length: u64,
-    /// What to do to the bytes on the way.
-    pub transform: Transform,
-}
-
-/// A change a tensor's values need on the way into our format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-pub enum Transform {
-    /// None: the bytes are ours (bit for bit unless `--dtype` re-encodes them).
-    #[default]
-    Keep,
-    /// The rows are in llama.cpp's interleaved RoPE order and go back into Hugging Face order
-    /// with this many heads.
-    UnpermuteHeads(u32),
-    /// A Gemma norm weight `w` becomes `1 + w`, stored as f32 (see FORMAT.md).
-    AddOne,
-}
-
-/// One output blob and its tensors in writing order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PlannedBlob {
-    pub file: String,
-    pub tensors: Vec<PlannedTensor>,
-}
-
-/// A source model ready to be written: everything but the tensor bytes is in memory.
-#[derive(Debug)]
-pub struct SourceModel {
-    pub config: ModelConfig,
-    pub tokenizer: TokenizerSource,
-    pub chat_template: Option<String>,
-    /// Provenance written into `metadata.json`; contains no absolute paths or times so that
-    /// converting twice gives identical bytes.
-    pub source: Map<String, Value>,
-    pub blobs: Vec<PlannedBlob>,
-    /// Input files the tensors are read from, with their paths.
-    pub files: Vec<(PathBuf, File)>,
-}
-
-/// Where `tokenizer.json` comes from.
-#[derive(Debug)]
-pub enum TokenizerSource {
-    /// The file as it is (Hugging Face directories ship one).
-    Json(Vec<u8>),
-    /// Built from the metadata of this GGUF file ([`GgufTokenizer`]) while [`write_model`]
-    /// writes the blobs.
-    Gguf(Box<GgufFile>),
-}
-
-impl SourceModel {
-    /// Bytes of tensor data read from the source.
-    pub fn total_bytes(&self) -> u64 {
-        self.blobs
-            .iter()
-            .flat_map(|b| &b.tensors)
-            .map(|t| t.length)
-            .sum()
-    }
-}
-
 /// Opens a source: a `.gguf` file or a Hugging Face directory, told apart by what `input` is.
+/// The tokenizer.json and chat template a source brings are loaded as the runtime will load
+/// them before anything is written (one built from GGUF metadata is checked once built).
 pub fn open_source(input: &Path) -> Result<SourceModel, ConvertError> {
     let meta = std::fs::metadata(input).map_err(|e| ConvertError::io(input, e))?;
-    if meta.is_dir() {
-        if input.join("config.json").is_file() {
-            return crate::hf::open_hf_dir(input);
+    let source = if meta.is_dir() {
+        if !input.join("config.json").is_file() {
+            return Err(ConvertError::UnknownInput {
+                path: input.to_path_buf(),
+            });
         }
-        return Err(ConvertError::UnknownInput {
-            path: input.to_path_buf(),
-        });
+        crate::hf::open_hf_dir(input)?
+    } else {
+        crate::gguf_map::open_gguf(input)?
+    };
+    if let TokenizerSource::Json(json) = &source.tokenizer {
+        check_tokenizer_json(json).map_err(|reason| ConvertError::BadInput {
+            path: input.join(TOKENIZER_FILE),
+            reason,
+        })?;
     }
-    crate::gguf_map::open_gguf(input)
+    if let Some(template) = &source.chat_template {
+        check_chat_template(template).map_err(|reason| ConvertError::BadInput {
+            path: input.to_path_buf(),
+            reason,
+        })?;
+    }
+    Ok(source)
 }
 
 /// What [`convert`] did.
@@ -263,6 +160,7 @@ pub fn convert(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertReport, ConvertError> {
+    clean_stale_staging(out);
     let exists = out.symlink_metadata().is_ok();
     if exists && !options.force {
         return Err(ConvertError::OutputExists {
@@ -299,6 +197,46 @@ pub fn convert(
     remove_path(&old).map_err(|e| ConvertError::io(&old, e))?;
     report.out = out.to_path_buf();
     Ok(report)
+}
+
+/// A `convert --force` killed half-way leaves `.<name>.new-<pid>` (the new model, or its
+/// `..<name>.new-<pid>.partial-<pid>`) and possibly `.<name>.old-<pid>` (the model it was
+/// replacing) next to `out`. With their process gone, the new ones are removed and an old one
+/// is put back at `out` when nothing is there (else removed), and the writer's own
+/// `.<name>.partial-<pid>` go too.
+pub fn clean_stale_staging(out: &Path) {
+    let (Some(parent), Some(name)) = (out.parent(), out.file_name().and_then(|n| n.to_str()))
+    else {
+        return;
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let remove = |path: &Path| match remove_path(path) {
+        Ok(()) => tracing::info!(
+            "removed {}, left by an interrupted conversion",
+            path.display()
+        ),
+        Err(e) => tracing::warn!("cannot remove stale {}: {e}", path.display()),
+    };
+    weights_format::remove_stale_partials(parent, name);
+    for prefix in [format!(".{name}.new-"), format!("..{name}.new-")] {
+        for path in weights_format::stale_work_dirs(parent, &prefix) {
+            remove(&path);
+        }
+    }
+    for old in weights_format::stale_work_dirs(parent, &format!(".{name}.old-")) {
+        if out.symlink_metadata().is_err() && std::fs::rename(&old, out).is_ok() {
+            tracing::warn!(
+                "{} was moved aside by an interrupted `convert --force`; put it back",
+                out.display()
+            );
+        } else {
+            remove(&old);
+        }
+    }
 }
 
 fn remove_path(path: &Path) -> std::io::Result<()> {
@@ -355,6 +293,14 @@ pub fn write_model(
     tracing::debug!("blobs written in {:.1} ms", ms(started));
     let started = std::time::Instant::now();
     let tokenizer_json: std::borrow::Cow<[u8]> = match (&source.tokenizer, built) {
+        (TokenizerSource::Gguf(gguf), Some(built)) => {
+            let json = built?.into_bytes();
+            check_tokenizer_json(&json).map_err(|reason| ConvertError::BadInput {
+                path: gguf.path().to_path_buf(),
+                reason: format!("the tokenizer built from its metadata: {reason}"),
+            })?;
+            json.into()
+        }
         (_, Some(built)) => built?.into_bytes().into(),
         (TokenizerSource::Json(bytes), None) => bytes.into(),
         (TokenizerSource::Gguf(_), None) => unreachable!("a GGUF tokenizer is always built"),
@@ -534,75 +480,4 @@ fn reencode(
         quant::quantize(to, &row, out).map_err(|e| e.to_string())?;
     }
     Ok(())
-}
-
-/// Arranges found tensors into the canonical blobs (the tensors `weights_format::layout` asks
-/// of `config`), checking each shape. `find(our_name, layer)` returns the planned tensor for
-/// that slot, or None if absent.
-pub(crate) fn plan_blobs(
-    config: &ModelConfig,
-    path: &Path,
-    mut find: impl FnMut(&str, Option<u32>) -> Result<Option<PlannedTensor>, ConvertError>,
-) -> Result<Vec<PlannedBlob>, ConvertError> {
-    use weights_format::layout::{self, BlobKind};
-    let mut blobs = Vec::with_capacity(config.n_layers as usize + 2);
-    for file in layout::blob_files(config.n_layers) {
-        let kind = layout::blob_kind(&file).expect("layout names are canonical");
-        let layer = match kind {
-            BlobKind::Layer(l) => Some(l as u32),
-            BlobKind::Embed | BlobKind::Output => None,
-        };
-        let mut tensors = Vec::new();
-        for spec in layout::blob_tensors(config, kind) {
-            let t = find(spec.name, layer)?.ok_or_else(|| ConvertError::MissingTensor {
-                path: path.to_path_buf(),
-                tensor: match layer {
-                    Some(l) => format!("{} of layer {l}", spec.name),
-                    None => spec.name.to_string(),
-                },
-            })?;
-            if t.shape != spec.shape {
-                return Err(ConvertError::BadTensor {
-                    path: path.to_path_buf(),
-                    tensor: t.source_name.clone(),
-                    reason: format!(
-                        "shape {:?} does not match the config (expected {:?})",
-                        t.shape, spec.shape
-                    ),
-                });
-            }
-            tensors.push(t);
-        }
-        blobs.push(PlannedBlob { file, tensors });
-    }
-    Ok(blobs)
-}
-
-/// Narrows `t` to the rows `rows` picks of a fused tensor (a byte range: rows are contiguous),
-/// after checking that the fused tensor has the rows the config implies.
-pub(crate) fn take_rows(
-    mut t: PlannedTensor,
-    rows: crate::family::Rows,
-    config: &ModelConfig,
-    path: &Path,
-) -> Result<PlannedTensor, ConvertError> {
-    let (Some((first, count)), Some(total)) = (rows.range(config), rows.fused_rows(config)) else {
-        return Ok(t);
-    };
-    if t.shape.len() != 2 || t.shape[0] != total {
-        return Err(ConvertError::BadTensor {
-            path: path.to_path_buf(),
-            tensor: t.source_name,
-            reason: format!(
-                "shape {:?}: a fused tensor of {total} rows is expected from the config",
-                t.shape
-            ),
-        });
-    }
-    let row_bytes = t.length / total;
-    t.offset += first * row_bytes;
-    t.length = count * row_bytes;
-    t.shape[0] = count;
-    t.source_name = format!("{} (rows {first}..{})", t.source_name, first + count);
-    Ok(t)
 }

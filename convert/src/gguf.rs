@@ -840,9 +840,17 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(raw.len());
         let mut tensor_index = HashMap::with_capacity(raw.len());
         let mut unsupported = Vec::new();
+        // GGUF (and ggml's reader) lay tensors out back to back in header order, each padded to
+        // the alignment: where the next one must start. An offset elsewhere means an overlap, a
+        // gap, or an earlier tensor whose type or shape does not match its bytes. After a
+        // tensor of a type we cannot size the layout is unknown; such a file is refused anyway
+        // (`check_tensor_types`), naming every unsupported type.
+        let mut next_offset = Some(0u64);
+        let mut last_padding = 0u64;
         for t in raw {
             let Some(dtype) = dtype_from_ggml(t.type_id) else {
                 unsupported.push((t.name, t.type_id));
+                next_offset = None;
                 continue;
             };
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
@@ -887,6 +895,33 @@ impl GgufFile {
                     file_len,
                 });
             }
+            if let Some(expected) = next_offset {
+                if t.offset != expected {
+                    return Err(GgufError::Invalid {
+                        path: path.clone(),
+                        offset: t.info_offset,
+                        what: format!(
+                            "tensor {}: data offset {} where the previous tensors end at \
+                             {expected} (tensors follow each other in header order, each padded \
+                             to {alignment} bytes: this one overlaps another, leaves a gap, or an \
+                             earlier tensor's type or shape does not match its bytes)",
+                            t.name, t.offset
+                        ),
+                    });
+                }
+                let padded = length.div_ceil(alignment).checked_mul(alignment);
+                let Some(after) = padded.and_then(|p| expected.checked_add(p)) else {
+                    return Err(GgufError::TensorOutOfBounds {
+                        path: path.clone(),
+                        tensor: t.name,
+                        start,
+                        end: u64::MAX,
+                        file_len,
+                    });
+                };
+                last_padding = after - expected - length;
+                next_offset = Some(after);
+            }
             if tensor_index.insert(t.name.clone(), tensors.len()).is_some() {
                 return Err(GgufError::Invalid {
                     path: path.clone(),
@@ -903,6 +938,25 @@ impl GgufFile {
             });
         }
 
+        // The data section is exactly the tensors (the last one's padding may be cut off at the
+        // end of the file): bytes beyond it belong to no tensor, which is what a tensor whose
+        // type was changed to a smaller one leaves behind.
+        if let Some(end) = next_offset.filter(|_| !tensors.is_empty()) {
+            let data_len = file_len.saturating_sub(data_offset);
+            if data_len > end || data_len < end - last_padding {
+                return Err(GgufError::Invalid {
+                    path: path.clone(),
+                    offset: data_offset,
+                    what: format!(
+                        "the data section holds {data_len} bytes but its {} tensors take {} \
+                         (plus up to {last_padding} bytes of final padding): a tensor's type or \
+                         shape does not match its bytes",
+                        tensors.len(),
+                        end - last_padding
+                    ),
+                });
+            }
+        }
         drop(r);
         Ok(GgufFile {
             path,

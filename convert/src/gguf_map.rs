@@ -14,11 +14,12 @@ use weights_format::{
     Activation, Architecture, DType, ModelConfig, RopeScaling, SlidingWindow, names,
 };
 
-use crate::convert::{
-    ConvertError, PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
-};
+use crate::error::ConvertError;
 use crate::family::{self, FamilyTable, source_name};
 use crate::gguf::{GgufError, GgufFile};
+use crate::source::{
+    PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
+};
 
 /// llama.cpp's per-frequency RoPE divisors (Llama 3.1 scaling).
 const ROPE_FREQS: &str = "rope_freqs.weight";

@@ -27,6 +27,15 @@ impl GgufBuilder {
         self
     }
 
+    /// Replaces the value of `key` (added if absent).
+    pub fn set_kv(&mut self, key: &str, value: GgufValue) -> &mut Self {
+        match self.metadata.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = value,
+            None => self.metadata.push((key.to_string(), value)),
+        }
+        self
+    }
+
     /// Adds a tensor of one of our dtypes with row-major `shape`.
     pub fn tensor(&mut self, name: &str, dtype: DType, shape: &[u64], data: Vec<u8>) -> &mut Self {
         self.tensor_raw(name, ggml_type_id(dtype), shape, data)
@@ -43,6 +52,11 @@ impl GgufBuilder {
         self.tensors
             .push((name.to_string(), type_id, shape.to_vec(), data));
         self
+    }
+
+    /// Names of the tensors added so far, in header order.
+    pub fn tensor_names(&self) -> Vec<String> {
+        self.tensors.iter().map(|t| t.0.clone()).collect()
     }
 
     /// Serialises the file. Tensor data is aligned to `general.alignment` when that key is

@@ -11,10 +11,11 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use weights_format::{Architecture, DType, ModelConfig, RopeScaling, SlidingWindow};
 
-use crate::convert::{
-    ConvertError, PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
-};
+use crate::error::ConvertError;
 use crate::family::{self, FamilyTable, source_name};
+use crate::source::{
+    PlannedTensor, SourceModel, TokenizerSource, Transform, plan_blobs, take_rows,
+};
 use crate::tokenizer::chat_template_from_tokenizer_config;
 
 /// safetensors refuses headers above 100 MB; so do we, before allocating.

@@ -10,7 +10,9 @@ use std::os::unix::fs::FileExt;
 use serde::Serialize;
 use weights_format::{DType, Model};
 
-use crate::convert::{ConvertError, SourceModel, Transform, add_one, unpermute_rows};
+use crate::convert::{add_one, unpermute_rows};
+use crate::error::ConvertError;
+use crate::source::{SourceModel, Transform};
 
 /// One tensor of the model against the GGUF's.
 #[derive(Debug, Clone, Serialize)]

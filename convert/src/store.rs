@@ -100,7 +100,7 @@ pub fn resolve_in(home: &Path, spec: &str) -> Result<PathBuf, StoreError> {
         } else {
             format!("available: {}", available.join(", "))
         },
-        known: crate::pull::KNOWN_MODELS
+        known: crate::catalog::KNOWN_MODELS
             .iter()
             .map(|m| m.name)
             .collect::<Vec<_>>()

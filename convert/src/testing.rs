@@ -516,3 +516,206 @@ pub fn random_blocks(dtype: DType, n_blocks: usize, seed: u64) -> Vec<u8> {
     }
     bytes
 }
+
+/// Where one tensor info's fields lie in a GGUF file's bytes, for tests that corrupt the
+/// tensor table the way an attacker (or a broken writer) would.
+#[derive(Debug, Clone)]
+pub struct TensorInfoAt {
+    pub name: String,
+    pub n_dims_at: usize,
+    pub n_dims: u32,
+    pub dims_at: usize,
+    pub type_at: usize,
+    pub offset_at: usize,
+    pub offset: u64,
+}
+
+/// Finds the tensor infos of `names` in `bytes` (a GGUF written by [`GgufBuilder`]), by their
+/// length-prefixed names. Panics if one is missing: test data only.
+pub fn tensor_infos_at(bytes: &[u8], names: &[String]) -> Vec<TensorInfoAt> {
+    let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    names
+        .iter()
+        .map(|name| {
+            let mut key = (name.len() as u64).to_le_bytes().to_vec();
+            key.extend_from_slice(name.as_bytes());
+            let start = bytes
+                .windows(key.len())
+                .rposition(|w| w == key)
+                .unwrap_or_else(|| panic!("tensor info of {name} not found"));
+            let n_dims_at = start + key.len();
+            let n_dims = u32_at(n_dims_at);
+            let dims_at = n_dims_at + 4;
+            let type_at = dims_at + 8 * n_dims as usize;
+            let offset_at = type_at + 4;
+            TensorInfoAt {
+                name: name.clone(),
+                n_dims_at,
+                n_dims,
+                dims_at,
+                type_at,
+                offset_at,
+                offset: u64_at(offset_at),
+            }
+        })
+        .collect()
+}
+
+/// One corruption of a GGUF tensor table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableMutation {
+    Offset {
+        tensor: usize,
+        value: u64,
+    },
+    Type {
+        tensor: usize,
+        value: u32,
+    },
+    Dim {
+        tensor: usize,
+        dim: usize,
+        value: u64,
+    },
+    NDims {
+        tensor: usize,
+        value: u32,
+    },
+    TensorCount(u64),
+    /// Cut this many bytes off the end of the file.
+    Truncate(usize),
+    /// Append this many zero bytes.
+    Append(usize),
+}
+
+impl TableMutation {
+    /// A mutation chosen by `seed`: field and value, with the values that break parsers most
+    /// often (0, 1, alignment ± 1, type boundaries, u32/u64 extremes, another tensor's offset)
+    /// more likely than random ones.
+    pub fn from_seed(seed: u64, infos: &[TensorInfoAt]) -> TableMutation {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let tensor = (next() % infos.len() as u64) as usize;
+        let info = &infos[tensor];
+        let other = infos[(next() % infos.len() as u64) as usize].offset;
+        let interesting_u64 = [
+            0,
+            1,
+            31,
+            32,
+            33,
+            4096,
+            u64::from(u32::MAX),
+            u64::MAX,
+            u64::MAX - 31,
+            other,
+            info.offset.wrapping_add(32),
+            info.offset.wrapping_sub(32),
+            info.offset.wrapping_mul(2),
+            next(),
+        ];
+        let pick = |r: u64, values: &[u64]| values[(r % values.len() as u64) as usize];
+        match next() % 7 {
+            0 | 1 => TableMutation::Offset {
+                tensor,
+                value: pick(next(), &interesting_u64),
+            },
+            2 => TableMutation::Type {
+                tensor,
+                value: pick(
+                    next(),
+                    &[
+                        0,
+                        1,
+                        2,
+                        3,
+                        6,
+                        8,
+                        10,
+                        12,
+                        30,
+                        39,
+                        40,
+                        u64::from(u32::MAX),
+                        next() % 64,
+                    ],
+                ) as u32,
+            },
+            3 => TableMutation::Dim {
+                tensor,
+                dim: (next() % u64::from(info.n_dims.max(1))) as usize,
+                value: pick(
+                    next(),
+                    &[0, 1, 2, 16, 31, 33, 64, 1 << 32, u64::MAX, next() % 256],
+                ),
+            },
+            4 => TableMutation::NDims {
+                tensor,
+                value: pick(next(), &[0, 1, 2, 3, 4, 5, u64::from(u32::MAX)]) as u32,
+            },
+            5 => TableMutation::TensorCount(pick(
+                next(),
+                &[
+                    0,
+                    1,
+                    infos.len() as u64 - 1,
+                    infos.len() as u64 + 1,
+                    u64::MAX,
+                ],
+            )),
+            _ => {
+                if next() % 2 == 0 {
+                    TableMutation::Truncate(pick(next(), &[1, 31, 32, 4096]) as usize)
+                } else {
+                    TableMutation::Append(pick(next(), &[1, 32, 4096]) as usize)
+                }
+            }
+        }
+    }
+
+    /// Applies the mutation to `bytes`, whose tensor infos are `infos`.
+    pub fn apply(&self, bytes: &mut Vec<u8>, infos: &[TensorInfoAt]) {
+        let put = |bytes: &mut Vec<u8>, at: usize, value: &[u8]| {
+            bytes[at..at + value.len()].copy_from_slice(value);
+        };
+        match *self {
+            TableMutation::Offset { tensor, value } => {
+                put(bytes, infos[tensor].offset_at, &value.to_le_bytes())
+            }
+            TableMutation::Type { tensor, value } => {
+                put(bytes, infos[tensor].type_at, &value.to_le_bytes())
+            }
+            TableMutation::Dim { tensor, dim, value } => {
+                put(bytes, infos[tensor].dims_at + 8 * dim, &value.to_le_bytes())
+            }
+            TableMutation::NDims { tensor, value } => {
+                put(bytes, infos[tensor].n_dims_at, &value.to_le_bytes())
+            }
+            // Magic (4) and version (4) precede the tensor count.
+            TableMutation::TensorCount(value) => put(bytes, 8, &value.to_le_bytes()),
+            TableMutation::Truncate(n) => bytes.truncate(bytes.len().saturating_sub(n)),
+            TableMutation::Append(n) => bytes.resize(bytes.len() + n, 0),
+        }
+    }
+}
+
+/// Every file of a (model) directory, sorted by name, with its bytes: for comparing two
+/// conversions byte for byte.
+pub fn dir_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("readable directory")
+        .map(|e| e.expect("directory entry"))
+        .map(|e| {
+            let bytes = std::fs::read(e.path()).expect("readable file");
+            (e.file_name().to_string_lossy().into_owned(), bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}

@@ -459,3 +459,20 @@ pub fn chat_template_from_tokenizer_config(config: &Value) -> Option<String> {
         _ => None,
     }
 }
+
+/// Loads `json` with the `tokenizers` crate, as the runtime does, so that a conversion never
+/// writes a tokenizer.json that `gdsllm run` would then refuse.
+pub fn check_tokenizer_json(json: &[u8]) -> Result<(), String> {
+    tokenizers::Tokenizer::from_bytes(json)
+        .map(|_| ())
+        .map_err(|e| format!("tokenizer.json does not load: {e}"))
+}
+
+/// Compiles a chat template with minijinja, as the runtime does (functions such as
+/// `raise_exception` are looked up when rendering, so they do not matter here).
+pub fn check_chat_template(source: &str) -> Result<(), String> {
+    let mut env = minijinja::Environment::new();
+    env.add_template("chat_template", source)
+        .map(|_| ())
+        .map_err(|e| format!("the chat template does not compile: {e:#}"))
+}

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use gdsllm_convert::convert::{ConvertError, ConvertOptions, NoProgress, convert};
+use gdsllm_convert::ConvertError;
+use gdsllm_convert::convert::{ConvertOptions, NoProgress, convert};
 use gdsllm_convert::gguf::{GgufFile, GgufValue, GgufValueType};
 use gdsllm_convert::gguf_writer::GgufBuilder;
 use gdsllm_convert::testing::TinyLlama;
@@ -485,4 +486,83 @@ fn large_arrays_are_checked_when_the_header_is_read() {
             "cut {cut}: {err}"
         );
     }
+}
+
+#[test]
+fn a_tokenizer_or_template_the_runtime_would_refuse_is_never_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Hugging Face directories ship tokenizer.json as it is: one that does not load stops the
+    // conversion before any blob is written.
+    let hf = tmp.path().join("hf");
+    TinyLlama::new(3, true).write_hf(&hf, 1).unwrap();
+    std::fs::write(
+        hf.join("tokenizer.json"),
+        br#"{"model": {"type": "Nonsense"}}"#,
+    )
+    .unwrap();
+    let msg = convert_err(&hf, &tmp.path().join("out"));
+    println!("{msg}");
+    assert!(
+        msg.contains("tokenizer.json") && msg.contains("does not load"),
+        "{msg}"
+    );
+
+    // A chat template that does not compile.
+    let mut builder = TinyLlama::new(3, true).gguf(DType::F32);
+    builder.set_kv(
+        "tokenizer.chat_template",
+        GgufValue::String("{% for message in messages %}{{ message".into()),
+    );
+    let bytes = builder.to_bytes();
+    let path = tmp.path().join("badtemplate.gguf");
+    std::fs::write(&path, &bytes).unwrap();
+    let err = convert(
+        &path,
+        &tmp.path().join("out"),
+        &ConvertOptions::default(),
+        &NoProgress,
+    )
+    .expect_err("a template that does not compile");
+    println!("{err}");
+    assert!(
+        err.to_string().contains("chat template does not compile"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_interrupted_forced_conversion_is_cleaned_up_on_the_next_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("tiny.gguf");
+    TinyLlama::new(4, true)
+        .gguf(DType::F32)
+        .write_to(&input)
+        .unwrap();
+    let out = tmp.path().join("m");
+    convert(&input, &out, &ConvertOptions::default(), &NoProgress).unwrap();
+    // What `convert --force` leaves when killed after moving the old model aside: the old
+    // model, the new one, and the writer's partial directory, all of a process now gone.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    std::fs::rename(&out, tmp.path().join(format!(".m.old-{dead}"))).unwrap();
+    for stale in [
+        format!(".m.new-{dead}"),
+        format!("..m.new-{dead}.partial-{dead}"),
+        format!(".m.partial-{dead}"),
+    ] {
+        std::fs::create_dir(tmp.path().join(stale)).unwrap();
+    }
+    let force = ConvertOptions {
+        force: true,
+        ..Default::default()
+    };
+    convert(&input, &out, &force, &NoProgress).unwrap();
+    weights_format::Model::open(&out).unwrap();
+    let left: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

@@ -8,9 +8,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 
-use gdsllm_convert::convert::{Transform, open_source};
+use gdsllm_convert::convert::open_source;
 use gdsllm_convert::gguf::{GgufFile, ggml_type_id, ggml_type_name};
 use gdsllm_convert::lossless::compare_with_source;
+use gdsllm_convert::source::Transform;
 use gdsllm_convert::{ConvertOptions, NoProgress, convert};
 use weights_format::{DType, Model, quant};
 

@@ -4,7 +4,8 @@
 mod common;
 
 use gdsllm_convert::convert::NoProgress;
-use gdsllm_convert::pull::{PullOptions, known_model, pull_into, sha256_file};
+use gdsllm_convert::known_model;
+use gdsllm_convert::pull::{PullOptions, pull_into, sha256_file};
 use gdsllm_convert::store::{list_models, resolve_in};
 use weights_format::Model;
 

@@ -1,6 +1,6 @@
 //! Reads one layer blob into GPU memory: `cargo run -p gds-io --example load_layer -- FILE [BYTES]`.
 //!
-//! The backend is chosen automatically (`cufile` with real GDS DMA, else the bounce ring);
+//! The I/O path is chosen automatically (`cufile` with real GDS DMA, else the bounce ring);
 //! set `GDSLLM_IO=cufile|bounce|host` to force one.
 
 use gds_io::{DeviceIo, GdsBuffer, GdsError, io_choice_from_env};
@@ -13,7 +13,7 @@ fn load_layer(io: &mut DeviceIo, path: &str, size: usize) -> Result<GdsBuffer, G
     eprintln!(
         "{path}: {} bytes via {} in {:?} ({:.2} GB/s, through host memory: {})",
         record.bytes,
-        record.backend,
+        record.io_path,
         record.elapsed,
         record.gbps(),
         record.via_host_memory

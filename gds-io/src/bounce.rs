@@ -1,4 +1,4 @@
-//! The `bounce` backend: several threads read with O_DIRECT into a ring of pinned host
+//! The `bounce` I/O path: several threads read with O_DIRECT into a ring of pinned host
 //! buffers; each filled buffer is copied to the device with an async copy on a dedicated copy
 //! stream, and an event per buffer says when it may be refilled. Disk reads and PCIe copies
 //! overlap, so the pipeline runs at the disk's speed.
@@ -14,13 +14,11 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use cudarc::driver::{CudaEvent, CudaStream, result, sys::CUdeviceptr};
 
-use crate::backend::{
-    BackendKind, DeviceRead, DeviceReader, IoStats, IoTotals, ReadSpan, ReadTicket,
-};
 use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu, PinnedBuf};
 use crate::host::ReadRecord;
+use crate::io_path::{DeviceRead, DeviceReader, IoPath, IoStats, IoTotals, ReadSpan, ReadTicket};
 
 /// Tuning of the bounce ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +64,7 @@ struct Slot {
     copied: Option<CudaEvent>,
 }
 
-pub struct BounceBackend {
+pub struct BounceReader {
     gpu: Gpu,
     copy_stream: Arc<CudaStream>,
     slots: Vec<Mutex<Slot>>,
@@ -125,11 +123,11 @@ pub struct BounceTicket {
     submitted: Instant,
 }
 
-/// A queue of reads served by the backend's reader threads, open for the duration of
-/// [`BounceBackend::pipeline`]. Files and buffers passed to [`submit`](Self::submit) are
+/// A queue of reads served by the reader's threads, open for the duration of
+/// [`BounceReader::pipeline`]. Files and buffers passed to [`submit`](Self::submit) are
 /// borrowed for the whole pipeline, so they cannot go away while a request is in flight.
 pub struct BouncePipeline<'scope, 'env> {
-    backend: &'env BounceBackend,
+    reader: &'env BounceReader,
     scope: &'scope std::thread::Scope<'scope, 'env>,
     jobs_tx: Sender<Job<'env>>,
     jobs_rx: Receiver<Job<'env>>,
@@ -137,9 +135,9 @@ pub struct BouncePipeline<'scope, 'env> {
     queued: std::cell::Cell<usize>,
 }
 
-impl BounceBackend {
+impl BounceReader {
     /// Allocates the pinned ring (`slots × slot_bytes`) and the copy stream.
-    pub fn new(gpu: &Gpu, config: BounceConfig) -> Result<BounceBackend, GdsError> {
+    pub fn new(gpu: &Gpu, config: BounceConfig) -> Result<BounceReader, GdsError> {
         let slot_bytes = config
             .slot_bytes
             .max(1)
@@ -161,7 +159,7 @@ impl BounceBackend {
                 .send(index)
                 .expect("the channel has room for every slot and its receiver is alive");
         }
-        Ok(BounceBackend {
+        Ok(BounceReader {
             gpu: gpu.clone(),
             copy_stream,
             slots,
@@ -180,8 +178,8 @@ impl BounceBackend {
     /// still queued then are finished (and their errors dropped) before this returns.
     ///
     /// ```no_run
-    /// # use gds_io::{BounceBackend, GdsBuffer, GdsFile};
-    /// # fn stream(bounce: &BounceBackend, files: &[GdsFile], bufs: &[GdsBuffer; 2]) -> Result<(), gds_io::GdsError> {
+    /// # use gds_io::{BounceReader, GdsBuffer, GdsFile};
+    /// # fn stream(bounce: &BounceReader, files: &[GdsFile], bufs: &[GdsBuffer; 2]) -> Result<(), gds_io::GdsError> {
     /// bounce.pipeline(|p| {
     ///     // Double buffering: blob i+1 is queued before blob i is waited for.
     ///     let mut pending = std::collections::VecDeque::new();
@@ -202,7 +200,7 @@ impl BounceBackend {
         std::thread::scope(|scope| {
             let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
             let pipeline = BouncePipeline {
-                backend: self,
+                reader: self,
                 scope,
                 jobs_tx,
                 jobs_rx,
@@ -222,8 +220,8 @@ impl BounceBackend {
             // Fail every job this thread would have taken instead of hanging their waiters.
             let message = err.to_string();
             for job in jobs {
-                job.state.complete_one(Err(GdsError::BackendUnavailable {
-                    backend: "bounce",
+                job.state.complete_one(Err(GdsError::IoPathUnavailable {
+                    io_path: "bounce",
                     reason: format!("reader thread cannot bind the CUDA context: {message}"),
                 }));
             }
@@ -236,7 +234,7 @@ impl BounceBackend {
                 let index = self
                     .free_rx
                     .recv()
-                    .expect("the backend holds a sender, so the ring channel stays open");
+                    .expect("the reader holds a sender, so the ring channel stays open");
                 let outcome = self.fill_and_copy(job.file, &job.part, job.base, index);
                 self.free_tx
                     .send(index)
@@ -287,7 +285,7 @@ impl BounceBackend {
         // `dst` is borrowed by the pipeline until every job is done and its copies waited for
         // (BouncePipeline::wait, or the read_async ticket's event that `dst`'s Drop waits on);
         // the pinned source stays untouched until `copied` (recorded right after on the same
-        // stream) completes, which the next user of this slot and the backend's Drop wait for.
+        // stream) completes, which the next user of this slot and the reader's Drop wait for.
         unsafe {
             result::memcpy_htod_async(
                 base + part.dst_offset as u64,
@@ -316,7 +314,7 @@ impl BounceBackend {
     fn record(&self, ticket: &BounceTicket) -> ReadRecord {
         let record = ReadRecord {
             bytes: ticket.bytes,
-            backend: BackendKind::Bounce.name(),
+            io_path: IoPath::Bounce.name(),
             direct: ticket.direct,
             via_host_memory: true,
             elapsed: ticket.submitted.elapsed(),
@@ -341,7 +339,7 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         let span = ReadSpan::check(file, offset, len, dst.len(), dst_offset)?;
         // An earlier asynchronous write into `dst` must land before ours.
         dst.wait_pending()?;
-        let parts = span.split(self.backend.config.slot_bytes);
+        let parts = span.split(self.reader.config.slot_bytes);
         let state = Arc::new(ReadState {
             remaining: Mutex::new(parts.len()),
             finished: Condvar::new(),
@@ -367,11 +365,11 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         }
         self.queued.set(self.queued.get() + ticket.requests);
         // Threads start lazily, so a small read does not spawn the whole pool.
-        let wanted = self.queued.get().min(self.backend.config.threads);
+        let wanted = self.queued.get().min(self.reader.config.threads);
         while self.spawned.get() < wanted {
             let jobs = self.jobs_rx.clone();
-            let backend = self.backend;
-            self.scope.spawn(move || backend.serve(jobs));
+            let reader = self.reader;
+            self.scope.spawn(move || reader.serve(jobs));
             self.spawned.set(self.spawned.get() + 1);
         }
         Ok(ticket)
@@ -411,11 +409,11 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         Self::wait_for_disk_reads(&ticket)?;
         // Every copy of this read is on the copy stream by now; an event recorded after them
         // completes once they have (it may also wait for a few copies of the next read).
-        self.backend
+        self.reader
             .record_on_copy_stream()?
             .synchronize()
             .map_err(GdsError::cuda("cuEventSynchronize"))?;
-        Ok(self.backend.record(&ticket))
+        Ok(self.reader.record(&ticket))
     }
 
     /// Like [`wait`](Self::wait) but does not block the host: `stream` waits for the copies,
@@ -427,21 +425,21 @@ impl<'scope, 'env> BouncePipeline<'scope, 'env> {
         dst: &GdsBuffer,
     ) -> Result<ReadTicket, GdsError> {
         Self::wait_for_disk_reads(&ticket)?;
-        let landed = self.backend.record_on_copy_stream()?;
+        let landed = self.reader.record_on_copy_stream()?;
         stream
             .wait(&landed)
             .map_err(GdsError::cuda("cuStreamWaitEvent"))?;
-        dst.set_pending(self.backend.record_on_copy_stream()?);
+        dst.set_pending(self.reader.record_on_copy_stream()?);
         Ok(ReadTicket {
             event: Some(landed),
-            record: self.backend.record(&ticket),
+            record: self.reader.record(&ticket),
         })
     }
 }
 
-impl DeviceReader for BounceBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Bounce
+impl DeviceReader for BounceReader {
+    fn kind(&self) -> IoPath {
+        IoPath::Bounce
     }
 
     fn read(
@@ -500,7 +498,7 @@ impl DeviceReader for BounceBackend {
     }
 }
 
-impl Drop for BounceBackend {
+impl Drop for BounceReader {
     fn drop(&mut self) {
         // The pinned ring must not be freed under an in-flight copy.
         if self.gpu.bind().is_ok()

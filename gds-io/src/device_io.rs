@@ -1,19 +1,19 @@
-//! Putting it together: open the GPU, probe cuFile, pick a backend, open files for it.
+//! Putting it together: open the GPU, probe cuFile, pick an I/O path, open files for it.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::backend::{BackendKind, Capabilities, DeviceReader, IoChoice, choose_backend};
-use crate::bounce::{BounceBackend, BounceConfig};
-use crate::cufile_backend::{CufileBackend, CufileConfig};
+use crate::bounce::{BounceConfig, BounceReader};
+use crate::cufile_reader::{CufileConfig, CufileReader};
 use crate::driver::Driver;
 use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu};
 use crate::host::ReadRecord;
-use crate::staged::{HostStagedBackend, HostStagedConfig};
+use crate::io_path::{Capabilities, DeviceReader, IoChoice, IoPath, choose_io_path};
+use crate::staged::{HostStagedConfig, HostStagedReader};
 
-/// A GPU, the cuFile driver if it opened, and the backend reads go through.
+/// A GPU, the cuFile driver if it opened, and the I/O path reads go through.
 pub struct DeviceIo {
     gpu: Gpu,
     driver: Option<Arc<Driver>>,
@@ -22,7 +22,7 @@ pub struct DeviceIo {
 }
 
 impl DeviceIo {
-    /// Opens GPU `ordinal` and the backend `choice` asks for (see [`choose_backend`]).
+    /// Opens GPU `ordinal` and the I/O path `choice` asks for (see [`choose_io_path`]).
     pub fn open(ordinal: usize, choice: IoChoice) -> Result<DeviceIo, GdsError> {
         let gpu = Gpu::open(ordinal)?;
         let driver = match Driver::open() {
@@ -39,9 +39,9 @@ impl DeviceIo {
             bounce_gbps: None,
             host_gbps: None,
         };
-        let kind = choose_backend(&capabilities, choice)?;
+        let kind = choose_io_path(&capabilities, choice)?;
         let reader = build_reader(kind, &gpu, driver.as_ref())?;
-        tracing::info!(backend = %kind, "device reads use the {kind} backend");
+        tracing::info!(io_path = %kind, "device reads use the {kind} I/O path");
         Ok(DeviceIo {
             gpu,
             driver,
@@ -66,31 +66,29 @@ impl DeviceIo {
         self.reader.as_ref()
     }
 
-    pub fn kind(&self) -> BackendKind {
+    pub fn kind(&self) -> IoPath {
         self.reader.kind()
     }
 
-    /// Opens `path` for the current backend. With `cufile`, a failed registration (such as the
-    /// missing udev record) switches this `DeviceIo` to the bounce backend with a log line
+    /// Opens `path` for the current I/O path. With `cufile`, a failed registration (such as the
+    /// missing udev record) switches this `DeviceIo` to the bounce path with a log line
     /// that explains why and how to fix it, instead of failing.
     pub fn open_file(&mut self, path: impl AsRef<Path>) -> Result<GdsFile, GdsError> {
         let mut file = GdsFile::open(path)?;
-        if self.reader.kind() == BackendKind::Cufile
+        if self.reader.kind() == IoPath::Cufile
             && let Some(driver) = &self.driver
             && let Err(err) = file.register(driver)
         {
-            tracing::warn!("{err}; falling back to the bounce backend");
-            self.reader = build_reader(BackendKind::Bounce, &self.gpu, None)?;
+            tracing::warn!("{err}; falling back to the bounce path");
+            self.reader = build_reader(IoPath::Bounce, &self.gpu, None)?;
         }
         Ok(file)
     }
 
-    /// Allocates a device buffer, registered with cuFile when the cufile backend is in use.
+    /// Allocates a device buffer, registered with cuFile when the cufile path is in use.
     pub fn alloc(&self, len: usize) -> Result<GdsBuffer, GdsError> {
         match (&self.driver, self.reader.kind()) {
-            (Some(driver), BackendKind::Cufile) => {
-                GdsBuffer::alloc_registered(&self.gpu, driver, len)
-            }
+            (Some(driver), IoPath::Cufile) => GdsBuffer::alloc_registered(&self.gpu, driver, len),
             _ => GdsBuffer::alloc(&self.gpu, len),
         }
     }
@@ -108,21 +106,21 @@ impl DeviceIo {
     }
 }
 
-/// Builds one backend with default tuning.
+/// Builds one I/O path with default tuning.
 pub fn build_reader(
-    kind: BackendKind,
+    kind: IoPath,
     gpu: &Gpu,
     driver: Option<&Arc<Driver>>,
 ) -> Result<Box<dyn DeviceReader>, GdsError> {
     Ok(match kind {
-        BackendKind::Cufile => {
+        IoPath::Cufile => {
             let driver = match driver {
                 Some(driver) => driver.clone(),
                 None => Driver::open()?,
             };
-            Box::new(CufileBackend::new(gpu, &driver, CufileConfig::default()))
+            Box::new(CufileReader::new(gpu, &driver, CufileConfig::default()))
         }
-        BackendKind::Bounce => Box::new(BounceBackend::new(gpu, BounceConfig::default())?),
-        BackendKind::Host => Box::new(HostStagedBackend::new(gpu, HostStagedConfig::default())),
+        IoPath::Bounce => Box::new(BounceReader::new(gpu, BounceConfig::default())?),
+        IoPath::Host => Box::new(HostStagedReader::new(gpu, HostStagedConfig::default())),
     })
 }

@@ -67,13 +67,11 @@ pub enum GdsError {
         len: usize,
         reason: String,
     },
-    #[error(
-        "invalid I/O backend {value:?} in {setting}: expected one of cufile, bounce, host, auto"
-    )]
-    BadBackendName { setting: String, value: String },
-    #[error("backend {backend} is not available here: {reason}")]
-    BackendUnavailable {
-        backend: &'static str,
+    #[error("invalid I/O path {value:?} in {setting}: expected one of cufile, bounce, host, auto")]
+    BadIoPathName { setting: String, value: String },
+    #[error("I/O path {io_path} is not available here: {reason}")]
+    IoPathUnavailable {
+        io_path: &'static str,
         reason: String,
     },
     #[error("range {start}..{end} lies outside the device buffer of {buffer_len} bytes")]

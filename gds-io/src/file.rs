@@ -11,7 +11,7 @@ use crate::driver::{Driver, explain_registration_failure};
 use crate::error::GdsError;
 use crate::host::{DirectFile, HostIoError};
 
-/// A file ready for device reads through any backend.
+/// A file ready for device reads through any I/O path.
 #[derive(Debug)]
 pub struct GdsFile {
     direct: DirectFile,

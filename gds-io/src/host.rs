@@ -1,4 +1,4 @@
-//! The `host` backend: O_DIRECT reads into aligned host memory, for the CPU backend.
+//! The `host` I/O path: O_DIRECT reads into aligned host memory, for the CPU I/O path.
 //!
 //! O_DIRECT keeps model weights out of the page cache (the residency cache decides what stays in
 //! RAM, not the kernel) and lets several threads keep the NVMe queue deep. Filesystems that
@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 
 use crate::aligned::{AlignedBuf, IO_ALIGN, align_down, align_up};
 
-/// Name of this backend in [`ReadRecord::backend`].
-pub const BACKEND_NAME: &str = "host";
+/// Name of this I/O path in [`ReadRecord::io_path`].
+pub const IO_PATH_NAME: &str = "host";
 
-/// Errors of the host backend; each names the file and, for reads, the offset.
+/// Errors of the host path; each names the file and, for reads, the offset.
 #[derive(Debug, thiserror::Error)]
 pub enum HostIoError {
     #[error("cannot open {path}: {source}")]
@@ -64,8 +64,8 @@ pub enum HostIoError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadRecord {
     pub bytes: u64,
-    /// Which backend did the read (`"host"` here).
-    pub backend: &'static str,
+    /// Which I/O path did the read (`"host"` here).
+    pub io_path: &'static str,
     /// Whether the file was opened with O_DIRECT (false: buffered fallback).
     pub direct: bool,
     /// Whether the bytes passed through host memory on their way (always true for `host`).
@@ -293,7 +293,7 @@ impl DirectFile {
         }
         Ok(ReadRecord {
             bytes: got,
-            backend: BACKEND_NAME,
+            io_path: IO_PATH_NAME,
             direct: self.direct,
             via_host_memory: true,
             elapsed: start.elapsed(),
@@ -336,7 +336,7 @@ impl DirectFile {
         dst.copy_from_slice(&bounce[skip..skip + dst.len()]);
         Ok(ReadRecord {
             bytes: len,
-            backend: BACKEND_NAME,
+            io_path: IO_PATH_NAME,
             direct: self.direct,
             via_host_memory: true,
             elapsed: start.elapsed(),
@@ -411,7 +411,7 @@ mod tests {
                 .unwrap();
             assert_eq!(&buf[..], &bytes[4096..]);
             assert_eq!(rec.bytes, bytes.len() as u64 - 4096);
-            assert_eq!(rec.backend, "host");
+            assert_eq!(rec.io_path, "host");
             assert!(rec.via_host_memory);
             assert_eq!(rec.direct, file.is_direct());
         }

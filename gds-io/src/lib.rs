@@ -2,9 +2,9 @@
 //!
 //! This crate is for: opening the cuFile driver once per process, registering files and
 //! buffers with RAII ownership, and reading `(file, offset, len)` into memory through one of
-//! three backends — `cufile` (GPUDirect Storage, or its compatibility mode), `bounce`
+//! three I/O paths — `cufile` (GPUDirect Storage, or its compatibility mode), `bounce`
 //! (O_DIRECT into a ring of pinned host buffers, then an async host→device copy) and `host`
-//! (O_DIRECT into aligned host memory, for the CPU backend). Every read is accounted.
+//! (O_DIRECT into aligned host memory, for the CPU I/O path). Every read is accounted.
 //!
 //! It is not for: deciding *what* to read or keep (that is `residency`), nor for knowing
 //! anything about model formats.
@@ -18,35 +18,31 @@
 //! let file = io.open_file("model/layer_000.bin")?;
 //! let buffer = io.alloc(file.len() as usize)?;
 //! let record = io.read(&file, 0, file.len() as usize, &buffer, 0)?;
-//! println!("{} bytes via {} at {:.2} GB/s", record.bytes, record.backend, record.gbps());
+//! println!("{} bytes via {} at {:.2} GB/s", record.bytes, record.io_path, record.gbps());
 //! # Ok(())
 //! # }
 //! ```
 //!
-//! Without a GPU, [`DirectFile`] (the `host` backend) reads into [`AlignedBuf`] host memory.
+//! Without a GPU, [`DirectFile`] (the `host` I/O path) reads into [`AlignedBuf`] host memory.
 
 pub mod aligned;
 pub mod host;
 
-pub mod backend;
 pub mod bounce;
-pub mod cufile_backend;
+pub mod cufile_reader;
 pub mod device_io;
 pub mod device_ptr;
 pub mod driver;
 pub mod error;
 pub mod file;
 pub mod gpu;
+pub mod io_path;
 pub mod probe;
 pub mod staged;
 
 pub use aligned::{AlignedBuf, AllocError, IO_ALIGN};
-pub use backend::{
-    BackendKind, Capabilities, DEVICE_READ_ALIGN, DeviceRead, DeviceReader, IO_ENV, IoChoice,
-    IoStats, IoTotals, ReadSpan, ReadTicket, choose_backend, io_choice_from_env, resolve_io_choice,
-};
-pub use bounce::{BounceBackend, BounceConfig, BouncePipeline, BounceTicket};
-pub use cufile_backend::{CufileBackend, CufileConfig};
+pub use bounce::{BounceConfig, BouncePipeline, BounceReader, BounceTicket};
+pub use cufile_reader::{CufileConfig, CufileReader};
 pub use device_io::{DeviceIo, build_reader};
 pub use device_ptr::DevicePtr;
 pub use driver::{Driver, DriverProperties, LiveRegistrations, UdevCheck, UdevStatus};
@@ -54,4 +50,8 @@ pub use error::GdsError;
 pub use file::GdsFile;
 pub use gpu::{GdsBuffer, Gpu, PinnedHostBuf, cuda_driver_present};
 pub use host::{DirectFile, HostIoError, ParallelRead, ReadRecord};
-pub use staged::{HostStagedBackend, HostStagedConfig};
+pub use io_path::{
+    Capabilities, DEVICE_READ_ALIGN, DeviceRead, DeviceReader, IO_ENV, IoChoice, IoPath, IoStats,
+    IoTotals, ReadSpan, ReadTicket, choose_io_path, io_choice_from_env, resolve_io_choice,
+};
+pub use staged::{HostStagedConfig, HostStagedReader};

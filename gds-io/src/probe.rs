@@ -73,7 +73,7 @@ pub fn library_version(path: &Path) -> Option<String> {
 }
 
 /// Whether files in `dir` can be read with O_DIRECT: writes a probe file there, opens it with
-/// the host backend and removes it.
+/// the host path and removes it.
 pub fn o_direct_supported(dir: &Path) -> std::io::Result<bool> {
     std::fs::create_dir_all(dir)?;
     let probe = dir.join(format!(".gdsllm-odirect-probe-{}", std::process::id()));

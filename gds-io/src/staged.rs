@@ -1,4 +1,4 @@
-//! The `host` backend seen from the GPU: O_DIRECT reads (the host backend's [`DirectFile`]
+//! The `host` I/O path seen from the GPU: O_DIRECT reads (the host path's [`DirectFile`]
 //! parallel reads) into aligned, pageable host memory, then a plain synchronous copy to the
 //! device, window by window, the copy of one window overlapping the read of the next. It is the reference the bounce ring must beat, and the path when pinned memory is
 //! scarce.
@@ -11,11 +11,11 @@ use std::time::Instant;
 use cudarc::driver::result;
 
 use crate::aligned::AlignedBuf;
-use crate::backend::{BackendKind, DeviceReader, IoStats, IoTotals, ReadSpan};
 use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu};
 use crate::host::{ParallelRead, ReadRecord};
+use crate::io_path::{DeviceReader, IoPath, IoStats, IoTotals, ReadSpan};
 
 /// Tuning of the host-staged path.
 #[derive(Debug, Clone, Copy)]
@@ -37,7 +37,7 @@ impl Default for HostStagedConfig {
     }
 }
 
-pub struct HostStagedBackend {
+pub struct HostStagedReader {
     gpu: Gpu,
     config: HostStagedConfig,
     /// The two staging windows, kept between reads.
@@ -45,9 +45,9 @@ pub struct HostStagedBackend {
     stats: IoStats,
 }
 
-impl HostStagedBackend {
-    pub fn new(gpu: &Gpu, config: HostStagedConfig) -> HostStagedBackend {
-        HostStagedBackend {
+impl HostStagedReader {
+    pub fn new(gpu: &Gpu, config: HostStagedConfig) -> HostStagedReader {
+        HostStagedReader {
             gpu: gpu.clone(),
             config: HostStagedConfig {
                 window_bytes: config
@@ -62,9 +62,9 @@ impl HostStagedBackend {
     }
 }
 
-impl DeviceReader for HostStagedBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Host
+impl DeviceReader for HostStagedReader {
+    fn kind(&self) -> IoPath {
+        IoPath::Host
     }
 
     fn read(
@@ -148,7 +148,7 @@ impl DeviceReader for HostStagedBackend {
         let requests = outcome?;
         let record = ReadRecord {
             bytes: len as u64,
-            backend: BackendKind::Host.name(),
+            io_path: IoPath::Host.name(),
             direct: file.is_direct(),
             via_host_memory: true,
             elapsed: start.elapsed(),

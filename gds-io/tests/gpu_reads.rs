@@ -1,4 +1,4 @@
-//! GPU checks (opt-in): every backend's bytes in device memory equal the file's bytes.
+//! GPU checks (opt-in): every I/O path's bytes in device memory equal the file's bytes.
 //!
 //! Run with `GDSLLM_GPU_TESTS=1`; without it each test prints that it skipped. With it, a
 //! machine without a working GPU FAILS. `GDSLLM_GPU_TEST_DIR` picks where the test file is
@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gds_io::{
-    BackendKind, BounceBackend, BounceConfig, CufileBackend, CufileConfig, DeviceIo, DeviceReader,
-    Driver, GdsBuffer, GdsError, GdsFile, Gpu, HostStagedBackend, HostStagedConfig, IoChoice,
+    BounceConfig, BounceReader, CufileConfig, CufileReader, DeviceIo, DeviceReader, Driver,
+    GdsBuffer, GdsError, GdsFile, Gpu, HostStagedConfig, HostStagedReader, IoChoice, IoPath,
     UdevCheck, UdevStatus,
 };
 
@@ -69,12 +69,12 @@ fn test_file(tail: usize) -> TestFile {
 
 /// Reads the whole file, then random regions (aligned starts, any length) at random aligned
 /// destination offsets, and compares the device bytes with the file's.
-fn check_backend(reader: &dyn DeviceReader, gpu: &Gpu, file: &GdsFile, bytes: &[u8]) {
+fn check_reader(reader: &dyn DeviceReader, gpu: &Gpu, file: &GdsFile, bytes: &[u8]) {
     let kind = reader.kind();
     let buffer = GdsBuffer::alloc(gpu, bytes.len() + (1 << 20)).unwrap();
     let record = reader.read(file, 0, bytes.len(), &buffer, 0).unwrap();
     assert_eq!(record.bytes, bytes.len() as u64);
-    assert_eq!(record.backend, kind.name());
+    assert_eq!(record.io_path, kind.name());
     let back = buffer.copy_to_host(0..bytes.len()).unwrap();
     let first_diff = back.iter().zip(bytes).position(|(a, b)| a != b);
     assert_eq!(
@@ -122,7 +122,7 @@ fn bounce_reads_equal_file_bytes() {
     let tf = test_file(1234);
     let file = GdsFile::open(&tf.path).unwrap();
     // Small slots so that even small reads split across the ring and threads.
-    let small = BounceBackend::new(
+    let small = BounceReader::new(
         &gpu,
         BounceConfig {
             slot_bytes: 1 << 20,
@@ -131,9 +131,9 @@ fn bounce_reads_equal_file_bytes() {
         },
     )
     .unwrap();
-    check_backend(&small, &gpu, &file, &tf.bytes);
-    let default = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
-    check_backend(&default, &gpu, &file, &tf.bytes);
+    check_reader(&small, &gpu, &file, &tf.bytes);
+    let default = BounceReader::new(&gpu, BounceConfig::default()).unwrap();
+    check_reader(&default, &gpu, &file, &tf.bytes);
 }
 
 #[test]
@@ -143,14 +143,14 @@ fn host_staged_reads_equal_file_bytes() {
     };
     let tf = test_file(4095);
     let file = GdsFile::open(&tf.path).unwrap();
-    let reader = HostStagedBackend::new(
+    let reader = HostStagedReader::new(
         &gpu,
         HostStagedConfig {
             window_bytes: 3 << 20,
             ..Default::default()
         },
     );
-    check_backend(&reader, &gpu, &file, &tf.bytes);
+    check_reader(&reader, &gpu, &file, &tf.bytes);
 }
 
 #[test]
@@ -182,7 +182,7 @@ fn cufile_reads_equal_file_bytes_or_registration_is_explained() {
         Err(other) => panic!("unexpected registration error: {other}"),
     }
     assert!(file.is_registered());
-    let reader = CufileBackend::new(
+    let reader = CufileReader::new(
         &gpu,
         &driver,
         CufileConfig {
@@ -190,7 +190,7 @@ fn cufile_reads_equal_file_bytes_or_registration_is_explained() {
             threads: 6,
         },
     );
-    check_backend(&reader, &gpu, &file, &tf.bytes);
+    check_reader(&reader, &gpu, &file, &tf.bytes);
     // A registered destination buffer, too; registration is undone on drop.
     let mut registered = GdsBuffer::alloc(&gpu, tf.bytes.len()).unwrap();
     registered.register(&driver).unwrap();
@@ -222,7 +222,7 @@ fn async_bounce_read_is_ordered_on_the_stream() {
     };
     let tf = test_file(777);
     let file = GdsFile::open(&tf.path).unwrap();
-    let reader = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
+    let reader = BounceReader::new(&gpu, BounceConfig::default()).unwrap();
     let stream: Arc<_> = gpu.new_stream().unwrap();
     let buffer = GdsBuffer::alloc(&gpu, tf.bytes.len()).unwrap();
     let ticket = reader
@@ -241,14 +241,14 @@ fn device_io_auto_choice_reads_correctly() {
     let tf = test_file(100);
     for choice in [
         IoChoice::Auto,
-        IoChoice::Force(BackendKind::Cufile),
-        IoChoice::Force(BackendKind::Bounce),
-        IoChoice::Force(BackendKind::Host),
+        IoChoice::Force(IoPath::Cufile),
+        IoChoice::Force(IoPath::Bounce),
+        IoChoice::Force(IoPath::Host),
     ] {
         let mut io = DeviceIo::open(0, choice).unwrap();
         let file = io.open_file(&tf.path).unwrap();
         eprintln!(
-            "{choice:?}: backend {} (capabilities {:?})",
+            "{choice:?}: I/O path {} (capabilities {:?})",
             io.kind(),
             io.capabilities()
         );
@@ -276,7 +276,7 @@ fn bounce_pipeline_double_buffered_reads_equal_file_bytes() {
         GdsBuffer::alloc(&gpu, chunk).unwrap(),
     ];
     for mib in [1usize, 4, 16] {
-        let bounce = BounceBackend::new(&gpu, BounceConfig::with_request(mib << 20, 8)).unwrap();
+        let bounce = BounceReader::new(&gpu, BounceConfig::with_request(mib << 20, 8)).unwrap();
         let chunks: Vec<(usize, usize)> = (0..tf.bytes.len())
             .step_by(chunk)
             .map(|start| (start, chunk.min(tf.bytes.len() - start)))
@@ -344,7 +344,7 @@ fn read_many_fills_every_destination() {
             dst_offset: 0,
         })
         .collect();
-    let bounce = BounceBackend::new(&gpu, BounceConfig::default()).unwrap();
+    let bounce = BounceReader::new(&gpu, BounceConfig::default()).unwrap();
     let records = bounce.read_many(&reads).unwrap();
     assert_eq!(records.len(), reads.len());
     for (read, buffer) in reads.iter().zip(&buffers) {

@@ -258,14 +258,14 @@ fn open_cuda(
     let plan = residency.plan();
     tracing::info!(
         device = backend.device_name(),
-        io = %memory.backend(),
+        io = %memory.io_path(),
         budget = plan.device_budget,
         resident_bytes = plan.resident_bytes,
         resident_layers = plan.resident_layers,
         streamed_bytes_per_pass = plan.disk_bytes_per_pass + plan.host_bytes_per_pass,
         "model on the GPU"
     );
-    let io = memory.backend().name().to_string();
+    let io = memory.io_path().name().to_string();
     let weights = CudaWeights::new(residency, memory, &backend);
     let llama = Llama::new(backend, weights, files.metadata.clone(), context, max_rows)?;
     Ok(OpenedModel::Cuda(Box::new(
@@ -282,9 +282,18 @@ pub fn open_uploaded(
     ordinal: usize,
     context: usize,
 ) -> Result<Llama<CudaBackend, DeviceWeights>, LlamaError> {
+    open_uploaded_on(dir, CudaBackend::new(ordinal)?, context)
+}
+
+/// [`open_uploaded`] on a backend made by the caller (tests pick its kernel paths).
+#[cfg(feature = "cuda")]
+pub fn open_uploaded_on(
+    dir: &Path,
+    backend: CudaBackend,
+    context: usize,
+) -> Result<Llama<CudaBackend, DeviceWeights>, LlamaError> {
     let files = ModelFiles::open(dir)?;
     let context = files.context(context);
-    let backend = CudaBackend::new(ordinal)?;
     let blobs = crate::weights::InMemoryWeights::read_dir(files.model.dir(), &files.metadata)?;
     let weights = backend.upload_weights(blobs.into_blobs())?;
     tracing::info!(

@@ -6,8 +6,8 @@
 
 mod support;
 
-use llama::backend::cuda::CudaBuf;
-use llama::backend::{AttentionShape, RowGroup};
+use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
+use llama::backend::{AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
 use llama::load::open_uploaded;
 use llama::{
     Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
@@ -16,7 +16,8 @@ use llama::{
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use support::cuda::{
-    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, on_device, up, via_f16, view,
+    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, gpu_new_and_old, on_device, up, via_f16,
+    view,
 };
 use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
@@ -334,21 +335,36 @@ fn fused_launches_match_reference() {
                 "matmul_add_batch {dtype:?} rows={rows}: {d}"
             );
 
-            // Row by row alone, the same bits.
+            // Row by row alone: the same bits through the eight-row kernel; within f32
+            // summation order through the tensor-core kernels (`mma` path, issue 23).
             let all = down(&be, &o1, rows * m1);
             for r in 0..rows {
                 let xr = up(&be, &x[r * k..(r + 1) * k]);
                 let mut o = alloc(&be, m1);
                 matmul(&be, &xr, 1, v1, &mut o);
-                assert_eq!(
-                    down(&be, &o, m1),
-                    all[r * m1..(r + 1) * m1],
-                    "{dtype:?}: row {r} of {rows} differs from the row alone"
-                );
+                let alone = down(&be, &o, m1);
+                if be.paths().mma && rows > 1 {
+                    let d = max_rel_diff(&all[r * m1..(r + 1) * m1], &alone);
+                    assert!(d < 1e-5, "{dtype:?}: row {r} of {rows}: {d} from alone");
+                } else {
+                    assert_eq!(
+                        alone,
+                        all[r * m1..(r + 1) * m1],
+                        "{dtype:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
             }
         }
     }
-    println!("matmul: every row of 5- and 9-row launches equals the row alone, bit for bit");
+    println!(
+        "matmul (paths {}): every row of 5- and 9-row launches equals the row alone{}",
+        be.paths(),
+        if be.paths().mma {
+            " within 1e-5"
+        } else {
+            ", bit for bit"
+        }
+    );
 
     let shape = AttentionShape {
         n_heads: 8,
@@ -452,6 +468,285 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
             "attention rows={rows} pos0={pos0}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e}, cache rounded to f16 on both sides)"
         );
         assert!(d < MATMUL_TOL, "attention rows={rows} pos0={pos0}: {d}");
+    }
+}
+
+/// `rows` rows of a batch of one-row sequences (decoding): the rows the batched matmuls get.
+fn decode_rows(rows: usize) -> Vec<RowGroup> {
+    vec![RowGroup::solo(1); rows]
+}
+
+/// The tensor-core matmuls (`mma` path) of a decode batch against the reference, against each
+/// row alone through the one-row kernel (within f32 summation order: the quantized products are
+/// the same integers), and a row's bits the same whatever the batch size.
+#[test]
+fn mma_matmul_matches_reference_and_the_row_alone() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        mma: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    for dtype in ALL {
+        // Ragged weight rows (blocks of 128), several column splits, rows across blocks of 64.
+        for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
+            let w = weights(&mut rng, dtype, m, k);
+            let host = WeightView::host(dtype, m, k, &w);
+            let dev = on_device(&be, &w);
+            let wd = view(&dev, dtype, m, k);
+            let dev_old = on_device(&old, &w);
+            let wd_old = view(&dev_old, dtype, m, k);
+            let x = random(&mut rng, 70 * k);
+            let mut first_rows: Option<Vec<f32>> = None;
+            for rows in [2, 3, 8, 9, 16, 17, 33, 64, 70] {
+                let x = x[..rows * k].to_vec();
+                let mut want = vec![0f32; rows * m];
+                matmul(&ReferenceBackend, &x, rows, host, &mut want);
+                let xd = up(&be, &x);
+                let mut out = alloc(&be, rows * m);
+                be.matmul_batch(&xd, &decode_rows(rows), &[wd], &mut [&mut out])
+                    .unwrap();
+                let got = down(&be, &out, rows * m);
+                let d = max_rel_diff(&got, &want);
+                // Each row alone through the one-row kernel of the old path.
+                let mut alone = Vec::with_capacity(rows * m);
+                for r in 0..rows {
+                    let xr = up(&old, &x[r * k..(r + 1) * k]);
+                    let mut o = alloc(&old, m);
+                    matmul(&old, &xr, 1, wd_old, &mut o);
+                    alone.extend(down(&old, &o, m));
+                }
+                let d_alone = max_rel_diff(&got, &alone);
+                println!(
+                    "mma matmul {dtype:?} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
+                );
+                assert!(d < MATMUL_TOL, "mma {dtype:?} {m}x{k} rows={rows}: {d}");
+                assert!(
+                    d_alone < 1e-5,
+                    "mma {dtype:?} {m}x{k} rows={rows} vs alone: {d_alone}"
+                );
+                match &first_rows {
+                    None => first_rows = Some(got[..2 * m].to_vec()),
+                    Some(f) => assert_eq!(
+                        &got[..2 * m],
+                        &f[..],
+                        "mma {dtype:?} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
+                    ),
+                }
+            }
+        }
+    }
+    println!("mma matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
+
+    // Q/K/V-style weights in one launch, and the residual add, on the mma path.
+    for dtype in [DType::F16, DType::Q4_1, DType::Q8_0] {
+        let (m1, m2, k, rows) = (200, 72, 576, 12);
+        let (w1, w2) = (
+            weights(&mut rng, dtype, m1, k),
+            weights(&mut rng, dtype, m2, k),
+        );
+        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
+        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
+        let x = random(&mut rng, rows * k);
+        let base = random(&mut rng, rows * m1);
+        let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
+        matmul(
+            &ReferenceBackend,
+            &x,
+            rows,
+            WeightView::host(dtype, m1, k, &w1),
+            &mut want1,
+        );
+        matmul(
+            &ReferenceBackend,
+            &x,
+            rows,
+            WeightView::host(dtype, m2, k, &w2),
+            &mut want2,
+        );
+        let xd = up(&be, &x);
+        let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
+        be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
+            .unwrap();
+        let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
+            .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
+        let mut acc = up(&be, &base);
+        let mut scratch = alloc(&be, rows * m1);
+        be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
+            .unwrap();
+        let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
+        let d_add = max_rel_diff(&down(&be, &acc, rows * m1), &want);
+        println!(
+            "mma matmul {dtype:?}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
+        );
+        assert!(
+            d < MATMUL_TOL && d_add < MATMUL_TOL,
+            "{dtype:?}: {d} {d_add}"
+        );
+    }
+}
+
+/// A batch's RoPE/KV stores and decode attention in one launch each (`seqs` path) against the
+/// launches per sequence: the same bits. More sequences than one launch takes (64), ragged
+/// rows and positions, prompts among them.
+#[test]
+fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
+    let Some((new, old)) = gpu_new_and_old(CudaPaths {
+        seqs: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(42);
+    let shape = AttentionShape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let (q_w, kv_w) = (8 * 64, 2 * 64);
+    // (rows, pos0, capacity): a few prompts, then one-row sequences at many positions.
+    let mut specs = vec![
+        (1, 0, 8),
+        (3, 5, 16),
+        (1, 200, 260),
+        (1, 129, 140),
+        (5, 0, 8),
+    ];
+    for i in 0..70 {
+        let pos = (i * 37) % 300;
+        specs.push((1, pos, pos + 1 + i % 3));
+    }
+    let total: usize = specs.iter().map(|s| s.0).sum();
+    let inv = rope_inv_freq(64, 10000.0, None);
+    let (q, k, v) = (
+        random(&mut rng, total * q_w),
+        random(&mut rng, total * kv_w),
+        random(&mut rng, total * kv_w),
+    );
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = specs
+        .iter()
+        .map(|s| (random(&mut rng, s.2 * kv_w), random(&mut rng, s.2 * kv_w)))
+        .collect();
+    let run = |be: &CudaBackend| {
+        let (mut qd, mut kd, vd) = (up(be, &q), up(be, &k), up(be, &v));
+        let mut kv: Vec<(CudaKvBuf, CudaKvBuf)> = caches
+            .iter()
+            .map(|(kc, vc)| (be.upload_kv(kc).unwrap(), be.upload_kv(vc).unwrap()))
+            .collect();
+        let mut row0 = 0;
+        let mut stores: Vec<KvStoreSeq<'_, CudaKvBuf>> = Vec::new();
+        for (s, (kc, vc)) in specs.iter().zip(kv.iter_mut()) {
+            stores.push(KvStoreSeq {
+                row0,
+                rows: s.0,
+                pos0: s.1,
+                k_cache: kc,
+                v_cache: vc,
+            });
+            row0 += s.0;
+        }
+        be.rope_store_kv_batch(&mut qd, &mut kd, &vd, &mut stores, shape, &up(be, &inv))
+            .unwrap();
+        drop(stores);
+        let mut row0 = 0;
+        let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> = specs
+            .iter()
+            .zip(&kv)
+            .map(|(s, (kc, vc))| {
+                let seq = AttentionSeq {
+                    row0,
+                    rows: s.0,
+                    pos0: s.1,
+                    k_cache: kc,
+                    v_cache: vc,
+                };
+                row0 += s.0;
+                seq
+            })
+            .collect();
+        let mut out = alloc(be, total * q_w);
+        be.attention_batch(&qd, &seqs, shape, &mut out).unwrap();
+        let cache_values: Vec<Vec<f32>> = kv
+            .iter()
+            .zip(&specs)
+            .flat_map(|((kc, vc), s)| [down_kv(be, kc, s.2 * kv_w), down_kv(be, vc, s.2 * kv_w)])
+            .collect();
+        (
+            down(be, &qd, total * q_w),
+            down(be, &kd, total * kv_w),
+            cache_values,
+            down(be, &out, total * q_w),
+        )
+    };
+    let (a, b) = (run(&new), run(&old));
+    assert_eq!(a.0, b.0, "roped q");
+    assert_eq!(a.1, b.1, "roped k");
+    assert_eq!(a.2, b.2, "KV caches");
+    assert_eq!(a.3, b.3, "attention outputs");
+    println!(
+        "{} sequences ({total} rows): RoPE, KV stores and attention in one launch each equal the per-sequence launches bit for bit",
+        specs.len()
+    );
+}
+
+/// Prompt attention on tensor cores (`flash` path) against the reference and the f32 kernel:
+/// GQA and not, head_dim 64 and 128, prompts across blocks of 64 rows, after a cached prefix.
+#[test]
+fn flash_attention_matches_reference() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        flash: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(43);
+    for (n_heads, n_kv_heads, head_dim, rows, pos0) in [
+        (8, 2, 64, 2, 0),
+        (9, 3, 64, 40, 50),
+        (4, 4, 128, 70, 0),
+        (32, 8, 128, 200, 13),
+        (4, 1, 128, 3, 1500),
+    ] {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let (q_w, kv_w) = (n_heads * head_dim, n_kv_heads * head_dim);
+        let ctx = pos0 + rows;
+        let (k, v) = (random(&mut rng, ctx * kv_w), random(&mut rng, ctx * kv_w));
+        let q: Vec<f32> = random(&mut rng, rows * q_w)
+            .iter()
+            .map(|x| x * 4.0)
+            .collect();
+        let mut want = vec![0f32; rows * q_w];
+        attention(
+            &ReferenceBackend,
+            &q,
+            rows,
+            &via_f16(&k),
+            &via_f16(&v),
+            pos0,
+            shape,
+            &mut want,
+        );
+        let mut results = Vec::new();
+        for b in [&be, &old] {
+            let (kc, vc) = (b.upload_kv(&k).unwrap(), b.upload_kv(&v).unwrap());
+            let mut out = alloc(b, rows * q_w);
+            attention(b, &up(b, &q), rows, &kc, &vc, pos0, shape, &mut out);
+            results.push(down(b, &out, rows * q_w));
+        }
+        let d = max_rel_diff(&results[0], &want);
+        let d_old = max_rel_diff(&results[0], &results[1]);
+        println!(
+            "flash attention {n_heads}/{n_kv_heads} heads hd={head_dim} rows={rows} pos0={pos0}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_old:.2e} vs the f32 kernel"
+        );
+        assert!(
+            d < MATMUL_TOL,
+            "flash attention rows={rows} pos0={pos0}: {d}"
+        );
     }
 }
 
@@ -683,7 +978,7 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
             tokens == want_tokens,
             stats.total.disk_bytes,
             stats.total.host_copy_bytes,
-            llama.weights().memory().backend()
+            llama.weights().memory().io_path()
         );
         if !streams {
             // Everything resident: every decode step after the first (op by op) is a replay,

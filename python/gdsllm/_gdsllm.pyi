@@ -42,7 +42,7 @@ class GdsTensor:
         """``cpu`` or ``cuda:N``."""
     @property
     def io(self) -> str:
-        """The backend that read the bytes: ``host``, ``cufile`` or ``bounce``."""
+        """The I/O path that read the bytes: ``host``, ``cufile`` or ``bounce``."""
     @property
     def path(self) -> str: ...
     @property
@@ -99,4 +99,4 @@ def cuda_status(device: int = 0) -> dict[str, Any]:
     """``available``, ``reason``, ``device_name``, ``cufile`` (gds/compat/unavailable: ...),
     ``gds_dma``. Never raises for a missing GPU."""
 def release_io() -> None:
-    """Frees the bounce rings' pinned memory and the cached backends; lets cuFile close."""
+    """Frees the bounce rings' pinned memory and the cached readers; lets cuFile close."""

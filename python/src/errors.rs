@@ -76,7 +76,7 @@ impl From<BridgeError> for PyErr {
                 | GdsError::PastEndOfFile { .. }
                 | GdsError::BufferTooSmall { .. }
                 | GdsError::RangeOutsideBuffer { .. }
-                | GdsError::BadBackendName { .. }
+                | GdsError::BadIoPathName { .. }
                 | GdsError::EmptyAllocation,
             ) => PyValueError::new_err(message),
             BridgeError::Gds(GdsError::Read { .. }) => ReadError::new_err(message),

@@ -1,6 +1,6 @@
 //! Reading a file region into memory the package owns: aligned host memory (`device="cpu"`,
-//! the host backend's O_DIRECT reads) or a gds-io device buffer (`device="cuda:N"`, through
-//! the cufile, bounce or host backend), kept open per GPU between calls so that the bounce
+//! the host I/O path's O_DIRECT reads) or a gds-io device buffer (`device="cuda:N"`, through
+//! the cufile, bounce or host I/O path), kept open per GPU between calls so that the bounce
 //! ring's pinned memory and the cuFile driver are set up once per process.
 
 use std::collections::BTreeMap;
@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
 use gds_io::{
-    AlignedBuf, BackendKind, Capabilities, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile,
-    Gpu, IO_ALIGN, IoChoice, LiveRegistrations, ParallelRead,
+    AlignedBuf, Capabilities, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu, IO_ALIGN,
+    IoChoice, IoPath, LiveRegistrations, ParallelRead,
 };
 
 use crate::errors::BridgeError;
@@ -61,13 +61,13 @@ pub struct Region {
     /// Where the requested bytes start inside the buffer (the read starts at the aligned
     /// offset below the requested one).
     pub data_offset: usize,
-    /// The backend that did the read: `host`, `cufile`, `bounce`.
-    pub backend: &'static str,
+    /// The I/O path that did the read: `host`, `cufile`, `bounce`.
+    pub io_path: &'static str,
     /// Set when `io="auto"` had to leave its first choice (cuFile could not register the file).
     pub note: Option<String>,
 }
 
-/// An opened GPU, the cuFile driver if it opened there, and the backends built so far.
+/// An opened GPU, the cuFile driver if it opened there, and the readers built so far.
 struct DeviceState {
     gpu: Gpu,
     driver: Result<Arc<Driver>, String>,
@@ -113,7 +113,7 @@ impl DeviceState {
         }
     }
 
-    fn reader(&self, kind: BackendKind) -> Result<Arc<dyn DeviceReader>, BridgeError> {
+    fn reader(&self, kind: IoPath) -> Result<Arc<dyn DeviceReader>, BridgeError> {
         let mut readers = self.readers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(reader) = readers.get(kind.name()) {
             return Ok(Arc::clone(reader));
@@ -127,10 +127,10 @@ impl DeviceState {
         Ok(reader)
     }
 
-    fn driver(&self, kind: BackendKind) -> Result<&Arc<Driver>, BridgeError> {
+    fn driver(&self, kind: IoPath) -> Result<&Arc<Driver>, BridgeError> {
         self.driver.as_ref().map_err(|reason| {
-            BridgeError::Gds(gds_io::GdsError::BackendUnavailable {
-                backend: kind.name(),
+            BridgeError::Gds(gds_io::GdsError::IoPathUnavailable {
+                io_path: kind.name(),
                 reason: reason.clone(),
             })
         })
@@ -150,7 +150,7 @@ pub fn live_registrations() -> LiveRegistrations {
         })
 }
 
-/// Drops the per-GPU state: the bounce rings' pinned memory, the cached backends and this
+/// Drops the per-GPU state: the bounce rings' pinned memory, the cached readers and this
 /// package's hold on the cuFile driver (buffers still alive keep what they need).
 pub fn release() {
     let states = std::mem::take(&mut *DEVICES.lock().unwrap_or_else(|p| p.into_inner()));
@@ -229,7 +229,7 @@ fn check_path(path: &Path) -> Result<(), BridgeError> {
 ///
 /// `device="cpu"` reads with O_DIRECT into aligned host memory (`io` must be `auto` or
 /// `host`). A GPU read allocates a device buffer (registered with cuFile when the cufile
-/// backend reads it) and reads into it through the backend `io` names; `auto` takes cufile
+/// I/O path reads it) and reads into it through the I/O path `io` names; `auto` takes cufile
 /// where cuFile does real DMA, else the bounce ring, and leaves cufile for bounce (with a note)
 /// when cuFile cannot register the file. A forced `cufile` fails instead.
 pub fn read_region(
@@ -245,7 +245,7 @@ pub fn read_region(
     let alloc_len = span.next_multiple_of(IO_ALIGN).max(IO_ALIGN);
     match placement {
         Placement::Cpu => {
-            if !matches!(choice, IoChoice::Auto | IoChoice::Force(BackendKind::Host)) {
+            if !matches!(choice, IoChoice::Auto | IoChoice::Force(IoPath::Host)) {
                 return Err(BridgeError::Invalid(format!(
                     "io={:?} reads into GPU memory; device=\"cpu\" reads with io=\"host\" (or \
                      \"auto\")",
@@ -265,29 +265,29 @@ pub fn read_region(
             Ok(Region {
                 storage: Arc::new(Storage::host(buffer)),
                 data_offset: skip,
-                backend: BackendKind::Host.name(),
+                io_path: IoPath::Host.name(),
                 note: None,
             })
         }
         Placement::Cuda(ordinal) => {
             let _restore = CurrentContext::save();
             let state = device_state(ordinal)?;
-            let mut kind = gds_io::choose_backend(&state.capabilities(), choice)?;
+            let mut kind = gds_io::choose_io_path(&state.capabilities(), choice)?;
             let mut file = GdsFile::open(path)?;
             check_file(path, file.len(), offset, len)?;
             let mut note = None;
-            if kind == BackendKind::Cufile {
+            if kind == IoPath::Cufile {
                 let driver = state.driver(kind)?;
                 if let Err(err) = file.register(driver) {
                     if choice != IoChoice::Auto {
                         return Err(err.into());
                     }
                     note = Some(format!("{err}; io=\"auto\" read it through bounce instead"));
-                    kind = BackendKind::Bounce;
+                    kind = IoPath::Bounce;
                 }
             }
             let buffer = match kind {
-                BackendKind::Cufile => {
+                IoPath::Cufile => {
                     GdsBuffer::alloc_registered(&state.gpu, state.driver(kind)?, alloc_len)?
                 }
                 _ => GdsBuffer::alloc(&state.gpu, alloc_len)?,
@@ -298,7 +298,7 @@ pub fn read_region(
             Ok(Region {
                 storage: Arc::new(Storage::device(buffer, ordinal)),
                 data_offset: skip,
-                backend: kind.name(),
+                io_path: kind.name(),
                 note,
             })
         }

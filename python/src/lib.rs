@@ -69,7 +69,7 @@ fn cuda_status(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
 }
 
 /// Releases what the package keeps open between reads: the bounce rings' pinned host memory,
-/// the cached backends and its hold on the cuFile driver. Tensors alive keep their memory.
+/// the cached readers and its hold on the cuFile driver. Tensors alive keep their memory.
 #[pyfunction]
 fn release_io(py: Python<'_>) {
     py.detach(io::release);

@@ -129,7 +129,7 @@ impl GdsModel {
                 Source {
                     path: path.clone(),
                     offset: meta.offset,
-                    backend: region.backend,
+                    io_path: region.io_path,
                 },
             );
             tensors.set_item(&meta.name, view)?;

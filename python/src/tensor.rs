@@ -45,8 +45,8 @@ pub struct Source {
     pub path: PathBuf,
     /// Byte offset of the tensor in `path`.
     pub offset: u64,
-    /// The backend that read it: `host`, `cufile` or `bounce`.
-    pub backend: &'static str,
+    /// The I/O path that read it: `host`, `cufile` or `bounce`.
+    pub io_path: &'static str,
 }
 
 impl GdsTensor {
@@ -173,10 +173,10 @@ impl GdsTensor {
         }
     }
 
-    /// The backend that read the bytes: `host`, `cufile` or `bounce`.
+    /// The I/O path that read the bytes: `host`, `cufile` or `bounce`.
     #[getter]
     fn io(&self) -> &'static str {
-        self.source.backend
+        self.source.io_path
     }
 
     /// The file the bytes came from.
@@ -243,7 +243,7 @@ impl GdsTensor {
             self.shape,
             self.element.name(),
             self.device(),
-            self.source.backend,
+            self.source.io_path,
             self.source.path.display().to_string(),
             self.source.offset,
         )
@@ -312,7 +312,7 @@ pub fn gds_tensor(
     let source = Source {
         path,
         offset,
-        backend: region.backend,
+        io_path: region.io_path,
     };
     Ok(GdsTensor::view(
         region.storage,

@@ -80,6 +80,16 @@ pub enum ResidencyError {
     ReadFailed { file: String, message: String },
     #[error("could not allocate {bytes} bytes of device memory for {what}")]
     Alloc { bytes: u64, what: String },
+    #[error(
+        "{file}: checksum mismatch on its first read: metadata.json says xxh3:{expected:016x}, \
+         the bytes read hash to xxh3:{actual:016x} (the file is corrupt; `gdsllm verify` checks \
+         every blob)"
+    )]
+    Checksum {
+        file: String,
+        expected: u64,
+        actual: u64,
+    },
     #[error("the residency reader thread has stopped")]
     ReaderStopped,
 }

@@ -1,10 +1,10 @@
 //! GPU memory for the residency cache: ring slots and resident blobs are plain device
 //! allocations (`gds_io::GdsBuffer`), filled from the model's files through the `gds-io`
-//! backend chosen for this machine (cuFile, or O_DIRECT → pinned ring → async copy), and the
+//! I/O path chosen for this machine (cuFile, or O_DIRECT → pinned ring → async copy), and the
 //! host tier is page-locked memory.
 //!
 //! How a blob reaches device memory: with cuFile where GPUDirect Storage DMA works (or when
-//! `--io cufile|bounce` asks for a `gds-io` backend), else — the automatic choice without GDS —
+//! `--io cufile|bounce` asks for a `gds-io` I/O path), else — the automatic choice without GDS —
 //! the same parallel O_DIRECT read as the host path (the model's [`BlobSource`]) into one
 //! page-locked staging buffer, then one copy at PCIe speed. Measured on the H100 VM (virtio
 //! disk, 405 MB 7B layers, page cache dropped): the bounce ring reached 1.3–1.6 GB/s per blob
@@ -14,13 +14,13 @@
 //! Fills are synchronous on the reader thread: when `fill_from_source` returns, the bytes are in
 //! device memory and any stream sees them, so compute needs no event to wait on. The other
 //! direction needs one: compute queues kernels that read a slot long before they run, so the
-//! CUDA backend gives each streamed blob back with a [`crate::ReleaseFence`] (an event recorded
+//! CUDA I/O path gives each streamed blob back with a [`crate::ReleaseFence`] (an event recorded
 //! on its stream), and the reader waits for it before writing the slot again.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use gds_io::{BackendKind, DeviceIo, GdsBuffer, GdsFile, IoChoice, IoTotals, PinnedHostBuf};
+use gds_io::{DeviceIo, GdsBuffer, GdsFile, IoChoice, IoPath, IoTotals, PinnedHostBuf};
 use parking_lot::Mutex;
 use weights_format::Metadata;
 
@@ -67,7 +67,7 @@ pub struct GpuMemory {
 impl std::fmt::Debug for GpuMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuMemory")
-            .field("backend", &self.files.io.kind())
+            .field("io_path", &self.files.io.kind())
             .field("budget", &self.budget)
             .field("used", &self.used())
             .finish_non_exhaustive()
@@ -75,7 +75,7 @@ impl std::fmt::Debug for GpuMemory {
 }
 
 impl GpuMemory {
-    /// Opens GPU `ordinal`, the I/O backend `choice` resolves to, and every blob file of the
+    /// Opens GPU `ordinal`, the I/O path `choice` resolves to, and every blob file of the
     /// model in `dir`. The budget is `budget`, or the device's free memory when `None`.
     pub fn open(
         ordinal: usize,
@@ -86,8 +86,8 @@ impl GpuMemory {
     ) -> Result<GpuMemory, ResidencyError> {
         let mut io = DeviceIo::open(ordinal, choice).map_err(|e| io_error("(GPU)", e))?;
         let staged = match choice {
-            IoChoice::Force(BackendKind::Host) => true,
-            IoChoice::Auto => io.kind() != BackendKind::Cufile,
+            IoChoice::Force(IoPath::Host) => true,
+            IoChoice::Auto => io.kind() != IoPath::Cufile,
             IoChoice::Force(_) => false,
         };
         let mut files = Vec::with_capacity(meta.blobs.len());
@@ -124,11 +124,11 @@ impl GpuMemory {
         self.budget = self.budget.saturating_sub(bytes);
     }
 
-    /// The I/O backend reads go through: `cufile`, `bounce`, or `host` (O_DIRECT into the
+    /// The I/O path reads go through: `cufile`, `bounce`, or `host` (O_DIRECT into the
     /// pinned staging buffer, then a copy).
-    pub fn backend(&self) -> BackendKind {
+    pub fn io_path(&self) -> IoPath {
         if self.files.staging.is_some() {
-            BackendKind::Host
+            IoPath::Host
         } else {
             self.files.io.kind()
         }
@@ -254,7 +254,7 @@ impl DeviceBuffer for GpuBuffer {
             blob,
             bytes = record.bytes,
             gbps = record.gbps(),
-            backend = %files.io.kind(),
+            io_path = %files.io.kind(),
             "blob read into device memory"
         );
         Ok(Completion::done())
@@ -269,5 +269,22 @@ impl DeviceBuffer for GpuBuffer {
 
     fn bytes(&self) -> WeightBytes<'_> {
         WeightBytes::Device(self.buf.as_device_ptr())
+    }
+
+    fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
+        const PIECE: usize = 64 << 20;
+        let len = (len as usize).min(self.buf.len());
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut offset = 0;
+        while offset < len {
+            let end = (offset + PIECE).min(len);
+            let piece = self
+                .buf
+                .copy_to_host(offset..end)
+                .map_err(|e| io_error("(checksum of a device buffer)", e))?;
+            hasher.update(&piece);
+            offset = end;
+        }
+        Ok(hasher.digest())
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! This crate is for: planning which blobs stay resident for the whole run and which stream
 //! through a ring of staging slots, prefetching in layer order, the optional pinned host tier,
-//! and the statistics of all of it.
+//! checking each blob against its checksum on its first read ([`BlobChecksums`]), and the
+//! statistics of all of it.
 //!
 //! It is not for: doing the reads themselves (that is `gds-io`) or interpreting tensors
 //! (that is `llama`).
@@ -27,14 +28,14 @@ mod stats;
 pub use clock::{Clock, SystemClock, VirtualClock};
 pub use error::ResidencyError;
 pub use gds_io::DevicePtr;
-pub use gds_io::{BackendKind as IoBackendKind, IoChoice};
+pub use gds_io::{IoChoice, IoPath};
 pub use gpu::GpuMemory;
 pub use memory::{
     Completion, CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence, WeightBytes,
 };
 pub use options::{
-    AUTO_RAM_SHARE, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions, human_bytes,
-    mem_available, parse_bytes,
+    AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions,
+    human_bytes, mem_available, parse_bytes,
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,

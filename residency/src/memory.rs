@@ -135,6 +135,21 @@ pub trait DeviceBuffer: Send + Sync {
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
     /// The whole buffer, in host or device memory.
     fn bytes(&self) -> WeightBytes<'_>;
+    /// XXH3-64 of the first `len` bytes, as compute will see them. Host memory is hashed in
+    /// place; device memory must override this (copying the bytes back to hash them).
+    fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
+        let bytes = self
+            .bytes()
+            .host()
+            .and_then(|b| b.get(..len as usize))
+            .ok_or(ResidencyError::RangeOutOfBounds {
+                file: "(buffer in host memory)".into(),
+                offset: 0,
+                end: len,
+                length: self.bytes().len() as u64,
+            })?;
+        Ok(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
 }
 
 /// Host memory standing in for device memory on the CPU backend.

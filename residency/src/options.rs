@@ -38,6 +38,20 @@ pub enum Policy {
     Lru,
 }
 
+/// Whether blob bytes are checked against the XXH3 checksums of metadata.json as they are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlobChecksums {
+    /// Each blob's first read from disk is hashed before compute may use it; a mismatch fails
+    /// that read (and every later one) with an error naming the blob. Later reads of a
+    /// streamed blob are not hashed again: the first read proved the file, and re-hashing every
+    /// pass would tax the streaming path for a fault that `gdsllm verify` finds.
+    #[default]
+    FirstRead,
+    /// No checking (`--no-checksums`).
+    Off,
+}
+
 /// Share of `MemAvailable` that `auto` budgets take: the rest stays for the OS, the page cache
 /// of other programs and our own activations.
 pub const AUTO_RAM_SHARE: f64 = 0.6;
@@ -54,6 +68,8 @@ pub struct ResidencyOptions {
     pub policy: Policy,
     /// KV cache + activations + safety margin, taken off the device budget first.
     pub reserved_bytes: u64,
+    /// Whether blobs are checked against their checksums as they are read.
+    pub checksums: BlobChecksums,
 }
 
 impl Default for ResidencyOptions {
@@ -65,6 +81,7 @@ impl Default for ResidencyOptions {
             resident_layers: None,
             policy: Policy::Planned,
             reserved_bytes: 0,
+            checksums: BlobChecksums::default(),
         }
     }
 }

@@ -377,11 +377,17 @@ pub fn kv_cache_bytes(
     context: u64,
     bytes_per_value: u64,
 ) -> u64 {
-    2 * config.n_layers as u64
-        * config.n_kv_heads as u64
-        * config.head_dim as u64
-        * context
-        * bytes_per_value
+    // Saturating: an absurd config (a context of 2^32) must come out as "too large for the
+    // budget", not wrap around to something small or panic.
+    [
+        config.n_layers as u64,
+        config.n_kv_heads as u64,
+        config.head_dim as u64,
+        context,
+        bytes_per_value,
+    ]
+    .into_iter()
+    .fold(2u64, u64::saturating_mul)
 }
 
 fn seconds(bytes: u64, gbps: f64) -> f64 {

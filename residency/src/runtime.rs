@@ -15,7 +15,7 @@ use crate::engine::{Engine, Job, Location, LocationState, Lookup, Outcome, ReadF
 use crate::error::ResidencyError;
 use crate::memory::{CpuMemory, DeviceBuffer, DeviceMemory, HostBlock, ReleaseFence, WeightBytes};
 use crate::options::{
-    AUTO_RAM_SHARE, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
+    AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
 };
 use crate::plan::{ModelLayout, Plan, PlanInputs};
 use crate::source::{BlobSource, HostFileSource};
@@ -34,6 +34,9 @@ struct Shared {
     resident: Vec<Option<Buffer>>,
     host_tier: Vec<RwLock<Option<Box<dyn HostBlock>>>>,
     host_tier_bytes: AtomicU64,
+    /// Bytes hashed for checksums and the nanoseconds spent on them.
+    checksum_bytes: AtomicU64,
+    checksum_nanos: AtomicU64,
     /// Per staging slot: what compute said must finish before the slot is written again.
     slot_fences: Vec<Mutex<Option<Box<dyn ReleaseFence>>>>,
     names: Vec<String>,
@@ -43,6 +46,9 @@ struct Shared {
     jobs: Mutex<mpsc::Sender<Option<Job>>>,
     stopping: AtomicBool,
     reader_stopped: AtomicBool,
+    checksums: BlobChecksums,
+    /// Per blob: its bytes have been checked against its checksum once.
+    verified: Vec<AtomicBool>,
 }
 
 /// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
@@ -136,7 +142,7 @@ impl Residency {
     }
 
     /// GPU `ordinal`: slots and resident blobs in device memory, filled through the `gds-io`
-    /// backend `io` resolves to; the host tier is page-locked. `--vram-budget auto` is the
+    /// I/O path `io` resolves to; the host tier is page-locked. `--vram-budget auto` is the
     /// device's free memory less [`GPU_AUTO_MARGIN`]. Returns the memory too, for its I/O
     /// statistics.
     pub fn open_gpu(
@@ -228,6 +234,8 @@ impl Residency {
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
             host_tier_bytes: AtomicU64::new(0),
+            checksum_bytes: AtomicU64::new(0),
+            checksum_nanos: AtomicU64::new(0),
             slot_fences: (0..plan.ring_slots).map(|_| Mutex::new(None)).collect(),
             names: layout.blobs.iter().map(|b| b.file.clone()).collect(),
             source,
@@ -236,6 +244,12 @@ impl Residency {
             jobs: Mutex::new(sender),
             stopping: AtomicBool::new(false),
             reader_stopped: AtomicBool::new(false),
+            checksums: opts.checksums,
+            verified: layout
+                .blobs
+                .iter()
+                .map(|_| AtomicBool::new(false))
+                .collect(),
         });
         let reader_shared = Arc::clone(&shared);
         let reader = std::thread::Builder::new()
@@ -326,6 +340,13 @@ impl Residency {
                 length: info.length,
             });
         }
+        if let Some(expected) = self.shared.unchecked(blob) {
+            // Read in pieces, never whole, so its first piece is the moment to prove the file:
+            // once, on this thread, before any of its bytes are used.
+            let shared = &self.shared;
+            let actual = shared.timed_hash(blob, || shared.source.hash_blob(blob))?;
+            shared.check(blob, expected, actual)?;
+        }
         let mut out = vec![0u8; len as usize];
         self.shared.source.read_range(blob, offset, &mut out)?;
         self.shared.engine.lock().add_on_demand(len);
@@ -353,6 +374,8 @@ impl Residency {
         stats.peak_device_bytes = self.shared.memory.peak();
         stats.device_budget = self.plan.device_budget;
         stats.host_tier_bytes = self.shared.host_tier_bytes.load(Ordering::Relaxed);
+        stats.checksum_bytes = self.shared.checksum_bytes.load(Ordering::Relaxed);
+        stats.checksum_seconds = self.shared.checksum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
         stats
     }
 
@@ -421,45 +444,94 @@ impl Shared {
             }
         }
         let mut buffer = self.buffer(job.into).write();
+        let (blob, len) = (job.blob, job.bytes);
+        // A blob read from disk is hashed where its bytes lie before compute may use them, the
+        // first time only (`BlobChecksums`). The host tier holds only checked bytes.
+        let from_disk = |buffer: &mut Box<dyn DeviceBuffer>| -> Result<(), ResidencyError> {
+            buffer
+                .fill_from_source(self.source.as_ref(), blob, len)?
+                .wait();
+            if let Some(expected) = self.unchecked(blob) {
+                let actual = self.timed_hash(blob, || buffer.xxh3(len))?;
+                self.check(blob, expected, actual)?;
+            }
+            Ok(())
+        };
         match job.from {
             ReadFrom::HostTier => {
-                let host = self.host_tier[job.blob].read();
+                let host = self.host_tier[blob].read();
                 match host.as_ref() {
                     Some(block) => buffer
-                        .fill_from_host(&block.bytes()[..job.bytes as usize])?
+                        .fill_from_host(&block.bytes()[..len as usize])?
                         .wait(),
-                    None => buffer
-                        .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
-                        .wait(),
+                    None => from_disk(&mut buffer)?,
                 }
                 Ok(false)
             }
-            ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(job.bytes) {
+            ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(len) {
                 Ok(mut host) => {
-                    self.source.read_blob(job.blob, host.bytes_mut())?;
-                    buffer
-                        .fill_from_host(&host.bytes()[..job.bytes as usize])?
-                        .wait();
+                    self.source.read_blob(blob, host.bytes_mut())?;
+                    if let Some(expected) = self.unchecked(blob) {
+                        let bytes = &host.bytes()[..len as usize];
+                        let actual =
+                            self.timed_hash(blob, || Ok(xxhash_rust::xxh3::xxh3_64(bytes)))?;
+                        self.check(blob, expected, actual)?;
+                    }
+                    buffer.fill_from_host(&host.bytes()[..len as usize])?.wait();
                     self.host_tier_bytes
                         .fetch_add(host.bytes().len() as u64, Ordering::Relaxed);
-                    *self.host_tier[job.blob].write() = Some(host);
+                    *self.host_tier[blob].write() = Some(host);
                     Ok(true)
                 }
                 Err(err) => {
-                    tracing::warn!(file = %self.names[job.blob], "host tier: {err}; this blob keeps streaming from disk");
-                    buffer
-                        .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
-                        .wait();
+                    tracing::warn!(file = %self.names[blob], "host tier: {err}; this blob keeps streaming from disk");
+                    from_disk(&mut buffer)?;
                     Ok(false)
                 }
             },
             ReadFrom::Disk => {
-                buffer
-                    .fill_from_source(self.source.as_ref(), job.blob, job.bytes)?
-                    .wait();
+                from_disk(&mut buffer)?;
                 Ok(false)
             }
         }
+    }
+
+    /// The checksum blob `blob` must still be checked against: `None` when checking is off,
+    /// the source knows no checksum, or the blob has already been checked.
+    fn unchecked(&self, blob: usize) -> Option<u64> {
+        if self.checksums == BlobChecksums::Off || self.verified[blob].load(Ordering::Acquire) {
+            return None;
+        }
+        self.source.checksum(blob)
+    }
+
+    /// Runs `hash` (of blob `blob`) and counts its bytes and time.
+    fn timed_hash(
+        &self,
+        blob: usize,
+        hash: impl FnOnce() -> Result<u64, ResidencyError>,
+    ) -> Result<u64, ResidencyError> {
+        let started = std::time::Instant::now();
+        let digest = hash()?;
+        self.checksum_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.checksum_bytes
+            .fetch_add(self.source.blob_len(blob), Ordering::Relaxed);
+        Ok(digest)
+    }
+
+    /// Records a successful check, or fails with an error naming the blob.
+    fn check(&self, blob: usize, expected: u64, actual: u64) -> Result<(), ResidencyError> {
+        if actual != expected {
+            tracing::error!(file = %self.names[blob], "checksum mismatch: the model file is corrupt");
+            return Err(ResidencyError::Checksum {
+                file: self.names[blob].clone(),
+                expected,
+                actual,
+            });
+        }
+        self.verified[blob].store(true, Ordering::Release);
+        Ok(())
     }
 }
 

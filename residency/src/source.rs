@@ -21,6 +21,33 @@ pub trait BlobSource: Send + Sync {
     fn read_blob(&self, blob: usize, dst: &mut [u8]) -> Result<(), ResidencyError>;
     /// Reads `dst.len()` bytes at `offset` inside the blob (no alignment required).
     fn read_range(&self, blob: usize, offset: u64, dst: &mut [u8]) -> Result<(), ResidencyError>;
+    /// The XXH3-64 the blob's bytes must hash to, when the source knows it (metadata.json).
+    fn checksum(&self, _blob: usize) -> Option<u64> {
+        None
+    }
+    /// The blob's length in bytes.
+    fn blob_len(&self, blob: usize) -> u64;
+    /// XXH3-64 of the whole blob, read in pieces (for blobs that are never read whole).
+    fn hash_blob(&self, blob: usize) -> Result<u64, ResidencyError> {
+        const PIECE: u64 = 8 << 20;
+        let len = self.blob_len(blob);
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut piece = vec![0u8; PIECE.min(len) as usize];
+        let mut offset = 0;
+        while offset < len {
+            let n = PIECE.min(len - offset) as usize;
+            self.read_range(blob, offset, &mut piece[..n])?;
+            hasher.update(&piece[..n]);
+            offset += n as u64;
+        }
+        Ok(hasher.digest())
+    }
+}
+
+/// The value of a `xxh3:<16 hex>` checksum of metadata.json (already validated by
+/// `Model::open`; anything else is treated as unknown).
+fn parse_checksum(text: &str) -> Option<u64> {
+    u64::from_str_radix(text.strip_prefix("xxh3:")?, 16).ok()
 }
 
 /// The model's blob files, read with O_DIRECT (where the filesystem allows it) by a few
@@ -29,6 +56,7 @@ pub trait BlobSource: Send + Sync {
 pub struct HostFileSource {
     files: Vec<DirectFile>,
     names: Vec<String>,
+    checksums: Vec<Option<u64>>,
     how: ParallelRead,
 }
 
@@ -51,6 +79,11 @@ impl HostFileSource {
         Ok(HostFileSource {
             files,
             names: meta.blobs.iter().map(|b| b.file.clone()).collect(),
+            checksums: meta
+                .blobs
+                .iter()
+                .map(|b| parse_checksum(&b.checksum))
+                .collect(),
             how,
         })
     }
@@ -88,6 +121,38 @@ impl BlobSource for HostFileSource {
         self.files[blob].read_span(offset, dst)?;
         Ok(())
     }
+
+    fn checksum(&self, blob: usize) -> Option<u64> {
+        self.checksums.get(blob).copied().flatten()
+    }
+
+    /// Reads the blob in large aligned pieces, as many threads as a whole-blob read uses, into
+    /// one reused buffer (the default reads through an unaligned bounce per piece).
+    fn hash_blob(&self, blob: usize) -> Result<u64, ResidencyError> {
+        const PIECE: u64 = 32 << 20;
+        let file = &self.files[blob];
+        let len = file.len();
+        let mut buf =
+            gds_io::AlignedBuf::zeroed(PIECE.min(gds_io::aligned::align_up(len)) as usize)
+                .map_err(|_| ResidencyError::Alloc {
+                    bytes: PIECE,
+                    what: format!("checksum of {}", self.names[blob]),
+                })?;
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut offset = 0;
+        while offset < len {
+            let n = PIECE.min(len - offset);
+            let aligned = gds_io::aligned::align_up(n) as usize;
+            file.read_into_parallel(offset, &mut buf[..aligned], self.how)?;
+            hasher.update(&buf[..n as usize]);
+            offset += n;
+        }
+        Ok(hasher.digest())
+    }
+
+    fn blob_len(&self, blob: usize) -> u64 {
+        self.files[blob].len()
+    }
 }
 
 /// A source whose byte at `offset` of blob `b` is [`PatternSource::byte`]`(b, offset)`; counts
@@ -97,15 +162,31 @@ pub struct PatternSource {
     lengths: Vec<u64>,
     blob_reads: Vec<AtomicU64>,
     bytes_read: AtomicU64,
+    /// What each blob claims to hash to (see [`PatternSource::with_checksums`]).
+    checksums: Vec<Option<u64>>,
 }
 
 impl PatternSource {
     pub fn new(lengths: Vec<u64>) -> PatternSource {
         PatternSource {
             blob_reads: lengths.iter().map(|_| AtomicU64::new(0)).collect(),
+            checksums: vec![None; lengths.len()],
             lengths,
             bytes_read: AtomicU64::new(0),
         }
+    }
+
+    /// The same source claiming the true checksum of every blob except those in `wrong`,
+    /// whose claimed checksum is off by one (a corrupt file, seen from the checker).
+    pub fn with_checksums(mut self, wrong: &[usize]) -> PatternSource {
+        self.checksums = (0..self.lengths.len())
+            .map(|b| {
+                let bytes: Vec<u8> = (0..self.lengths[b]).map(|i| Self::byte(b, i)).collect();
+                let sum = xxhash_rust::xxh3::xxh3_64(&bytes);
+                Some(if wrong.contains(&b) { sum ^ 1 } else { sum })
+            })
+            .collect();
+        self
     }
 
     /// The content of every blob: distinct per blob and per position.
@@ -159,5 +240,13 @@ impl BlobSource for PatternSource {
             *b = Self::byte(blob, offset + i as u64);
         }
         Ok(())
+    }
+
+    fn checksum(&self, blob: usize) -> Option<u64> {
+        self.checksums[blob]
+    }
+
+    fn blob_len(&self, blob: usize) -> u64 {
+        self.lengths[blob]
     }
 }

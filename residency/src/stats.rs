@@ -96,6 +96,10 @@ pub struct ResidencyStats {
     pub peak_device_bytes: u64,
     pub device_budget: u64,
     pub host_tier_bytes: u64,
+    /// Bytes hashed to check blobs against their checksums, and the seconds that took (on the
+    /// reader thread, or on the caller's for blobs read in pieces).
+    pub checksum_bytes: u64,
+    pub checksum_seconds: f64,
     /// Derived from `total`, for `--json` readers.
     pub overlap_fraction: f64,
     pub effective_gbps: f64,

@@ -1,4 +1,4 @@
-//! The threaded runtime: real files through the host backend, pattern sources under random
+//! The threaded runtime: real files through the host path, pattern sources under random
 //! budgets and access sequences, memory pressure.
 
 use std::path::Path;
@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use residency::{
-    Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource, Placement, Policy,
-    Residency, ResidencyError, ResidencyOptions, SystemClock,
+    BlobChecksums, Budget, CpuMemory, DeviceMemory, HostCache, ModelLayout, PatternSource,
+    Placement, Policy, Residency, ResidencyError, ResidencyOptions, SystemClock,
 };
 use weights_format::layout;
 use weights_format::{DType, Model, ModelConfig, ModelWriter};
@@ -74,6 +74,15 @@ fn write_model(out: &Path, n_layers: u32, tied: bool) -> Model {
         .unwrap()
 }
 
+/// The model on the CPU with `budget`, `host` and one slot of prefetch.
+fn open_host(model: &Model, budget: u64, host: HostCache) -> Residency {
+    let options = ResidencyOptions {
+        host_cache: host,
+        ..opts(budget, 1)
+    };
+    Residency::open_host(model, &options).unwrap()
+}
+
 fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
     ResidencyOptions {
         device_budget: Budget::Bytes(budget),
@@ -82,11 +91,12 @@ fn opts(budget: u64, prefetch: usize) -> ResidencyOptions {
         resident_layers: None,
         policy: Policy::Planned,
         reserved_bytes: 0,
+        checksums: BlobChecksums::FirstRead,
     }
 }
 
 #[test]
-fn host_backend_bytes_equal_plain_reads() {
+fn host_io_path_bytes_equal_plain_reads() {
     let dir = tempfile::tempdir().unwrap();
     for tied in [true, false] {
         let model = write_model(&dir.path().join(format!("m{tied}")), 6, tied);
@@ -100,14 +110,7 @@ fn host_backend_bytes_equal_plain_reads() {
             (3 * largest, HostCache::Bytes(2 * largest)),
             (total, HostCache::Off),
         ] {
-            let res = Residency::open_host(
-                &model,
-                &ResidencyOptions {
-                    host_cache: host,
-                    ..opts(budget, 1)
-                },
-            )
-            .unwrap();
+            let res = open_host(&model, budget, host);
             let plan = res.plan().clone();
             println!("tied={tied} budget={budget}:\n{plan}");
             for _pass in 0..3 {
@@ -328,5 +331,116 @@ proptest! {
         }
         drop(held);
         prop_assert!(memory.peak() <= budget - reserved_blocks * unit);
+    }
+}
+
+/// Flips one bit of `file` at `offset`.
+fn flip(path: &Path, offset: usize) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[offset] ^= 0x10;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn a_flipped_bit_fails_the_first_read_of_its_blob_on_every_tier() {
+    let dir = tempfile::tempdir().unwrap();
+    for tied in [true, false] {
+        for (host, resident_budget) in [
+            (HostCache::Off, false),
+            (HostCache::Bytes(1 << 30), false),
+            (HostCache::Off, true),
+        ] {
+            let path = dir.path().join(format!("m{tied}{resident_budget}{host}"));
+            let model = write_model(&path, 4, tied);
+            // Layer 2: streamed (or resident with the large budget); the embedding table of an
+            // untied model is only ever read in pieces (read_range).
+            let bad_layer = model.layer_blob(2);
+            flip(&model.blob_path(bad_layer), 5000);
+            let embed = model.embed_blob();
+            if !tied {
+                flip(&model.blob_path(embed), 100);
+            }
+            let model = Model::open(&path).unwrap();
+            let budget = if resident_budget {
+                1 << 30
+            } else {
+                3 * model.blob(bad_layer).length
+            };
+            let res = open_host(&model, budget, host);
+            for pass in 0..2 {
+                for &b in &res.plan().order.clone() {
+                    match res.acquire(b) {
+                        Ok(_) => {
+                            assert_ne!(b, bad_layer, "pass {pass}: the corrupt blob was handed out")
+                        }
+                        Err(err) => {
+                            println!("{err}");
+                            assert_eq!(b, bad_layer, "{err}");
+                            assert!(
+                                err.to_string().contains("layer_002.bin: checksum mismatch"),
+                                "{err}"
+                            );
+                        }
+                    }
+                }
+                res.end_pass();
+            }
+            if !tied {
+                let err = res.read_range(embed, 0, 16).unwrap_err();
+                println!("{err}");
+                assert!(
+                    matches!(err, ResidencyError::Checksum { ref file, .. } if file == "embed.bin"),
+                    "{err}"
+                );
+            }
+            // With checking off the same bytes are handed out as they are.
+            let res = Residency::open_host(
+                &model,
+                &ResidencyOptions {
+                    checksums: BlobChecksums::Off,
+                    host_cache: host,
+                    ..opts(budget, 1)
+                },
+            )
+            .unwrap();
+            res.acquire(bad_layer).unwrap();
+            if !tied {
+                res.read_range(embed, 0, 16).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn only_the_first_read_of_a_blob_is_hashed() {
+    // Four equal blobs through a two-slot ring that holds nothing resident: every pass
+    // re-reads every blob from the source, but each is hashed on its first read only. A
+    // wrong checksum claimed for a blob fails it on every pass (it is never accepted).
+    let len = 8192u64;
+    for wrong in [None, Some(1)] {
+        let source = Arc::new(PatternSource::new(vec![len; 4]).with_checksums(wrong.as_slice()));
+        let layout = ModelLayout::synthetic(len, &[len, len], len, true);
+        let res = Residency::open_with(
+            layout,
+            source.clone(),
+            Arc::new(CpuMemory::new(2 * len)),
+            Arc::new(SystemClock::new()),
+            &opts(2 * len, 1),
+        )
+        .unwrap();
+        assert_eq!(res.plan().resident_bytes, 0, "{}", res.plan());
+        let passes = 3;
+        for _ in 0..passes {
+            for &b in &res.plan().order.clone() {
+                let got = res.acquire(b);
+                assert_eq!(got.is_err(), Some(b) == wrong, "blob {b}");
+            }
+            res.end_pass();
+        }
+        let reads = source.blob_reads();
+        assert!(reads.iter().all(|&n| n >= passes), "{reads:?}");
+        if wrong.is_none() {
+            assert_eq!(res.stats().checksum_bytes, 4 * len, "{reads:?}");
+        }
     }
 }

@@ -85,6 +85,17 @@ impl ApiError {
         }
     }
 
+    /// 429: the request queue is full; the response carries `Retry-After`.
+    pub fn busy(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("server_busy"),
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -108,9 +119,22 @@ impl ApiError {
     }
 }
 
+/// Seconds a client told 429 or 503 should wait before retrying.
+pub const RETRY_AFTER_SECONDS: u64 = 1;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(RETRY_AFTER_SECONDS),
+            );
+        }
+        response
     }
 }
 

@@ -1,12 +1,14 @@
 //! An OpenAI-compatible HTTP API over the `llama` crate, used by `gdsllm serve`.
 //!
-//! This crate is for: the axum routes, request validation, streaming responses, the request
-//! queue in front of the model's worker thread, auth and metrics. It talks to the model only
+//! This crate is for: the axum routes, request validation, streaming responses, the bounded
+//! request queue in front of the model's worker thread, connection limits and timeouts, auth
+//! and metrics. It talks to the model only
 //! through the narrow [`Engine`] trait; [`llama_engine`] adapts the `llama` crate to it.
 //!
 //! It is not for: model execution or sampling (those live in `llama`), nor deciding where
 //! weights live (that is `residency`).
 
+mod connections;
 pub mod engine;
 mod error;
 pub mod llama_engine;
@@ -15,6 +17,7 @@ pub mod params;
 mod routes;
 pub mod scheduler;
 mod server;
+mod state;
 
 pub use engine::{
     CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
@@ -22,4 +25,5 @@ pub use engine::{
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{LlamaEngine, open};
-pub use server::{Server, ServerConfig, load_api_key_file, shutdown_signal};
+pub use server::{Server, load_api_key_file, shutdown_signal};
+pub use state::ServerConfig;

@@ -10,6 +10,9 @@ use crate::engine::EngineStats;
 
 pub const REQUESTS: &str = "gdsllm_requests_total";
 pub const CANCELLED: &str = "gdsllm_requests_cancelled_total";
+pub const REJECTED: &str = "gdsllm_requests_rejected_total";
+pub const CONNECTIONS: &str = "gdsllm_connections_open";
+pub const EVICTED: &str = "gdsllm_connections_evicted_total";
 pub const PROMPT_TOKENS: &str = "gdsllm_prompt_tokens_total";
 pub const GENERATED_TOKENS: &str = "gdsllm_generation_tokens_total";
 pub const TTFT: &str = "gdsllm_time_to_first_token_seconds";
@@ -55,6 +58,15 @@ impl Metrics {
             use metrics::{describe_counter, describe_gauge, describe_histogram};
             describe_counter!(REQUESTS, "HTTP requests by endpoint and status code");
             describe_counter!(CANCELLED, "Sequences cancelled (client gone or shutdown)");
+            describe_gauge!(CONNECTIONS, "Open client connections");
+            describe_counter!(
+                EVICTED,
+                "Idle connections closed to make room for new ones at --max-connections"
+            );
+            describe_counter!(
+                REJECTED,
+                "Requests refused with 429 because the queue was full"
+            );
             describe_counter!(PROMPT_TOKENS, "Prompt tokens processed");
             describe_counter!(GENERATED_TOKENS, "Tokens generated");
             describe_histogram!(
@@ -95,6 +107,9 @@ impl Metrics {
             gauge!(RUNNING).set(0.0);
             gauge!(WAITING).set(0.0);
             counter!(CANCELLED).absolute(0);
+            counter!(REJECTED).absolute(0);
+            counter!(EVICTED).absolute(0);
+            gauge!(CONNECTIONS).set(0.0);
             counter!(PROMPT_TOKENS).absolute(0);
             counter!(GENERATED_TOKENS).absolute(0);
         });
@@ -113,6 +128,19 @@ impl Metrics {
 
     pub fn cancelled(&self) {
         self.with(|| counter!(CANCELLED).increment(1));
+    }
+
+    pub fn set_connections(&self, n: usize) {
+        self.with(|| gauge!(CONNECTIONS).set(n as f64));
+    }
+
+    pub fn connection_evicted(&self) {
+        self.with(|| counter!(EVICTED).increment(1));
+    }
+
+    /// A request refused because the queue was full.
+    pub fn rejected(&self) {
+        self.with(|| counter!(REJECTED).increment(1));
     }
 
     pub fn prompt_tokens(&self, n: usize) {

@@ -1,6 +1,8 @@
 //! Request bodies, read field by field from JSON so that every wrong type or value is a 400
-//! naming the field (`param` in the error body). Unknown fields are ignored, as OpenAI-style
-//! servers do, so clients that send extra options keep working.
+//! naming the field (`param` in the error body). OpenAI fields this server does not implement
+//! ([`UNSUPPORTED_FIELDS`]) are a 400 naming the field too, rather than an answer that quietly
+//! ignores them; fields OpenAI does not define are ignored, as OpenAI-style servers do, so
+//! clients that send vendor extensions keep working.
 
 use serde_json::{Map, Value};
 
@@ -13,6 +15,59 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 pub const MAX_STOP_STRINGS: usize = 16;
 /// `max_tokens` of `/v1/completions` when the request gives none (OpenAI's default).
 pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+/// OpenAI request fields this server does not implement. A request that sets one (to anything
+/// but null, an empty list or object, or the field's own "off" value, see [`is_off`]) gets a
+/// 400 naming it. Implementing a field means deleting its line here.
+pub const UNSUPPORTED_FIELDS: &[&str] = &[
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "reasoning_effort",
+];
+
+/// Whether `value` of unsupported field `name` asks for nothing this server would ignore.
+fn is_off(name: &str, value: &Value) -> bool {
+    match value {
+        Value::Null => true,
+        Value::Array(items) => items.is_empty(),
+        Value::Object(map) if map.is_empty() => true,
+        // Plain text is what every answer is.
+        Value::Object(map) if name == "response_format" => {
+            map.len() == 1 && map.get("type").and_then(Value::as_str) == Some("text")
+        }
+        Value::String(s) if name == "tool_choice" => s == "none",
+        // Only means something together with tools, which are refused on their own.
+        Value::Bool(_) if name == "parallel_tool_calls" => true,
+        _ => false,
+    }
+}
+
+/// A 400 for the first field of [`UNSUPPORTED_FIELDS`] the body sets.
+fn reject_unsupported(f: &Fields<'_>) -> Result<(), ApiError> {
+    for &name in UNSUPPORTED_FIELDS {
+        if let Some(value) = f.obj.get(name)
+            && !is_off(name, value)
+        {
+            return Err(ApiError {
+                code: Some("unsupported_parameter"),
+                ..ApiError::invalid_param(
+                    name,
+                    format!("`{name}` is not supported by this server; remove it from the request"),
+                )
+            });
+        }
+    }
+    Ok(())
+}
 
 /// Typed access to a JSON object's fields; `null` counts as absent.
 pub struct Fields<'a> {
@@ -218,6 +273,7 @@ const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
     let f = Fields::new(body)?;
+    reject_unsupported(&f)?;
     let common = common(&f)?;
     let list = match f.get("messages") {
         None => {
@@ -407,6 +463,7 @@ pub struct CompletionRequest {
 
 pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     let f = Fields::new(body)?;
+    reject_unsupported(&f)?;
     let common = common(&f)?;
     let prompt = match f.get("prompt") {
         None => {
@@ -469,6 +526,7 @@ pub const MAX_EMBEDDING_INPUTS: usize = 2048;
 
 pub fn embeddings_request(body: &Value) -> Result<EmbeddingsRequest, ApiError> {
     let f = Fields::new(body)?;
+    reject_unsupported(&f)?;
     let model = f.string("model")?.map(str::to_string);
     let inputs = match f.get("input") {
         None => return Err(ApiError::invalid_param("input", "`input` is required")),
@@ -510,6 +568,54 @@ pub fn embeddings_request(body: &Value) -> Result<EmbeddingsRequest, ApiError> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn unsupported_fields_are_refused_by_name_and_their_off_values_accepted() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            chat_request(&body)
+        };
+        for (field, value) in [
+            ("logit_bias", json!({"50256": -100})),
+            ("response_format", json!({"type": "json_object"})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+            ),
+            ("tool_choice", json!("auto")),
+            ("functions", json!([{"name": "f"}])),
+            ("reasoning_effort", json!("high")),
+        ] {
+            let err = chat(json!({ field: value })).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(field), "{}", err.message);
+            assert!(err.message.contains(field), "{}", err.message);
+            let body = json!({"prompt": "x", field: value});
+            assert_eq!(
+                completion_request(&body).unwrap_err().param.as_deref(),
+                Some(field)
+            );
+            let body = json!({"input": "x", field: value});
+            assert_eq!(
+                embeddings_request(&body).unwrap_err().param.as_deref(),
+                Some(field)
+            );
+        }
+        for (field, value) in [
+            ("logit_bias", json!({})),
+            ("logit_bias", Value::Null),
+            ("tools", json!([])),
+            ("tool_choice", json!("none")),
+            ("response_format", json!({"type": "text"})),
+            ("parallel_tool_calls", json!(false)),
+            ("user", json!("someone")),
+            ("x_vendor_extension", json!(1)),
+        ] {
+            chat(json!({ field: value })).unwrap_or_else(|e| panic!("{field}: {}", e.message));
+        }
+    }
 
     #[test]
     fn every_bad_value_names_its_field() {

@@ -18,7 +18,7 @@ use crate::engine::{ChatMessage, Engine, GeneratedToken, GenerationRequest, Toke
 use crate::error::ApiError;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
-use crate::server::{AppState, ModelSlot};
+use crate::state::{AppState, ModelSlot};
 
 type AppResult = Result<Response, ApiError>;
 
@@ -29,7 +29,19 @@ impl FromRequest<Arc<AppState>> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+        let limit = state.config.body_read_timeout;
+        let read = tokio::time::timeout(limit, Bytes::from_request(req, state)).await;
+        let read = read.map_err(|_| ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the request body did not arrive within {} s",
+                limit.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        })?;
+        let bytes = read.map_err(|rejection| {
             if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError {
                     status: StatusCode::PAYLOAD_TOO_LARGE,

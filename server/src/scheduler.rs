@@ -4,12 +4,19 @@
 //! With an engine that batches ([`Engine::batch`]) the worker runs continuous batching: it
 //! moves every submitted generate job into the engine's batch (up to `max_batch` run
 //! together, one pass over the weights per step; the rest wait there for room), steps the
-//! batch, and between steps takes new jobs, runs embeddings and cancels the sequences whose
-//! client has gone, which frees their KV cache at once. Without batching it runs jobs one at a
-//! time in arrival order. Either way each sequence's tokens go through its own
+//! batch, and between steps takes new jobs, runs one bounded piece of an embeddings request
+//! and cancels the sequences whose client has gone, which frees their KV cache at once.
+//! Without batching it runs generate jobs one at a time in arrival order, and embeddings in
+//! pieces between them. Either way each sequence's tokens go through its own
 //! [`SequenceOutput`] (stop strings, latency metrics, events).
+//!
+//! Fairness and bounds: an embeddings request never holds the worker for more than
+//! [`EMBED_PIECE_TOKENS`] tokens at a time, so a chat submitted behind a long one waits at
+//! most one piece before its first step. The queue is bounded: at most `max_batch +
+//! max_queue` requests are queued or running; beyond that [`Scheduler::generate`] and
+//! [`Scheduler::embed`] answer 429 at once, with `Retry-After`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -65,17 +72,39 @@ pub enum Event {
     Failed(ApiError),
 }
 
+/// Tokens of embedding input the worker computes before it looks at the batch again (at
+/// least one whole input, however long).
+pub const EMBED_PIECE_TOKENS: usize = 512;
+
 pub struct GenerateJob {
     pub request: GenerationRequest,
     pub stop: Vec<String>,
     pub cancel: CancelToken,
     pub events: mpsc::UnboundedSender<Event>,
+    _slot: QueueSlot,
 }
 
 pub struct EmbedJob {
     pub inputs: Vec<Vec<u32>>,
     pub cancel: CancelToken,
     pub reply: oneshot::Sender<Result<Vec<Vec<f32>>, ApiError>>,
+    _slot: QueueSlot,
+}
+
+/// One place among the requests the scheduler holds (queued or running); given back when the
+/// job is dropped, however it ended.
+struct QueueSlot(Arc<AtomicUsize>);
+
+impl Drop for QueueSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// An embeddings request being worked through piece by piece.
+struct EmbedWork {
+    job: EmbedJob,
+    vectors: Vec<Vec<f32>>,
 }
 
 enum Job {
@@ -108,6 +137,9 @@ impl Drop for CancelOnDrop {
 pub struct Scheduler {
     sender: Mutex<Option<crossbeam_channel::Sender<Job>>>,
     waiting: Arc<AtomicUsize>,
+    /// Requests queued or running, against `capacity`.
+    held: Arc<AtomicUsize>,
+    capacity: usize,
     cancel_all: CancelToken,
     metrics: Arc<Metrics>,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -115,8 +147,14 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts the worker thread that owns `engine`'s time.
-    pub fn start(engine: Arc<dyn Engine>, metrics: Arc<Metrics>, max_batch: usize) -> Scheduler {
+    /// Starts the worker thread that owns `engine`'s time. At most `max_batch + max_queue`
+    /// requests are held (running or queued); more are refused with 429.
+    pub fn start(
+        engine: Arc<dyn Engine>,
+        metrics: Arc<Metrics>,
+        max_batch: usize,
+        max_queue: usize,
+    ) -> Scheduler {
         let (sender, receiver) = crossbeam_channel::unbounded();
         let waiting = Arc::new(AtomicUsize::new(0));
         let cancel_all = CancelToken::new();
@@ -134,6 +172,8 @@ impl Scheduler {
         Scheduler {
             sender: Mutex::new(Some(sender)),
             waiting,
+            held: Arc::new(AtomicUsize::new(0)),
+            capacity: max_batch.max(1) + max_queue,
             cancel_all,
             metrics,
             worker: Mutex::new(Some(handle)),
@@ -144,6 +184,21 @@ impl Scheduler {
     /// The most sequences decoded together (`--max-batch`).
     pub fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    /// Takes one of the places for requests, or answers 429 when all are held.
+    fn reserve(&self) -> Result<QueueSlot, ApiError> {
+        let held = self.held.fetch_add(1, Ordering::SeqCst);
+        let slot = QueueSlot(self.held.clone());
+        if held >= self.capacity {
+            drop(slot);
+            self.metrics.rejected();
+            return Err(ApiError::busy(format!(
+                "the server is busy: {} requests are running or queued (its limit); retry later",
+                self.capacity
+            )));
+        }
+        Ok(slot)
     }
 
     fn submit(&self, job: Job) -> Result<(), ApiError> {
@@ -166,6 +221,7 @@ impl Scheduler {
         request: GenerationRequest,
         stop: Vec<String>,
     ) -> Result<SequenceHandle, ApiError> {
+        let slot = self.reserve()?;
         let (events_tx, events) = mpsc::unbounded_channel();
         let cancel = CancelToken::new();
         let job = GenerateJob {
@@ -173,6 +229,7 @@ impl Scheduler {
             stop,
             cancel: cancel.clone(),
             events: events_tx,
+            _slot: slot,
         };
         self.submit(Job::Generate(job, Instant::now()))?;
         Ok(SequenceHandle { events, cancel })
@@ -180,6 +237,7 @@ impl Scheduler {
 
     /// Embeds each input (token ids) in order.
     pub async fn embed(&self, inputs: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>, ApiError> {
+        let slot = self.reserve()?;
         let (reply, answer) = oneshot::channel();
         let cancel = CancelToken::new();
         let _cancel_if_dropped = CancelOnDrop(cancel.clone());
@@ -188,6 +246,7 @@ impl Scheduler {
                 inputs,
                 cancel,
                 reply,
+                _slot: slot,
             },
             Instant::now(),
         ))?;
@@ -256,31 +315,87 @@ impl Worker {
         self.metrics.queue_time(queued.elapsed().as_secs_f64());
     }
 
+    /// One sequence at a time in arrival order; embeddings go forward one piece at a time
+    /// whenever no sequence is waiting.
     fn run_serial(self, jobs: crossbeam_channel::Receiver<Job>) {
-        for job in jobs {
+        let mut generates: VecDeque<(GenerateJob, Instant)> = VecDeque::new();
+        let mut embeds: VecDeque<EmbedWork> = VecDeque::new();
+        let take = |job: Job,
+                    generates: &mut VecDeque<(GenerateJob, Instant)>,
+                    embeds: &mut VecDeque<EmbedWork>| match job {
+            Job::Generate(job, queued) => {
+                self.took(queued);
+                generates.push_back((job, queued));
+            }
+            Job::Embed(job, queued) => {
+                self.took(queued);
+                embeds.push_back(EmbedWork {
+                    job,
+                    vectors: Vec::new(),
+                });
+            }
+        };
+        loop {
+            if generates.is_empty() && embeds.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => take(job, &mut generates, &mut embeds),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = jobs.try_recv() {
+                take(job, &mut generates, &mut embeds);
+            }
             // `running` drops back before the last event goes out, so a client that has its
             // answer never sees itself still counted.
-            match job {
-                Job::Generate(job, queued) => {
-                    self.took(queued);
-                    self.metrics.set_running(1);
-                    let last = self.run_generate(&job, queued);
-                    self.metrics.set_running(0);
-                    let _ = job.events.send(last);
-                }
-                Job::Embed(job, queued) => {
-                    self.took(queued);
-                    self.run_embed_job(job, 1);
-                }
+            if let Some((job, queued)) = generates.pop_front() {
+                self.metrics.set_running(1);
+                let last = self.run_generate(&job, queued);
+                self.metrics.set_running(0);
+                let _ = job.events.send(last);
+            } else {
+                self.embed_step(&mut embeds, 0);
             }
         }
     }
 
-    fn run_embed_job(&self, job: EmbedJob, running_after: usize) {
-        self.metrics.set_running(running_after);
-        let result = self.run_embed(&job);
-        self.metrics.set_running(running_after.saturating_sub(1));
-        let _ = job.reply.send(result);
+    /// Runs the next piece of the first embeddings request, and answers it when it is done.
+    fn embed_step(&self, embeds: &mut VecDeque<EmbedWork>, running: usize) {
+        let Some(work) = embeds.front_mut() else {
+            return;
+        };
+        self.metrics.set_running(running + 1);
+        let done = self.embed_piece(work);
+        self.metrics.set_running(running);
+        if let Some(result) = done {
+            let work = embeds.pop_front().expect("front exists");
+            let _ = work.job.reply.send(result);
+        }
+    }
+
+    /// Embeds inputs of `work` until [`EMBED_PIECE_TOKENS`] tokens are done (at least one
+    /// input); returns the answer once every input is done, or it failed or was cancelled.
+    fn embed_piece(&self, work: &mut EmbedWork) -> Option<Result<Vec<Vec<f32>>, ApiError>> {
+        let mut tokens_done = 0;
+        while let Some(tokens) = work.job.inputs.get(work.vectors.len()) {
+            if tokens_done > 0 && tokens_done + tokens.len() > EMBED_PIECE_TOKENS {
+                return None;
+            }
+            if work.job.cancel.is_cancelled() || self.cancel_all.is_cancelled() {
+                self.metrics.cancelled();
+                return Some(Err(ApiError::unavailable("cancelled")));
+            }
+            self.metrics.prompt_tokens(tokens.len());
+            match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.embed(tokens))) {
+                Ok(Ok(v)) => work.vectors.push(v),
+                Ok(Err(err)) => return Some(Err(err.into())),
+                Err(_) => {
+                    tracing::error!("the model panicked while embedding");
+                    return Some(Err(ApiError::internal("the model panicked")));
+                }
+            }
+            tokens_done += tokens.len();
+        }
+        Some(Ok(std::mem::take(&mut work.vectors)))
     }
 
     /// Continuous batching: jobs join the engine's batch between steps and leave it when they
@@ -292,18 +407,22 @@ impl Worker {
         jobs: crossbeam_channel::Receiver<Job>,
     ) {
         let mut active: HashMap<u64, Batched> = HashMap::new();
+        let mut embeds: VecDeque<EmbedWork> = VecDeque::new();
         loop {
             // Wait for work only when there is nothing to step.
-            if active.is_empty() {
+            if active.is_empty() && embeds.is_empty() {
                 match jobs.recv() {
-                    Ok(job) => self.take_job(job, &mut *batch, &mut active),
+                    Ok(job) => self.take_job(job, &mut *batch, &mut active, &mut embeds),
                     Err(_) => return,
                 }
             }
             while let Ok(job) = jobs.try_recv() {
-                self.take_job(job, &mut *batch, &mut active);
+                self.take_job(job, &mut *batch, &mut active, &mut embeds);
             }
             self.cancel_gone(&mut *batch, &mut active);
+            // One bounded piece of embedding between two steps: a long request shares the
+            // worker with the batch instead of holding it.
+            self.embed_step(&mut embeds, batch.running());
             if active.is_empty() {
                 continue;
             }
@@ -379,13 +498,22 @@ impl Worker {
             .set_waiting(self.waiting.load(Ordering::SeqCst) + batch.waiting());
     }
 
-    /// A job from the channel: an embedding runs now (between steps); a generate job joins the
-    /// batch.
-    fn take_job(&self, job: Job, batch: &mut dyn EngineBatch, active: &mut HashMap<u64, Batched>) {
+    /// A job from the channel: an embedding joins the embeddings worked through between
+    /// steps; a generate job joins the batch.
+    fn take_job(
+        &self,
+        job: Job,
+        batch: &mut dyn EngineBatch,
+        active: &mut HashMap<u64, Batched>,
+        embeds: &mut VecDeque<EmbedWork>,
+    ) {
         match job {
             Job::Embed(job, queued) => {
                 self.took(queued);
-                self.run_embed_job(job, batch.running() + 1);
+                embeds.push_back(EmbedWork {
+                    job,
+                    vectors: Vec::new(),
+                });
             }
             Job::Generate(job, queued) => {
                 let left = self.waiting.fetch_sub(1, Ordering::SeqCst) - 1;
@@ -484,26 +612,6 @@ impl Worker {
             }
         };
         out.finish(finish, &job.events, &self.metrics)
-    }
-
-    fn run_embed(&self, job: &EmbedJob) -> Result<Vec<Vec<f32>>, ApiError> {
-        let mut out = Vec::with_capacity(job.inputs.len());
-        for tokens in &job.inputs {
-            if job.cancel.is_cancelled() || self.cancel_all.is_cancelled() {
-                self.metrics.cancelled();
-                return Err(ApiError::unavailable("cancelled"));
-            }
-            self.metrics.prompt_tokens(tokens.len());
-            match std::panic::catch_unwind(AssertUnwindSafe(|| self.engine.embed(tokens))) {
-                Ok(Ok(v)) => out.push(v),
-                Ok(Err(err)) => return Err(err.into()),
-                Err(_) => {
-                    tracing::error!("the model panicked while embedding");
-                    return Err(ApiError::internal("the model panicked"));
-                }
-            }
-        }
-        Ok(out)
     }
 }
 

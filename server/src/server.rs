@@ -1,11 +1,11 @@
-//! The server: configuration, shared state, the router with its auth / metrics / body-limit
-//! layers, and serving with graceful shutdown.
+//! The server: the router with its auth / metrics / body-limit layers, and serving with
+//! graceful shutdown. The state the handlers share lives in [`crate::state`].
 
 use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::Router;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -15,43 +15,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use parking_lot::RwLock;
 
+use crate::connections::Connections;
 use crate::engine::Engine;
 use crate::error::{ApiError, ServerError};
 use crate::metrics::Metrics;
 use crate::routes;
 use crate::scheduler::Scheduler;
-
-/// Settings of one server.
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    /// With any key here, `/v1/*` needs `Authorization: Bearer <key>`.
-    pub api_keys: Vec<String>,
-    /// Extra names the model answers to (the first is listed first in `/v1/models`).
-    pub aliases: Vec<String>,
-    /// Inserted as the first message of a chat that has no system message.
-    pub system_prompt: Option<String>,
-    /// The most sequences decoded together (continuous batching, when the engine has it;
-    /// otherwise sequences run one at a time in arrival order).
-    pub max_batch: usize,
-    /// Largest request body in bytes (413 above it).
-    pub body_limit: usize,
-    /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are
-    /// cancelled.
-    pub shutdown_grace: Duration,
-}
-
-impl Default for ServerConfig {
-    fn default() -> Self {
-        ServerConfig {
-            api_keys: Vec::new(),
-            aliases: Vec::new(),
-            system_prompt: None,
-            max_batch: 1,
-            body_limit: 4 << 20,
-            shutdown_grace: Duration::from_secs(30),
-        }
-    }
-}
+use crate::state::{AppState, ModelSlot, ServerConfig};
 
 /// Reads API keys from `path`: one per line; blank lines and `#` comments are skipped.
 pub fn load_api_key_file(path: &Path) -> Result<Vec<String>, ServerError> {
@@ -71,46 +41,6 @@ pub fn load_api_key_file(path: &Path) -> Result<Vec<String>, ServerError> {
         });
     }
     Ok(keys)
-}
-
-pub(crate) enum ModelSlot {
-    Loading,
-    Ready {
-        engine: Arc<dyn Engine>,
-        scheduler: Arc<Scheduler>,
-    },
-    Failed(String),
-}
-
-pub(crate) struct AppState {
-    pub config: ServerConfig,
-    pub metrics: Arc<Metrics>,
-    pub slot: RwLock<ModelSlot>,
-    pub shutting_down: AtomicBool,
-    pub started: u64,
-}
-
-impl AppState {
-    /// The engine and its queue, or 503 while loading / after a failed load / in shutdown.
-    pub fn ready(&self) -> Result<(Arc<dyn Engine>, Arc<Scheduler>), ApiError> {
-        if self.shutting_down.load(Ordering::SeqCst) {
-            return Err(ApiError::unavailable("the server is shutting down"));
-        }
-        match &*self.slot.read() {
-            ModelSlot::Loading => Err(ApiError::unavailable("the model is loading")),
-            ModelSlot::Failed(m) => Err(ApiError::unavailable(format!(
-                "the model failed to load: {m}"
-            ))),
-            ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
-        }
-    }
-
-    /// Names the model answers to: its id, then the aliases.
-    pub fn model_names(&self, engine: &dyn Engine) -> Vec<String> {
-        let mut names = vec![engine.model_id().to_string()];
-        names.extend(self.config.aliases.iter().cloned());
-        names
-    }
 }
 
 /// An OpenAI-compatible server. Create it, start serving, and hand it the model when loaded:
@@ -143,6 +73,7 @@ impl Server {
             engine.clone(),
             self.state.metrics.clone(),
             self.state.config.max_batch,
+            self.state.config.max_queue,
         ));
         tracing::info!(
             model = engine.model_id(),
@@ -203,10 +134,17 @@ impl Server {
                 });
             }
         };
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(on_shutdown)
-            .await
-            .map_err(ServerError::Serve)?;
+        let config = &self.state.config;
+        let table = Connections::new(config.max_connections, self.state.metrics.clone());
+        crate::connections::serve(
+            listener,
+            self.router(),
+            table,
+            config.header_read_timeout,
+            config.shutdown_grace,
+            on_shutdown,
+        )
+        .await;
         let scheduler = match &*self.state.slot.read() {
             ModelSlot::Ready { scheduler, .. } => Some(scheduler.clone()),
             _ => None,

@@ -16,7 +16,12 @@ fn client() -> reqwest::Client {
 }
 
 async fn post(ts: &TestServer, path: &str, body: &Value) -> (u16, Value) {
-    let r = client().post(ts.url(path)).json(body).send().await.unwrap();
+    post_url(ts.url(path), body.clone()).await
+}
+
+/// `post` for a task that cannot borrow the server.
+async fn post_url(url: String, body: Value) -> (u16, Value) {
+    let r = client().post(url).json(&body).send().await.unwrap();
     let status = r.status().as_u16();
     (status, r.json().await.unwrap())
 }
@@ -925,4 +930,234 @@ async fn shutdown_cancels(engine: FakeEngine) {
         .split_inclusive(' ')
         .count();
     assert!(engine.produced.lock()[0] < full);
+}
+
+/// A long embeddings request is held in the engine; a short chat submitted behind it must get
+/// its tokens after at most one more piece of embedding, not after all of it.
+async fn long_embedding_does_not_stall_a_chat(mut engine: FakeEngine, config: ServerConfig) {
+    const INPUTS: usize = 64;
+    engine.context = 1024;
+    let (release, gate) = std::sync::mpsc::channel();
+    *engine.embed_gate.lock() = Some(gate);
+    let engine = Arc::new(engine);
+    let ts = TestServer::start(config, engine.clone()).await;
+    // Inputs of 400 tokens: one per piece of EMBED_PIECE_TOKENS (512).
+    let long_input = vec!["word"; 400].join(" ");
+    let embed_body = json!({"input": vec![long_input; INPUTS]});
+    let embed_url = ts.url("/v1/embeddings");
+    let embedding = tokio::spawn(async move {
+        let r = client()
+            .post(embed_url)
+            .json(&embed_body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    });
+    // Wait until the worker is inside the first embed call (the gate was taken).
+    for _ in 0..400 {
+        if engine.embed_gate.lock().is_none() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        engine.embed_gate.lock().is_none(),
+        "the embedding never started"
+    );
+    let chat = tokio::spawn(post_url(ts.url("/v1/chat/completions"), chat_body("hello")));
+    // The chat is queued behind the held worker before the embedding may go on.
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_waiting", 1.0).await,
+        1.0
+    );
+    release.send(()).unwrap();
+    let (status, body) = chat.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = embedding.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"].as_array().unwrap().len(), INPUTS);
+    let events = engine.events.lock().clone();
+    let first_token = events.iter().position(|&e| e == "token").unwrap();
+    let embeds_before = events[..first_token]
+        .iter()
+        .filter(|&&e| e == "embed")
+        .count();
+    println!("{embeds_before} of {INPUTS} inputs embedded before the chat's first token");
+    // The input being embedded when the chat arrived, and at most one more piece.
+    assert!(embeds_before <= 2, "{events:?}");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_embedding_shares_the_batched_worker() {
+    let config = ServerConfig {
+        max_batch: 4,
+        ..ServerConfig::default()
+    };
+    long_embedding_does_not_stall_a_chat(FakeEngine::batching(Duration::ZERO), config).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_embedding_shares_the_serial_worker() {
+    long_embedding_does_not_stall_a_chat(FakeEngine::new(), ServerConfig::default()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_with_retry_after() {
+    // One running and two queued; the engine takes ~1 s per sequence, so all six requests
+    // arrive while the first one runs.
+    let config = ServerConfig {
+        max_batch: 1,
+        max_queue: 2,
+        ..ServerConfig::default()
+    };
+    let ts = TestServer::start(
+        config,
+        Arc::new(FakeEngine::slow(Duration::from_millis(100))),
+    )
+    .await;
+    let requests: Vec<_> = (0..6)
+        .map(|i| {
+            let url = ts.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let r = client()
+                    .post(url)
+                    .json(&chat_body(&format!("request {i}")))
+                    .send()
+                    .await
+                    .unwrap();
+                let retry_after = r.headers().get("retry-after").cloned();
+                (
+                    r.status().as_u16(),
+                    retry_after,
+                    r.json::<Value>().await.unwrap(),
+                )
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut busy = 0;
+    for request in requests {
+        let (status, retry_after, body) = request.await.unwrap();
+        match status {
+            200 => ok += 1,
+            429 => {
+                busy += 1;
+                assert_eq!(retry_after.unwrap(), "1");
+                let (msg, _) = error_of(&body);
+                assert!(msg.contains("busy"), "{msg}");
+            }
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!((ok, busy), (3, 3));
+    assert_eq!(
+        wait_for_metric(&ts, "gdsllm_requests_rejected_total", 3.0).await,
+        3.0
+    );
+    // Once the queue drains there is room again.
+    let (status, _) = post(&ts, "/v1/chat/completions", &chat_body("later")).await;
+    assert_eq!(status, 200);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unimplemented_openai_fields_are_refused_by_name() {
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    for (field, value) in [
+        ("logit_bias", json!({"100": 5})),
+        ("response_format", json!({"type": "json_object"})),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("required")),
+    ] {
+        let mut body = chat_body("hi");
+        body[field] = value;
+        let (status, body) = post(&ts, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{field}: {body}");
+        let (msg, param) = error_of(&body);
+        assert_eq!(param, json!(field), "{msg}");
+    }
+    ts.shutdown().await;
+}
+
+/// Reads from `stream` until the server closes it; true if it did within `limit`.
+async fn closed_by_server(stream: &mut tokio::net::TcpStream, limit: Duration) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read_all = async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read_all).await.ok()?;
+    Some(got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_headers_and_slow_bodies_are_cut_off() {
+    use tokio::io::AsyncWriteExt;
+    let config = ServerConfig {
+        header_read_timeout: Duration::from_millis(300),
+        body_read_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    };
+    let ts = TestServer::start(config, Arc::new(FakeEngine::new())).await;
+    let addr = ts.base.trim_start_matches("http://").to_string();
+    // Headers that never end: the connection is closed.
+    let mut half_open = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    half_open
+        .write_all(b"GET /health HTTP/1.1\r\nX: ")
+        .await
+        .unwrap();
+    assert!(
+        closed_by_server(&mut half_open, Duration::from_secs(10))
+            .await
+            .is_some(),
+        "a connection that never finished its headers stayed open"
+    );
+    // A body that never arrives in full: 408.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+          Content-Length: 1000\r\n\r\n{\"messages\": ",
+    )
+    .await
+    .unwrap();
+    let answer = closed_by_server(&mut slow, Duration::from_secs(10))
+        .await
+        .expect("a request whose body never arrived was never answered");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_request_heads_are_refused() {
+    use tokio::io::AsyncWriteExt;
+    let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
+    let addr = ts.base.trim_start_matches("http://").to_string();
+    let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+        "a".repeat(200_000)
+    );
+    // The server may stop reading before all of it is written.
+    let _ = s.write_all(head.as_bytes()).await;
+    let answer = closed_by_server(&mut s, Duration::from_secs(10))
+        .await
+        .expect("no answer to an oversized head");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    // Ordinary requests still work.
+    let r = client().get(ts.url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    ts.shutdown().await;
 }

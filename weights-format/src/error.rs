@@ -40,6 +40,27 @@ pub enum FormatError {
     #[error("{}: missing {what}", path.display())]
     MissingFile { path: PathBuf, what: String },
 
+    #[error("{}: is {found}; model files must be regular files", path.display())]
+    NotRegularFile { path: PathBuf, found: &'static str },
+
+    #[error(
+        "{}: a symlink to {}, outside the model directory (refused: every file a model names \
+         must lie inside its directory)",
+        path.display(),
+        target.display()
+    )]
+    OutsideModelDir { path: PathBuf, target: PathBuf },
+
+    #[error("{}: larger than the {limit}-byte limit for this file", path.display())]
+    TooLarge { path: PathBuf, limit: u64 },
+
+    #[error(
+        "metadata.json was changed after it was written: metadata.json.xxh3 says {expected}, \
+         the file hashes to {actual} (after a deliberate edit, run `gdsllm verify \
+         --update-metadata-checksum MODEL`)"
+    )]
+    MetadataChanged { expected: String, actual: String },
+
     #[error("metadata.json: {field} {name:?} is not a plain file name inside the model directory")]
     BadFileName { field: String, name: String },
 
@@ -58,7 +79,7 @@ pub enum FormatError {
     )]
     BlobCount {
         found: usize,
-        expected: usize,
+        expected: u64,
         n_layers: u32,
     },
 
@@ -223,7 +244,12 @@ impl FormatError {
             | FormatError::WrongShape { blob, .. }
             | FormatError::DTypeNotAllowed { blob, .. }
             | FormatError::TensorWrite { blob, .. } => vec![blob.as_str()],
-            FormatError::Io { path, .. } | FormatError::MissingFile { path, .. } => path
+            FormatError::MetadataChanged { .. } => vec![crate::METADATA_FILE],
+            FormatError::Io { path, .. }
+            | FormatError::MissingFile { path, .. }
+            | FormatError::NotRegularFile { path, .. }
+            | FormatError::OutsideModelDir { path, .. }
+            | FormatError::TooLarge { path, .. } => path
                 .file_name()
                 .and_then(|n| n.to_str())
                 .into_iter()

@@ -11,6 +11,7 @@
 mod architecture;
 mod dtype;
 mod error;
+mod files;
 pub mod layout;
 mod metadata;
 mod model;
@@ -20,6 +21,7 @@ mod writer;
 pub use architecture::{Architecture, FamilyRules};
 pub use dtype::DType;
 pub use error::FormatError;
+pub use files::{remove_stale_partials, stale_work_dirs};
 pub use metadata::{
     Activation, BlobMeta, ChatTemplateRef, FAMILY_FORMAT_VERSION, FORMAT_VERSION, Metadata,
     ModelConfig, OLDEST_FORMAT_VERSION, RopeScaling, SlidingWindow, TensorMeta,
@@ -33,7 +35,8 @@ pub const ALIGNMENT: u64 = 4096;
 /// The model description inside a model directory.
 pub const METADATA_FILE: &str = "metadata.json";
 /// `xxh3:<hex16>` of metadata.json's bytes. A file cannot hold its own hash, so it sits
-/// beside it; `Model::verify` checks it, `Model::open` does not (hand edits stay possible).
+/// beside it; `Model::open` and `Model::verify` check it (a deliberate hand edit is accepted
+/// with `Model::update_metadata_checksum`).
 pub const METADATA_CHECKSUM_FILE: &str = "metadata.json.xxh3";
 
 /// Canonical tensor names inside each blob. One convention everywhere: Hugging Face row order

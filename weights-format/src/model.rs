@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::files;
 use crate::layout::{self, BlobKind};
 use crate::{
     ALIGNMENT, Architecture, BlobMeta, FORMAT_VERSION, FormatError, METADATA_CHECKSUM_FILE,
@@ -19,6 +20,8 @@ use crate::{
 
 /// metadata.json of an 80-layer model is ~100 KB; anything near this limit is not ours.
 const MAX_METADATA_BYTES: u64 = 64 << 20;
+/// `xxh3:<16 hex>` and a newline is 22 bytes; a larger side file is not one of ours.
+const MAX_CHECKSUM_FILE_BYTES: u64 = 64;
 /// Large sequential reads keep `verify` at disk speed; three buffers let reading and hashing
 /// overlap.
 const VERIFY_CHUNK: usize = 8 << 20;
@@ -29,6 +32,8 @@ const VERIFY_BUFFERS: usize = 3;
 pub struct Model {
     dir: PathBuf,
     metadata: Metadata,
+    /// metadata.json exactly as read, for its checksum.
+    metadata_bytes: Vec<u8>,
 }
 
 /// What [`Model::verify_with`] reports while it runs.
@@ -67,11 +72,40 @@ impl Model {
     /// Opens `dir` and validates everything but the checksums: format version, config
     /// consistency, blob list, file sizes, tensor bounds, alignment, overlaps, dtype × shape
     /// = length, the tensors and shapes the config implies, tokenizer and chat template files.
+    ///
+    /// Last, metadata.json's bytes are checked against `metadata.json.xxh3`: a metadata.json
+    /// changed after it was written is refused (after a deliberate edit, write its new checksum
+    /// with [`Model::update_metadata_checksum`], `gdsllm verify --update-metadata-checksum`).
+    /// Structural errors are reported first because they say more than "changed".
     pub fn open(dir: impl AsRef<Path>) -> Result<Model, FormatError> {
-        let dir = dir.as_ref().to_path_buf();
-        let metadata = read_metadata(&dir)?;
+        let model = Model::open_unchecked_sidecar(dir.as_ref())?;
+        model.check_metadata_bytes(&model.metadata_bytes)?;
+        Ok(model)
+    }
+
+    /// Validates `dir` like [`Model::open`], then writes `metadata.json.xxh3` for the
+    /// metadata.json that is there now: the way to accept a deliberate hand edit.
+    pub fn update_metadata_checksum(dir: impl AsRef<Path>) -> Result<Model, FormatError> {
+        let model = Model::open_unchecked_sidecar(dir.as_ref())?;
+        let sum_path = model.dir.join(METADATA_CHECKSUM_FILE);
+        let temp = model
+            .dir
+            .join(format!(".{METADATA_CHECKSUM_FILE}.{}", std::process::id()));
+        std::fs::write(&temp, format!("{}\n", xxh3_text(&model.metadata_bytes)))
+            .map_err(|e| FormatError::io(&temp, e))?;
+        std::fs::rename(&temp, &sum_path).map_err(|e| FormatError::io(&sum_path, e))?;
+        Ok(model)
+    }
+
+    fn open_unchecked_sidecar(dir: &Path) -> Result<Model, FormatError> {
+        let dir = dir.to_path_buf();
+        let (metadata, metadata_bytes) = read_metadata(&dir)?;
         validate(&dir, &metadata)?;
-        Ok(Model { dir, metadata })
+        Ok(Model {
+            dir,
+            metadata,
+            metadata_bytes,
+        })
     }
 
     pub(crate) fn moved_to(self, dir: PathBuf) -> Model {
@@ -233,26 +267,34 @@ impl Model {
         })
     }
 
-    /// Checks metadata.json's bytes against `metadata.json.xxh3`.
+    /// Re-reads metadata.json and checks its bytes against `metadata.json.xxh3`.
     pub fn verify_metadata_checksum(&self) -> Result<(), FormatError> {
         let meta_path = self.dir.join(METADATA_FILE);
+        let bytes = files::read_regular(&meta_path, "metadata.json", MAX_METADATA_BYTES)?;
+        self.check_metadata_bytes(&bytes)
+    }
+
+    /// Checks `bytes` (metadata.json) against the side file: it must be a regular file
+    /// holding `xxh3:<16 lowercase hex digits>` (and a newline) that matches.
+    fn check_metadata_bytes(&self, bytes: &[u8]) -> Result<(), FormatError> {
         let sum_path = self.dir.join(METADATA_CHECKSUM_FILE);
-        let bytes = std::fs::read(&meta_path).map_err(|e| FormatError::io(&meta_path, e))?;
-        let expected = match std::fs::read_to_string(&sum_path) {
-            Ok(s) => s.trim_end().to_string(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(FormatError::MissingFile {
-                    path: sum_path,
-                    what: "checksum of metadata.json".into(),
-                });
-            }
-            Err(e) => return Err(FormatError::io(&sum_path, e)),
-        };
-        let actual = format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        let raw = files::read_regular(
+            &sum_path,
+            "metadata.json.xxh3 (the checksum of metadata.json)",
+            MAX_CHECKSUM_FILE_BYTES,
+        )?;
+        let text = String::from_utf8_lossy(&raw);
+        let expected = text.strip_suffix('\n').unwrap_or(&text);
+        if !is_checksum_syntax(expected) {
+            return Err(FormatError::ChecksumSyntax {
+                blob: METADATA_CHECKSUM_FILE.to_string(),
+                value: expected.to_string(),
+            });
+        }
+        let actual = xxh3_text(bytes);
         if actual != expected {
-            return Err(FormatError::BadChecksum {
-                blob: METADATA_FILE.to_string(),
-                expected,
+            return Err(FormatError::MetadataChanged {
+                expected: expected.to_string(),
                 actual,
             });
         }
@@ -262,8 +304,9 @@ impl Model {
     fn verify_one(&self, index: usize, on_bytes: &mut dyn FnMut(u64)) -> Result<(), FormatError> {
         let blob = &self.metadata.blobs[index];
         let path = self.blob_path(index);
+        let file = files::open_regular(&path, "blob listed in metadata.json")?;
         let (digest, read) =
-            hash_file(&path, blob.length, on_bytes).map_err(|e| FormatError::io(&path, e))?;
+            hash_file(file, blob.length, on_bytes).map_err(|e| FormatError::io(&path, e))?;
         if read != blob.length {
             return Err(FormatError::ShortRead {
                 blob: blob.file.clone(),
@@ -286,11 +329,10 @@ impl Model {
 /// XXH3-64 of a whole file and its length. One thread reads big chunks while another hashes,
 /// so the slower of the two (normally the disk) sets the pace.
 fn hash_file(
-    path: &Path,
+    mut file: File,
     expected_len: u64,
     on_bytes: &mut dyn FnMut(u64),
 ) -> std::io::Result<(u64, u64)> {
-    let mut file = File::open(path)?;
     // Small blobs get small buffers; one spare byte lets a file that grew be noticed.
     let chunk = usize::try_from(expected_len.saturating_add(1))
         .unwrap_or(VERIFY_CHUNK)
@@ -347,18 +389,9 @@ fn fill(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
-fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
+fn read_metadata(dir: &Path) -> Result<(Metadata, Vec<u8>), FormatError> {
     let path = dir.join(METADATA_FILE);
-    let file = match File::open(&path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(FormatError::MissingFile {
-                path,
-                what: "metadata.json (is this a GdsLLM model directory?)".into(),
-            });
-        }
-        Err(e) => return Err(FormatError::io(&path, e)),
-    };
+    let file = files::open_regular(&path, "metadata.json (is this a GdsLLM model directory?)")?;
     let mut bytes = Vec::new();
     file.take(MAX_METADATA_BYTES + 1)
         .read_to_end(&mut bytes)
@@ -394,7 +427,20 @@ fn read_metadata(dir: &Path) -> Result<Metadata, FormatError> {
         }
         None => {} // the typed parse below reports it with a position
     }
-    serde_json::from_slice(&bytes).map_err(json_error)
+    let metadata = serde_json::from_slice(&bytes).map_err(json_error)?;
+    Ok((metadata, bytes))
+}
+
+/// `xxh3:<16 hex>` of `bytes`, as blobs and the metadata side file record it.
+fn xxh3_text(bytes: &[u8]) -> String {
+    format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// Whether `value` is `xxh3:` and 16 lowercase hex digits.
+pub(crate) fn is_checksum_syntax(value: &str) -> bool {
+    value.strip_prefix("xxh3:").is_some_and(|hex| {
+        hex.len() == 16 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
 }
 
 /// A name that stays inside the model directory: one path component, not `.`/`..`.
@@ -744,23 +790,19 @@ fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
                 name: name.clone(),
             });
         }
-        let path = dir.join(name);
-        if !path.is_file() {
-            return Err(FormatError::MissingFile {
-                path,
-                what: format!("{field} file named in metadata.json"),
-            });
-        }
+        files::file_inside(dir, name, &format!("{field} file named in metadata.json"))?;
     }
 
-    let expected_files = layout::blob_files(n_layers);
-    if m.blobs.len() != expected_files.len() {
+    // Compared before anything is built from n_layers: `n_layers: 4294967295` must be an
+    // error here, not an allocation of four billion names.
+    if m.blobs.len() as u64 != u64::from(n_layers) + 2 {
         return Err(FormatError::BlobCount {
             found: m.blobs.len(),
-            expected: expected_files.len(),
+            expected: u64::from(n_layers) + 2,
             n_layers,
         });
     }
+    let expected_files = layout::blob_files(n_layers);
     for (index, (blob, expected)) in m.blobs.iter().zip(&expected_files).enumerate() {
         if &blob.file != expected {
             return Err(FormatError::BlobOrder {
@@ -793,8 +835,7 @@ fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
 fn validate_blob(dir: &Path, config: &ModelConfig, blob: &BlobMeta) -> Result<(), FormatError> {
     let file = &blob.file;
     let blob_err = || file.clone();
-    let hex = blob.checksum.strip_prefix("xxh3:").unwrap_or("");
-    if hex.len() != 16 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+    if !is_checksum_syntax(&blob.checksum) {
         return Err(FormatError::ChecksumSyntax {
             blob: blob_err(),
             value: blob.checksum.clone(),
@@ -834,23 +875,10 @@ fn validate_blob(dir: &Path, config: &ModelConfig, blob: &BlobMeta) -> Result<()
 
     validate_expected_tensors(config, kind, blob)?;
 
-    let path = dir.join(file);
-    let actual = match std::fs::metadata(&path) {
-        Ok(md) if md.is_file() => md.len(),
-        Ok(_) => {
-            return Err(FormatError::MissingFile {
-                path,
-                what: "blob (not a regular file)".into(),
-            });
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(FormatError::MissingFile {
-                path,
-                what: "blob listed in metadata.json".into(),
-            });
-        }
-        Err(e) => return Err(FormatError::io(&path, e)),
-    };
+    let path = files::file_inside(dir, file, "blob listed in metadata.json")?;
+    let actual = std::fs::metadata(&path)
+        .map_err(|e| FormatError::io(&path, e))?
+        .len();
     if actual != blob.length {
         return Err(FormatError::BlobSize {
             blob: blob_err(),
@@ -951,7 +979,8 @@ mod tests {
         // The buffer size follows the expected length; the result must not depend on it.
         for expected_len in [0, 100, len as u64, 10 * len as u64] {
             let mut seen = 0;
-            let (digest, read) = hash_file(&path, expected_len, &mut |n| seen += n).unwrap();
+            let file = File::open(&path).unwrap();
+            let (digest, read) = hash_file(file, expected_len, &mut |n| seen += n).unwrap();
             assert_eq!(digest, expected, "expected_len {expected_len}");
             assert_eq!(read, len as u64);
             assert_eq!(seen, len as u64);

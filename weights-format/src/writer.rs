@@ -35,7 +35,8 @@ pub struct ModelWriter {
 
 impl ModelWriter {
     /// Starts a model at `out`, which must not exist yet (callers decide about overwriting).
-    /// The work happens in `.<name>.partial-<pid>` next to `out`.
+    /// The work happens in `.<name>.partial-<pid>` next to `out`. Such directories left by
+    /// writers that were killed (their process is gone) are removed first.
     pub fn create(out: impl AsRef<Path>) -> Result<ModelWriter, FormatError> {
         let out = out.as_ref().to_path_buf();
         if out.symlink_metadata().is_ok() {
@@ -57,6 +58,7 @@ impl ModelWriter {
         if let Err(e) = std::fs::metadata(&parent) {
             return Err(FormatError::io(parent, e));
         }
+        crate::files::remove_stale_partials(&parent, name);
         let temp = parent.join(format!(".{name}.partial-{}", std::process::id()));
         // Only a previous run with our pid can have left this; it is garbage by construction.
         if temp.symlink_metadata().is_ok() {

@@ -177,7 +177,9 @@ fn version_1_metadata_without_the_new_fields_opens_as_llama() {
             config.remove(key).expect(key);
         }
     });
-    let model = Model::open(&dir).unwrap();
+    // The hand edit is accepted the documented way (open checks metadata.json's checksum).
+    let model = Model::update_metadata_checksum(&dir).unwrap();
+    assert_eq!(Model::open(&dir).unwrap().metadata(), model.metadata());
     assert_eq!(model.metadata().format_version, 1);
     assert_eq!(model.config(), &tiny_config(false));
     assert_eq!(model.config().family(), Some(Architecture::Llama));

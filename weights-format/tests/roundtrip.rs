@@ -352,3 +352,29 @@ fn failed_fill_makes_the_blob_unusable_and_leaves_nothing() {
     assert!(!out.exists());
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
 }
+
+#[test]
+fn stale_partial_directories_of_dead_writers_are_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A pid that is certainly gone: a child that has exited and been reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let stale = tmp.path().join(format!(".m.partial-{dead}"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("layer_000.bin"), b"half a blob").unwrap();
+    // pid 1 is alive: its directory may belong to a running writer and stays.
+    let live = tmp.path().join(".m.partial-1");
+    std::fs::create_dir(&live).unwrap();
+    // Another model's leftovers are not ours to judge.
+    let other = tmp.path().join(format!(".other.partial-{dead}"));
+    std::fs::create_dir(&other).unwrap();
+
+    write_tiny(&tmp.path().join("m"), DType::F32, true);
+    assert!(
+        !stale.exists(),
+        "the dead writer's directory is still there"
+    );
+    assert!(live.exists());
+    assert!(other.exists());
+}

@@ -390,6 +390,8 @@ fn norm_must_be_float() {
         t["dtype"] = json!("f16");
         t["length"] = json!(128);
     });
+    // A deliberate edit is accepted once its checksum is rewritten.
+    Model::update_metadata_checksum(&dir).unwrap();
     Model::open(&dir).unwrap();
 }
 
@@ -420,6 +422,7 @@ fn tokenizer_and_template_files() {
     // No chat template at all is fine.
     let (_tmp, dir) = tiny(false);
     edit(&dir, |v| v["chat_template"] = Value::Null);
+    Model::update_metadata_checksum(&dir).unwrap();
     Model::open(&dir).unwrap();
 }
 
@@ -478,12 +481,175 @@ fn verify_notices_a_blob_truncated_after_open() {
 #[test]
 fn verify_checks_metadata_checksum() {
     let (_tmp, dir) = tiny(false);
+    let model = Model::open(&dir).unwrap();
     // A semantically harmless edit still counts as a change of metadata.json.
     edit(&dir, |v| v["source"]["note"] = json!("edited by hand"));
-    let model = Model::open(&dir).unwrap();
     let err = model.verify().unwrap_err();
     assert_eq!(err.blobs(), vec!["metadata.json"], "{err}");
     std::fs::remove_file(dir.join("metadata.json.xxh3")).unwrap();
     let err = model.verify().unwrap_err();
     assert_eq!(err.blobs(), vec!["metadata.json.xxh3"], "{err}");
+}
+
+#[test]
+fn open_checks_the_metadata_side_file() {
+    let (_tmp, dir) = tiny(false);
+    edit(&dir, |v| v["source"]["note"] = json!("edited by hand"));
+    let err = Model::open(&dir).unwrap_err();
+    println!("{err}");
+    assert!(matches!(err, FormatError::MetadataChanged { .. }), "{err}");
+    assert!(
+        err.to_string().contains("--update-metadata-checksum"),
+        "{err}"
+    );
+
+    let sum = dir.join("metadata.json.xxh3");
+    Model::update_metadata_checksum(&dir).unwrap();
+    Model::open(&dir).unwrap();
+    let good = std::fs::read(&sum).unwrap();
+
+    std::fs::remove_file(&sum).unwrap();
+    let err = Model::open(&dir).unwrap_err();
+    println!("{err}");
+    assert!(
+        matches!(&err, FormatError::MissingFile { path, .. } if path.ends_with("metadata.json.xxh3")),
+        "{err}"
+    );
+    for garbage in [
+        &b"xxh3:nothex0000000000\n"[..],
+        b"",
+        b"\xff\xfe",
+        &[b'x'; 4096],
+    ] {
+        std::fs::write(&sum, garbage).unwrap();
+        let err = Model::open(&dir).unwrap_err();
+        println!("{err}");
+        assert!(
+            matches!(
+                err,
+                FormatError::ChecksumSyntax { .. } | FormatError::TooLarge { .. }
+            ),
+            "{err}"
+        );
+    }
+    std::fs::remove_file(&sum).unwrap();
+    std::fs::create_dir(&sum).unwrap();
+    let err = Model::open(&dir).unwrap_err();
+    println!("{err}");
+    assert!(
+        matches!(
+            err,
+            FormatError::NotRegularFile {
+                found: "a directory",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    std::fs::remove_dir(&sum).unwrap();
+    std::fs::write(&sum, good).unwrap();
+    Model::open(&dir).unwrap();
+}
+
+/// A FIFO would block `open(2)` until a writer comes; none ever does here.
+fn make_fifo(path: &Path) {
+    let status = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("mkfifo");
+    assert!(status.success());
+}
+
+#[test]
+fn special_files_are_refused_without_blocking() {
+    for name in [
+        "metadata.json",
+        "metadata.json.xxh3",
+        "tokenizer.json",
+        "layer_001.bin",
+    ] {
+        let (_tmp, dir) = tiny(false);
+        std::fs::remove_file(dir.join(name)).unwrap();
+        make_fifo(&dir.join(name));
+        let err = Model::open(&dir).unwrap_err();
+        println!("{err}");
+        assert!(
+            matches!(&err, FormatError::NotRegularFile { path, found: "a FIFO" } if path.ends_with(name)),
+            "{name}: {err}"
+        );
+    }
+}
+
+#[test]
+fn symlinks_out_of_the_model_directory_are_refused() {
+    for name in ["tokenizer.json", "chat_template.jinja", "embed.bin"] {
+        let (tmp, dir) = tiny(false);
+        let outside = tmp.path().join(format!("outside-{name}"));
+        std::fs::rename(dir.join(name), &outside).unwrap();
+        std::os::unix::fs::symlink(&outside, dir.join(name)).unwrap();
+        let err = Model::open(&dir).unwrap_err();
+        println!("{err}");
+        assert!(
+            matches!(&err, FormatError::OutsideModelDir { path, .. } if path.ends_with(name)),
+            "{name}: {err}"
+        );
+        // A link to a file inside the directory is fine.
+        let inside = dir.join(format!("real-{name}"));
+        std::fs::rename(&outside, &inside).unwrap();
+        std::fs::remove_file(dir.join(name)).unwrap();
+        std::os::unix::fs::symlink(format!("real-{name}"), dir.join(name)).unwrap();
+        Model::open(&dir).unwrap();
+    }
+}
+
+#[test]
+fn extreme_layer_counts_fail_before_allocating() {
+    for n in [u32::MAX, u32::MAX - 1, 100_000_000, 3] {
+        let err = open_err(false, |v| v["config"]["n_layers"] = json!(n));
+        assert!(
+            matches!(err, FormatError::BlobCount { found: 4, n_layers, .. } if n_layers == n),
+            "{err}"
+        );
+    }
+    let err = open_err(false, |v| v["config"]["n_layers"] = json!(u64::MAX));
+    assert!(matches!(err, FormatError::Json { .. }), "{err}");
+}
+
+#[test]
+fn rope_scaling_nonsense_is_refused() {
+    let llama3 = |v: &mut Value| {
+        v["config"]["rope_scaling"] = json!({
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192
+        })
+    };
+    let (_tmp, dir) = tiny(false);
+    edit(&dir, llama3);
+    Model::update_metadata_checksum(&dir).unwrap();
+    for (key, value) in [
+        ("original_max_position_embeddings", json!(0)),
+        ("high_freq_factor", json!(1.0)),
+        ("high_freq_factor", json!(0.5)),
+        ("factor", json!(0.0)),
+        ("factor", json!(-2.0)),
+        ("low_freq_factor", json!(1e39)),
+    ] {
+        let err = open_err(false, |v| {
+            llama3(v);
+            v["config"]["rope_scaling"][key] = value.clone();
+        });
+        assert!(
+            matches!(&err, FormatError::Config { key: k, .. } if k.starts_with("rope_scaling."))
+                || matches!(err, FormatError::Json { .. }),
+            "{key}={value}: {err}"
+        );
+    }
+    let err = open_err(false, |v| {
+        v["config"]["rope_scaling"] = json!({"rope_type": "linear", "factor": 2.0,
+            "original_max_position_embeddings": 0})
+    });
+    assert!(
+        matches!(&err, FormatError::Config { key, .. } if key == "rope_scaling.original_max_position_embeddings"),
+        "{err}"
+    );
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gdsllm_convert::pull::DEFAULT_MODEL;
+use gdsllm_convert::DEFAULT_MODEL;
 use gdsllm_convert::{ConvertOptions, Progress, PullOptions, TargetDType};
 use indicatif::{ProgressBar, ProgressStyle};
 

@@ -28,7 +28,9 @@ pub struct Args {
     /// Print one JSON object: model, device, load {first_pass_s, bytes, gb_per_s, open_s}, pp
     /// {tokens, tok_per_s [per repetition], mean, best}, tg {…, bytes_per_token (streamed from
     /// disk or the host tier), weight_bytes_per_token (every weight a decode step reads)},
-    /// references (CUDA: d2d_read_gbps, d2d_read_write_gbps, pinned_h2d_gbps), residency.
+    /// references (CUDA: d2d_read_gbps, d2d_read_write_gbps, pinned_h2d_gbps), checksums
+    /// ("first_read" or "off", see --no-checksums), residency (with checksum_bytes and
+    /// checksum_seconds: what checking cost).
     #[arg(long)]
     pub json: bool,
     /// Batched decoding instead of pp/tg: for each batch size in the list (e.g. 1,4,8,16), that
@@ -78,6 +80,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "model": llama.metadata().source,
                     "threads": rayon_threads(),
                     "device": "cpu",
+                    "checksums": args.residency.checksums(),
                     "residency": llama.weights().residency_stats(),
                 });
                 return print_batches(&args, &rows, head);
@@ -102,6 +105,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "model": llama.metadata().source,
                     "device": llama.backend().device_name(),
                     "io_backend": model.io,
+                    "checksums": args.residency.checksums(),
                     "references": references,
                     "residency": llama.weights().residency_stats(),
                 });
@@ -197,6 +201,7 @@ fn bench<B: Backend, W: WeightSource>(
             "model": llama.metadata().source,
             "device": device,
             "io_backend": io_backend,
+            "checksums": args.residency.checksums(),
             "threads": rayon_threads(),
             "load": { "first_pass_s": first_pass_s, "bytes": load_bytes, "gb_per_s": load_gbps, "open_s": open_s },
             "pp": { "tokens": args.n_prompt, "tok_per_s": pp, "mean": mean(&pp), "best": best(&pp) },

@@ -1,4 +1,4 @@
-//! `gdsllm bench-io`: reads every blob of a model with each available I/O backend and compares
+//! `gdsllm bench-io`: reads every blob of a model with each available I/O path and compares
 //! with a raw multi-threaded O_DIRECT read and a `cp`-like buffered read of the same files,
 //! measured in the same run.
 
@@ -8,18 +8,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use gds_io::{
-    BackendKind, BounceBackend, BounceConfig, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile,
-    Gpu, IoChoice, ParallelRead,
+    BounceConfig, BounceReader, DeviceReader, DirectFile, Driver, GdsBuffer, GdsFile, Gpu,
+    IoChoice, IoPath, ParallelRead,
 };
 use serde::Serialize;
 
-/// Measure read throughput of a model's blobs per backend (GB/s = 10^9 bytes/s).
+/// Measure read throughput of a model's blobs per I/O path (GB/s = 10^9 bytes/s).
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Model directory (with metadata.json; without it every *.bin file in it is read).
     #[arg(short, long)]
     pub model: PathBuf,
-    /// Backend to measure: cufile, bounce, host or auto (auto = every available one).
+    /// I/O path to measure: cufile, bounce, host or auto (auto = every available one).
     /// Overrides $GDSLLM_IO.
     #[arg(long)]
     pub io: Option<String>,
@@ -31,14 +31,14 @@ pub struct Args {
     /// Skip the buffered (`cp`-like) reference read.
     #[arg(long)]
     pub no_buffered: bool,
-    /// Request sizes (MiB) of the bounce backend to measure, comma separated: one row each.
+    /// Request sizes (MiB) of the bounce path to measure, comma separated: one row each.
     #[arg(long, value_delimiter = ',', default_values_t = vec![4usize])]
     pub bounce_request_mib: Vec<usize>,
-    /// Reader threads (disk queue depth) of the bounce backend.
+    /// Reader threads (disk queue depth) of the bounce path.
     #[arg(long, default_value_t = 8)]
     pub bounce_threads: usize,
     /// Drop the whole page cache (`echo 3 > /proc/sys/vm/drop_caches`, needs root) before
-    /// each measurement, so no backend reads from RAM; without root only the model's files
+    /// each measurement, so no I/O path reads from RAM; without root only the model's files
     /// are evicted (posix_fadvise).
     #[arg(long)]
     pub drop_caches: bool,
@@ -62,11 +62,13 @@ struct Report {
     buffered_gbps: Option<f64>,
     /// Which path cuFile took: "gds" (DMA), "compat" or null when not loaded.
     cufile_path: Option<&'static str>,
-    backends: Vec<BackendResult>,
+    /// Named `backends` in the JSON for compatibility with scripts written before the rename.
+    #[serde(rename = "backends")]
+    io_paths: Vec<IoPathResult>,
 }
 
 #[derive(Serialize)]
-struct BackendResult {
+struct IoPathResult {
     /// `host` (O_DIRECT into host memory), `host_to_gpu`, `cufile`, `bounce_<N>mib`.
     name: String,
     /// Request size of the row, in MiB.
@@ -184,7 +186,7 @@ fn buffered_read(blobs: &[Blob]) -> anyhow::Result<f64> {
 }
 
 /// O_DIRECT into aligned host memory, file after file, each file split into `how` requests.
-/// This is both the raw reference and the `host` backend (what the CPU backend does).
+/// This is both the raw reference and the `host` I/O path (what the CPU backend does).
 fn host_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<(f64, Vec<BlobResult>)> {
     let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0);
     let mut buf = gds_io::AlignedBuf::zeroed(largest as usize)?;
@@ -206,7 +208,7 @@ fn host_read(blobs: &[Blob], how: ParallelRead) -> anyhow::Result<(f64, Vec<Blob
 }
 
 fn open_files(
-    kind: BackendKind,
+    kind: IoPath,
     driver: Option<&std::sync::Arc<Driver>>,
     blobs: &[Blob],
 ) -> Result<Vec<GdsFile>, gds_io::GdsError> {
@@ -214,9 +216,9 @@ fn open_files(
         .iter()
         .map(|blob| {
             let mut file = GdsFile::open(&blob.path)?;
-            if kind == BackendKind::Cufile {
-                let driver = driver.ok_or_else(|| gds_io::GdsError::BackendUnavailable {
-                    backend: "cufile",
+            if kind == IoPath::Cufile {
+                let driver = driver.ok_or_else(|| gds_io::GdsError::IoPathUnavailable {
+                    io_path: "cufile",
                     reason: "libcufile could not be loaded or opened".into(),
                 })?;
                 file.register(driver)?;
@@ -228,9 +230,9 @@ fn open_files(
 
 type Measured = (f64, bool, Vec<BlobResult>);
 
-/// One backend reading blob after blob into one device buffer (cufile, host_to_gpu).
-fn device_backend(
-    kind: BackendKind,
+/// One I/O path reading blob after blob into one device buffer (cufile, host_to_gpu).
+fn device_io_path(
+    kind: IoPath,
     gpu: &Gpu,
     driver: Option<&std::sync::Arc<Driver>>,
     blobs: &[Blob],
@@ -254,7 +256,7 @@ fn device_backend(
     Ok((gbps(total, start.elapsed()), via_host, per_blob))
 }
 
-/// The bounce backend streaming the blobs the way residency does: two device buffers, blob
+/// The bounce path streaming the blobs the way residency does: two device buffers, blob
 /// i+1 queued before blob i is waited for, so the disk queue never drains between blobs.
 /// Per-blob GB/s counts from submission (queued time included).
 fn bounce_streaming(
@@ -263,8 +265,8 @@ fn bounce_streaming(
     blobs: &[Blob],
     buffers: &[GdsBuffer; 2],
 ) -> Result<Measured, gds_io::GdsError> {
-    let bounce = BounceBackend::new(gpu, config)?;
-    let files = open_files(BackendKind::Bounce, None, blobs)?;
+    let bounce = BounceReader::new(gpu, config)?;
+    let files = open_files(IoPath::Bounce, None, blobs)?;
     let start = Instant::now();
     let per_blob = bounce.pipeline(|p| {
         let mut per_blob = Vec::with_capacity(blobs.len());
@@ -301,9 +303,9 @@ fn row(
     pattern: &'static str,
     outcome: Result<Measured, gds_io::GdsError>,
     raw_gbps: f64,
-) -> BackendResult {
+) -> IoPathResult {
     match outcome {
-        Ok((g, via_host, per_blob)) => BackendResult {
+        Ok((g, via_host, per_blob)) => IoPathResult {
             name,
             request_mib,
             pattern,
@@ -313,7 +315,7 @@ fn row(
             error: None,
             per_blob,
         },
-        Err(err) => BackendResult {
+        Err(err) => IoPathResult {
             name,
             request_mib,
             pattern,
@@ -371,21 +373,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "compat"
         }
     });
-    let kinds: Vec<BackendKind> = match choice {
+    let kinds: Vec<IoPath> = match choice {
         IoChoice::Force(kind) => vec![kind],
-        IoChoice::Auto => BackendKind::ALL.to_vec(),
+        IoChoice::Auto => IoPath::ALL.to_vec(),
     };
-    let mut backends = Vec::new();
-    if kinds.contains(&BackendKind::Host) {
-        // The host backend proper: O_DIRECT into aligned host memory, as parallel as raw.
+    let mut io_paths = Vec::new();
+    if kinds.contains(&IoPath::Host) {
+        // The host path proper: O_DIRECT into aligned host memory, as parallel as raw.
         drop_caches(&blobs, args.drop_caches);
         let outcome = host_read(&blobs, raw_how)
             .map(|(g, per_blob)| (g, true, per_blob))
-            .map_err(|err| gds_io::GdsError::BackendUnavailable {
-                backend: "host",
+            .map_err(|err| gds_io::GdsError::IoPathUnavailable {
+                io_path: "host",
                 reason: format!("{err:#}"),
             });
-        backends.push(row(
+        io_paths.push(row(
             "host".into(),
             Some(args.raw_request_mib),
             FILE_AFTER_FILE,
@@ -394,7 +396,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
     match &gpu {
-        Err(err) => tracing::warn!("{err}; measured the host backend into host memory only"),
+        Err(err) => tracing::warn!("{err}; measured the host path into host memory only"),
         Ok(gpu) => {
             let largest = blobs.iter().map(|b| b.len).max().unwrap_or(0) as usize;
             let buffers = [
@@ -403,12 +405,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ];
             for kind in kinds {
                 match kind {
-                    BackendKind::Cufile => {
+                    IoPath::Cufile => {
                         drop_caches(&blobs, args.drop_caches);
                         let outcome =
-                            device_backend(kind, gpu, driver.as_ref(), &blobs, &buffers[0]);
+                            device_io_path(kind, gpu, driver.as_ref(), &blobs, &buffers[0]);
                         let mib = gds_io::CufileConfig::default().request_bytes >> 20;
-                        backends.push(row(
+                        io_paths.push(row(
                             "cufile".into(),
                             Some(mib),
                             FILE_AFTER_FILE,
@@ -416,13 +418,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             first_raw,
                         ));
                     }
-                    BackendKind::Bounce => {
+                    IoPath::Bounce => {
                         for &mib in &args.bounce_request_mib {
                             drop_caches(&blobs, args.drop_caches);
                             let config =
                                 BounceConfig::with_request(mib.max(1) << 20, args.bounce_threads);
                             let outcome = bounce_streaming(config, gpu, &blobs, &buffers);
-                            backends.push(row(
+                            io_paths.push(row(
                                 format!("bounce_{mib}mib"),
                                 Some(mib),
                                 STREAMING,
@@ -431,11 +433,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             ));
                         }
                     }
-                    BackendKind::Host => {
+                    IoPath::Host => {
                         drop_caches(&blobs, args.drop_caches);
-                        let outcome = device_backend(kind, gpu, None, &blobs, &buffers[0]);
+                        let outcome = device_io_path(kind, gpu, None, &blobs, &buffers[0]);
                         let mib = gds_io::HostStagedConfig::default().window_bytes >> 20;
-                        backends.push(row(
+                        io_paths.push(row(
                             "host_to_gpu".into(),
                             Some(mib),
                             FILE_AFTER_FILE,
@@ -450,8 +452,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     drop_caches(&blobs, args.drop_caches);
     raw_runs.push(host_read(&blobs, raw_how)?.0);
     let raw_gbps = raw_runs.iter().sum::<f64>() / raw_runs.len() as f64;
-    for backend in &mut backends {
-        backend.ratio = backend.gbps.map(|g| g / raw_gbps);
+    for row in &mut io_paths {
+        row.ratio = row.gbps.map(|g| g / raw_gbps);
     }
 
     let report = Report {
@@ -464,7 +466,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         raw_request_mib: args.raw_request_mib,
         buffered_gbps,
         cufile_path,
-        backends,
+        io_paths,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -504,29 +506,28 @@ fn print_table(report: &Report) {
             b / report.raw_gbps
         );
     }
-    for backend in &report.backends {
-        match (backend.gbps, backend.ratio) {
-            (Some(g), Some(r)) => println!(
-                "{:<22} {g:>8.2} {r:>8.2}   ({})",
-                backend.name, backend.pattern
-            ),
+    for row in &report.io_paths {
+        match (row.gbps, row.ratio) {
+            (Some(g), Some(r)) => {
+                println!("{:<22} {g:>8.2} {r:>8.2}   ({})", row.name, row.pattern)
+            }
             _ => println!(
                 "{:<22} unavailable: {}",
-                backend.name,
-                backend.error.as_deref().unwrap_or("?")
+                row.name,
+                row.error.as_deref().unwrap_or("?")
             ),
         }
     }
-    for backend in &report.backends {
-        if backend.per_blob.is_empty() {
+    for row in &report.io_paths {
+        if row.per_blob.is_empty() {
             continue;
         }
-        let speeds: Vec<f64> = backend.per_blob.iter().map(|b| b.gbps).collect();
+        let speeds: Vec<f64> = row.per_blob.iter().map(|b| b.gbps).collect();
         let min = speeds.iter().copied().fold(f64::INFINITY, f64::min);
         let max = speeds.iter().copied().fold(0.0, f64::max);
         println!(
             "{}: per blob {min:.2}–{max:.2} GB/s over {} blobs",
-            backend.name,
+            row.name,
             speeds.len()
         );
     }

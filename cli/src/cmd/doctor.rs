@@ -4,13 +4,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use gds_io::probe;
-use gds_io::{
-    BackendKind, DeviceReader, Driver, DriverProperties, GdsBuffer, GdsFile, Gpu, UdevCheck,
-};
+use gds_io::{DeviceReader, Driver, DriverProperties, GdsBuffer, GdsFile, Gpu, IoPath, UdevCheck};
 use serde::Serialize;
 
 /// Check GPU, driver, CUDA libraries, cuFile/GDS, the udev record cuFile needs and the model
-/// store's filesystem, then measure a short read with every available backend.
+/// store's filesystem, then measure a short read with every available I/O path.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Print one JSON object instead of text.
@@ -37,7 +35,9 @@ struct Report {
     model_store: StoreReport,
     /// cuFileHandleRegister of a small file in the model store (null without cuFile).
     cufile_registration: Option<RegistrationReport>,
-    backends: Vec<BackendReport>,
+    /// Named `backends` in the JSON for compatibility with scripts written before the rename.
+    #[serde(rename = "backends")]
+    io_paths: Vec<IoPathReport>,
 }
 
 #[derive(Serialize)]
@@ -79,7 +79,7 @@ struct StoreReport {
 }
 
 #[derive(Serialize)]
-struct BackendReport {
+struct IoPathReport {
     name: &'static str,
     available: bool,
     gbps: Option<f64>,
@@ -125,14 +125,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let props = cufile.properties.clone();
     let store = check_store(&home);
     let cufile_registration = driver.as_ref().ok().map(|d| check_registration(&home, d));
-    let backends = measure_backends(
+    let io_paths = measure_io_paths(
         &home,
         args.probe_mib,
         gpu.as_ref().ok(),
         driver.as_ref().ok(),
     )
     .unwrap_or_else(|err| {
-        vec![BackendReport {
+        vec![IoPathReport {
             name: "probe",
             available: false,
             gbps: None,
@@ -142,11 +142,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     let summary = match (&gpu, &props) {
         (Err(_), _) => "no GPU: CPU backend only".to_string(),
-        (Ok(_), Some(p)) if p.gds_dma() => "GPU with GPUDirect Storage DMA: cufile backend".into(),
+        (Ok(_), Some(p)) if p.gds_dma() => "GPU with GPUDirect Storage DMA: cufile path".into(),
         (Ok(_), Some(_)) => {
-            "GPU, cuFile in compatibility mode (no nvidia-fs/P2PDMA): bounce backend".into()
+            "GPU, cuFile in compatibility mode (no nvidia-fs/P2PDMA): bounce path".into()
         }
-        (Ok(_), None) => "GPU without cuFile: bounce backend".into(),
+        (Ok(_), None) => "GPU without cuFile: bounce path".into(),
     };
     let report = Report {
         summary,
@@ -162,7 +162,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cufile,
         model_store: store,
         cufile_registration,
-        backends,
+        io_paths,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -208,13 +208,13 @@ fn check_registration(home: &Path, driver: &std::sync::Arc<Driver>) -> Registrat
     }
 }
 
-/// Writes a probe file in the store and reads it back with each backend that can run.
-fn measure_backends(
+/// Writes a probe file in the store and reads it back with each I/O path that can run.
+fn measure_io_paths(
     home: &Path,
     probe_mib: usize,
     gpu: Option<&Gpu>,
     driver: Option<&std::sync::Arc<Driver>>,
-) -> anyhow::Result<Vec<BackendReport>> {
+) -> anyhow::Result<Vec<IoPathReport>> {
     let mut reports = Vec::new();
     if probe_mib == 0 {
         return Ok(reports);
@@ -227,7 +227,7 @@ fn measure_backends(
         // Host: O_DIRECT into aligned host memory (what the CPU backend uses).
         let direct = gds_io::DirectFile::open(&path)?;
         let (_, record) = direct.read_range_parallel(0, len as u64, Default::default())?;
-        reports.push(BackendReport {
+        reports.push(IoPathReport {
             name: "host",
             available: true,
             gbps: Some(record.gbps()),
@@ -235,8 +235,8 @@ fn measure_backends(
             note: Some(format!("O_DIRECT: {}", direct.is_direct())),
         });
         let Some(gpu) = gpu else {
-            for kind in [BackendKind::Cufile, BackendKind::Bounce] {
-                reports.push(BackendReport {
+            for kind in [IoPath::Cufile, IoPath::Bounce] {
+                reports.push(IoPathReport {
                     name: kind.name(),
                     available: false,
                     gbps: None,
@@ -247,16 +247,16 @@ fn measure_backends(
             return Ok(());
         };
         let buffer = GdsBuffer::alloc(gpu, len)?;
-        for kind in [BackendKind::Cufile, BackendKind::Bounce, BackendKind::Host] {
+        for kind in [IoPath::Cufile, IoPath::Bounce, IoPath::Host] {
             let name = match kind {
-                BackendKind::Host => "host_to_gpu",
+                IoPath::Host => "host_to_gpu",
                 other => other.name(),
             };
             let outcome = (|| -> Result<gds_io::ReadRecord, gds_io::GdsError> {
                 let mut file = GdsFile::open(&path)?;
-                if kind == BackendKind::Cufile {
-                    let driver = driver.ok_or_else(|| gds_io::GdsError::BackendUnavailable {
-                        backend: "cufile",
+                if kind == IoPath::Cufile {
+                    let driver = driver.ok_or_else(|| gds_io::GdsError::IoPathUnavailable {
+                        io_path: "cufile",
                         reason: "libcufile not loaded".into(),
                     })?;
                     file.register(driver)?;
@@ -265,14 +265,14 @@ fn measure_backends(
                 reader.read(&file, 0, len, &buffer, 0)
             })();
             reports.push(match outcome {
-                Ok(record) => BackendReport {
+                Ok(record) => IoPathReport {
                     name,
                     available: true,
                     gbps: Some(record.gbps()),
                     via_host_memory: Some(record.via_host_memory),
                     note: None,
                 },
-                Err(err) => BackendReport {
+                Err(err) => IoPathReport {
                     name,
                     available: false,
                     gbps: None,
@@ -376,21 +376,20 @@ fn print_text(report: &Report) {
         }
     }
     println!("read speed (probe file in the store):");
-    for backend in &report.backends {
-        match backend.gbps {
+    for row in &report.io_paths {
+        match row.gbps {
             Some(gbps) => println!(
                 "  {:<12} {gbps:6.2} GB/s{}",
-                backend.name,
-                backend
-                    .note
+                row.name,
+                row.note
                     .as_deref()
                     .map(|n| format!("  ({n})"))
                     .unwrap_or_default()
             ),
             None => println!(
                 "  {:<12} unavailable: {}",
-                backend.name,
-                backend.note.as_deref().unwrap_or("?")
+                row.name,
+                row.note.as_deref().unwrap_or("?")
             ),
         }
     }

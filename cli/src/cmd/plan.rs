@@ -31,16 +31,12 @@ pub struct Args {
     #[arg(long, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Extra bytes reserved for activations and safety margin, on top of the KV cache.
-    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", default_value = "0", value_parser = residency::parse_bytes)]
     pub margin: u64,
     /// Print one JSON object on stdout: {model, plan, reserved_bytes, disk_gbps, host_gbps,
     /// compute_ms, predicted_tokens_per_s (null when not I/O or compute bound)}.
     #[arg(long)]
     pub json: bool,
-}
-
-fn parse_size(s: &str) -> Result<u64, residency::ParseBytesError> {
-    residency::parse_bytes(s)
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -1,8 +1,8 @@
 //! `gdsllm pull NAME`: download a known model and convert it into the local model store.
 
 use anyhow::Context;
+use gdsllm_convert::DEFAULT_MODEL;
 use gdsllm_convert::PullOptions;
-use gdsllm_convert::pull::DEFAULT_MODEL;
 
 use super::convert::BarProgress;
 

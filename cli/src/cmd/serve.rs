@@ -77,8 +77,44 @@ pub struct Args {
     )]
     pub ctx_size: usize,
     /// Largest request body accepted (413 above it), e.g. 4MiB.
-    #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = parse_size)]
+    #[arg(long, value_name = "BYTES", env = "GDSLLM_BODY_LIMIT", default_value = "4MiB", value_parser = residency::parse_bytes)]
     pub body_limit: u64,
+    /// Requests that may wait for the model beyond the --max-batch it runs; when that many
+    /// wait, new ones get 429 with `Retry-After` at once instead of an ever longer queue.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GDSLLM_MAX_QUEUE",
+        default_value_t = 256
+    )]
+    pub max_queue: usize,
+    /// Most open client connections (lowered to fit the open-file limit). At the limit a new
+    /// connection closes the oldest one with no request in flight (half-open or idle), so
+    /// idle sockets cannot lock clients out.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "GDSLLM_MAX_CONNECTIONS",
+        default_value_t = 1024
+    )]
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (and to start the next request on a
+    /// kept-alive connection) before the connection is closed.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_HEADER_TIMEOUT",
+        default_value_t = 10.0
+    )]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a request's whole body (408 after that).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_BODY_TIMEOUT",
+        default_value_t = 30.0
+    )]
+    pub body_timeout: f64,
     /// Seconds in-flight requests may run after SIGINT/SIGTERM before they are cancelled.
     #[arg(
         long,
@@ -96,19 +132,23 @@ pub struct Args {
     pub residency: ResidencyArgs,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    residency::parse_bytes(s).map_err(|e| e.to_string())
+/// A timeout flag: a positive number of seconds.
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{flag} {value}: expected a positive number of seconds"))
 }
 
 /// `--kv-budget`: a size, or `auto` (None).
 #[derive(Debug, Clone, Copy)]
 pub struct KvBudget(pub Option<u64>);
 
-fn parse_kv_budget(s: &str) -> Result<KvBudget, String> {
-    if s.eq_ignore_ascii_case("auto") {
+fn parse_kv_budget(s: &str) -> Result<KvBudget, residency::ParseBytesError> {
+    if s.trim().eq_ignore_ascii_case("auto") {
         return Ok(KvBudget(None));
     }
-    parse_size(s).map(|b| KvBudget(Some(b)))
+    residency::parse_bytes(s).map(|b| KvBudget(Some(b)))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -124,6 +164,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_batch: args.max_batch as usize,
         body_limit: usize::try_from(args.body_limit).context("--body-limit is too large")?,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
+        max_queue: args.max_queue,
+        max_connections: args.max_connections,
+        header_read_timeout: seconds("--header-timeout", args.header_timeout)?,
+        body_read_timeout: seconds("--body-timeout", args.body_timeout)?,
     };
     // Resolve the model before listening, so that a wrong -m fails at once.
     let dir = super::run::model_dir(args.model.as_deref())?;

@@ -1,10 +1,12 @@
-//! `gdsllm verify MODEL`: full validation plus a re-read of every byte against its checksum.
+//! `gdsllm verify MODEL`: full validation plus a re-read of every byte against its checksum,
+//! and the tokenizer and chat template loaded as `run` loads them.
 
 use anyhow::Context;
 use weights_format::{FormatError, Model, VerifyProgress};
 
 /// Validate a model directory (structure, sizes, tensor layout), then re-read every blob and
-/// compare checksums. Exits non-zero naming every bad file.
+/// compare checksums, load tokenizer.json (and encode a sample with it) and render the chat
+/// template for a one-message chat. Exits non-zero naming every bad file.
 ///
 /// With `--against FILE.gguf`, also compare every tensor byte for byte with the GGUF tensor it
 /// was converted from (after the same transform the converter makes: llama's Q/K row move,
@@ -18,15 +20,58 @@ pub struct Args {
     /// GGUF's (one line per tensor, a summary per dtype); exits non-zero if any differs.
     #[arg(long, value_name = "FILE.gguf")]
     pub against: Option<std::path::PathBuf>,
-    /// Print one JSON object on stdout: {dir, ok, blobs: [{file, bytes, ok, error}], bytes,
+    /// Print one JSON object on stdout: {dir, ok, metadata_error, blobs: [{file, bytes, ok,
+    /// error}], tokenizer: {ok, error}, chat_template: {ok, error} (null without one), bytes,
     /// seconds, gb_per_s}, and with --against `lossless`: {all_equal, by_dtype, tensors}.
     #[arg(long)]
     pub json: bool,
+    /// Accept a deliberate edit of metadata.json: validate the directory and write the
+    /// checksum of metadata.json as it is now into metadata.json.xxh3, then verify.
+    #[arg(long)]
+    pub update_metadata_checksum: bool,
+}
+
+/// Loads the tokenizer as `run` does and checks that it encodes text into ids the model has.
+fn check_tokenizer(model: &Model) -> Result<(), String> {
+    let path = model.dir().join(&model.metadata().tokenizer);
+    let tokenizer = llama::Tokenizer::from_file(&path).map_err(|e| e.to_string())?;
+    let vocab = model.config().vocab_size;
+    let ids = tokenizer
+        .encode("Hello, world! 123 \u{e9}\u{4e2d}")
+        .map_err(|e| e.to_string())?;
+    if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
+        return Err(format!(
+            "{}: encodes text into token {bad}, but the model's vocab_size is {vocab}",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Compiles the chat template and renders a one-message chat with it, as `run` does.
+fn check_chat_template(model: &Model) -> Option<Result<(), String>> {
+    let file = &model.metadata().chat_template.as_ref()?.file;
+    let check = || {
+        let template =
+            llama::ChatTemplate::from_file(model.dir().join(file)).map_err(|e| e.to_string())?;
+        template
+            .render(&[llama::Message::new("user", "Hello")], "", "", true)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    Some(check())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let dir = gdsllm_convert::resolve_model(&args.model)
         .with_context(|| format!("finding model {:?}", args.model))?;
+    if args.update_metadata_checksum {
+        Model::update_metadata_checksum(&dir)
+            .with_context(|| format!("{}: invalid model", dir.display()))?;
+        if !args.json {
+            println!("updated {}", dir.join("metadata.json.xxh3").display());
+        }
+    }
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let bar = crate::progress::bytes_bar(model.total_bytes(), "verify");
     let mut blobs = Vec::new();
@@ -52,6 +97,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     });
     bar.finish_and_clear();
+    let tokenizer = check_tokenizer(&model);
+    let template = check_chat_template(&model);
     let seconds = started.elapsed().as_secs_f64();
     let bytes = model.total_bytes();
     let gb_per_s = bytes as f64 / seconds.max(1e-9) / 1e9;
@@ -72,9 +119,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let side_files_ok = tokenizer.is_ok() && template.as_ref().is_none_or(Result::is_ok);
+    let lossless_ok = lossless.as_ref().is_none_or(|r| r.all_equal());
+    let ok = result.is_ok() && side_files_ok && lossless_ok;
+    let status =
+        |r: &Result<(), String>| serde_json::json!({"ok": r.is_ok(), "error": r.as_ref().err()});
     if args.json {
         let mut json = serde_json::json!({
-            "dir": dir, "ok": result.is_ok(), "metadata_error": metadata_error, "blobs": blobs,
+            "dir": dir, "ok": ok, "metadata_error": metadata_error, "blobs": blobs,
+            "tokenizer": status(&tokenizer),
+            "chat_template": template.as_ref().map(status),
             "bytes": bytes, "seconds": seconds, "gb_per_s": gb_per_s,
         });
         if let Some(report) = &lossless {
@@ -105,6 +159,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if let Some(e) = &metadata_error {
             println!("BAD  {e}");
         }
+        match &tokenizer {
+            Ok(()) => println!("ok   {}", model.metadata().tokenizer),
+            Err(e) => println!("BAD  tokenizer: {e}"),
+        }
+        match &template {
+            Some(Ok(())) => println!("ok   chat template"),
+            Some(Err(e)) => println!("BAD  chat template: {e}"),
+            None => {}
+        }
         println!(
             "{}: {} blobs, {:.2} GB read in {:.1} s ({:.2} GB/s): {}",
             dir.display(),
@@ -112,12 +175,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             bytes as f64 / 1e9,
             seconds,
             gb_per_s,
-            if result.is_ok() { "OK" } else { "FAILED" }
+            if ok { "OK" } else { "FAILED" }
         );
     }
-    result
-        .map(|_| ())
-        .with_context(|| format!("{}: verification failed", dir.display()))?;
+    result.with_context(|| format!("{}: verification failed", dir.display()))?;
+    tokenizer.map_err(|e| anyhow::anyhow!("{}: tokenizer: {e}", dir.display()))?;
+    if let Some(Err(e)) = template {
+        anyhow::bail!("{}: chat template: {e}", dir.display());
+    }
     if let (Some(report), Some(path)) = (&lossless, &args.against) {
         let differ = report.tensors.iter().filter(|t| !t.equal).count();
         if differ > 0 {

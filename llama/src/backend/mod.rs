@@ -65,6 +65,16 @@ pub struct AttentionSeq<'a, Kv> {
     pub v_cache: &'a Kv,
 }
 
+/// One sequence's part of [`Backend::rope_store_kv_batch`]: its rows `row0 .. row0+rows`, at
+/// positions `pos0 ..`, stored into its own caches (`[capacity, n_kv_heads·head_dim]` each).
+pub struct KvStoreSeq<'a, Kv> {
+    pub row0: usize,
+    pub rows: usize,
+    pub pos0: usize,
+    pub k_cache: &'a mut Kv,
+    pub v_cache: &'a mut Kv,
+}
+
 /// What a backend is told about the pass that begins ([`Backend::begin_pass`]): enough to
 /// decide whether the ops that follow can be recorded once and replayed (the CUDA backend's
 /// graphs) without knowing anything about the model.
@@ -204,6 +214,26 @@ pub trait Backend: Send + Sync {
         k_cache: &mut Self::KvBuf,
         v_cache: &mut Self::KvBuf,
     ) -> Result<(), BackendError>;
+
+    /// [`Backend::rope_store_kv`] for every sequence of a batch (their rows of `q`, `k` and
+    /// `v`, each at its own positions, into its own caches). The default calls it per
+    /// sequence; a backend may do them all at once.
+    fn rope_store_kv_batch(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        seqs: &mut [KvStoreSeq<'_, Self::KvBuf>],
+        shape: AttentionShape,
+        inv_freq: &Self::Buf,
+    ) -> Result<(), BackendError> {
+        for s in seqs.iter_mut() {
+            self.rope_store_kv(
+                q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
+            )?;
+        }
+        Ok(())
+    }
 
     /// Causal grouped-query attention for each sequence of `seqs`: its query rows of `q` at
     /// positions `pos0 .. pos0+rows` against the first `pos0 + rows` positions of its caches,

@@ -5,7 +5,7 @@
 //! matched here, in one place.
 
 use crate::LlamaError;
-use crate::backend::{AttentionSeq, AttentionShape, Backend, RowGroup};
+use crate::backend::{AttentionSeq, AttentionShape, Backend, KvStoreSeq, RowGroup};
 use crate::config::LlamaConfig;
 use crate::weights::{WeightBytes, WeightView};
 
@@ -164,21 +164,29 @@ impl<B: Backend> Graph<'_, '_, B> {
         )?;
         // Each sequence's rows at its own positions, into its own cache ([capacity, kv_dim]
         // each).
-        for g in self.segs.iter_mut() {
-            let (k_cache, v_cache) = &mut g.kv[l];
-            be.rope_store_kv(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                g.row0,
-                g.rows,
-                g.pos0,
-                p.attention,
-                &s.inv_freq,
-                k_cache,
-                v_cache,
-            )?;
-        }
+        let mut stores: Vec<KvStoreSeq<'_, B::KvBuf>> = self
+            .segs
+            .iter_mut()
+            .map(|g| {
+                let (k_cache, v_cache) = &mut g.kv[l];
+                KvStoreSeq {
+                    row0: g.row0,
+                    rows: g.rows,
+                    pos0: g.pos0,
+                    k_cache,
+                    v_cache,
+                }
+            })
+            .collect();
+        be.rope_store_kv_batch(
+            &mut s.q,
+            &mut s.k,
+            &s.v,
+            &mut stores,
+            p.attention,
+            &s.inv_freq,
+        )?;
+        drop(stores);
         let seqs: Vec<AttentionSeq<'_, B::KvBuf>> = self
             .segs
             .iter()

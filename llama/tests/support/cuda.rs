@@ -1,7 +1,7 @@
 //! Helpers of the CUDA tests (`cuda_ops.rs`, `cuda_kquants.rs`): the opt-in backend, buffers
 //! and weights on the device, and a matmul checked against the reference backend.
 
-use llama::backend::cuda::{CUBLAS_MIN_ROWS, CudaBuf, CudaKvBuf, DeviceWeights};
+use llama::backend::cuda::{CUBLAS_MIN_ROWS, CudaBuf, CudaKvBuf, CudaPaths, DeviceWeights};
 use llama::{Backend, CudaBackend, ReferenceBackend, WeightSource, WeightView};
 use rand::rngs::StdRng;
 use weights_format::DType;
@@ -18,6 +18,17 @@ pub fn gpu() -> Option<CudaBackend> {
         Ok(be) => Some(be),
         Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
     }
+}
+
+/// Two backends on device 0, one with the given new kernel paths (issue 23) and one with
+/// none, `None` unless `GDSLLM_GPU_TESTS=1`.
+pub fn gpu_new_and_old(paths: CudaPaths) -> Option<(CudaBackend, CudaBackend)> {
+    gpu()?;
+    let open = |paths| match CudaBackend::with_paths(0, paths) {
+        Ok(be) => be,
+        Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
+    };
+    Some((open(paths), open(CudaPaths::default())))
 }
 
 pub fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {

@@ -33,6 +33,11 @@ pub struct FakeEngine {
     pub batching: bool,
     /// The most sequences a batch step has run at once.
     pub most_running: Mutex<usize>,
+    /// What the engine did, in order: "embed" per embedded input, "token" per generated token.
+    pub events: Mutex<Vec<&'static str>>,
+    /// When set, the first `embed` call waits for a message on it (or 10 s) before it works:
+    /// tests submit more requests while the worker is held there.
+    pub embed_gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
 impl FakeEngine {
@@ -45,6 +50,8 @@ impl FakeEngine {
             produced: Mutex::new(Vec::new()),
             batching: false,
             most_running: Mutex::new(0),
+            events: Mutex::new(Vec::new()),
+            embed_gate: Mutex::new(None),
         }
     }
 
@@ -156,6 +163,7 @@ impl EngineBatch for FakeBatch<'_> {
                     top_logprobs: Vec::new(),
                 };
                 *given += 1;
+                self.engine.events.lock().push("token");
                 on_token(*id, token)
                     .is_break()
                     .then_some(EngineFinish::Stopped)
@@ -247,6 +255,7 @@ impl Engine for FakeEngine {
                         .collect(),
                 };
                 produced += 1;
+                self.events.lock().push("token");
                 if on_token(token).is_break() {
                     break 'run EngineFinish::Stopped;
                 }
@@ -258,6 +267,11 @@ impl Engine for FakeEngine {
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        let gate = self.embed_gate.lock().take();
+        if let Some(gate) = gate {
+            let _ = gate.recv_timeout(Duration::from_secs(10));
+        }
+        self.events.lock().push("embed");
         if let Some(t) = tokens.iter().find(|&&t| t >= VOCAB) {
             return Err(EngineError::InvalidInput(format!(
                 "token id {t} is outside the vocabulary of {VOCAB} tokens"

@@ -28,6 +28,7 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("matmul_mma.cu", include_str!("kernels/matmul_mma.cu")),
     // The dtypes added with the k-quants; after matmul.cu, whose tile and loads they use.
     ("kquants.cu", include_str!("kernels/kquants.cu")),
 ];
@@ -215,6 +216,96 @@ mod tests {
             };
             assert_eq!(defined, 1, "kernel {name}");
         }
+        // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each.
+        let mut mma = 0;
+        for part in loader.split("mma(\"").skip(1) {
+            let dtype = part.split('"').next().unwrap();
+            let stamp = format!("MATMUL_MMA_KERNELS(matmul_mma_{dtype}, ");
+            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+            mma += 1;
+        }
+        assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
+    }
+
+    /// Compiling needs libnvrtc only, no GPU: this catches a kernel source that does not
+    /// compile on any machine that has the library (e.g. from the PyPI wheel
+    /// nvidia-cuda-nvrtc, on LD_LIBRARY_PATH). Opt-in: `GDSLLM_NVRTC_TESTS=1`, failing when
+    /// set without the library.
+    #[test]
+    fn nvrtc_compiles_the_program_when_asked() {
+        if std::env::var("GDSLLM_NVRTC_TESTS").as_deref() != Ok("1") {
+            eprintln!("skipped: set GDSLLM_NVRTC_TESTS=1 (and LD_LIBRARY_PATH to libnvrtc)");
+            return;
+        }
+        // SAFETY: only tries to dlopen libnvrtc (cudarc panics on a call into a missing one).
+        assert!(
+            unsafe { cudarc::nvrtc::sys::is_culib_present() },
+            "GDSLLM_NVRTC_TESTS=1 but libnvrtc is not loadable"
+        );
+        let (major, minor) = nvrtc_version().unwrap();
+        for arch in ["compute_75", "compute_80", "compute_90"] {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+                name: Some("kernels.cu".into()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(program_source(), opts).unwrap_or_else(|e| match e {
+                CompileError::CompileError { log, .. } => {
+                    panic!("NVRTC {major}.{minor}, {arch}:\n{}", log.to_string_lossy())
+                }
+                other => panic!("NVRTC {major}.{minor}, {arch}: {other}"),
+            });
+            let text = ptx.to_src();
+            for entry in [
+                "matmul_q4_1_r1",
+                "matmul_mma_q4_1_n8",
+                "matmul_mma_bf16_n1",
+                "attention_flash_hd128",
+                "attention_decode_seqs",
+                "rope_store_kv_seqs",
+            ] {
+                assert!(
+                    text.contains(&format!(".entry {entry}(")),
+                    "{arch}: no {entry}"
+                );
+            }
+            // A matmul kernel for every dtype, the k-quants' included.
+            for dtype in weights_format::DType::ALL {
+                let entry = format!(".entry matmul_{}_r1(", dtype.name());
+                assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
+            }
+            // Tensor-core instructions only where the device has them (8.0 on).
+            assert_eq!(
+                text.contains("mma.sync.aligned.m16n8k32"),
+                arch != "compute_75",
+                "{arch}"
+            );
+            println!(
+                "NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX",
+                text.len()
+            );
+        }
+    }
+
+    /// The CPU emulator's test program (llama/tests/cuda_emu) includes the kernel files in this
+    /// order too.
+    #[test]
+    fn the_emulator_tests_include_every_kernel_file_in_order() {
+        let harness = include_str!("../../../tests/cuda_emu/kernels_test.cpp");
+        let list = harness
+            .split("// KERNEL FILES BEGIN")
+            .nth(1)
+            .and_then(|s| s.split("// KERNEL FILES END").next())
+            .expect("markers");
+        let included: Vec<&str> = list
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \""))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        let want: Vec<&str> = std::iter::once(COMMON.0)
+            .chain(KERNEL_FILES.iter().map(|(name, _)| *name))
+            .collect();
+        assert_eq!(included, want);
     }
 
     #[test]
@@ -249,46 +340,6 @@ mod tests {
                 let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
                 assert!(kquants.contains(&define), "{define}");
             }
-        }
-    }
-
-    #[test]
-    fn nvrtc_compiles_the_program_when_asked() {
-        // Opt-in (GDSLLM_NVRTC_TESTS=1), like the GPU tests, and failing when set without the
-        // NVRTC library: compiling needs libnvrtc only, no GPU, so it catches a kernel source
-        // that does not compile on any machine that has the library (e.g. from the PyPI wheel
-        // nvidia-cuda-nvrtc, on LD_LIBRARY_PATH).
-        if std::env::var("GDSLLM_NVRTC_TESTS").as_deref() != Ok("1") {
-            eprintln!("skipped: set GDSLLM_NVRTC_TESTS=1 (and LD_LIBRARY_PATH to libnvrtc)");
-            return;
-        }
-        // SAFETY: only tries to dlopen libnvrtc (cudarc panics on a call into a missing one).
-        assert!(
-            unsafe { cudarc::nvrtc::sys::is_culib_present() },
-            "GDSLLM_NVRTC_TESTS=1 but libnvrtc is not loadable"
-        );
-        let (major, minor) = nvrtc_version().unwrap();
-        for arch in ["compute_80", "compute_90"] {
-            let opts = CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
-                name: Some("kernels.cu".into()),
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(program_source(), opts).unwrap_or_else(|e| match e {
-                CompileError::CompileError { log, .. } => {
-                    panic!("NVRTC {major}.{minor}, {arch}:\n{}", log.to_string_lossy())
-                }
-                other => panic!("NVRTC {major}.{minor}, {arch}: {other}"),
-            });
-            let text = ptx.to_src();
-            for dtype in weights_format::DType::ALL {
-                let entry = format!(".entry matmul_{}_r1", dtype.name());
-                assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
-            }
-            println!(
-                "NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX",
-                text.len()
-            );
         }
     }
 }

@@ -13,11 +13,7 @@ extern "C" __global__ void copy_f32_to_f16(const float* src, u16* dst, u64 n) {
 
 extern "C" __global__ void copy_f32_to_bf16(const float* src, u16* dst, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        // Round to nearest even (inputs are finite activations).
-        u32 b = __float_as_uint(src[i]);
-        dst[i] = (u16)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-    }
+    if (i < n) dst[i] = f2bf(src[i]);
 }
 
 extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {

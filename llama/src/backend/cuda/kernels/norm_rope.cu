@@ -79,6 +79,27 @@ __device__ __forceinline__ void rotate_pair(float* head, int i, int half, float 
     head[i + half] = x2 * c + x1 * s;
 }
 
+// Rotates the pair i of head h of activation row `r` at position `pos` (q heads first, then k
+// heads), and for a k head stores its k and v pair in the caches.
+__device__ __forceinline__ void rope_store_pair(float* q, float* k, const float* v, int r, int h, int i, int pos,
+                                                int n_heads, int n_kv_heads, int head_dim, const float* inv_freq,
+                                                u16* k_cache, u16* v_cache) {
+    int half = head_dim / 2;
+    if (h < n_heads) {
+        rotate_pair(q + ((u64)r * n_heads + h) * head_dim, i, half, (float)pos, inv_freq);
+        return;
+    }
+    int kvh = h - n_heads;
+    u64 row = ((u64)r * n_kv_heads + kvh) * head_dim;
+    float* kh = k + row;
+    rotate_pair(kh, i, half, (float)pos, inv_freq);
+    u64 at = ((u64)pos * n_kv_heads + kvh) * head_dim;
+    k_cache[at + i] = f2h(kh[i]);
+    k_cache[at + i + half] = f2h(kh[i + half]);
+    v_cache[at + i] = f2h(v[row + i]);
+    v_cache[at + i + half] = f2h(v[row + i + half]);
+}
+
 // The attention block's position-dependent steps in one launch: q and k rows r roped at
 // position p + r (p = start_pos), k and v rows stored in the f16 caches at that position.
 // One thread per rotated pair of a q or k head; the k pairs also store v's pair.
@@ -93,17 +114,22 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int
     int h = (idx / half) % heads;
     int r = idx / (half * heads);
     int pos = start_pos(pos0, pos_dev) + r;
-    if (h < n_heads) {
-        rotate_pair(q + ((u64)r * n_heads + h) * head_dim, i, half, (float)pos, inv_freq);
-        return;
-    }
-    int kvh = h - n_heads;
-    u64 row = ((u64)r * n_kv_heads + kvh) * head_dim;
-    float* kh = k + row;
-    rotate_pair(kh, i, half, (float)pos, inv_freq);
-    u64 at = ((u64)pos * n_kv_heads + kvh) * head_dim;
-    k_cache[at + i] = f2h(kh[i]);
-    k_cache[at + i + half] = f2h(kh[i + half]);
-    v_cache[at + i] = f2h(v[row + i]);
-    v_cache[at + i + half] = f2h(v[row + i + half]);
+    rope_store_pair(q, k, v, r, h, i, pos, n_heads, n_kv_heads, head_dim, inv_freq, k_cache, v_cache);
+}
+
+// `rope_store_kv` for the rows of every sequence of `seqs` (`total_rows` rows, each sequence at
+// its own positions, into its own caches) in one launch.
+extern "C" __global__ void rope_store_kv_seqs(float* q, float* k, const float* v, int total_rows, int n_heads,
+                                              int n_kv_heads, int head_dim, const float* inv_freq,
+                                              const __grid_constant__ SeqTable seqs) {
+    int half = head_dim / 2;
+    int heads = n_heads + n_kv_heads;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total_rows * heads * half) return;
+    int i = idx % half;
+    int h = (idx / half) % heads;
+    int r = idx / (half * heads);
+    int s = seq_of_row(seqs, r);
+    int pos = seqs.pos0[s] + (r - seqs.row0[s]);
+    rope_store_pair(q, k, v, r, h, i, pos, n_heads, n_kv_heads, head_dim, inv_freq, seqs.k_cache[s], seqs.v_cache[s]);
 }

@@ -17,13 +17,13 @@ use crate::host::ReadRecord;
 /// of every blob and tensor in the GdsLLM format, and what O_DIRECT and GDS DMA need).
 pub const DEVICE_READ_ALIGN: usize = crate::aligned::IO_ALIGN;
 
-/// Environment variable that forces a backend (`cufile`, `bounce`, `host`, `auto`).
+/// Environment variable that forces an I/O path (`cufile`, `bounce`, `host`, `auto`).
 pub const IO_ENV: &str = "GDSLLM_IO";
 
 /// The three read paths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BackendKind {
+pub enum IoPath {
     /// cuFile: GPUDirect Storage DMA, or cuFile's own compatibility mode.
     Cufile,
     /// O_DIRECT by several threads into a pinned ring, async host→device copies.
@@ -32,29 +32,29 @@ pub enum BackendKind {
     Host,
 }
 
-impl BackendKind {
-    pub const ALL: [BackendKind; 3] = [BackendKind::Cufile, BackendKind::Bounce, BackendKind::Host];
+impl IoPath {
+    pub const ALL: [IoPath; 3] = [IoPath::Cufile, IoPath::Bounce, IoPath::Host];
 
     pub fn name(self) -> &'static str {
         match self {
-            BackendKind::Cufile => "cufile",
-            BackendKind::Bounce => "bounce",
-            BackendKind::Host => "host",
+            IoPath::Cufile => "cufile",
+            IoPath::Bounce => "bounce",
+            IoPath::Host => "host",
         }
     }
 }
 
-impl std::fmt::Display for BackendKind {
+impl std::fmt::Display for IoPath {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// A backend request: a specific backend or automatic choice.
+/// A I/O path request: a specific I/O path or automatic choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoChoice {
     Auto,
-    Force(BackendKind),
+    Force(IoPath),
 }
 
 impl FromStr for IoChoice {
@@ -63,30 +63,30 @@ impl FromStr for IoChoice {
     fn from_str(value: &str) -> Result<Self, Self::Err> {
         match value.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Ok(IoChoice::Auto),
-            "cufile" | "gds" => Ok(IoChoice::Force(BackendKind::Cufile)),
-            "bounce" => Ok(IoChoice::Force(BackendKind::Bounce)),
-            "host" => Ok(IoChoice::Force(BackendKind::Host)),
+            "cufile" | "gds" => Ok(IoChoice::Force(IoPath::Cufile)),
+            "bounce" => Ok(IoChoice::Force(IoPath::Bounce)),
+            "host" => Ok(IoChoice::Force(IoPath::Host)),
             other => Err(format!(
-                "invalid I/O backend {other:?}: expected one of cufile, bounce, host, auto"
+                "invalid I/O path {other:?}: expected one of cufile, bounce, host, auto"
             )),
         }
     }
 }
 
-/// The backend asked for: the `--io` flag if given, else `$GDSLLM_IO`, else automatic.
+/// The I/O path asked for: the `--io` flag if given, else `$GDSLLM_IO`, else automatic.
 /// `env_value` is the variable's value (passed in so that callers and tests control it).
 pub fn resolve_io_choice(
     flag: Option<&str>,
     env_value: Option<&str>,
 ) -> Result<IoChoice, GdsError> {
     if let Some(flag) = flag {
-        return flag.parse().map_err(|_| GdsError::BadBackendName {
+        return flag.parse().map_err(|_| GdsError::BadIoPathName {
             setting: "--io".into(),
             value: flag.into(),
         });
     }
     match env_value {
-        Some(value) => value.parse().map_err(|_| GdsError::BadBackendName {
+        Some(value) => value.parse().map_err(|_| GdsError::BadIoPathName {
             setting: IO_ENV.into(),
             value: value.into(),
         }),
@@ -100,7 +100,7 @@ pub fn io_choice_from_env(flag: Option<&str>) -> Result<IoChoice, GdsError> {
     resolve_io_choice(flag, env.as_deref())
 }
 
-/// What this machine can do, as far as backend choice is concerned.
+/// What this machine can do, as far as I/O path choice is concerned.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Capabilities {
     /// A CUDA device could be opened.
@@ -116,16 +116,16 @@ pub struct Capabilities {
 
 impl Capabilities {
     /// Whether `kind` can run here, or why not.
-    pub fn check(&self, kind: BackendKind) -> Result<(), GdsError> {
-        let unavailable = |reason: &str| GdsError::BackendUnavailable {
-            backend: kind.name(),
+    pub fn check(&self, kind: IoPath) -> Result<(), GdsError> {
+        let unavailable = |reason: &str| GdsError::IoPathUnavailable {
+            io_path: kind.name(),
             reason: reason.to_string(),
         };
         match kind {
             _ if !self.gpu => Err(unavailable(
-                "no GPU: device reads need CUDA (the CPU backend reads with DirectFile)",
+                "no GPU: device reads need CUDA (the CPU I/O path reads with DirectFile)",
             )),
-            BackendKind::Cufile if !self.cufile => Err(unavailable(
+            IoPath::Cufile if !self.cufile => Err(unavailable(
                 "libcufile could not be loaded or its driver could not be opened",
             )),
             _ => Ok(()),
@@ -133,24 +133,24 @@ impl Capabilities {
     }
 }
 
-/// Picks the backend for device reads. A forced choice is honoured when it can run. `Auto`
+/// Picks the I/O path for device reads. A forced choice is honoured when it can run. `Auto`
 /// takes `cufile` only where cuFile does real DMA — in compatibility mode it is a POSIX read
 /// through cuFile's own bounce buffers, which our tuned bounce ring matches or beats — and
 /// otherwise the faster of `bounce` and `host` by measurement (bounce when unmeasured).
-pub fn choose_backend(caps: &Capabilities, choice: IoChoice) -> Result<BackendKind, GdsError> {
+pub fn choose_io_path(caps: &Capabilities, choice: IoChoice) -> Result<IoPath, GdsError> {
     match choice {
         IoChoice::Force(kind) => {
             caps.check(kind)?;
             Ok(kind)
         }
         IoChoice::Auto => {
-            caps.check(BackendKind::Bounce)?;
+            caps.check(IoPath::Bounce)?;
             if caps.cufile && caps.gds_dma {
-                return Ok(BackendKind::Cufile);
+                return Ok(IoPath::Cufile);
             }
             match (caps.bounce_gbps, caps.host_gbps) {
-                (Some(bounce), Some(host)) if host > bounce => Ok(BackendKind::Host),
-                _ => Ok(BackendKind::Bounce),
+                (Some(bounce), Some(host)) if host > bounce => Ok(IoPath::Host),
+                _ => Ok(IoPath::Bounce),
             }
         }
     }
@@ -166,7 +166,7 @@ pub struct ReadSpan {
 
 impl ReadSpan {
     /// Validates a read against alignment, the file's length and the buffer's length. Any
-    /// length is allowed (unaligned tails are handled by each backend).
+    /// length is allowed (unaligned tails are handled by each I/O path).
     pub fn check(
         file: &GdsFile,
         offset: u64,
@@ -244,9 +244,9 @@ impl ReadTicket {
 }
 
 /// Reads file regions into device memory. Implemented by the cufile, bounce and host
-/// backends; object safe so that callers can hold `Box<dyn DeviceReader>`.
+/// I/O paths; object safe so that callers can hold `Box<dyn DeviceReader>`.
 pub trait DeviceReader: Send + Sync {
-    fn kind(&self) -> BackendKind;
+    fn kind(&self) -> IoPath;
 
     /// Reads `len` bytes at file `offset` into `dst[dst_offset..]`, returning once the bytes
     /// are in device memory. Offsets must be multiples of [`DEVICE_READ_ALIGN`].
@@ -264,7 +264,7 @@ pub trait DeviceReader: Send + Sync {
     /// `dst` is not freed before the read lands (its Drop waits).
     ///
     /// The default is synchronous underneath: it drains `stream`, then reads, so the order
-    /// holds but the calling thread waits. Backends with a real asynchronous path override it.
+    /// holds but the calling thread waits. Readers with a real asynchronous path override it.
     fn read_async(
         &self,
         file: &GdsFile,
@@ -284,7 +284,7 @@ pub trait DeviceReader: Send + Sync {
         })
     }
 
-    /// Performs several reads, returning once all of them are in device memory. Backends that
+    /// Performs several reads, returning once all of them are in device memory. Readers that
     /// can keep the disk queue deep across reads (bounce, cufile) queue every request of every
     /// read at once, so there is no idle gap between one read and the next; the default does
     /// the reads one after another.
@@ -295,7 +295,7 @@ pub trait DeviceReader: Send + Sync {
             .collect()
     }
 
-    /// Totals of every read this backend did.
+    /// Totals of every read this I/O path did.
     fn stats(&self) -> IoTotals;
 }
 
@@ -310,7 +310,7 @@ pub struct DeviceRead<'a> {
     pub dst_offset: usize,
 }
 
-/// Running totals of a backend's reads.
+/// Running totals of an I/O path's reads.
 #[derive(Debug, Default)]
 pub struct IoStats {
     bytes: AtomicU64,
@@ -415,17 +415,17 @@ mod tests {
     #[test]
     fn auto_prefers_cufile_only_with_real_dma() {
         assert_eq!(
-            choose_backend(&caps(true, true, true), IoChoice::Auto).unwrap(),
-            BackendKind::Cufile
+            choose_io_path(&caps(true, true, true), IoChoice::Auto).unwrap(),
+            IoPath::Cufile
         );
         // Compatibility mode: cuFile is a POSIX read through its own bounce buffers.
         assert_eq!(
-            choose_backend(&caps(true, true, false), IoChoice::Auto).unwrap(),
-            BackendKind::Bounce
+            choose_io_path(&caps(true, true, false), IoChoice::Auto).unwrap(),
+            IoPath::Bounce
         );
         assert_eq!(
-            choose_backend(&caps(true, false, false), IoChoice::Auto).unwrap(),
-            BackendKind::Bounce
+            choose_io_path(&caps(true, false, false), IoChoice::Auto).unwrap(),
+            IoPath::Bounce
         );
     }
 
@@ -434,33 +434,24 @@ mod tests {
         let mut c = caps(true, true, false);
         c.bounce_gbps = Some(3.7);
         c.host_gbps = Some(2.7);
-        assert_eq!(
-            choose_backend(&c, IoChoice::Auto).unwrap(),
-            BackendKind::Bounce
-        );
+        assert_eq!(choose_io_path(&c, IoChoice::Auto).unwrap(), IoPath::Bounce);
         c.host_gbps = Some(4.0);
-        assert_eq!(
-            choose_backend(&c, IoChoice::Auto).unwrap(),
-            BackendKind::Host
-        );
+        assert_eq!(choose_io_path(&c, IoChoice::Auto).unwrap(), IoPath::Host);
         // With real DMA, measurements of the fallbacks do not matter.
         c.gds_dma = true;
-        assert_eq!(
-            choose_backend(&c, IoChoice::Auto).unwrap(),
-            BackendKind::Cufile
-        );
+        assert_eq!(choose_io_path(&c, IoChoice::Auto).unwrap(), IoPath::Cufile);
     }
 
     #[test]
     fn forced_choices_are_honoured_or_explained() {
         let c = caps(true, false, false);
         assert_eq!(
-            choose_backend(&c, IoChoice::Force(BackendKind::Host)).unwrap(),
-            BackendKind::Host
+            choose_io_path(&c, IoChoice::Force(IoPath::Host)).unwrap(),
+            IoPath::Host
         );
-        let err = choose_backend(&c, IoChoice::Force(BackendKind::Cufile)).unwrap_err();
+        let err = choose_io_path(&c, IoChoice::Force(IoPath::Cufile)).unwrap_err();
         assert!(err.to_string().contains("cufile"), "{err}");
-        let err = choose_backend(&caps(false, false, false), IoChoice::Auto).unwrap_err();
+        let err = choose_io_path(&caps(false, false, false), IoChoice::Auto).unwrap_err();
         assert!(err.to_string().contains("no GPU"), "{err}");
     }
 
@@ -469,11 +460,11 @@ mod tests {
         assert_eq!(resolve_io_choice(None, None).unwrap(), IoChoice::Auto);
         assert_eq!(
             resolve_io_choice(None, Some("bounce")).unwrap(),
-            IoChoice::Force(BackendKind::Bounce)
+            IoChoice::Force(IoPath::Bounce)
         );
         assert_eq!(
             resolve_io_choice(Some("HOST"), Some("bounce")).unwrap(),
-            IoChoice::Force(BackendKind::Host)
+            IoChoice::Force(IoPath::Host)
         );
         assert_eq!(
             resolve_io_choice(Some("auto"), Some("host")).unwrap(),

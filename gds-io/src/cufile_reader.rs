@@ -1,20 +1,20 @@
-//! The `cufile` backend: cuFileRead straight into device memory (GDS DMA where the platform has
+//! The `cufile` I/O path: cuFileRead straight into device memory (GDS DMA where the platform has
 //! nvidia-fs or P2PDMA, cuFile's compatibility mode otherwise). Large reads are split into
 //! requests issued by several threads so the NVMe queue stays deep.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::{
-    BackendKind, DeviceRead, DeviceReader, IoStats, IoTotals, ReadSpan, for_each_parallel,
-};
 use crate::driver::Driver;
 use crate::error::GdsError;
 use crate::file::GdsFile;
 use crate::gpu::{GdsBuffer, Gpu};
 use crate::host::ReadRecord;
+use crate::io_path::{
+    DeviceRead, DeviceReader, IoPath, IoStats, IoTotals, ReadSpan, for_each_parallel,
+};
 
-/// Tuning of the cufile backend.
+/// Tuning of the cufile path.
 #[derive(Debug, Clone, Copy)]
 pub struct CufileConfig {
     /// Bytes per cuFileRead request (16 MiB: what the raw O_DIRECT reference uses).
@@ -32,16 +32,16 @@ impl Default for CufileConfig {
     }
 }
 
-pub struct CufileBackend {
+pub struct CufileReader {
     gpu: Gpu,
     driver: Arc<Driver>,
     config: CufileConfig,
     stats: IoStats,
 }
 
-impl CufileBackend {
-    pub fn new(gpu: &Gpu, driver: &Arc<Driver>, config: CufileConfig) -> CufileBackend {
-        CufileBackend {
+impl CufileReader {
+    pub fn new(gpu: &Gpu, driver: &Arc<Driver>, config: CufileConfig) -> CufileReader {
+        CufileReader {
             gpu: gpu.clone(),
             driver: driver.clone(),
             config,
@@ -54,7 +54,7 @@ impl CufileBackend {
     }
 }
 
-impl CufileBackend {
+impl CufileReader {
     /// Checks one read and splits it into requests (after any pending write into `dst`).
     fn plan<'a>(
         &self,
@@ -63,8 +63,8 @@ impl CufileBackend {
         let file = read.file;
         let span = ReadSpan::check(file, read.offset, read.len, read.dst.len(), read.dst_offset)?;
         if file.cufile_handle().is_none() {
-            return Err(GdsError::BackendUnavailable {
-                backend: "cufile",
+            return Err(GdsError::IoPathUnavailable {
+                io_path: "cufile",
                 reason: format!("{} is not registered with cuFile", file.path().display()),
             });
         }
@@ -128,7 +128,7 @@ impl CufileBackend {
     fn record(&self, bytes: u64, requests: usize, start: Instant) -> ReadRecord {
         let record = ReadRecord {
             bytes,
-            backend: BackendKind::Cufile.name(),
+            io_path: IoPath::Cufile.name(),
             direct: true,
             via_host_memory: self.driver.properties().compat_mode,
             elapsed: start.elapsed(),
@@ -139,9 +139,9 @@ impl CufileBackend {
     }
 }
 
-impl DeviceReader for CufileBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cufile
+impl DeviceReader for CufileReader {
+    fn kind(&self) -> IoPath {
+        IoPath::Cufile
     }
 
     fn read(

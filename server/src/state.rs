@@ -1,0 +1,102 @@
+//! The application state every handler shares: the server's settings, the model slot (loading,
+//! ready with its scheduler, or failed), metrics and the shutdown flag. Both the router
+//! (`server`) and the handlers (`routes`) use it; neither imports the other's internals.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::engine::Engine;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::scheduler::Scheduler;
+
+/// Settings of one server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// With any key here, `/v1/*` needs `Authorization: Bearer <key>`.
+    pub api_keys: Vec<String>,
+    /// Extra names the model answers to (the first is listed first in `/v1/models`).
+    pub aliases: Vec<String>,
+    /// Inserted as the first message of a chat that has no system message.
+    pub system_prompt: Option<String>,
+    /// The most sequences decoded together (continuous batching, when the engine has it;
+    /// otherwise sequences run one at a time in arrival order).
+    pub max_batch: usize,
+    /// Largest request body in bytes (413 above it).
+    pub body_limit: usize,
+    /// After SIGINT/SIGTERM, in-flight requests may finish for this long; then they are
+    /// cancelled.
+    pub shutdown_grace: Duration,
+    /// Requests that may wait for the model beyond the `max_batch` it runs; more get 429 with
+    /// `Retry-After` at once instead of an ever longer queue.
+    pub max_queue: usize,
+    /// Open client connections. At the limit a new connection closes the oldest one that has
+    /// no request in flight (a half-open or idle socket); if every one is busy, the new one is
+    /// closed. Kept below the process's open-file limit.
+    pub max_connections: usize,
+    /// A client must send a request's headers within this long (and, between requests on a
+    /// kept-alive connection, start the next one), or the connection is closed.
+    pub header_read_timeout: Duration,
+    /// A client must send a request's whole body within this long (408 otherwise).
+    pub body_read_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            api_keys: Vec::new(),
+            aliases: Vec::new(),
+            system_prompt: None,
+            max_batch: 1,
+            body_limit: 4 << 20,
+            shutdown_grace: Duration::from_secs(30),
+            max_queue: 256,
+            max_connections: 1024,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+pub(crate) enum ModelSlot {
+    Loading,
+    Ready {
+        engine: Arc<dyn Engine>,
+        scheduler: Arc<Scheduler>,
+    },
+    Failed(String),
+}
+
+pub(crate) struct AppState {
+    pub config: ServerConfig,
+    pub metrics: Arc<Metrics>,
+    pub slot: RwLock<ModelSlot>,
+    pub shutting_down: AtomicBool,
+    pub started: u64,
+}
+
+impl AppState {
+    /// The engine and its queue, or 503 while loading / after a failed load / in shutdown.
+    pub fn ready(&self) -> Result<(Arc<dyn Engine>, Arc<Scheduler>), ApiError> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
+        match &*self.slot.read() {
+            ModelSlot::Loading => Err(ApiError::unavailable("the model is loading")),
+            ModelSlot::Failed(m) => Err(ApiError::unavailable(format!(
+                "the model failed to load: {m}"
+            ))),
+            ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
+        }
+    }
+
+    /// Names the model answers to: its id, then the aliases.
+    pub fn model_names(&self, engine: &dyn Engine) -> Vec<String> {
+        let mut names = vec![engine.model_id().to_string()];
+        names.extend(self.config.aliases.iter().cloned());
+        names
+    }
+}
