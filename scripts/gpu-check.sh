@@ -5,7 +5,8 @@
 #   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
 #            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
 #            models against the CPU backend; the same models through `llama::open` resident, with
-#            every layer streamed, and through the pinned host tier, against the upload-once path.
+#            every layer streamed, and through the pinned host tier, against the upload-once path;
+#            a small model in llama.cpp's Q4_K_M mix against its f32 twin on the CPU, streamed too.
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
 #            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.
@@ -29,6 +30,11 @@
 #            streamed from disk, and through the pinned host tier); then the cost of checking
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
 #            with 4 GiB (--host-cache off), with and without --no-checksums, alternated.
+#   kquants  (opt-in) llama/tests/cuda_kquants.rs with GDSLLM_GPU_TESTS=1 (every k-quant-era
+#            dtype's matmuls and embedding against the reference); then for each GGUF in
+#            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
+#            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
+#            resident pp512/tg128 and streamed (--vram-budget 4GiB, no host tier) decode.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -43,6 +49,8 @@
 #   CUDA_HF_BIN      cuda_hf test binary, likewise
 #   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
 #                    (and the batch stage); default for families: newest target/release/deps/batch-*
+#   KQ_TEST_BIN      cuda_kquants test binary, likewise
+#   KQUANT_GGUFS     GGUF files for the kquants stage (space-separated paths)
 #   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b"; families is opt-in)
 #   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
 #   FAMILY_HF_CASES  default: qwen2 qwen3 gemma3 phi3 llama3, each float16 and bfloat16
@@ -123,6 +131,41 @@ if has smollm2; then
         note "smollm2-135m $dtype $device: bench FAILED"; status=1
       fi
     done
+  done
+fi
+
+if has kquants; then
+  step "k-quant kernels against the reference"
+  run_test_bin cuda_kquants "${KQ_TEST_BIN:-$(newest cuda_kquants)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "max rel diff" "$WORK_DIR/cuda_kquants.log" | sed 's/^/  /' >&2
+  for gguf in ${KQUANT_GGUFS:-}; do
+    name=$(basename "$gguf" .gguf)
+    model="$WORK_DIR/kq-$name"
+    step "gdsllm convert + verify --against $name"
+    rm -rf "$model"
+    if ! "$BIN" convert "$gguf" "$model" >&2; then note "$name: convert FAILED"; status=1; continue; fi
+    v="$WORK_DIR/verify-$name.json"
+    if "$BIN" verify "$model" --against "$gguf" --json >"$v" 2>"$v.log"; then
+      note "$name: lossless: $(jq_py "$v" "'; '.join(f'{k}: {e} of {n} tensors equal' for k, (n, e, b) in d['lossless']['by_dtype'].items())")"
+    else
+      note "$name: verify --against FAILED: $(tail -n 1 "$v.log")"; status=1
+    fi
+    r="$WORK_DIR/bench-$name-resident.json"
+    step "gdsllm bench --device cuda $name resident"
+    if "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
+      note "$name resident: pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s"
+    else
+      tail -n 5 "$r.log" >&2; note "$name resident bench FAILED"; status=1
+    fi
+    s="$WORK_DIR/bench-$name-streamed.json"
+    step "gdsllm bench --device cuda $name streamed, --vram-budget 4GiB"
+    drop_caches
+    if "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json >"$s" 2>"$s.log"; then
+      note "$name streamed 4GiB: tg $(jq_py "$s" "'%.3f tok/s, %.2f GB streamed/token' % (d['tg']['best'], d['tg']['bytes_per_token'] / 1e9)")"
+    else
+      tail -n 5 "$s.log" >&2; note "$name streamed bench FAILED"; status=1
+    fi
+    rm -rf "$model"
   done
 fi
 

@@ -15,6 +15,7 @@ pub mod gguf;
 pub mod gguf_map;
 pub mod gguf_writer;
 pub mod hf;
+pub mod lossless;
 pub mod source;
 pub mod synth;
 pub mod testing;

@@ -227,6 +227,17 @@ fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     }
 }
 
+#[test]
+fn batched_greedy_equals_solo_for_a_q4_k_m_mix() {
+    // The k-quant kernels on 8-bit activations (four weight rows at a time where the task
+    // boundaries allow): a sequence's tokens must not depend on what it is batched with.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("q4km");
+    let config = gdsllm_convert::testing::small_kquant_config(3);
+    gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
+    ragged_batch_equals_solo(&mut in_memory(&dir, 256, 256), "cpu q4_k_m mix");
+}
+
 /// The top logit's index and its margin over the second.
 #[cfg(feature = "cuda")]
 fn top2(logits: &[f32]) -> (u32, f32) {
@@ -335,6 +346,23 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
             1e-3,
         );
     }
+    // The k-quant dtypes have no tensor-core kernels: on every path their matmuls keep the
+    // one-row and eight-row kernels, so a Q4_K_M mix is bit for bit alone with the default
+    // paths and within the attention paths' rounding with all of them.
+    let dir = tmp.path().join("q4km");
+    let config = gdsllm_convert::testing::small_kquant_config(3);
+    gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+    ragged_batch_equals_solo(&mut model, "cuda q4_k_m mix");
+    drop(model);
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
+    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+    ragged_batch_close_to_solo(
+        &mut model,
+        &format!("cuda q4_k_m mix, paths {}", CudaPaths::all()),
+        1e-3,
+    );
 }
 
 /// A windowed family on CUDA (support::families' gemma3: window 8, rings of 16 slots, Q/K

@@ -6,78 +6,22 @@
 
 mod support;
 
-use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths, DeviceWeights};
+use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
 use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
 use llama::load::open_uploaded;
 use llama::{
-    Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightSource,
-    WeightView, rope_inv_freq,
+    Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
+    rope_inv_freq,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use support::cuda::{
+    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, gpu_new_and_old, on_device, up, via_f16,
+    view,
+};
 use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
 
-/// The backend on device 0, `None` (after saying so) unless `GDSLLM_GPU_TESTS=1`.
-fn gpu() -> Option<CudaBackend> {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
-        return None;
-    }
-    match CudaBackend::new(0) {
-        Ok(be) => Some(be),
-        Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
-    }
-}
-
-/// Two backends on device 0, one with the given new kernel paths (issue 23) and one with
-/// none, `None` unless `GDSLLM_GPU_TESTS=1`.
-fn gpu_new_and_old(paths: CudaPaths) -> Option<(CudaBackend, CudaBackend)> {
-    gpu()?;
-    let open = |paths| match CudaBackend::with_paths(0, paths) {
-        Ok(be) => be,
-        Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
-    };
-    Some((open(paths), open(CudaPaths::default())))
-}
-
-fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {
-    be.upload(data).expect("upload")
-}
-
-fn down(be: &CudaBackend, buf: &CudaBuf, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    be.read(buf, &mut out).expect("CUDA ops succeeded");
-    out
-}
-
-fn down_kv(be: &CudaBackend, buf: &CudaKvBuf, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    be.read_kv(buf, &mut out).expect("CUDA ops succeeded");
-    out
-}
-
-fn alloc(be: &CudaBackend, n: usize) -> CudaBuf {
-    be.alloc(n).expect("alloc")
-}
-
-/// Weight bytes uploaded to the device (kernels take weights only from device memory).
-fn on_device(be: &CudaBackend, bytes: &[u8]) -> DeviceWeights {
-    be.upload_weights(vec![bytes.to_vec()])
-        .expect("upload weights")
-}
-
-/// The uploaded weight as a `[rows, cols]` tensor of `dtype`.
-fn view(w: &DeviceWeights, dtype: DType, rows: usize, cols: usize) -> WeightView<'_> {
-    WeightView::device(dtype, rows, cols, w.acquire(0).unwrap().ptr())
-}
-
-/// f32 accumulation (in another order than the f64 reference) over up to 1536 products; for
-/// quantized weights on the kernel path also x as 16-bit integers per 32-value block (each
-/// value within 2^-16 of its block's largest, ~1e-5 of a dot product here).
-const MATMUL_TOL: f32 = 1e-4;
-/// Quantized weights through cuBLAS: each dequantized weight rounded to f16.
-const QUANT_GEMM_TOL: f32 = 2e-3;
 /// Elementwise ops and row reductions in f32.
 const ELEMENT_TOL: f32 = 1e-5;
 
@@ -88,41 +32,8 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
     for dtype in ALL {
         for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
             let w = weights(&mut rng, dtype, m, k);
-            let host = WeightView::host(dtype, m, k, &w);
-            let dev = on_device(&be, &w);
-            let wd = view(&dev, dtype, m, k);
             for rows in [1, 3, 8, 9, 33, 70] {
-                let x = random(&mut rng, rows * k);
-                // cuBLAS takes both operands in the weights' type: the reference gets x
-                // rounded the same way, so the tolerance stays that of f32 accumulation.
-                // f16 and quantized weights go there as f16 with x rounded to f16; bf16 ones
-                // as f32 with x as it is.
-                let via_cublas =
-                    rows >= llama::backend::cuda::CUBLAS_MIN_ROWS && dtype != DType::F32;
-                let x_ref: Vec<f32> = if via_cublas && dtype != DType::Bf16 {
-                    via_f16(&x)
-                } else {
-                    x.clone()
-                };
-                // Dequantized weights rounded to f16 (2^-11 relative each) add error that
-                // f32 accumulation alone does not have (bf16 converts exactly).
-                let tol = if via_cublas && !matches!(dtype, DType::F16 | DType::Bf16) {
-                    QUANT_GEMM_TOL
-                } else {
-                    MATMUL_TOL
-                };
-                let mut want = vec![0f32; rows * m];
-                matmul(&ReferenceBackend, &x_ref, rows, host, &mut want);
-                let xd = up(&be, &x);
-                let mut out = alloc(&be, rows * m);
-                matmul(&be, &xd, rows, wd, &mut out);
-                let got = down(&be, &out, rows * m);
-                let d = max_rel_diff(&got, &want);
-                println!(
-                    "matmul {dtype:?} [{m}x{k}] rows={rows}{}: max rel diff {d:.2e} (tol {tol:.0e})",
-                    if via_cublas { " (cuBLAS)" } else { "" }
-                );
-                assert!(d < tol, "matmul {dtype:?} {m}x{k} rows={rows}: {d}");
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
             }
         }
     }
@@ -509,10 +420,6 @@ fn fused_launches_match_reference() {
     assert!(d < 1e-3, "rope_store_kv caches: {d}");
 }
 
-fn via_f16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect()
-}
-
 #[test]
 fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
     let Some(be) = gpu() else { return };
@@ -896,16 +803,19 @@ fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
     (idx[0] as u32, logits[idx[0]] - logits[idx[1]])
 }
 
-/// Prefill logits within 1e-2 relative error of the CPU backend, then 16 greedy steps fed the
-/// CPU's token: the device's argmax must agree wherever the CPU's top-2 margin exceeds twice
-/// the logit difference seen at that step (below that, either token is numerically right).
-fn compare_model(dir: &std::path::Path, label: &str) {
+/// Prefill logits within 1e-2 relative error of the CPU backend on `cpu_dir` (the same model, or
+/// its f32 twin), then 16 greedy steps fed the CPU's token: the device's argmax must agree
+/// wherever the CPU's top-2 margin exceeds twice the logit difference seen at that step (below
+/// that, either token is numerically right).
+fn compare_model(dir: &std::path::Path, cpu_dir: &std::path::Path, label: &str) {
     let Some(be_check) = gpu() else { return };
     drop(be_check);
-    let model = weights_format::Model::open(dir).unwrap();
-    let meta = model.metadata().clone();
+    let meta = weights_format::Model::open(cpu_dir)
+        .unwrap()
+        .metadata()
+        .clone();
     let context = 128;
-    let cpu_weights = InMemoryWeights::read_dir(dir, &meta).unwrap();
+    let cpu_weights = InMemoryWeights::read_dir(cpu_dir, &meta).unwrap();
     let mut cpu = Llama::new(
         CpuBackend::new(),
         cpu_weights,
@@ -960,7 +870,7 @@ fn smollm2_shaped_q4_1_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
     };
-    compare_model(&dir, "smollm2-135m q4_1");
+    compare_model(&dir, &dir, "smollm2-135m q4_1");
 }
 
 #[test]
@@ -968,7 +878,7 @@ fn small_untied_f16_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(small_untied_shape(4), DType::F16, "small-f16") else {
         return;
     };
-    compare_model(&dir, "small f16 untied");
+    compare_model(&dir, &dir, "small f16 untied");
 }
 
 /// Without a GPU the backend is an error value, never a panic.
@@ -1342,7 +1252,7 @@ fn family_models_match_cpu() {
         for dtype in [DType::Q4_1, DType::F16] {
             let dir = tmp.path().join(format!("{name}-{dtype}"));
             support::families::write(&dir, &config, dtype);
-            compare_model(&dir, &format!("family {name} {dtype}"));
+            compare_model(&dir, &dir, &format!("family {name} {dtype}"));
         }
     }
 }
@@ -1363,4 +1273,32 @@ fn family_gemma3_streamed_gives_the_resident_tokens() {
     let dir = tmp.path().join("gemma3");
     support::families::write(&dir, &config, DType::Q4_1);
     streamed_matches_resident(&dir, "family gemma3 q4_1");
+}
+
+/// A model in llama.cpp's Q4_K_M mix (q4_k, q6_k, and q5_0/q8_0 for ffn_down, whose 704-value
+/// rows are not whole super-blocks) of the small untied shape, and its f32 twin.
+fn gpu_q4_k_m_model(n_layers: usize) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    gpu()?;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("q4km");
+    let config = small_untied_shape(n_layers).config();
+    let model = gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.02, 7).unwrap();
+    gdsllm_convert::testing::write_f32_twin(&model, &tmp.path().join("f32")).unwrap();
+    Some((tmp, dir))
+}
+
+#[test]
+fn q4_k_m_mix_model_matches_its_f32_twin_on_cpu() {
+    let Some((tmp, dir)) = gpu_q4_k_m_model(4) else {
+        return;
+    };
+    compare_model(&dir, &tmp.path().join("f32"), "small q4_k_m mix");
+}
+
+#[test]
+fn streamed_q4_k_m_mix_gives_the_resident_tokens() {
+    let Some((_tmp, dir)) = gpu_q4_k_m_model(6) else {
+        return;
+    };
+    streamed_matches_resident(&dir, "small q4_k_m mix");
 }

@@ -815,6 +815,19 @@ fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
 
     for blob in &m.blobs {
         validate_blob(dir, &m.config, blob)?;
+        if let Some(t) = blob
+            .tensors
+            .iter()
+            .find(|t| t.dtype.format_version() > m.format_version)
+        {
+            return Err(FormatError::DTypeNeedsVersion {
+                blob: blob.file.clone(),
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                needed: t.dtype.format_version(),
+                found: m.format_version,
+            });
+        }
     }
     Ok(())
 }

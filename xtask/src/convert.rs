@@ -16,7 +16,8 @@ pub struct ConvertArgs {
     pub input: PathBuf,
     /// The model directory to create (must not exist unless --force).
     pub output: PathBuf,
-    /// keep (bit for bit), f16, bf16, q8_0 or q4_1 for the 2-D matrices; norms stay f32.
+    /// keep (bit for bit), f16, bf16, q8_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k for the 2-D
+    /// matrices; norms stay f32.
     #[arg(long, default_value = "keep", value_parser = parse_dtype)]
     pub dtype: TargetDType,
     /// Replace OUTPUT once the new model is complete.
@@ -38,7 +39,7 @@ pub struct FetchArgs {
 
 fn parse_dtype(s: &str) -> Result<TargetDType, String> {
     TargetDType::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
+        .ok_or_else(|| format!("{s:?}: expected one of {}", TargetDType::names()))
 }
 
 struct Bar(ProgressBar);

@@ -17,7 +17,9 @@ pub struct Args {
     /// The model directory to create. It must not exist, unless --force is given.
     pub output: PathBuf,
     /// Storage type of the 2-D weight matrices: `keep` stores every tensor bit for bit as in
-    /// the source; f16, bf16, q8_0 and q4_1 re-encode the matrices (norms stay f32).
+    /// the source (GGUF k-quant mixes such as Q4_K_M included); f16, bf16, q8_0, q4_1, q5_0,
+    /// q5_1, q4_k, q5_k and q6_k re-encode the matrices (norms stay f32). The k-quants need
+    /// rows of a multiple of 256 values.
     #[arg(long, default_value = "keep", value_parser = parse_dtype)]
     pub dtype: TargetDType,
     /// Replace OUTPUT if it exists; the old directory is removed only after the new one is
@@ -31,7 +33,7 @@ pub struct Args {
 
 fn parse_dtype(s: &str) -> Result<TargetDType, String> {
     TargetDType::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
+        .ok_or_else(|| format!("{s:?}: expected one of {}", TargetDType::names()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use weights_format::DType;
 
 use super::kernels::{self, QK};
+use super::kquants::{self, QuantizedActs};
 use super::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView,
     check_cache_slots, host_bytes, matmul_then_add,
@@ -91,13 +92,17 @@ fn matmul_rows_of(
             xsums.extend_from_slice(&one);
         }
     }
+    let mut xq = QuantizedActs::default();
+    if kquants::handles(w.dtype) && wide.contains(&false) {
+        xq.prepare(x, k, w.dtype);
+    }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
     let task = |(ci, o): (usize, &mut [f32])| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, wide, o);
+        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, wide, o);
     };
     if rows == 1 {
         out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
@@ -181,10 +186,14 @@ impl CpuBackend {
         // Decoding: one parallel region over the row chunks of all weights, so the threads
         // meet once instead of once per weight.
         let mut xsums = Vec::new();
+        let mut xq = QuantizedActs::default();
         let mut tasks: Vec<(WeightView<'_>, &[u8], usize, &mut [f32])> = Vec::new();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
+            }
+            if kquants::handles(w.dtype) {
+                xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
             let bytes = host(w)?;
             let chunk = rows_per_task(w.rows, w.cols);
@@ -192,10 +201,12 @@ impl CpuBackend {
                 tasks.push((*w, bytes, ci * chunk, o));
             }
         }
+        let xq = &xq;
         tasks.into_par_iter().for_each(|(w, bytes, first, o)| {
             let rb = w.row_bytes();
             let wb = &bytes[first * rb..(first + o.len()) * rb];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, &[false], o);
+            let x = &x[..w.cols];
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, &[false], o);
         });
         Ok(())
     }

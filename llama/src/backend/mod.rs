@@ -13,6 +13,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod kernels;
+pub(crate) mod kquants;
 pub mod reference;
 
 pub use crate::error::BackendError;

@@ -16,6 +16,7 @@
 #include "attention.cu"
 #include "matmul.cu"
 #include "matmul_mma.cu"
+#include "kquants.cu"
 // KERNEL FILES END
 
 #include <memory>

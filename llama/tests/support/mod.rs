@@ -12,6 +12,11 @@ use rand::rngs::StdRng;
 use weights_format::DType;
 use weights_format::quant::quantize;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// The dtypes of format version 1 (those of the CUDA kernel files before `kquants.cu`;
+/// `cuda_kquants.rs` and the CPU kernel tests of `backend/kquants.rs` cover the others).
 pub const ALL: [DType; 6] = [
     DType::F32,
     DType::F16,

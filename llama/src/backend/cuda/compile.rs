@@ -29,6 +29,8 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
     ("matmul_mma.cu", include_str!("kernels/matmul_mma.cu")),
+    // The dtypes added with the k-quants; after matmul.cu, whose tile and loads they use.
+    ("kquants.cu", include_str!("kernels/kquants.cu")),
 ];
 
 /// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
@@ -200,7 +202,8 @@ mod tests {
         for part in loader.split("f(\"").skip(1) {
             names.push(part.split('"').next().unwrap());
         }
-        assert!(names.len() >= 26, "{names:?}");
+        // The matmul kernels are looked up per dtype by name (below), the others by literal.
+        assert!(names.len() >= 15, "{names:?}");
         for name in names {
             let (stem, plain) = match name.rsplit_once('_') {
                 Some((stem, "r1" | "r8")) => (stem, false),
@@ -266,6 +269,11 @@ mod tests {
                     "{arch}: no {entry}"
                 );
             }
+            // A matmul kernel for every dtype, the k-quants' included.
+            for dtype in weights_format::DType::ALL {
+                let entry = format!(".entry matmul_{}_r1(", dtype.name());
+                assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
+            }
             // Tensor-core instructions only where the device has them (8.0 on).
             assert_eq!(
                 text.contains("mma.sync.aligned.m16n8k32"),
@@ -298,5 +306,40 @@ mod tests {
             .chain(KERNEL_FILES.iter().map(|(name, _)| *name))
             .collect();
         assert_eq!(included, want);
+    }
+
+    #[test]
+    fn every_matmul_kernel_the_backend_loads_is_in_the_source() {
+        // `Kernels::load` loads `matmul_<dtype>_r1` and `_r8` for every dtype, by its code;
+        // the kernels are stamped out by macros with the same code.
+        let program = program_source();
+        let kquants = KERNEL_FILES
+            .iter()
+            .find(|(name, _)| *name == "kquants.cu")
+            .unwrap()
+            .1;
+        for (code, dtype) in weights_format::DType::ALL.iter().enumerate() {
+            let name = format!("matmul_{}", dtype.name());
+            let stamped = [
+                format!("MATMUL_KERNELS({name}, {code})"),
+                format!("MATMUL_Q_KERNELS({name}, {code})"),
+                format!(
+                    "MATMUL_KQ_KERNELS({name}, KQ_{})",
+                    dtype.name().to_uppercase()
+                ),
+            ];
+            assert_eq!(
+                stamped
+                    .iter()
+                    .map(|s| program.matches(s.as_str()).count())
+                    .sum::<usize>(),
+                1,
+                "kernel {name} with code {code}"
+            );
+            if code >= 6 {
+                let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
+                assert!(kquants.contains(&define), "{define}");
+            }
+        }
     }
 }

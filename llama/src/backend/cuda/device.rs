@@ -31,17 +31,19 @@ pub(super) fn elementwise(n: usize) -> LaunchConfig {
     blocks(((n as u32).div_ceil(ELEMENT_THREADS), 1), ELEMENT_THREADS)
 }
 
-/// The dtype codes of the kernels (`common.cuh`). A new dtype is one more arm here and in
-/// the kernels that read weights.
+/// The dtype codes of the kernels: the position in [`DType::ALL`] (0–5 in `common.cuh`,
+/// 6–14, the dtypes added with the k-quants, in `kquants.cu`, whose `KQ_*` defines match).
 pub(super) fn dtype_code(dtype: DType) -> i32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Bf16 => 2,
-        DType::Q8_0 => 3,
-        DType::Q4_0 => 4,
-        DType::Q4_1 => 5,
-    }
+    DType::ALL
+        .iter()
+        .position(|d| *d == dtype)
+        .expect("DType::ALL has every dtype") as i32
+}
+
+/// Whether `dtype`'s kernels are those of `kernels/kquants.cu` (its embedding lookup is
+/// `kq_embed_rows`).
+pub(super) fn kq_kernels(dtype: DType) -> bool {
+    dtype_code(dtype) >= 6
 }
 
 pub(super) fn device_error(message: impl Into<String>) -> LlamaError {
@@ -478,10 +480,13 @@ pub(super) struct Kernels {
     pub dequant_f16: CudaFunction,
     pub dequant_f32: CudaFunction,
     pub quantize_x16: CudaFunction,
+    /// `embed_rows` for the dtypes of `kquants.cu`.
+    pub kq_embed_rows: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
-    pub matmul: [[CudaFunction; 2]; 6],
+    pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
     /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16, 32 and 64 input
-    /// rows per block (`matmul_mma.cu`).
+    /// rows per block (`matmul_mma.cu`). Only the six dtype codes before the k-quants have them;
+    /// a dtype past the table keeps the one-row kernels (`CudaBackend::mma_kernels`).
     pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
 }
 
@@ -528,14 +533,17 @@ impl Kernels {
             dequant_f16: f("dequant_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
-            matmul: [
-                [f("matmul_f32_r1")?, f("matmul_f32_r8")?],
-                [f("matmul_f16_r1")?, f("matmul_f16_r8")?],
-                [f("matmul_bf16_r1")?, f("matmul_bf16_r8")?],
-                [f("matmul_q8_0_r1")?, f("matmul_q8_0_r8")?],
-                [f("matmul_q4_0_r1")?, f("matmul_q4_0_r8")?],
-                [f("matmul_q4_1_r1")?, f("matmul_q4_1_r8")?],
-            ],
+            kq_embed_rows: f("kq_embed_rows")?,
+            // `matmul_<dtype>_r1` and `_r8`, in dtype-code order.
+            matmul: DType::ALL
+                .iter()
+                .map(|d| {
+                    let name = format!("matmul_{}", d.name());
+                    Ok([f(&format!("{name}_r1"))?, f(&format!("{name}_r8"))?])
+                })
+                .collect::<Result<Vec<_>, LlamaError>>()?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
             matmul_mma: [
                 None,
                 Some(mma("f16")?),

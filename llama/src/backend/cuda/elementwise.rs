@@ -6,7 +6,7 @@ use cudarc::driver::CudaFunction;
 
 use crate::backend::{BackendError, WeightView};
 
-use super::device::{blocks, dtype_code, elementwise};
+use super::device::{blocks, dtype_code, elementwise, kq_kernels};
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
 
@@ -44,9 +44,12 @@ impl CudaBackend {
             dtype_code(table.dtype),
             table.cols as i32,
         );
-        let mut b = self
-            .queue
-            .kernel(&self.kernels.embed_rows, "embed_rows kernel");
+        let kernel = if kq_kernels(table.dtype) {
+            &self.kernels.kq_embed_rows
+        } else {
+            &self.kernels.embed_rows
+        };
+        let mut b = self.queue.kernel(kernel, "embed_rows kernel");
         b.arg(&w)
             .arg(&row_bytes)
             .arg(&dtype)

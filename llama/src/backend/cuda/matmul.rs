@@ -380,9 +380,10 @@ impl CudaBackend {
         let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
         let mut b = self.queue.kernel(kernel, "dequant kernel");
         b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
-        // SAFETY: the weight holds n_blocks blocks of 32 values of its dtype (checked when the
-        // model resolved it; rows of a model are whole multiples of 32) and `tmp` room for
-        // n_blocks·32 values of `to`; eight values per thread.
+        // SAFETY: the weight holds n_blocks·32 values in whole blocks of its dtype (checked when
+        // the model resolved it: rows of 32-value block dtypes are multiples of 32, of
+        // super-block dtypes multiples of 256) and `tmp` room for n_blocks·32 values of `to`;
+        // eight values per thread.
         unsafe { b.run(elementwise(n / 8)) }?;
         Ok(tmp)
     }

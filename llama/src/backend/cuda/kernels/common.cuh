@@ -3,7 +3,7 @@
 // so halves are converted with PTX `cvt` and bf16 by shifting bits.
 //
 // Weight dtype codes (must match `dtype_code` in cuda/device.rs):
-//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1.
+//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1; 6 and up: the dtypes of kquants.cu.
 // Block layouts (32 values): q8_0 = f16 d, i8 qs[32] (34 bytes); q4_0 = f16 d, u8 qs[16]
 // (18 bytes, x = (nibble - 8)·d); q4_1 = f16 d, f16 m, u8 qs[16] (20 bytes, x = nibble·d + m);
 // low nibbles are values 0..15, high nibbles 16..31.
