@@ -10,6 +10,13 @@
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
 #            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.
+#   families (issue 16) the model families on CUDA: cuda_ops' family tests (their ops and the
+#            windowed ring attention against the reference backend, a small model of every
+#            family against the CPU backend, gemma3 streamed = resident) and geglu's quantized
+#            output; batch's windowed family batched = solo (close to solo with every new
+#            kernel path: windowed layers keep their own kernels); then transformers' own class of
+#            every family (Qwen2, Qwen3, Gemma3, Phi3, Llama 3.1 rope) with random weights, as
+#            the hf stage does, f16 and bf16.
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
 #   batch    (opt-in) `gdsllm bench --batch` on the 7B f16 model streamed with 4 GiB, and the
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
@@ -40,10 +47,13 @@
 #   CUDA_TEST_BIN    cuda_ops test binary (`cargo test --release -p llama --features cuda
 #                    --test cuda_ops --no-run`); default: newest target/release/deps/cuda_ops-*
 #   CUDA_HF_BIN      cuda_hf test binary, likewise
+#   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
+#                    (and the batch stage); default for families: newest target/release/deps/batch-*
 #   KQ_TEST_BIN      cuda_kquants test binary, likewise
 #   KQUANT_GGUFS     GGUF files for the kquants stage (space-separated paths)
-#   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b")
+#   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b"; families is opt-in)
 #   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
+#   FAMILY_HF_CASES  default: qwen2 qwen3 gemma3 phi3 llama3, each float16 and bfloat16
 #   TG_STREAMED      tokens generated in the streamed 7B benches (default 8)
 #   DTYPES_7B        dtypes of the 7B stage (default "f16 q4_1")
 # LD_LIBRARY_PATH defaults to /usr/local/cuda/lib64 (libcuda, libnvrtc).
@@ -53,6 +63,7 @@ WORK_DIR="${1:-${WORK_DIR:-$PWD/gpu-check-work}}"
 BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 STAGES="${STAGES:-tests hf smollm2 7b}"
 HF_CASES="${HF_CASES:-small:float16 small:bfloat16 llama-7b:float16 llama-7b:bfloat16}"
+FAMILY_HF_CASES="${FAMILY_HF_CASES:-qwen2:float16 qwen2:bfloat16 qwen3:float16 qwen3:bfloat16 gemma3:float16 gemma3:bfloat16 phi3:float16 phi3:bfloat16 llama3:float16 llama3:bfloat16}"
 TG_STREAMED="${TG_STREAMED:-8}"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
 mkdir -p "$WORK_DIR"
@@ -71,29 +82,40 @@ if has tests; then
   grep -E "greedy tokens equal|max rel diff|agreed" "$WORK_DIR/cuda_ops.log" | sed 's/^/  /' >&2
 fi
 
+hf_case() { # shape dtype: transformers' reference, convert, compare on CUDA (cuda_hf.rs)
+  local shape=$1 dtype=$2
+  local dir="$WORK_DIR/hf-$shape-$dtype" t0 t1
+  rm -rf "$dir"
+  step "transformers reference: $shape $dtype"
+  if ! python3 "$SCRIPTS/hf_reference.py" "$dir" --shape "$shape" --dtype "$dtype" >&2; then
+    note "hf $shape $dtype: reference FAILED"; status=1; return
+  fi
+  step "gdsllm convert (HF $shape $dtype)"
+  t0=$(date +%s.%N)
+  if ! "$BIN" convert "$dir/hf" "$dir/model" >&2; then
+    note "hf $shape $dtype: convert FAILED"; status=1; rm -rf "$dir"; return
+  fi
+  t1=$(date +%s.%N)
+  rm -rf "$dir/hf"
+  run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
+  grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
+  note "  $(grep -E 'relative error' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
+  note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
+  rm -rf "$dir/model"
+}
+HF_BIN="${CUDA_HF_BIN:-$(newest cuda_hf)}"
+
 if has hf; then
-  HF_BIN="${CUDA_HF_BIN:-$(newest cuda_hf)}"
-  for case in $HF_CASES; do
-    shape=${case%%:*}; dtype=${case##*:}
-    dir="$WORK_DIR/hf-$shape-$dtype"
-    rm -rf "$dir"
-    step "transformers reference: $shape $dtype"
-    if ! python3 "$SCRIPTS/hf_reference.py" "$dir" --shape "$shape" --dtype "$dtype" >&2; then
-      note "hf $shape $dtype: reference FAILED"; status=1; continue
-    fi
-    step "gdsllm convert (HF $shape $dtype)"
-    t0=$(date +%s.%N)
-    if ! "$BIN" convert "$dir/hf" "$dir/model" >&2; then
-      note "hf $shape $dtype: convert FAILED"; status=1; rm -rf "$dir"; continue
-    fi
-    t1=$(date +%s.%N)
-    rm -rf "$dir/hf"
-    run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
-    grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
-    note "  $(grep -E 'relative error' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
-    note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
-    rm -rf "$dir/model"
-  done
+  for case in $HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
+fi
+
+if has families; then
+  step "CUDA family tests (cuda_ops family*, geglu's quantized output; batch windowed family)"
+  TEST_FILTER="family quantized_inputs" run_test_bin cuda_ops-families "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "max rel diff|agreed|greedy tokens equal" "$WORK_DIR/cuda_ops-families.log" | sed 's/^/  /' >&2
+  TEST_FILTER=cuda_windowed_family run_test_bin batch-families "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "sequences per pass|relative L2 from alone" "$WORK_DIR/batch-families.log" | sed 's/^/  /' >&2
+  for case in $FAMILY_HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
 fi
 
 if has smollm2; then

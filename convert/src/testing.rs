@@ -1,7 +1,9 @@
 //! Test support: a tiny random LLaMA that can be written both as a Hugging Face directory
 //! (safetensors + config.json) and as a GGUF laid out the way llama.cpp's converter lays it
-//! out (Q/K rows permuted), so tests can check that both convert to the same model; and small
-//! models in a llama.cpp-style k-quant mix with their f32 twins, for the kernels' tests.
+//! out (Q/K rows permuted), so tests can check that both convert to the same model; a model of
+//! any family's config with pseudo-random weights written straight into our format
+//! ([`write_random_model`]), for tests that compare backends on every family; and small models
+//! in a llama.cpp-style k-quant mix with their f32 twins, for the kernels' tests.
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +25,62 @@ fn next_uniform(state: &mut u64) -> f32 {
 pub fn pseudo_random(seed: u64, n: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n).map(|_| next_uniform(&mut state)).collect()
+}
+
+/// Writes a model of `config` (any family) at `dir` with deterministic pseudo-random weights
+/// (stream `seed`): matrices in ±0.5·`1/√cols` stored as `matrix_dtype`, norm weights 1 ± 0.25
+/// and biases in ±0.25 as f32, every tensor the format lays out for the config, and the
+/// synthetic byte-level tokenizer of `gdsllm synth` (the vocabulary must hold its
+/// [`crate::synth::MIN_VOCAB`] tokens). Not meant to say anything: only to make every step of
+/// a family's pass matter numerically.
+pub fn write_random_model(
+    dir: &Path,
+    config: &weights_format::ModelConfig,
+    matrix_dtype: DType,
+    seed: u64,
+) -> Result<weights_format::Model, weights_format::FormatError> {
+    use weights_format::layout::{self, TensorRole};
+    let mut writer = weights_format::ModelWriter::create(dir)?;
+    let mut stream = 0u64;
+    for file in layout::blob_files(config.n_layers) {
+        let kind = layout::blob_kind(&file).expect("layout names its blobs");
+        let mut blob = writer.begin_blob(&file)?;
+        for spec in layout::blob_tensors(config, kind) {
+            stream += 1;
+            let n: u64 = spec.shape.iter().product();
+            let values = pseudo_random(seed.wrapping_mul(1000).wrapping_add(stream), n);
+            let (dtype, values): (DType, Vec<f32>) = match spec.role {
+                TensorRole::Norm => (DType::F32, values.iter().map(|v| 1.0 + v / 2.0).collect()),
+                TensorRole::Bias => (DType::F32, values.iter().map(|v| v / 2.0).collect()),
+                TensorRole::Matrix => {
+                    let cols = *spec.shape.last().expect("matrices have columns") as f32;
+                    (
+                        matrix_dtype,
+                        values.iter().map(|v| v / cols.sqrt()).collect(),
+                    )
+                }
+            };
+            let mut bytes = Vec::new();
+            quant::quantize(dtype, &values, &mut bytes).map_err(|e| {
+                weights_format::FormatError::Writer {
+                    reason: format!("{}: {e}", spec.name),
+                }
+            })?;
+            blob.write_tensor(spec.name, dtype, &spec.shape, &bytes)?;
+        }
+        blob.finish()?;
+    }
+    writer.add_file(
+        "tokenizer.json",
+        crate::synth::tokenizer_json(config.vocab_size).as_bytes(),
+    )?;
+    let mut source = serde_json::Map::new();
+    source.insert(
+        "generator".into(),
+        "gdsllm_convert::testing::write_random_model".into(),
+    );
+    source.insert("seed".into(), seed.into());
+    writer.finish(config.clone(), "tokenizer.json", None, source)
 }
 
 /// A small LLaMA with deterministic pseudo-random f32 weights, named as in Hugging Face.

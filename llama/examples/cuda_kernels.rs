@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths, DeviceWeights};
-use llama::backend::{AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
+use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
 use llama::{Backend, CudaBackend, WeightSource, WeightView, rope_inv_freq};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -235,7 +235,8 @@ fn main() -> Result<(), Error> {
                 v_cache: &vc,
             }];
             times.push(time(be, &out_sync(be)?, 5, || {
-                be.attention_batch(&qd, &seq, shape, &mut out).unwrap()
+                be.attention_batch(&qd, &seq, shape, AttentionParams::causal(shape), &mut out)
+                    .unwrap()
             }));
         }
         // QKᵀ and PV over the causal half.
@@ -257,7 +258,7 @@ fn main() -> Result<(), Error> {
         n_kv_heads: 32,
         head_dim: 128,
     };
-    let inv = rope_inv_freq(128, 10000.0, None);
+    let inv = rope_inv_freq(128, 10000.0, None, 0);
     for &(n_seqs, ctx) in &[(8usize, 512usize), (32, 512), (64, 256)] {
         let mut times = Vec::new();
         for be in [&old, &new] {
@@ -301,7 +302,8 @@ fn main() -> Result<(), Error> {
                         v_cache: vc,
                     })
                     .collect();
-                be.attention_batch(&q, &seqs, shape, &mut out).unwrap();
+                be.attention_batch(&q, &seqs, shape, AttentionParams::causal(shape), &mut out)
+                    .unwrap();
             }));
         }
         println!(

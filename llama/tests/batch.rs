@@ -4,6 +4,8 @@
 //! frees a cancelled sequence's cache at once and keeps decoding while prompts are prefilled.
 
 mod common;
+#[cfg(feature = "cuda")]
+mod support;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -359,6 +361,41 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     ragged_batch_close_to_solo(
         &mut model,
         &format!("cuda q4_k_m mix, paths {}", CudaPaths::all()),
+        1e-3,
+    );
+}
+
+/// A windowed family on CUDA (support::families' gemma3: window 8, rings of 16 slots, Q/K
+/// head norms, post-norms, the GeLU gate, a soft-cap): the ragged workload, prompts of up to 40
+/// tokens and outputs past the window, gives each sequence its tokens alone with the default
+/// kernel paths, and stays close to alone (as above) with the new ones. Opt-in as above
+/// (`cargo test -p llama --features cuda --test batch cuda`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_windowed_family_batched_equals_solo() {
+    use llama::backend::cuda::CudaPaths;
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, config) = support::families::configs()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma3")
+        .unwrap();
+    let dir = tmp.path().join("gemma3");
+    support::families::write(&dir, &config, DType::Q4_1);
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
+    ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
+    drop(model);
+    // The new paths send the windowed layers (ring caches) to the kernels that know windows,
+    // the global ones to the one-launch kernels.
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
+    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
+    ragged_batch_close_to_solo(
+        &mut model,
+        &format!("cuda gemma3 q4_1 (window 8), paths {}", CudaPaths::all()),
         1e-3,
     );
 }

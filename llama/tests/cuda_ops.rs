@@ -7,7 +7,7 @@
 mod support;
 
 use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
-use llama::backend::{AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
+use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
 use llama::load::open_uploaded;
 use llama::{
     Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
@@ -101,7 +101,7 @@ fn rope_swiglu_add_match_reference() {
         head_dim: hd,
     };
     let (q_w, kv_w, ctx, pos0) = (heads * hd, 3 * hd, 64, 37);
-    let inv = rope_inv_freq(hd, 100000.0, None);
+    let inv = rope_inv_freq(hd, 100000.0, None, 0);
     let (x, k, v) = (
         random(&mut rng, rows * q_w),
         random(&mut rng, rows * kv_w),
@@ -188,12 +188,12 @@ fn rope_swiglu_add_match_reference() {
     assert!(d < ELEMENT_TOL, "add: {d}");
 }
 
-/// rmsnorm and swiglu also write their output in the quantized matmuls' input format, and the
+/// rmsnorm and the gated activations (swiglu, geglu) also write their output in the quantized matmuls' input format, and the
 /// quantized matmul reading that output next uses it instead of converting x itself: it must
 /// give the bits of a matmul over the same values uploaded afresh (converted by
 /// `quantize_x16`), and any op in between must make it convert again.
 #[test]
-fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
+fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
     let Some(be) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(31);
     let (rows, dim, ffn, m) = (3, 576, 1536, 40);
@@ -248,6 +248,9 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
         let (mut gd, mut o) = (up(&be, &g), alloc(&be, rows * m));
         be.swiglu(&mut gd, &up(&be, &u), rows * ffn).unwrap();
         check_used("swiglu", &gd, ffn, v2, &mut o);
+        let (mut gd, mut o) = (up(&be, &g), alloc(&be, rows * m));
+        be.geglu(&mut gd, &up(&be, &u), rows * ffn).unwrap();
+        check_used("geglu", &gd, ffn, v2, &mut o);
 
         // An op between the producer and the matmul (one that rewrites the producer's
         // output): the stale quantized copy is not used.
@@ -270,7 +273,7 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
         assert!(d < MATMUL_TOL, "{dtype:?} after rmsnorm + copy_rows: {d}");
     }
     println!(
-        "quantized matmul inputs written by rmsnorm and swiglu: the bits of quantize_x16's, and not reused after another op"
+        "quantized matmul inputs written by rmsnorm, swiglu and geglu: the bits of quantize_x16's, and not reused after another op"
     );
 }
 
@@ -373,7 +376,7 @@ fn fused_launches_match_reference() {
     };
     let (total_rows, row0, rows, pos0, capacity) = (5, 1, 3, 40, 64);
     let (q_dim, kv_dim) = (8 * 32, 2 * 32);
-    let inv = rope_inv_freq(32, 10000.0, None);
+    let inv = rope_inv_freq(32, 10000.0, None, 0);
     let (q, k, v) = (
         random(&mut rng, total_rows * q_dim),
         random(&mut rng, total_rows * kv_dim),
@@ -618,7 +621,7 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
         specs.push((1, pos, pos + 1 + i % 3));
     }
     let total: usize = specs.iter().map(|s| s.0).sum();
-    let inv = rope_inv_freq(64, 10000.0, None);
+    let inv = rope_inv_freq(64, 10000.0, None, 0);
     let (q, k, v) = (
         random(&mut rng, total * q_w),
         random(&mut rng, total * kv_w),
@@ -666,7 +669,8 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
             })
             .collect();
         let mut out = alloc(be, total * q_w);
-        be.attention_batch(&qd, &seqs, shape, &mut out).unwrap();
+        be.attention_batch(&qd, &seqs, shape, AttentionParams::causal(shape), &mut out)
+            .unwrap();
         let cache_values: Vec<Vec<f32>> = kv
             .iter()
             .zip(&specs)
@@ -1030,6 +1034,245 @@ fn streamed_small_untied_f16_gives_the_resident_tokens() {
         return;
     };
     streamed_matches_resident(&dir, "small f16 untied");
+}
+
+/// The ops of the families beyond llama (biases, per-head norms, post-norms, the tanh-GeLU gate,
+/// the embedding scale, the logit soft-cap) on CUDA against the reference backend.
+#[test]
+fn family_ops_match_reference() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(41);
+    // Gemma 3 270M's per-head norm width (256) and Qwen3's (128); 5 rows of 8 heads.
+    let (rows, heads) = (5, 8);
+    let check = |name: &str, got: &[f32], want: &[f32], tol: f32| {
+        let d = max_rel_diff(got, want);
+        println!("{name}: max rel diff {d:.2e} (tol {tol:.0e})");
+        assert!(d <= tol, "{name}: {d}");
+    };
+    for hd in [256, 128] {
+        let width = heads * hd;
+        let x = random(&mut rng, rows * width);
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let b = weights(&mut rng, dtype, 1, width);
+            let bd = on_device(&be, &b);
+            let mut want = x.clone();
+            ReferenceBackend
+                .add_bias(&mut want, rows, WeightView::host(dtype, 1, width, &b))
+                .unwrap();
+            let mut xd = up(&be, &x);
+            be.add_bias(&mut xd, rows, view(&bd, dtype, 1, width))
+                .unwrap();
+            check(
+                &format!("add_bias {dtype} width {width}"),
+                &down(&be, &xd, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+
+            let nw = weights(&mut rng, dtype, 1, hd);
+            let nd = on_device(&be, &nw);
+            let mut want = x.clone();
+            ReferenceBackend
+                .rmsnorm_pieces(
+                    &mut want,
+                    rows * heads,
+                    WeightView::host(dtype, 1, hd, &nw),
+                    1e-6,
+                )
+                .unwrap();
+            let mut xd = up(&be, &x);
+            be.rmsnorm_pieces(&mut xd, rows * heads, view(&nd, dtype, 1, hd), 1e-6)
+                .unwrap();
+            check(
+                &format!("rmsnorm_pieces {dtype} head_dim {hd}"),
+                &down(&be, &xd, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+
+            let pw = weights(&mut rng, dtype, 1, width);
+            let pd = on_device(&be, &pw);
+            let base = random(&mut rng, rows * width);
+            let mut want = base.clone();
+            ReferenceBackend
+                .add_rmsnorm(
+                    &x,
+                    rows,
+                    WeightView::host(dtype, 1, width, &pw),
+                    1e-6,
+                    &mut want,
+                )
+                .unwrap();
+            let mut acc = up(&be, &base);
+            be.add_rmsnorm(
+                &up(&be, &x),
+                rows,
+                view(&pd, dtype, 1, width),
+                1e-6,
+                &mut acc,
+            )
+            .unwrap();
+            check(
+                &format!("add_rmsnorm {dtype} width {width}"),
+                &down(&be, &acc, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+        }
+    }
+    // Four values per thread (also written quantized), four without, one per thread.
+    for n in [3008, 3000, 3001] {
+        let g: Vec<f32> = random(&mut rng, n).iter().map(|v| 8.0 * v).collect();
+        let u = random(&mut rng, n);
+        let mut want = g.clone();
+        ReferenceBackend.geglu(&mut want, &u, n).unwrap();
+        let mut gd = up(&be, &g);
+        be.geglu(&mut gd, &up(&be, &u), n).unwrap();
+        check(
+            &format!("geglu n={n}"),
+            &down(&be, &gd, n),
+            &want,
+            ELEMENT_TOL,
+        );
+    }
+    let n = 5000;
+    let x: Vec<f32> = random(&mut rng, n).iter().map(|v| 100.0 * v).collect();
+    let mut want = x.clone();
+    ReferenceBackend.scale(&mut want, n, 25.3).unwrap();
+    let mut xd = up(&be, &x);
+    be.scale(&mut xd, n, 25.3).unwrap();
+    check("scale", &down(&be, &xd, n), &want, 0.0);
+    let mut want = x.clone();
+    ReferenceBackend.softcap(&mut want, n, 30.0).unwrap();
+    let mut xd = up(&be, &x);
+    be.softcap(&mut xd, n, 30.0).unwrap();
+    let got = down(&be, &xd, n);
+    check("softcap", &got, &want, ELEMENT_TOL);
+    assert!(got.iter().all(|v| v.abs() <= 30.0));
+}
+
+/// A sliding-window layer on CUDA: RoPE and the cache stores into a ring of twice the window
+/// (position `p` in slot `p % slots`), then windowed attention with Gemma's head_dim of 256,
+/// against the reference backend over a cache holding every position (f32): prompts of up to
+/// a window of rows, and decode rows whose window spans several chunks of the split decode
+/// kernel, over 700 positions (the ring wraps three times).
+#[test]
+fn family_windowed_attention_over_a_ring_matches_reference() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(42);
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+    };
+    let (width, kv_width, window) = (1024, 256, 200);
+    let params = AttentionParams {
+        scale: 0.0625,
+        window: Some(window),
+    };
+    let inv = rope_inv_freq(256, 10000.0, None, 0);
+    let chunks = [200, 150, 1, 1, 120, 1, 37, 1, 200, 1, 1, 1, 3];
+    let total: usize = chunks.iter().sum();
+    let (q, k, v) = (
+        random(&mut rng, total * width)
+            .iter()
+            .map(|x| 4.0 * x)
+            .collect::<Vec<f32>>(),
+        random(&mut rng, total * kv_width),
+        random(&mut rng, total * kv_width),
+    );
+    let slots = 2 * window;
+    let (mut kc, mut vc) = (
+        be.alloc_kv(slots * kv_width).unwrap(),
+        be.alloc_kv(slots * kv_width).unwrap(),
+    );
+    let (mut rkc, mut rvc) = (vec![0f32; total * kv_width], vec![0f32; total * kv_width]);
+    let invd = up(&be, &inv);
+    let mut pos = 0;
+    let mut worst = 0f32;
+    for &n in &chunks {
+        let (mut qr, mut kr, vr) = (
+            q[pos * width..(pos + n) * width].to_vec(),
+            k[pos * kv_width..(pos + n) * kv_width].to_vec(),
+            v[pos * kv_width..(pos + n) * kv_width].to_vec(),
+        );
+        let (mut qd, mut kd) = (up(&be, &qr), up(&be, &kr));
+        be.rope_store_kv(
+            &mut qd,
+            &mut kd,
+            &up(&be, &vr),
+            0,
+            n,
+            pos,
+            shape,
+            &invd,
+            &mut kc,
+            &mut vc,
+        )
+        .unwrap();
+        let mut out = alloc(&be, n * width);
+        support::attention_with(&be, &qd, n, (&kc, &vc), pos, shape, params, &mut out);
+        ReferenceBackend
+            .rope_store_kv(
+                &mut qr, &mut kr, &vr, 0, n, pos, shape, &inv, &mut rkc, &mut rvc,
+            )
+            .unwrap();
+        let mut want = vec![0f32; n * width];
+        support::attention_with(
+            &ReferenceBackend,
+            &qr,
+            n,
+            (&rkc, &rvc),
+            pos,
+            shape,
+            params,
+            &mut want,
+        );
+        let d = max_rel_diff(&down(&be, &out, n * width), &want);
+        worst = worst.max(d);
+        assert!(d < 2e-3, "rows {pos}..{}: {d}", pos + n);
+        pos += n;
+    }
+    println!(
+        "windowed attention (window {window}, ring of {slots} slots, {total} positions): max rel diff {worst:.2e} (tol 2e-3: the cache is f16 on the device, f32 in the reference)"
+    );
+}
+
+/// One small model of every family (`support::families`: biases, Q/K head norms, post-norms,
+/// the GeLU gate, the embedding scale, sliding-window layers with their own RoPE base, a
+/// soft-cap, freq_factors and longrope RoPE) on CUDA against the CPU backend: the prompt and
+/// the decode steps run past gemma3's window of 8, so its rings wrap.
+#[test]
+fn family_models_match_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, config) in support::families::configs() {
+        for dtype in [DType::Q4_1, DType::F16] {
+            let dir = tmp.path().join(format!("{name}-{dtype}"));
+            support::families::write(&dir, &config, dtype);
+            compare_model(&dir, &dir, &format!("family {name} {dtype}"));
+        }
+    }
+}
+
+/// Gemma 3's windowed rings through the production path: resident (decode steps replayed
+/// from a CUDA graph), streamed and through the host tier give the upload-once path's tokens
+/// and logits exactly.
+#[test]
+fn family_gemma3_streamed_gives_the_resident_tokens() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, config) = support::families::configs()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma3")
+        .unwrap();
+    let dir = tmp.path().join("gemma3");
+    support::families::write(&dir, &config, DType::Q4_1);
+    streamed_matches_resident(&dir, "family gemma3 q4_1");
 }
 
 /// A model in llama.cpp's Q4_K_M mix (q4_k, q6_k, and q5_0/q8_0 for ffn_down, whose 704-value

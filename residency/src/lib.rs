@@ -43,6 +43,7 @@ pub use options::{
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,
+    kv_positions,
 };
 pub use runtime::{BlobGuard, GPU_AUTO_MARGIN, Residency, plan_inputs};
 pub use source::{BlobSource, HostFileSource, PatternSource, open_model_source};

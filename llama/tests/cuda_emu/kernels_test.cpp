@@ -424,7 +424,8 @@ void test_seq_kernels() {
                 unsigned threads = rows * (n_heads + n_kv) * half;
                 emu::launch(grid3((threads + 255) / 256), 256, [&] {
                     rope_store_kv(q.p + (size_t)r0 * q_w, k.p + (size_t)r0 * kv_w, v.p + (size_t)r0 * kv_w, rows,
-                                  n_heads, n_kv, hd, specs[z].pos0, nullptr, invd.p, table.k_cache[z], table.v_cache[z]);
+                                  n_heads, n_kv, hd, specs[z].pos0, nullptr, invd.p, table.k_cache[z], table.v_cache[z],
+                                  specs[z].capacity);
                 });
             }
         } else {
@@ -445,7 +446,8 @@ void test_seq_kernels() {
                 Buf<float> part((size_t)n_heads * n_splits * (2 + hd));
                 emu::launch(grid3(n_heads, n_splits), 256, [&] {
                     attention_decode(q.p + (size_t)table.row0[z] * q_w, table.k_cache[z], table.v_cache[z],
-                                     specs[z].pos0, nullptr, n_heads, n_kv, hd, scale, split_len, part.p);
+                                     specs[z].pos0, nullptr, n_heads, n_kv, hd, scale, specs[z].capacity, /*window=*/0,
+                                     split_len, part.p);
                 });
                 emu::launch(grid3(n_heads), 256, [&] {
                     attention_combine(part.p, n_splits, hd, out.p + (size_t)table.row0[z] * q_w);
@@ -578,7 +580,7 @@ void test_flash_attention() {
             else attention_flash_hd128(qd.p, kd.p, vd.p, c.rows, c.pos0, c.n_heads, c.n_kv, scale, out_flash.p);
         });
         emu::launch(grid3(c.rows * c.n_heads), 256, [&] {
-            attention(qd.p, kd.p, vd.p, c.pos0, c.n_heads, c.n_kv, c.hd, scale, out_old.p);
+            attention(qd.p, kd.p, vd.p, c.pos0, c.n_heads, c.n_kv, c.hd, scale, ctx, /*window=*/0, out_old.p);
         });
         auto want = ref_attention(q, kc, vc, c.rows, c.pos0, c.n_heads, c.n_kv, c.hd);
         std::string what = "flash attention hd=" + std::to_string(c.hd) + " heads " + std::to_string(c.n_heads) + "/" +

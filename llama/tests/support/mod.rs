@@ -3,8 +3,10 @@
 //! `attention` of one sequence computes), written with the ops the backends have.
 #![allow(dead_code)]
 
+pub mod families;
+
 use llama::WeightView;
-use llama::backend::{AttentionSeq, AttentionShape, Backend, RowGroup};
+use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, Backend, RowGroup};
 use rand::RngExt;
 use rand::rngs::StdRng;
 use weights_format::DType;
@@ -53,7 +55,8 @@ pub fn matmul<B: Backend>(be: &B, x: &B::Buf, rows: usize, w: WeightView<'_>, ou
         .unwrap();
 }
 
-/// Causal attention of one sequence's `rows` query rows (from row 0) at positions `pos0 ..`.
+/// Causal attention (scores scaled by `1/√head_dim`, no window) of one sequence's `rows` query
+/// rows (from row 0) at positions `pos0 ..`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention<B: Backend>(
     be: &B,
@@ -65,6 +68,30 @@ pub fn attention<B: Backend>(
     shape: AttentionShape,
     out: &mut B::Buf,
 ) {
+    attention_with(
+        be,
+        q,
+        rows,
+        (k_cache, v_cache),
+        pos0,
+        shape,
+        AttentionParams::causal(shape),
+        out,
+    );
+}
+
+/// [`attention`] with the scale and window of `params`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with<B: Backend>(
+    be: &B,
+    q: &B::Buf,
+    rows: usize,
+    (k_cache, v_cache): (&B::KvBuf, &B::KvBuf),
+    pos0: usize,
+    shape: AttentionShape,
+    params: AttentionParams,
+    out: &mut B::Buf,
+) {
     let seq = AttentionSeq {
         row0: 0,
         rows,
@@ -72,5 +99,5 @@ pub fn attention<B: Backend>(
         k_cache,
         v_cache,
     };
-    be.attention_batch(q, &[seq], shape, out).unwrap();
+    be.attention_batch(q, &[seq], shape, params, out).unwrap();
 }

@@ -30,7 +30,8 @@ use cudarc::driver::{CudaContext, CudaSlice};
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, PassInfo, RowGroup, WeightView,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, PassInfo,
+    RowGroup, WeightView,
 };
 
 pub use compile::kernel_cache_dir;
@@ -40,6 +41,7 @@ pub use profile::PROFILE_ENV;
 pub use weights::{CudaBlobGuard, CudaWeights, DeviceBlob, DeviceWeights};
 
 use device::{Kernels, Queue};
+use elementwise::GateAct;
 use graph::Graphs;
 use scratch::{Scratch, X16};
 
@@ -167,7 +169,7 @@ impl CudaBackend {
     }
 
     /// Inputs of quantized matmuls converted by a `quantize_x16` launch of their own so far
-    /// (those that rmsnorm or swiglu wrote in that form as they produced them are not counted).
+    /// (those that rmsnorm or a gated activation wrote in that form as they produced them are not counted).
     pub fn x16_launches(&self) -> u64 {
         self.x16.launches()
     }
@@ -315,11 +317,14 @@ impl Backend for CudaBackend {
             self.kv_addr(k_cache),
             self.kv_addr(v_cache),
         ];
-        self.rope_store_kv_launch(addrs, rows, pos0, shape)
+        let slots = k_cache.0.len() / kv_dim;
+        self.rope_store_kv_launch(addrs, rows, pos0, shape, slots)
     }
 
     /// With the `seqs` path, every sequence of a batch in one launch (a single sequence, whose
-    /// decode steps may be recorded, goes through `rope_store_kv`).
+    /// decode steps may be recorded, goes through `rope_store_kv`). That kernel stores position
+    /// `p` at slot `p`, so a batch where a ring cache (a sliding-window layer's) has wrapped goes
+    /// through `rope_store_kv` too.
     fn rope_store_kv_batch(
         &self,
         q: &mut CudaBuf,
@@ -332,7 +337,11 @@ impl Backend for CudaBackend {
         if self.graphs.replaying() {
             return Ok(());
         }
-        if !self.paths.seqs || seqs.len() < 2 {
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let unwrapped = seqs
+            .iter()
+            .all(|s| s.pos0 + s.rows <= s.k_cache.0.len() / kv_dim);
+        if !self.paths.seqs || seqs.len() < 2 || !unwrapped {
             for s in seqs.iter_mut() {
                 self.rope_store_kv(
                     q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
@@ -364,19 +373,80 @@ impl Backend for CudaBackend {
         q: &CudaBuf,
         seqs: &[AttentionSeq<'_, CudaKvBuf>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.attention_seqs(q, seqs, shape, out)
+        self.attention_seqs(q, seqs, shape, params, out)
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.swiglu_launch(gate, up, len)
+        self.gated_act_launch(gate, up, len, GateAct::Silu)
+    }
+
+    fn geglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.gated_act_launch(gate, up, len, GateAct::GeluTanh)
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut CudaBuf,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.add_bias_launch(x, rows, bias)
+    }
+
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut CudaBuf,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.rmsnorm_pieces_launch(x, pieces, weight, eps)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.add_rmsnorm_launch(x, rows, weight, eps, out)
+    }
+
+    fn scale(&self, x: &mut CudaBuf, len: usize, factor: f32) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.map_launch(&self.kernels.scale_f32, x, len, factor)
+    }
+
+    fn softcap(&self, x: &mut CudaBuf, len: usize, cap: f32) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.map_launch(&self.kernels.softcap, x, len, cap)
     }
 
     fn copy_rows(

@@ -17,10 +17,12 @@ pub struct CudaPaths {
     /// Off: the eight-row kernel of `matmul.cu`, which reads the weights once per 8 rows.
     pub mma: bool,
     /// RoPE with the KV-cache stores, and decode attention, of all sequences of a batch in one
-    /// launch each (off: launches per sequence).
+    /// launch each (off: launches per sequence). A sliding-window layer's attention, and the
+    /// stores of a batch where one of its ring caches has wrapped, keep the per-sequence
+    /// kernels, which know windows and rings.
     pub seqs: bool,
     /// Prompt attention (more than one query row) on tensor cores, flash-attention style (off:
-    /// the tiled f32 kernel).
+    /// the tiled f32 kernel); not for a sliding-window layer (the tiled kernel knows windows).
     pub flash: bool,
 }
 

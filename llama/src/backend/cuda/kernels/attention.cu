@@ -1,4 +1,19 @@
 // Causal grouped-query attention over the f16 KV cache.
+//
+// Every kernel takes the cache's `slots` (position t is in slot t % slots: a sliding-window
+// layer's cache is a ring) and the layer's `window` (0: none; else the query at position p sees
+// keys p - window + 1 ..= p only).
+
+// The first position the query at `pos` sees.
+__device__ __forceinline__ int first_key(int pos, int window) { return window > 0 ? max(0, pos + 1 - window) : 0; }
+
+// The slot of position t0 + t, given s0 = t0 % slots and t < slots: the positions one query
+// sees fit the cache (the model sizes rings for it), so a range of them wraps at most once and
+// one division per range does.
+__device__ __forceinline__ u64 slot_of(int s0, int t, int slots) {
+    int s = s0 + t;
+    return (u64)(s >= slots ? s - slots : s);
+}
 
 // Causal GQA attention over the f16 KV cache, one block per (query row, head), processed in
 // tiles of ATT_TILE positions with an online softmax so any context length fits in shared
@@ -10,14 +25,16 @@
 // (Positions per chunk of `attention_decode`: ATT_SPLIT in cuda/attention.rs.)
 #define ATT_DPL 8
 // Scaled scores of one query head (`qs`, in shared memory) against positions t0..t0+n of the
-// f16 K cache into p[]: each warp scores whole positions (lanes over head_dim, coalesced).
-// Returns their maximum (NEG_INF when n is 0). Every thread of the block calls it.
-__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int t0, int n,
-                                                  int kv_width, int kvh, int head_dim, float scale,
+// f16 K cache of `slots` positions into p[]: each warp scores whole positions (lanes over
+// head_dim, coalesced). Returns their maximum (NEG_INF when n is 0). Every thread of the block
+// calls it.
+__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int slots, int t0,
+                                                  int n, int kv_width, int kvh, int head_dim, float scale,
                                                   float* p, float* red) {
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    int s0 = t0 % slots;
     for (int t = warp; t < n; t += n_warps) {
-        const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
+        const u16* kt = k_cache + slot_of(s0, t, slots) * kv_width + kvh * head_dim;
         float s = 0.f;
         for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
         s = warp_sum(s);
@@ -54,7 +71,7 @@ __device__ __forceinline__ float attention_exp_sum(float* p, int n, float ref, f
 
 extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache,
                                      int pos0, int n_heads, int n_kv_heads, int head_dim,
-                                     float scale, float* out) {
+                                     float scale, int slots, int window, float* out) {
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
@@ -69,9 +86,9 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     __syncthreads();
 
     float running_max = NEG_INF, running_sum = 0.f, acc = 0.f;
-    for (int t0 = 0; t0 < len; t0 += ATT_TILE) {
+    for (int t0 = first_key(len - 1, window); t0 < len; t0 += ATT_TILE) {
         int n = min(ATT_TILE, len - t0);
-        float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
+        float m = attention_scores(qs, k_cache, slots, t0, n, kv_width, kvh, head_dim, scale, p, red);
         float new_max = fmaxf(running_max, m);
         float tile_sum = attention_exp_sum(p, n, new_max, red);
         float rescale = expf(running_max - new_max);  // 0 on the first tile
@@ -79,9 +96,10 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
         running_max = new_max;
         if (tid < head_dim) {
             float a = acc * rescale;
-            const u16* vt = v_cache + (u64)t0 * kv_width + kvh * head_dim + tid;
+            const u16* vt = v_cache + kvh * head_dim + tid;
+            int s0 = t0 % slots;
 #pragma unroll 8
-            for (int t = 0; t < n; t++) a += p[t] * h2f(vt[(u64)t * kv_width]);
+            for (int t = 0; t < n; t++) a += p[t] * h2f(vt[slot_of(s0, t, slots) * kv_width]);
             acc = a;
         }
         __syncthreads();  // p[] and red[] are rewritten by the next tile
@@ -93,15 +111,17 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
 // chunks of `split_len` (flash-decoding): block (h, s) scores chunk s of head h, keeps each
 // warp's share of the probability-weighted V rows in registers, and writes the chunk's max,
 // sum of exponentials and unnormalised output to `part` [n_heads, n_splits, 2 + head_dim];
-// `attention_combine` merges the chunks. split_len <= ATT_TILE. A recorded decode step is
-// launched with the chunks of the whole cache and reads the position from `pos_dev`: the
-// chunks past it write an empty result (max -inf), which the merge skips.
+// `attention_combine` merges the chunks. The chunks cover the positions the query sees, from
+// `first_key` on. split_len <= ATT_TILE. A recorded decode step is launched with the chunks of
+// the whole cache and reads the position from `pos_dev`: the chunks past it write an empty
+// result (max -inf), which the merge skips.
 //
-// One chunk: positions t0 .. t0+n of KV head kvh against the query head `qh`, into `dst`
-// (max, sum, head_dim unnormalised outputs). Every thread of the block calls it.
+// One chunk: positions t0 .. t0+n of KV head kvh (in the cache of `slots` positions) against
+// the query head `qh`, into `dst` (max, sum, head_dim unnormalised outputs). Every thread of
+// the block calls it.
 __device__ __forceinline__ void attention_decode_chunk(const float* qh, const u16* k_cache, const u16* v_cache,
-                                                       int t0, int n, int kv_width, int kvh, int head_dim,
-                                                       float scale, float* dst) {
+                                                       int slots, int t0, int n, int kv_width, int kvh,
+                                                       int head_dim, float scale, float* dst) {
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
@@ -109,16 +129,17 @@ __device__ __forceinline__ void attention_decode_chunk(const float* qh, const u1
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
     for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = qh[d];
     __syncthreads();
-    float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
+    float m = attention_scores(qs, k_cache, slots, t0, n, kv_width, kvh, head_dim, scale, p, red);
     float sum = attention_exp_sum(p, n, m, red);
     float acc[ATT_DPL];
 #pragma unroll
     for (int i = 0; i < ATT_DPL; i++) acc[i] = 0.f;
-    const u16* vbase = v_cache + (u64)t0 * kv_width + kvh * head_dim;
+    const u16* vbase = v_cache + kvh * head_dim;
+    int s0 = t0 % slots;
 #pragma unroll 4
     for (int t = warp; t < n; t += n_warps) {
         float pt = p[t];
-        const u16* vt = vbase + (u64)t * kv_width;
+        const u16* vt = vbase + slot_of(s0, t, slots) * kv_width;
 #pragma unroll
         for (int i = 0; i < ATT_DPL; i++) {
             int d = lane + 32 * i;
@@ -144,21 +165,24 @@ __device__ __forceinline__ void attention_decode_chunk(const float* qh, const u1
 
 extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
                                             int pos0, const int* pos_dev, int n_heads, int n_kv_heads,
-                                            int head_dim, float scale, int split_len, float* part) {
+                                            int head_dim, float scale, int slots, int window, int split_len,
+                                            float* part) {
     int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     int kvh = h / (n_heads / n_kv_heads);
     int len = start_pos(pos0, pos_dev) + 1;
-    int t0 = split * split_len;
+    int t0 = first_key(len - 1, window) + split * split_len;
     int n = max(0, min(split_len, len - t0));
     float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
-    attention_decode_chunk(q + (u64)h * head_dim, k_cache, v_cache, t0, n, n_kv_heads * head_dim, kvh, head_dim,
-                           scale, dst);
+    attention_decode_chunk(q + (u64)h * head_dim, k_cache, v_cache, slots, t0, n, n_kv_heads * head_dim, kvh,
+                           head_dim, scale, dst);
 }
 
 // `attention_decode` for the one-row sequences of `seqs` (grid.z), each against its own caches
 // up to its own position: block (h, s, z) is chunk s of head h of sequence z, into `part`
 // [n_seqs, n_heads, max_splits, 2 + head_dim]. Chunks past a sequence's position do nothing:
-// `attention_combine_seqs` reads only those that exist.
+// `attention_combine_seqs` reads only those that exist. No window, and every cache holds all
+// the positions of its sequence (slot t for position t): the backend sends a sliding-window
+// layer's ring caches to `attention_decode`.
 extern "C" __global__ void attention_decode_seqs(const float* q, int n_heads, int n_kv_heads, int head_dim,
                                                  float scale, int split_len, float* part,
                                                  const __grid_constant__ SeqTable seqs) {
@@ -170,8 +194,9 @@ extern "C" __global__ void attention_decode_seqs(const float* q, int n_heads, in
     int kvh = h / (n_heads / n_kv_heads);
     float* dst = part + (((u64)z * n_heads + h) * max_splits + split) * (2 + head_dim);
     const float* qh = q + ((u64)seqs.row0[z] * n_heads + h) * head_dim;
-    attention_decode_chunk(qh, seqs.k_cache[z], seqs.v_cache[z], t0, n, n_kv_heads * head_dim, kvh, head_dim,
-                           scale, dst);
+    const int no_ring = 0x7fffffff;  // slot t holds position t
+    attention_decode_chunk(qh, seqs.k_cache[z], seqs.v_cache[z], no_ring, t0, n, n_kv_heads * head_dim, kvh,
+                           head_dim, scale, dst);
 }
 
 // out = Σ_s e^(m_s − M) acc_s / Σ_s e^(m_s − M) l_s over the `n_splits` chunks at `base` (each

@@ -96,7 +96,7 @@ __device__ float load_elem(const u8* row, int dtype, int j) {
 //
 // Eight consecutive lanes hold one block, four values each (lane t of the eight: values
 // 4t..4t+3); every lane of the warp must call this (it shuffles), `live` says whether the
-// lane's block exists. The kernels that produce a matmul's input (rmsnorm, swiglu) write this
+// lane's block exists. The kernels that produce a matmul's input (rmsnorm, gated_act) write this
 // as they write x, and `quantize_x16` does it for any other input, all through this function,
 // so the integers and sums are the same bits whichever kernel made them.
 __device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
