@@ -93,7 +93,7 @@ extern "C" __global__ void rmsnorm_pieces(float* x, const u8* weight, int dtype,
     for (int j = lane; j < dim; j += 32) xr[j] = xr[j] * scale * load_elem(weight, dtype, j);
 }
 
-// out[r, :] += rmsnorm(x[r, :]) · weight: the post-norm of a sub-block added to the residual
+// out[r, :] += RMSNorm of x[r, :], times weight: the post-norm of a sub-block added to the residual
 // stream (Gemma). One block of RMS_THREADS per row.
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm(const float* x, const u8* weight, int dtype,
                                                                      int dim, float eps, float* out) {
