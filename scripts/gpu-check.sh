@@ -25,7 +25,8 @@
 #   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
 #            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
 #            as the local directory, every blob fetched in the first run (streamed through the
-#            staging ring, --vram-budget 64MiB), none in the second, none resident.
+#            staging ring, --vram-budget 320MiB, since the default context's KV cache and
+#            activations take ~272 MB of it), none in the second, none resident.
 #   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
 #            streamed from disk, and through the pinned host tier); then the cost of checking
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
@@ -308,9 +309,9 @@ if has remote; then
   total=$(python3 -c "import json,sys; print(sum(b['length'] for b in json.load(open(sys.argv[1]))['blobs']))" "$model/metadata.json")
   prompt=(-p "the quick brown fox" -n 8 --temp 0 -c 64 --json)
   step "gdsllm run --device cuda on smollm2-135m q4_1: local, then served over HTTP twice"
-  "$BIN" run --device cuda -m "$model" "${prompt[@]}" --vram-budget 64MiB --host-cache off >"$WORK_DIR/remote-local.json" 2>"$WORK_DIR/remote-local.log" || status=1
+  "$BIN" run --device cuda -m "$model" "${prompt[@]}" --vram-budget 320MiB --host-cache off >"$WORK_DIR/remote-local.json" 2>"$WORK_DIR/remote-local.log" || status=1
   for pass in first second resident; do
-    budget=(--vram-budget 64MiB --host-cache off)
+    budget=(--vram-budget 320MiB --host-cache off)
     [ "$pass" = resident ] && budget=()
     out="$WORK_DIR/remote-$pass.json"
     if GDSLLM_HOME="$remote_home" "$BIN" run --device cuda -m "http://127.0.0.1:$port/" "${prompt[@]}" "${budget[@]}" >"$out" 2>"$out.log"; then
@@ -337,7 +338,7 @@ import sys
 with open(sys.argv[1], "r+b") as f:
     f.seek(5000); b = f.read(1); f.seek(5000); f.write(bytes([b[0] ^ 0x10]))
 PY
-  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 64MiB --host-cache off" "host-tier:--vram-budget 64MiB --host-cache 1GiB"; do
+  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 320MiB --host-cache off" "host-tier:--vram-budget 320MiB --host-cache 1GiB"; do
     name=${mode%%:*}; flags=${mode#*:}
     step "flipped bit, run --device cuda ($name)"
     # shellcheck disable=SC2086
