@@ -119,7 +119,7 @@ def test_bad_directories_and_indices_raise(tmp_path):
         gdsllm.open_model(tmp_path, device="cpu")
     with pytest.raises(ValueError, match="unknown device"):
         gdsllm.open_model(model_dir, device="gpu")
-    with pytest.raises(ValueError, match="invalid I/O backend"):
+    with pytest.raises(ValueError, match="invalid I/O path"):
         gdsllm.open_model(model_dir, device="cpu", io="fast")
     model = gdsllm.open_model(model_dir, device="cpu")
     with pytest.raises(IndexError, match="layer 30 out of range: the model has 30 layers"):
