@@ -5,19 +5,37 @@
 #   tests    llama/tests/cuda_ops.rs with GDSLLM_GPU_TESTS=1 (they FAIL, not skip, without a usable
 #            GPU): every op against the reference backend; SmolLM2-shaped q4_1 and small untied f16
 #            models against the CPU backend; the same models through `llama::open` resident, with
-#            every layer streamed, and through the pinned host tier, against the upload-once path.
+#            every layer streamed, and through the pinned host tier, against the upload-once path;
+#            a small model in llama.cpp's Q4_K_M mix against its f32 twin on the CPU, streamed too.
 #   hf       transformers' LlamaForCausalLM with random weights (scripts/hf_reference.py, on the
 #            GPU), saved with save_pretrained, `gdsllm convert`ed, compared by
 #            llama/tests/cuda_hf.rs: small f16 and bf16 (GQA, untied), 7B-shaped f16 and bf16.
+#   families (issue 16) the model families on CUDA: cuda_ops' family tests (their ops and the
+#            windowed ring attention against the reference backend, a small model of every
+#            family against the CPU backend, gemma3 streamed = resident) and geglu's quantized
+#            output; batch's windowed family batched = solo (close to solo with every new
+#            kernel path: windowed layers keep their own kernels); then transformers' own class of
+#            every family (Qwen2, Qwen3, Gemma3, Phi3, Llama 3.1 rope) with random weights, as
+#            the hf stage does, f16 and bf16.
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
 #   batch    (opt-in) `gdsllm bench --batch` on the 7B f16 model streamed with 4 GiB, and the
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
 #   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
 #            scripts/serve_bench.py at 1, 8 and 32 clients.
+#   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
+#            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
+#            as the local directory, every blob fetched in the first run (streamed through the
+#            staging ring, --vram-budget 320MiB, since the default context's KV cache and
+#            activations take ~272 MB of it), none in the second, none resident.
 #   checksums (opt-in, issue 17) a flipped bit in a blob must fail `run --device cuda` (resident,
 #            streamed from disk, and through the pinned host tier); then the cost of checking
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
 #            with 4 GiB (--host-cache off), with and without --no-checksums, alternated.
+#   kquants  (opt-in) llama/tests/cuda_kquants.rs with GDSLLM_GPU_TESTS=1 (every k-quant-era
+#            dtype's matmuls and embedding against the reference); then for each GGUF in
+#            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
+#            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
+#            resident pp512/tg128 and streamed (--vram-budget 4GiB, no host tier) decode.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -30,8 +48,13 @@
 #   CUDA_TEST_BIN    cuda_ops test binary (`cargo test --release -p llama --features cuda
 #                    --test cuda_ops --no-run`); default: newest target/release/deps/cuda_ops-*
 #   CUDA_HF_BIN      cuda_hf test binary, likewise
-#   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b")
+#   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
+#                    (and the batch stage); default for families: newest target/release/deps/batch-*
+#   KQ_TEST_BIN      cuda_kquants test binary, likewise
+#   KQUANT_GGUFS     GGUF files for the kquants stage (space-separated paths)
+#   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b"; families is opt-in)
 #   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
+#   FAMILY_HF_CASES  default: qwen2 qwen3 gemma3 phi3 llama3, each float16 and bfloat16
 #   TG_STREAMED      tokens generated in the streamed 7B benches (default 8)
 #   DTYPES_7B        dtypes of the 7B stage (default "f16 q4_1")
 # LD_LIBRARY_PATH defaults to /usr/local/cuda/lib64 (libcuda, libnvrtc).
@@ -41,6 +64,7 @@ WORK_DIR="${1:-${WORK_DIR:-$PWD/gpu-check-work}}"
 BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 STAGES="${STAGES:-tests hf smollm2 7b}"
 HF_CASES="${HF_CASES:-small:float16 small:bfloat16 llama-7b:float16 llama-7b:bfloat16}"
+FAMILY_HF_CASES="${FAMILY_HF_CASES:-qwen2:float16 qwen2:bfloat16 qwen3:float16 qwen3:bfloat16 gemma3:float16 gemma3:bfloat16 phi3:float16 phi3:bfloat16 llama3:float16 llama3:bfloat16}"
 TG_STREAMED="${TG_STREAMED:-8}"
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
 mkdir -p "$WORK_DIR"
@@ -49,25 +73,9 @@ export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache goes to $GDSLLM_H
 mkdir -p "$GDSLLM_HOME"
 BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
-
-run_test_bin() { # label binary [env...]
-  local label=$1 bin=$2; shift 2
-  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
-  env "$@" "$bin" --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
-  local rc=${PIPESTATUS[0]}
-  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
-  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
-  note "$label: $line"
-  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
-}
 
 if has tests; then
   step "CUDA op, model and streaming tests"
@@ -75,29 +83,40 @@ if has tests; then
   grep -E "greedy tokens equal|max rel diff|agreed" "$WORK_DIR/cuda_ops.log" | sed 's/^/  /' >&2
 fi
 
+hf_case() { # shape dtype: transformers' reference, convert, compare on CUDA (cuda_hf.rs)
+  local shape=$1 dtype=$2
+  local dir="$WORK_DIR/hf-$shape-$dtype" t0 t1
+  rm -rf "$dir"
+  step "transformers reference: $shape $dtype"
+  if ! python3 "$SCRIPTS/hf_reference.py" "$dir" --shape "$shape" --dtype "$dtype" >&2; then
+    note "hf $shape $dtype: reference FAILED"; status=1; return
+  fi
+  step "gdsllm convert (HF $shape $dtype)"
+  t0=$(date +%s.%N)
+  if ! "$BIN" convert "$dir/hf" "$dir/model" >&2; then
+    note "hf $shape $dtype: convert FAILED"; status=1; rm -rf "$dir"; return
+  fi
+  t1=$(date +%s.%N)
+  rm -rf "$dir/hf"
+  run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
+  grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
+  note "  $(grep -E 'relative error' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
+  note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
+  rm -rf "$dir/model"
+}
+HF_BIN="${CUDA_HF_BIN:-$(newest cuda_hf)}"
+
 if has hf; then
-  HF_BIN="${CUDA_HF_BIN:-$(newest cuda_hf)}"
-  for case in $HF_CASES; do
-    shape=${case%%:*}; dtype=${case##*:}
-    dir="$WORK_DIR/hf-$shape-$dtype"
-    rm -rf "$dir"
-    step "transformers reference: $shape $dtype"
-    if ! python3 "$SCRIPTS/hf_reference.py" "$dir" --shape "$shape" --dtype "$dtype" >&2; then
-      note "hf $shape $dtype: reference FAILED"; status=1; continue
-    fi
-    step "gdsllm convert (HF $shape $dtype)"
-    t0=$(date +%s.%N)
-    if ! "$BIN" convert "$dir/hf" "$dir/model" >&2; then
-      note "hf $shape $dtype: convert FAILED"; status=1; rm -rf "$dir"; continue
-    fi
-    t1=$(date +%s.%N)
-    rm -rf "$dir/hf"
-    run_test_bin "cuda_hf-$shape-$dtype" "$HF_BIN" GDSLLM_HF_CASES="$dir"
-    grep -E "logits|identical|part" "$WORK_DIR/cuda_hf-$shape-$dtype.log" | sed 's/^/  /' | while read -r l; do echo "$l" >&2; done
-    note "  $(grep -E 'relative error' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1)"
-    note "  $(grep -E 'identical for' "$WORK_DIR/cuda_hf-$shape-$dtype.log" | head -n1) (convert $(python3 -c "print(f'{$t1-$t0:.1f}')") s)"
-    rm -rf "$dir/model"
-  done
+  for case in $HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
+fi
+
+if has families; then
+  step "CUDA family tests (cuda_ops family*, geglu's quantized output; batch windowed family)"
+  TEST_FILTER="family quantized_inputs" run_test_bin cuda_ops-families "${CUDA_TEST_BIN:-$(newest cuda_ops)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "max rel diff|agreed|greedy tokens equal" "$WORK_DIR/cuda_ops-families.log" | sed 's/^/  /' >&2
+  TEST_FILTER=cuda_windowed_family run_test_bin batch-families "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "sequences per pass|relative L2 from alone" "$WORK_DIR/batch-families.log" | sed 's/^/  /' >&2
+  for case in $FAMILY_HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
 fi
 
 if has smollm2; then
@@ -113,6 +132,41 @@ if has smollm2; then
         note "smollm2-135m $dtype $device: bench FAILED"; status=1
       fi
     done
+  done
+fi
+
+if has kquants; then
+  step "k-quant kernels against the reference"
+  run_test_bin cuda_kquants "${KQ_TEST_BIN:-$(newest cuda_kquants)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "max rel diff" "$WORK_DIR/cuda_kquants.log" | sed 's/^/  /' >&2
+  for gguf in ${KQUANT_GGUFS:-}; do
+    name=$(basename "$gguf" .gguf)
+    model="$WORK_DIR/kq-$name"
+    step "gdsllm convert + verify --against $name"
+    rm -rf "$model"
+    if ! "$BIN" convert "$gguf" "$model" >&2; then note "$name: convert FAILED"; status=1; continue; fi
+    v="$WORK_DIR/verify-$name.json"
+    if "$BIN" verify "$model" --against "$gguf" --json >"$v" 2>"$v.log"; then
+      note "$name: lossless: $(jq_py "$v" "'; '.join(f'{k}: {e} of {n} tensors equal' for k, (n, e, b) in d['lossless']['by_dtype'].items())")"
+    else
+      note "$name: verify --against FAILED: $(tail -n 1 "$v.log")"; status=1
+    fi
+    r="$WORK_DIR/bench-$name-resident.json"
+    step "gdsllm bench --device cuda $name resident"
+    if "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
+      note "$name resident: pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s"
+    else
+      tail -n 5 "$r.log" >&2; note "$name resident bench FAILED"; status=1
+    fi
+    s="$WORK_DIR/bench-$name-streamed.json"
+    step "gdsllm bench --device cuda $name streamed, --vram-budget 4GiB"
+    drop_caches
+    if "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json >"$s" 2>"$s.log"; then
+      note "$name streamed 4GiB: tg $(jq_py "$s" "'%.3f tok/s, %.2f GB streamed/token' % (d['tg']['best'], d['tg']['bytes_per_token'] / 1e9)")"
+    else
+      tail -n 5 "$s.log" >&2; note "$name streamed bench FAILED"; status=1
+    fi
+    rm -rf "$model"
   done
 fi
 
@@ -240,6 +294,39 @@ if has serve; then
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
 
+if has remote; then
+  # Issue 18: the network tier on CUDA: blobs fetched into the cache before the I/O path reads
+  # the files, the same tokens as the local model, nothing fetched once everything is local.
+  model="$WORK_DIR/smollm2-q4_1"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  (cd "$model" && exec python3 -m http.server "$port" --bind 127.0.0.1) >"$WORK_DIR/remote-http.log" 2>&1 &
+  hpid=$!
+  sleep 1
+  remote_home="$WORK_DIR/remote-home"
+  rm -rf "$remote_home/remote"
+  mkdir -p "$remote_home"
+  total=$(python3 -c "import json,sys; print(sum(b['length'] for b in json.load(open(sys.argv[1]))['blobs']))" "$model/metadata.json")
+  prompt=(-p "the quick brown fox" -n 8 --temp 0 -c 64 --json)
+  step "gdsllm run --device cuda on smollm2-135m q4_1: local, then served over HTTP twice"
+  "$BIN" run --device cuda -m "$model" "${prompt[@]}" --vram-budget 320MiB --host-cache off >"$WORK_DIR/remote-local.json" 2>"$WORK_DIR/remote-local.log" || status=1
+  for pass in first second resident; do
+    budget=(--vram-budget 320MiB --host-cache off)
+    [ "$pass" = resident ] && budget=()
+    out="$WORK_DIR/remote-$pass.json"
+    if GDSLLM_HOME="$remote_home" "$BIN" run --device cuda -m "http://127.0.0.1:$port/" "${prompt[@]}" "${budget[@]}" >"$out" 2>"$out.log"; then
+      same=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['text'] == json.load(open(sys.argv[2]))['text'])" "$out" "$WORK_DIR/remote-local.json")
+      net=$(jq_py "$out" "d['residency']['total']['network_bytes']")
+      expected=$([ "$pass" = first ] && echo "$total" || echo 0)
+      note "remote $pass run: same text as local: $same, network bytes $net (expected $expected of $total), $(jq_py "$out" "'%.1f' % d['timings']['gen_tok_per_s']") tok/s"
+      { [ "$same" = True ] && [ "$net" = "$expected" ]; } || status=1
+    else
+      note "remote $pass run FAILED"; tail -n 5 "$out.log" >&2; status=1
+    fi
+  done
+  kill "$hpid" 2>/dev/null; wait "$hpid" 2>/dev/null
+fi
+
 if has checksums; then
   # Issue 17: blob checksums at run time on the GPU paths (device buffers are hashed by copying
   # them back; the host tier is hashed in place), and what checking costs on the streamed 7B.
@@ -251,7 +338,7 @@ import sys
 with open(sys.argv[1], "r+b") as f:
     f.seek(5000); b = f.read(1); f.seek(5000); f.write(bytes([b[0] ^ 0x10]))
 PY
-  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 64MiB --host-cache off" "host-tier:--vram-budget 64MiB --host-cache 1GiB"; do
+  for mode in "resident:--vram-budget auto --host-cache off" "streamed:--vram-budget 320MiB --host-cache off" "host-tier:--vram-budget 320MiB --host-cache 1GiB"; do
     name=${mode%%:*}; flags=${mode#*:}
     step "flipped bit, run --device cuda ($name)"
     # shellcheck disable=SC2086

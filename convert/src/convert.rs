@@ -28,28 +28,42 @@ pub enum TargetDType {
     Bf16,
     Q8_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    /// 256-value super-blocks: every matrix row must be a multiple of 256 values.
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl TargetDType {
+    /// Every target, for `--help` texts and messages.
+    pub const ALL: [TargetDType; 10] = [
+        TargetDType::Keep,
+        TargetDType::F16,
+        TargetDType::Bf16,
+        TargetDType::Q8_0,
+        TargetDType::Q4_1,
+        TargetDType::Q5_0,
+        TargetDType::Q5_1,
+        TargetDType::Q4K,
+        TargetDType::Q5K,
+        TargetDType::Q6K,
+    ];
+
+    /// The target names joined for messages: "keep, f16, bf16, …".
+    pub fn names() -> String {
+        TargetDType::ALL.map(TargetDType::name).join(", ")
+    }
+
     pub fn from_name(name: &str) -> Option<TargetDType> {
-        Some(match name.to_ascii_lowercase().as_str() {
-            "keep" => TargetDType::Keep,
-            "f16" => TargetDType::F16,
-            "bf16" => TargetDType::Bf16,
-            "q8_0" => TargetDType::Q8_0,
-            "q4_1" => TargetDType::Q4_1,
-            _ => return None,
-        })
+        TargetDType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(name))
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            TargetDType::Keep => "keep",
-            TargetDType::F16 => "f16",
-            TargetDType::Bf16 => "bf16",
-            TargetDType::Q8_0 => "q8_0",
-            TargetDType::Q4_1 => "q4_1",
-        }
+        self.dtype().map_or("keep", DType::name)
     }
 
     fn dtype(self) -> Option<DType> {
@@ -59,6 +73,11 @@ impl TargetDType {
             TargetDType::Bf16 => Some(DType::Bf16),
             TargetDType::Q8_0 => Some(DType::Q8_0),
             TargetDType::Q4_1 => Some(DType::Q4_1),
+            TargetDType::Q5_0 => Some(DType::Q5_0),
+            TargetDType::Q5_1 => Some(DType::Q5_1),
+            TargetDType::Q4K => Some(DType::Q4K),
+            TargetDType::Q5K => Some(DType::Q5K),
+            TargetDType::Q6K => Some(DType::Q6K),
         }
     }
 }
@@ -423,7 +442,7 @@ pub fn unpermute_rows(
 }
 
 /// A vector `w` (any float dtype) as the f32 bytes of `1 + w`.
-fn add_one(data: &[u8], from: DType, out: &mut Vec<u8>) -> Result<(), String> {
+pub(crate) fn add_one(data: &[u8], from: DType, out: &mut Vec<u8>) -> Result<(), String> {
     if from.is_quantized() {
         return Err(format!(
             "a norm weight stored as {from}; expected a float dtype"
@@ -447,11 +466,8 @@ fn reencode(
     out: &mut Vec<u8>,
 ) -> Result<(), String> {
     let cols = shape.last().copied().unwrap_or(1) as usize;
-    if !cols.is_multiple_of(to.block_len()) {
-        return Err(format!(
-            "rows of {cols} values cannot be stored as {to} ({}-value blocks)",
-            to.block_len()
-        ));
+    if let Some(why) = to.row_error(cols as u64) {
+        return Err(why);
     }
     let row_bytes = from
         .byte_len(&[cols as u64])

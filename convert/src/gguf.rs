@@ -241,29 +241,30 @@ impl GgufValue {
     }
 }
 
-/// The element types this converter can carry over, with their ggml type ids.
-pub fn dtype_from_ggml(type_id: u32) -> Option<DType> {
-    Some(match type_id {
-        0 => DType::F32,
-        1 => DType::F16,
-        2 => DType::Q4_0,
-        3 => DType::Q4_1,
-        8 => DType::Q8_0,
-        30 => DType::Bf16,
-        _ => return None,
-    })
-}
-
-/// The ggml type id of one of our dtypes (the inverse of [`dtype_from_ggml`]).
+/// The ggml type id of one of our dtypes: every dtype is a ggml type, block layout included.
 pub fn ggml_type_id(dtype: DType) -> u32 {
     match dtype {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::Q4_0 => 2,
         DType::Q4_1 => 3,
+        DType::Q5_0 => 6,
+        DType::Q5_1 => 7,
         DType::Q8_0 => 8,
+        DType::Q2K => 10,
+        DType::Q3K => 11,
+        DType::Q4K => 12,
+        DType::Q5K => 13,
+        DType::Q6K => 14,
+        DType::Iq4Nl => 20,
+        DType::Iq4Xs => 23,
         DType::Bf16 => 30,
     }
+}
+
+/// The element types this converter can carry over (the inverse of [`ggml_type_id`]).
+pub fn dtype_from_ggml(type_id: u32) -> Option<DType> {
+    DType::ALL.into_iter().find(|d| ggml_type_id(*d) == type_id)
 }
 
 /// The names of the ggml types [`dtype_from_ggml`] accepts, for error messages.
@@ -857,8 +858,11 @@ impl GgufFile {
                 path: path.clone(),
                 offset: t.info_offset,
                 what: format!(
-                    "tensor {}: shape {shape:?} is not a whole number of {dtype} blocks or overflows",
-                    t.name
+                    "tensor {}: shape {shape:?}: {}",
+                    t.name,
+                    dtype
+                        .row_error(shape.last().copied().unwrap_or(1))
+                        .unwrap_or_else(|| "the size overflows".into())
                 ),
             })?;
             if t.offset % alignment != 0 {

@@ -33,7 +33,7 @@ pub struct PlannedTensor {
 }
 
 /// A change a tensor's values need on the way into our format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum Transform {
     /// None: the bytes are ours (bit for bit unless `--dtype` re-encodes them).
     #[default]

@@ -1,8 +1,11 @@
 //! Test support: a tiny random LLaMA that can be written both as a Hugging Face directory
 //! (safetensors + config.json) and as a GGUF laid out the way llama.cpp's converter lays it
-//! out (Q/K rows permuted), so tests can check that both convert to the same model.
+//! out (Q/K rows permuted), so tests can check that both convert to the same model; a model of
+//! any family's config with pseudo-random weights written straight into our format
+//! ([`write_random_model`]), for tests that compare backends on every family; and small models
+//! in a llama.cpp-style k-quant mix with their f32 twins, for the kernels' tests.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::json;
 use weights_format::{DType, quant};
@@ -24,6 +27,62 @@ pub fn pseudo_random(seed: u64, n: u64) -> Vec<f32> {
     (0..n).map(|_| next_uniform(&mut state)).collect()
 }
 
+/// Writes a model of `config` (any family) at `dir` with deterministic pseudo-random weights
+/// (stream `seed`): matrices in ±0.5·`1/√cols` stored as `matrix_dtype`, norm weights 1 ± 0.25
+/// and biases in ±0.25 as f32, every tensor the format lays out for the config, and the
+/// synthetic byte-level tokenizer of `gdsllm synth` (the vocabulary must hold its
+/// [`crate::synth::MIN_VOCAB`] tokens). Not meant to say anything: only to make every step of
+/// a family's pass matter numerically.
+pub fn write_random_model(
+    dir: &Path,
+    config: &weights_format::ModelConfig,
+    matrix_dtype: DType,
+    seed: u64,
+) -> Result<weights_format::Model, weights_format::FormatError> {
+    use weights_format::layout::{self, TensorRole};
+    let mut writer = weights_format::ModelWriter::create(dir)?;
+    let mut stream = 0u64;
+    for file in layout::blob_files(config.n_layers) {
+        let kind = layout::blob_kind(&file).expect("layout names its blobs");
+        let mut blob = writer.begin_blob(&file)?;
+        for spec in layout::blob_tensors(config, kind) {
+            stream += 1;
+            let n: u64 = spec.shape.iter().product();
+            let values = pseudo_random(seed.wrapping_mul(1000).wrapping_add(stream), n);
+            let (dtype, values): (DType, Vec<f32>) = match spec.role {
+                TensorRole::Norm => (DType::F32, values.iter().map(|v| 1.0 + v / 2.0).collect()),
+                TensorRole::Bias => (DType::F32, values.iter().map(|v| v / 2.0).collect()),
+                TensorRole::Matrix => {
+                    let cols = *spec.shape.last().expect("matrices have columns") as f32;
+                    (
+                        matrix_dtype,
+                        values.iter().map(|v| v / cols.sqrt()).collect(),
+                    )
+                }
+            };
+            let mut bytes = Vec::new();
+            quant::quantize(dtype, &values, &mut bytes).map_err(|e| {
+                weights_format::FormatError::Writer {
+                    reason: format!("{}: {e}", spec.name),
+                }
+            })?;
+            blob.write_tensor(spec.name, dtype, &spec.shape, &bytes)?;
+        }
+        blob.finish()?;
+    }
+    writer.add_file(
+        "tokenizer.json",
+        crate::synth::tokenizer_json(config.vocab_size).as_bytes(),
+    )?;
+    let mut source = serde_json::Map::new();
+    source.insert(
+        "generator".into(),
+        "gdsllm_convert::testing::write_random_model".into(),
+    );
+    source.insert("seed".into(), seed.into());
+    writer.finish(config.clone(), "tokenizer.json", None, source)
+}
+
 /// A small LLaMA with deterministic pseudo-random f32 weights, named as in Hugging Face.
 #[derive(Debug, Clone)]
 pub struct TinyLlama {
@@ -41,7 +100,13 @@ pub struct TinyLlama {
 impl TinyLlama {
     /// dim 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 96, vocab 48.
     pub fn new(seed: u64, tied: bool) -> TinyLlama {
-        let (dim, layers, heads, kv_heads, ffn, vocab) = (64u64, 2u32, 4u64, 2u64, 96u64, 48u64);
+        TinyLlama::with_dims(seed, tied, 64, 96)
+    }
+
+    /// [`TinyLlama::new`] with another width and FFN size (4 heads of `dim / 4`): dim 256 and
+    /// FFN 512 make every row whole 256-value super-blocks, for the k-quants.
+    pub fn with_dims(seed: u64, tied: bool, dim: u64, ffn: u64) -> TinyLlama {
+        let (layers, heads, kv_heads, vocab) = (2u32, 4u64, 2u64, 48u64);
         let head_dim = dim / heads;
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
@@ -332,6 +397,184 @@ fn gguf_name_of(hf: &str) -> String {
     format!("blk.{layer}.{ours}.weight")
 }
 
+/// llama.cpp's dtype for a tensor of a `Q4_K_M` file of a dense llama without an importance
+/// matrix: q6_k for the LM head (`output`) and for `attn_v` and `ffn_down` of the layers its
+/// `use_more_bits` picks (the first and last eighth, and every third layer between), q4_k for
+/// the other matrices (the embedding included); a row that is not whole 256-value super-blocks
+/// falls back as llama.cpp falls back (q4_k → q5_0, q6_k → q8_0). Norms are f32. (On a 12-layer
+/// model llama-quantize gives exactly this: q6_k for output and the attn_v/ffn_down of layers
+/// 0, 3, 6, 9, 10, 11.)
+pub fn q4_k_m_dtype(name: &str, layer: Option<usize>, n_layers: usize, cols: u64) -> DType {
+    use weights_format::names::*;
+    let more_bits = |i: usize| {
+        let n = n_layers;
+        i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+    };
+    let wanted = match (name, layer) {
+        (ATTN_NORM | FFN_NORM | OUTPUT_NORM, _) => return DType::F32,
+        (OUTPUT, _) => DType::Q6K,
+        (ATTN_V | FFN_DOWN, Some(i)) if more_bits(i) => DType::Q6K,
+        _ => DType::Q4K,
+    };
+    match wanted.row_error(cols) {
+        None => wanted,
+        Some(_) if wanted == DType::Q6K => DType::Q8_0,
+        Some(_) => DType::Q5_0,
+    }
+}
+
+/// A small llama config for k-quant tests: width 256 (whole super-blocks), 4 heads of 64 over 2
+/// KV heads, FFN 640 (2.5 super-blocks, so `ffn_down` falls back to a 32-value dtype in the
+/// [`q4_k_m_dtype`] mix), vocabulary 512, untied LM head.
+pub fn small_kquant_config(n_layers: u32) -> weights_format::ModelConfig {
+    weights_format::ModelConfig {
+        n_layers,
+        hidden_size: 256,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        ffn_dim: 640,
+        vocab_size: 512,
+        context_length: 256,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        ..weights_format::ModelConfig::default()
+    }
+}
+
+/// Writes a llama model of `config` at `dir` in the [`q4_k_m_dtype`] mix: normal random weights
+/// (std `std`; norms 1), the byte-level tokenizer of `gdsllm synth`. A small stand-in for a
+/// llama.cpp Q4_K_M file: every tensor type such a file has, chosen by the same rules.
+pub fn write_q4_k_m_model(
+    dir: &Path,
+    config: &weights_format::ModelConfig,
+    std: f32,
+    seed: u64,
+) -> Result<weights_format::Model, weights_format::FormatError> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    };
+    let mut normal = move || {
+        let (u1, u2) = (uniform(), uniform());
+        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+    };
+    write_model_like(dir, config, "q4_k_m", |name, layer, shape| {
+        let cols = *shape.last().expect("tensors have a shape");
+        let dtype = q4_k_m_dtype(name, layer, config.n_layers as usize, cols);
+        let n: u64 = shape.iter().product();
+        let values: Vec<f32> = if dtype == DType::F32 {
+            vec![1.0; n as usize]
+        } else {
+            (0..n).map(|_| normal() * std).collect()
+        };
+        let mut bytes = Vec::new();
+        quant::quantize(dtype, &values, &mut bytes).expect("rows are whole blocks");
+        (dtype, bytes)
+    })
+}
+
+/// `model` with every tensor decoded to f32 (same config and tokenizer) at `dir`: the twin a
+/// quantized model's kernels are compared with.
+pub fn write_f32_twin(
+    model: &weights_format::Model,
+    dir: &Path,
+) -> Result<weights_format::Model, weights_format::FormatError> {
+    let mut failure = None;
+    let twin = write_model_like(dir, model.config(), "f32 twin", |name, layer, shape| {
+        let blob = match layer {
+            Some(l) => model.layer_blob(l),
+            None if name == weights_format::names::TOKEN_EMBD => 0,
+            None => model.blob_count() - 1,
+        };
+        let t = model.tensor(blob, name).expect("same layout");
+        let n: u64 = shape.iter().product();
+        let mut values = vec![0f32; n as usize];
+        match model.read_tensor(blob, name) {
+            Ok(bytes) => quant::dequantize(t.dtype, &bytes, &mut values).expect("valid tensor"),
+            Err(e) => failure = Some(e),
+        }
+        (
+            DType::F32,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        )
+    })?;
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(twin),
+    }
+}
+
+/// Writes every tensor of `config`'s layout with the dtype and bytes `tensor(name, layer,
+/// shape)` gives, plus the synth tokenizer and chat template.
+fn write_model_like(
+    dir: &Path,
+    config: &weights_format::ModelConfig,
+    what: &str,
+    mut tensor: impl FnMut(&str, Option<usize>, &[u64]) -> (DType, Vec<u8>),
+) -> Result<weights_format::Model, weights_format::FormatError> {
+    use weights_format::layout::{self, BlobKind};
+    let mut writer = weights_format::ModelWriter::create(dir)?;
+    for file in layout::blob_files(config.n_layers) {
+        let kind = layout::blob_kind(&file).expect("canonical blob name");
+        let layer = match kind {
+            BlobKind::Layer(l) => Some(l),
+            _ => None,
+        };
+        let mut blob = writer.begin_blob(&file)?;
+        for spec in layout::blob_tensors(config, kind) {
+            let (dtype, bytes) = tensor(spec.name, layer, &spec.shape);
+            blob.write_tensor(spec.name, dtype, &spec.shape, &bytes)?;
+        }
+        blob.finish()?;
+    }
+    let tokenizer = crate::synth::tokenizer_json(config.vocab_size);
+    writer.add_file("tokenizer.json", tokenizer.as_bytes())?;
+    let mut source = serde_json::Map::new();
+    source.insert(
+        "generator".into(),
+        format!("gdsllm-convert testing ({what})").into(),
+    );
+    writer.finish(config.clone(), "tokenizer.json", None, source)
+}
+
+/// Byte offsets of the f16 fields (scales, mins) in a block of each quantized dtype.
+fn f16_fields(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        _ => &[0],
+    }
+}
+
+/// `n_blocks` blocks of a quantized `dtype` with random levels and sub-block scales and
+/// ordinary f16 fields (uniform in ±0.01; random bytes there could be NaN or huge): test
+/// inputs for the decoders and kernels of every layout, the decode-only ones included.
+pub fn random_blocks(dtype: DType, n_blocks: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut bytes: Vec<u8> = (0..n_blocks * dtype.block_bytes())
+        .map(|_| (next() >> 56) as u8)
+        .collect();
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &at in f16_fields(dtype) {
+            let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02;
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    bytes
+}
+
 /// Where one tensor info's fields lie in a GGUF file's bytes, for tests that corrupt the
 /// tensor table the way an attacker (or a broken writer) would.
 #[derive(Debug, Clone)]
@@ -517,6 +760,23 @@ impl TableMutation {
             TableMutation::Truncate(n) => bytes.truncate(bytes.len().saturating_sub(n)),
             TableMutation::Append(n) => bytes.resize(bytes.len() + n, 0),
         }
+    }
+}
+
+/// The path in environment variable `var`, or `None` when model tests are skipped
+/// (`GDSLLM_SKIP_MODEL_TESTS=1`). Fails the test with instructions otherwise.
+pub fn model_path(var: &str) -> Option<PathBuf> {
+    match std::env::var_os(var) {
+        Some(p) => Some(PathBuf::from(p)),
+        None if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") => {
+            eprintln!("skipped: {var} is unset and GDSLLM_SKIP_MODEL_TESTS=1");
+            None
+        }
+        None => panic!(
+            "{var} is unset. Run `gdsllm pull smollm2 --json` and set GDSLLM_TEST_GGUF to its \
+             \"gguf\" path and GDSLLM_TEST_MODEL to its \"dir\" (or set \
+             GDSLLM_SKIP_MODEL_TESTS=1 to skip tests that need the real model)"
+        ),
     }
 }
 

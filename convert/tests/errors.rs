@@ -192,18 +192,38 @@ fn every_kv_type_round_trips_including_nested_arrays() {
 }
 
 #[test]
-fn unsupported_tensor_type_names_tensor_and_type() {
+fn every_unsupported_tensor_type_is_listed_with_its_count() {
     let tmp = tempfile::tempdir().unwrap();
     let mut b = TinyLlama::new(1, true).gguf(DType::F32);
-    b.tensor_raw("blk.0.extra.weight", 12, &[64, 256], vec![0; 144 * 64]);
-    let path = tmp.path().join("q4k.gguf");
+    // IQ2_XXS (16, 66 bytes per 256 values) twice, IQ3_S (21, 110 bytes) once.
+    b.tensor_raw("blk.0.extra_a.weight", 16, &[2, 256], vec![0; 66 * 2]);
+    b.tensor_raw("blk.0.extra_b.weight", 16, &[2, 256], vec![0; 66 * 2]);
+    b.tensor_raw("blk.1.extra_c.weight", 21, &[1, 256], vec![0; 110]);
+    let path = tmp.path().join("iq.gguf");
+    b.write_to(&path).unwrap();
+    let msg = convert_err(&path, &tmp.path().join("out"));
+    for part in [
+        "iq.gguf",
+        "3 tensors have ggml types",
+        "IQ2_XXS (type 16) ×2 (e.g. blk.0.extra_a.weight)",
+        "IQ3_S (type 21) ×1 (e.g. blk.1.extra_c.weight)",
+        "Q4_K",
+    ] {
+        assert!(msg.contains(part), "{part:?} missing from: {msg}");
+    }
+}
+
+#[test]
+fn a_k_quant_row_that_is_not_whole_super_blocks_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut b = TinyLlama::new(1, true).gguf(DType::F32);
+    // 576 values per row cannot be Q4_K (ggml type 12): 2.25 super-blocks.
+    b.tensor_raw("blk.0.odd.weight", 12, &[2, 576], vec![0; 2 * 324]);
+    let path = tmp.path().join("odd.gguf");
     b.write_to(&path).unwrap();
     let msg = convert_err(&path, &tmp.path().join("out"));
     assert!(
-        msg.contains("q4k.gguf")
-            && msg.contains("blk.0.extra.weight")
-            && msg.contains("12")
-            && msg.contains("Q4_K"),
+        msg.contains("blk.0.odd.weight") && msg.contains("256-value super-blocks"),
         "{msg}"
     );
 }

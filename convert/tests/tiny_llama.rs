@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use gdsllm_convert::convert::{ConvertOptions, NoProgress, TargetDType, convert};
+use gdsllm_convert::convert::{ConvertOptions, NoProgress, TargetDType, convert, open_source};
+use gdsllm_convert::lossless::compare_with_source;
 use gdsllm_convert::testing::TinyLlama;
 use weights_format::{DType, Model, quant};
 
@@ -109,65 +110,137 @@ fn hf_and_gguf_of_the_same_weights_convert_identically() {
 
 #[test]
 fn quantized_gguf_rows_move_without_requantizing() {
-    // A Q8_0 / Q4_1 GGUF: after un-permuting, Q and K equal the reference quantization of
-    // the Hugging Face rows (quantization is per row, so row moves commute with it).
-    for dtype in [DType::Q8_0, DType::Q4_1] {
+    // A quantized GGUF (as llama.cpp writes it, Q/K rows permuted): after un-permuting, Q and K
+    // equal the reference quantization of the Hugging Face rows (quantization is per row, so
+    // row moves commute with it). The k-quants need rows of whole 256-value super-blocks.
+    for dtype in [
+        DType::Q8_0,
+        DType::Q4_1,
+        DType::Q4K,
+        DType::Q6K,
+        DType::Q5_0,
+    ] {
         let tmp = tempfile::tempdir().unwrap();
-        let tiny = TinyLlama::new(11, true);
+        let tiny = if dtype.is_super_block() {
+            TinyLlama::with_dims(12, true, 256, 512)
+        } else {
+            TinyLlama::new(11, true)
+        };
         let path = tmp.path().join("q.gguf");
         tiny.gguf(dtype).write_to(&path).unwrap();
         let out = tmp.path().join("out");
         convert(&path, &out, &ConvertOptions::default(), &NoProgress).unwrap();
         let model = Model::open(&out).unwrap();
+        assert_eq!(
+            model.metadata().format_version,
+            dtype
+                .format_version()
+                .max(weights_format::FAMILY_FORMAT_VERSION)
+        );
         for (name, hf) in [
             ("attn_q", "model.layers.1.self_attn.q_proj.weight"),
             ("attn_k", "model.layers.1.self_attn.k_proj.weight"),
             ("ffn_down", "model.layers.1.mlp.down_proj.weight"),
         ] {
+            let t = model.tensor(model.layer_blob(1), name).unwrap();
+            assert_eq!(t.dtype, dtype);
             let ours = model.read_tensor(model.layer_blob(1), name).unwrap();
             let values = &tiny.tensors.iter().find(|t| t.0 == hf).unwrap().2;
             let mut reference = Vec::new();
             quant::quantize(dtype, values, &mut reference).unwrap();
             assert!(ours == reference, "{dtype} {name}");
         }
+        // The lossless check (`gdsllm verify --against`) finds every tensor equal once the
+        // row move is undone, and exactly the moved ones (Q and K) different without.
+        let source = open_source(&path).unwrap();
+        let report = compare_with_source(&model, &source, true).unwrap();
+        assert!(report.all_equal(), "{dtype}: {:?}", report.by_dtype);
+        let as_stored = compare_with_source(&model, &source, false).unwrap();
+        for t in &as_stored.tensors {
+            let moved = t.tensor == "attn_q" || t.tensor == "attn_k";
+            assert_eq!(t.equal, !moved, "{dtype} {}/{}", t.blob, t.tensor);
+        }
     }
 }
 
 #[test]
-fn dtype_conversions_from_hf_have_bounded_error() {
+fn the_lossless_check_reports_a_re_encoded_tensor() {
     let tmp = tempfile::tempdir().unwrap();
-    let tiny = TinyLlama::new(3, false);
+    let path = tmp.path().join("f32.gguf");
+    TinyLlama::new(11, true)
+        .gguf(DType::F32)
+        .write_to(&path)
+        .unwrap();
+    let out = tmp.path().join("q8");
+    let options = ConvertOptions {
+        dtype: TargetDType::Q8_0,
+        ..ConvertOptions::default()
+    };
+    convert(&path, &out, &options, &NoProgress).unwrap();
+    let model = Model::open(&out).unwrap();
+    let report = compare_with_source(&model, &open_source(&path).unwrap(), true).unwrap();
+    assert!(!report.all_equal());
+    // The matrices became q8_0 (different bytes and length); the f32 norms stayed as they were.
+    for t in &report.tensors {
+        assert_eq!(
+            t.equal,
+            t.dtype == DType::F32,
+            "{}/{}: {t:?}",
+            t.blob,
+            t.tensor
+        );
+    }
+}
+
+#[test]
+fn k_quant_targets_need_whole_super_blocks() {
+    // dim 64: no row of this model is a whole 256-value super-block.
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    TinyLlama::new(3, false).write_hf(&hf, 1).unwrap();
+    let err = convert(
+        &hf,
+        &tmp.path().join("out"),
+        &ConvertOptions {
+            dtype: TargetDType::Q4K,
+            force: false,
+        },
+        &NoProgress,
+    )
+    .unwrap_err()
+    .to_string();
+    println!("{err}");
+    assert!(
+        err.contains("embed_tokens") && err.contains("256-value super-blocks"),
+        "{err}"
+    );
+}
+
+/// Converts `tiny` (written as a Hugging Face directory) with each `(target, dtype, tol)` and
+/// checks layer 0's `ffn_up` against the original values: max |w − deq(w)| ≤ tol.
+fn conversions_have_bounded_error(tiny: &TinyLlama, cases: &[(TargetDType, DType, f32)]) {
+    let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("hf");
     tiny.write_hf(&hf, 1).unwrap();
-    for (target, dtype, tol) in [
-        (TargetDType::F16, DType::F16, 2e-4f32),
-        (TargetDType::Bf16, DType::Bf16, 2e-3),
-        (TargetDType::Q8_0, DType::Q8_0, 4e-3),
-        (TargetDType::Q4_1, DType::Q4_1, 4e-2),
-    ] {
+    let original = &tiny
+        .tensors
+        .iter()
+        .find(|t| t.0 == "model.layers.0.mlp.up_proj.weight")
+        .unwrap()
+        .2;
+    for &(target, dtype, tol) in cases {
         let out = tmp.path().join(target.name());
-        convert(
-            &hf,
-            &out,
-            &ConvertOptions {
-                dtype: target,
-                force: false,
-            },
-            &NoProgress,
-        )
-        .unwrap();
+        let options = ConvertOptions {
+            dtype: target,
+            force: false,
+        };
+        convert(&hf, &out, &options, &NoProgress).unwrap();
         let model = Model::open(&out).unwrap();
         let t = model.tensor(model.layer_blob(0), "ffn_up").unwrap();
         assert_eq!(t.dtype, dtype);
         let bytes = model.read_tensor(model.layer_blob(0), "ffn_up").unwrap();
-        let mut got = vec![0f32; 96 * 64];
+        let mut got = vec![0f32; original.len()];
         quant::dequantize(dtype, &bytes, &mut got).unwrap();
-        let original = &tiny
-            .tensors
-            .iter()
-            .find(|t| t.0 == "model.layers.0.mlp.up_proj.weight")
-            .unwrap()
-            .2;
         let max = original
             .iter()
             .zip(&got)
@@ -176,4 +249,37 @@ fn dtype_conversions_from_hf_have_bounded_error() {
         println!("{target}: max |w - deq(w)| = {max:.6} (tolerance {tol}, |w| <= 0.125)");
         assert!(max <= tol, "{target}: {max} > {tol}");
     }
+}
+
+#[test]
+fn k_quant_conversions_from_hf_have_bounded_error() {
+    // Weights uniform in ±0.125 (range 0.25). Tolerances: q4_k and q5_k 1.25 steps of a
+    // 32-value sub-block's range (0.25 / 15 and 0.25 / 31: the levels are refitted to scales
+    // rounded to 6 bits, which can push an extreme past half a step); q6_k and q5_0 one step
+    // (the value of largest magnitude maps to −32 resp. −16, so the opposite extreme clamps at
+    // +31 / +15: 0.125 / 32 and 0.125 / 16); q5_1 half a step (0.25 / 31 / 2) plus the f16
+    // rounding of its scale and min.
+    conversions_have_bounded_error(
+        &TinyLlama::with_dims(5, false, 256, 512),
+        &[
+            (TargetDType::Q4K, DType::Q4K, 0.021),
+            (TargetDType::Q5K, DType::Q5K, 0.0101),
+            (TargetDType::Q6K, DType::Q6K, 0.0040),
+            (TargetDType::Q5_0, DType::Q5_0, 0.0079),
+            (TargetDType::Q5_1, DType::Q5_1, 0.0045),
+        ],
+    );
+}
+
+#[test]
+fn dtype_conversions_from_hf_have_bounded_error() {
+    conversions_have_bounded_error(
+        &TinyLlama::new(3, false),
+        &[
+            (TargetDType::F16, DType::F16, 2e-4),
+            (TargetDType::Bf16, DType::Bf16, 2e-3),
+            (TargetDType::Q8_0, DType::Q8_0, 4e-3),
+            (TargetDType::Q4_1, DType::Q4_1, 4e-2),
+        ],
+    );
 }

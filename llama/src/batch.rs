@@ -118,7 +118,12 @@ pub struct Batcher<B: Backend> {
     config: BatchConfig,
     context: usize,
     vocab: usize,
-    kv_bytes_per_position: u64,
+    /// What the KV caches are sized from: the model's config (each layer keeps its own
+    /// positions, see `residency::kv_positions`) and the bytes of one value.
+    kv_config: weights_format::ModelConfig,
+    kv_value_bytes: u64,
+    /// The single-sequence pass computes a prompt in chunks of this many rows.
+    solo_chunk: usize,
     next_id: SeqId,
     waiting: VecDeque<Waiting>,
     /// In admission order, which is also the order prefill budget is handed out in.
@@ -156,7 +161,9 @@ impl<B: Backend> Batcher<B> {
             config,
             context: model.context(),
             vocab: model.config().vocab_size,
-            kv_bytes_per_position: model.kv_cache_bytes(1),
+            kv_config: model.metadata().config.clone(),
+            kv_value_bytes: model.backend().kv_value_bytes() as u64,
+            solo_chunk: model.max_rows_per_sequence(),
             next_id: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -265,7 +272,7 @@ impl<B: Backend> Batcher<B> {
     }
 
     fn kv_bytes(&self, capacity: usize) -> u64 {
-        self.kv_bytes_per_position * capacity as u64
+        residency::kv_cache_bytes(&self.kv_config, capacity as u64, self.kv_value_bytes)
     }
 
     /// Moves waiting sequences in (front first) while they fit `max_batch` and the budget. The
@@ -312,15 +319,21 @@ impl<B: Backend> Batcher<B> {
             .config
             .prefill_chunk
             .min(model.max_rows().saturating_sub(decoding));
-        // (index into running, prompt tokens taken this pass; 0 for a decode row)
-        let mut plan: Vec<(usize, usize)> = Vec::new();
+        // (index into running, prompt tokens taken this pass (0 for a decode row), the rows
+        // the single-sequence pass computes them with)
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
             if r.pending.is_some() {
-                plan.push((i, 0));
+                plan.push((i, 0, 1));
             } else if prefill_left > 0 {
-                let take = (r.prompt.len() - r.fed).min(prefill_left);
+                // The single-sequence pass computes the prompt in chunks of `solo_chunk` rows
+                // from its start; a pass here takes at most the rest of the current chunk, so
+                // that its rows are computed as that chunk's (`BatchSeq::solo_rows`).
+                let chunk_start = r.fed / self.solo_chunk * self.solo_chunk;
+                let chunk_end = (chunk_start + self.solo_chunk).min(r.prompt.len());
+                let take = (chunk_end - r.fed).min(prefill_left);
                 prefill_left -= take;
-                plan.push((i, take));
+                plan.push((i, take, chunk_end - chunk_start));
             }
         }
         if plan.is_empty() {
@@ -330,7 +343,7 @@ impl<B: Backend> Batcher<B> {
         let mut planned = plan.iter().peekable();
         let mut entries = Vec::with_capacity(plan.len());
         for (i, r) in self.running.iter_mut().enumerate() {
-            let Some(&(_, take)) = planned.next_if(|(at, _)| *at == i) else {
+            let Some(&(_, take, solo_rows)) = planned.next_if(|(at, ..)| *at == i) else {
                 continue;
             };
             let Running {
@@ -347,11 +360,10 @@ impl<B: Backend> Batcher<B> {
                     solo_rows: 1,
                     logits: true,
                 },
-                // A single-sequence pass computes the whole prompt at once.
                 None => BatchSeq {
                     kv,
                     tokens: &prompt[*fed..*fed + take],
-                    solo_rows: prompt.len(),
+                    solo_rows,
                     logits: *fed + take == prompt.len(),
                 },
             });
@@ -363,7 +375,7 @@ impl<B: Backend> Batcher<B> {
         let vocab = self.vocab;
         let mut row = 0;
         let mut ended: Vec<(usize, SeqEnd)> = Vec::new();
-        for &(i, take) in &plan {
+        for &(i, take, _) in &plan {
             let r = &mut self.running[i];
             if r.pending.take().is_none() {
                 r.fed += take;

@@ -377,6 +377,8 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
             .min(prompt.len() - 1)
             .min(self.model.pos());
         self.model.truncate(reuse);
+        // A model with sliding-window layers may keep less than asked (see `Llama::truncate`).
+        let reuse = self.model.pos();
         self.cached.truncate(reuse);
 
         let started = Instant::now();

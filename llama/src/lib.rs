@@ -26,7 +26,8 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use backend::{
-    AttentionSeq, Backend, BackendError, CpuBackend, PassInfo, ReferenceBackend, RowGroup,
+    AttentionSeq, Backend, BackendError, CpuBackend, KvStoreSeq, PassInfo, ReferenceBackend,
+    RowGroup,
 };
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};

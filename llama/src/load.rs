@@ -282,9 +282,18 @@ pub fn open_uploaded(
     ordinal: usize,
     context: usize,
 ) -> Result<Llama<CudaBackend, DeviceWeights>, LlamaError> {
+    open_uploaded_on(dir, CudaBackend::new(ordinal)?, context)
+}
+
+/// [`open_uploaded`] on a backend made by the caller (tests pick its kernel paths).
+#[cfg(feature = "cuda")]
+pub fn open_uploaded_on(
+    dir: &Path,
+    backend: CudaBackend,
+    context: usize,
+) -> Result<Llama<CudaBackend, DeviceWeights>, LlamaError> {
     let files = ModelFiles::open(dir)?;
     let context = files.context(context);
-    let backend = CudaBackend::new(ordinal)?;
     let blobs = crate::weights::InMemoryWeights::read_dir(files.model.dir(), &files.metadata)?;
     let weights = backend.upload_weights(blobs.into_blobs())?;
     tracing::info!(

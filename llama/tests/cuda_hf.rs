@@ -1,5 +1,6 @@
-//! Whole model against Hugging Face transformers: `scripts/hf_reference.py` builds a
-//! LlamaForCausalLM with random weights on the device, saves it (f16 or bf16) and writes the
+//! Whole model against Hugging Face transformers: `scripts/hf_reference.py` builds a model with
+//! transformers' own class (LlamaForCausalLM, or the family's: Qwen2, Qwen3, Gemma3, Phi3,
+//! Llama 3.1 rope) with random weights on the device, saves it (f16 or bf16) and writes the
 //! float32 reference of the same weights; `gdsllm convert` turns the directory into our format;
 //! this test loads it on the GPU through `llama::open` and compares.
 //!

@@ -6,67 +6,22 @@
 
 mod support;
 
-use llama::backend::cuda::{CudaBuf, CudaKvBuf, DeviceWeights};
-use llama::backend::{AttentionShape, RowGroup};
+use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
+use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
 use llama::load::open_uploaded;
 use llama::{
-    Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightSource,
-    WeightView, rope_inv_freq,
+    Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
+    rope_inv_freq,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use support::cuda::{
+    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, gpu_new_and_old, on_device, up, via_f16,
+    view,
+};
 use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
 
-/// The backend on device 0, `None` (after saying so) unless `GDSLLM_GPU_TESTS=1`.
-fn gpu() -> Option<CudaBackend> {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
-        return None;
-    }
-    match CudaBackend::new(0) {
-        Ok(be) => Some(be),
-        Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
-    }
-}
-
-fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {
-    be.upload(data).expect("upload")
-}
-
-fn down(be: &CudaBackend, buf: &CudaBuf, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    be.read(buf, &mut out).expect("CUDA ops succeeded");
-    out
-}
-
-fn down_kv(be: &CudaBackend, buf: &CudaKvBuf, n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; n];
-    be.read_kv(buf, &mut out).expect("CUDA ops succeeded");
-    out
-}
-
-fn alloc(be: &CudaBackend, n: usize) -> CudaBuf {
-    be.alloc(n).expect("alloc")
-}
-
-/// Weight bytes uploaded to the device (kernels take weights only from device memory).
-fn on_device(be: &CudaBackend, bytes: &[u8]) -> DeviceWeights {
-    be.upload_weights(vec![bytes.to_vec()])
-        .expect("upload weights")
-}
-
-/// The uploaded weight as a `[rows, cols]` tensor of `dtype`.
-fn view(w: &DeviceWeights, dtype: DType, rows: usize, cols: usize) -> WeightView<'_> {
-    WeightView::device(dtype, rows, cols, w.acquire(0).unwrap().ptr())
-}
-
-/// f32 accumulation (in another order than the f64 reference) over up to 1536 products; for
-/// quantized weights on the kernel path also x as 16-bit integers per 32-value block (each
-/// value within 2^-16 of its block's largest, ~1e-5 of a dot product here).
-const MATMUL_TOL: f32 = 1e-4;
-/// Quantized weights through cuBLAS: each dequantized weight rounded to f16.
-const QUANT_GEMM_TOL: f32 = 2e-3;
 /// Elementwise ops and row reductions in f32.
 const ELEMENT_TOL: f32 = 1e-5;
 
@@ -77,41 +32,8 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
     for dtype in ALL {
         for (m, k) in [(77, 96), (256, 576), (33, 1536)] {
             let w = weights(&mut rng, dtype, m, k);
-            let host = WeightView::host(dtype, m, k, &w);
-            let dev = on_device(&be, &w);
-            let wd = view(&dev, dtype, m, k);
             for rows in [1, 3, 8, 9, 33, 70] {
-                let x = random(&mut rng, rows * k);
-                // cuBLAS takes both operands in the weights' type: the reference gets x
-                // rounded the same way, so the tolerance stays that of f32 accumulation.
-                // f16 and quantized weights go there as f16 with x rounded to f16; bf16 ones
-                // as f32 with x as it is.
-                let via_cublas =
-                    rows >= llama::backend::cuda::CUBLAS_MIN_ROWS && dtype != DType::F32;
-                let x_ref: Vec<f32> = if via_cublas && dtype != DType::Bf16 {
-                    via_f16(&x)
-                } else {
-                    x.clone()
-                };
-                // Dequantized weights rounded to f16 (2^-11 relative each) add error that
-                // f32 accumulation alone does not have (bf16 converts exactly).
-                let tol = if via_cublas && !matches!(dtype, DType::F16 | DType::Bf16) {
-                    QUANT_GEMM_TOL
-                } else {
-                    MATMUL_TOL
-                };
-                let mut want = vec![0f32; rows * m];
-                matmul(&ReferenceBackend, &x_ref, rows, host, &mut want);
-                let xd = up(&be, &x);
-                let mut out = alloc(&be, rows * m);
-                matmul(&be, &xd, rows, wd, &mut out);
-                let got = down(&be, &out, rows * m);
-                let d = max_rel_diff(&got, &want);
-                println!(
-                    "matmul {dtype:?} [{m}x{k}] rows={rows}{}: max rel diff {d:.2e} (tol {tol:.0e})",
-                    if via_cublas { " (cuBLAS)" } else { "" }
-                );
-                assert!(d < tol, "matmul {dtype:?} {m}x{k} rows={rows}: {d}");
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
             }
         }
     }
@@ -179,7 +101,7 @@ fn rope_swiglu_add_match_reference() {
         head_dim: hd,
     };
     let (q_w, kv_w, ctx, pos0) = (heads * hd, 3 * hd, 64, 37);
-    let inv = rope_inv_freq(hd, 100000.0, None);
+    let inv = rope_inv_freq(hd, 100000.0, None, 0);
     let (x, k, v) = (
         random(&mut rng, rows * q_w),
         random(&mut rng, rows * kv_w),
@@ -266,12 +188,12 @@ fn rope_swiglu_add_match_reference() {
     assert!(d < ELEMENT_TOL, "add: {d}");
 }
 
-/// rmsnorm and swiglu also write their output in the quantized matmuls' input format, and the
+/// rmsnorm and the gated activations (swiglu, geglu) also write their output in the quantized matmuls' input format, and the
 /// quantized matmul reading that output next uses it instead of converting x itself: it must
 /// give the bits of a matmul over the same values uploaded afresh (converted by
 /// `quantize_x16`), and any op in between must make it convert again.
 #[test]
-fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
+fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
     let Some(be) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(31);
     let (rows, dim, ffn, m) = (3, 576, 1536, 40);
@@ -326,6 +248,9 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
         let (mut gd, mut o) = (up(&be, &g), alloc(&be, rows * m));
         be.swiglu(&mut gd, &up(&be, &u), rows * ffn).unwrap();
         check_used("swiglu", &gd, ffn, v2, &mut o);
+        let (mut gd, mut o) = (up(&be, &g), alloc(&be, rows * m));
+        be.geglu(&mut gd, &up(&be, &u), rows * ffn).unwrap();
+        check_used("geglu", &gd, ffn, v2, &mut o);
 
         // An op between the producer and the matmul (one that rewrites the producer's
         // output): the stale quantized copy is not used.
@@ -348,7 +273,7 @@ fn quantized_inputs_written_by_rmsnorm_and_swiglu_are_exact() {
         assert!(d < MATMUL_TOL, "{dtype:?} after rmsnorm + copy_rows: {d}");
     }
     println!(
-        "quantized matmul inputs written by rmsnorm and swiglu: the bits of quantize_x16's, and not reused after another op"
+        "quantized matmul inputs written by rmsnorm, swiglu and geglu: the bits of quantize_x16's, and not reused after another op"
     );
 }
 
@@ -413,21 +338,36 @@ fn fused_launches_match_reference() {
                 "matmul_add_batch {dtype:?} rows={rows}: {d}"
             );
 
-            // Row by row alone, the same bits.
+            // Row by row alone: the same bits through the eight-row kernel; within f32
+            // summation order through the tensor-core kernels (`mma` path, issue 23).
             let all = down(&be, &o1, rows * m1);
             for r in 0..rows {
                 let xr = up(&be, &x[r * k..(r + 1) * k]);
                 let mut o = alloc(&be, m1);
                 matmul(&be, &xr, 1, v1, &mut o);
-                assert_eq!(
-                    down(&be, &o, m1),
-                    all[r * m1..(r + 1) * m1],
-                    "{dtype:?}: row {r} of {rows} differs from the row alone"
-                );
+                let alone = down(&be, &o, m1);
+                if be.paths().mma && rows > 1 {
+                    let d = max_rel_diff(&all[r * m1..(r + 1) * m1], &alone);
+                    assert!(d < 1e-5, "{dtype:?}: row {r} of {rows}: {d} from alone");
+                } else {
+                    assert_eq!(
+                        alone,
+                        all[r * m1..(r + 1) * m1],
+                        "{dtype:?}: row {r} of {rows} differs from the row alone"
+                    );
+                }
             }
         }
     }
-    println!("matmul: every row of 5- and 9-row launches equals the row alone, bit for bit");
+    println!(
+        "matmul (paths {}): every row of 5- and 9-row launches equals the row alone{}",
+        be.paths(),
+        if be.paths().mma {
+            " within 1e-5"
+        } else {
+            ", bit for bit"
+        }
+    );
 
     let shape = AttentionShape {
         n_heads: 8,
@@ -436,7 +376,7 @@ fn fused_launches_match_reference() {
     };
     let (total_rows, row0, rows, pos0, capacity) = (5, 1, 3, 40, 64);
     let (q_dim, kv_dim) = (8 * 32, 2 * 32);
-    let inv = rope_inv_freq(32, 10000.0, None);
+    let inv = rope_inv_freq(32, 10000.0, None, 0);
     let (q, k, v) = (
         random(&mut rng, total_rows * q_dim),
         random(&mut rng, total_rows * kv_dim),
@@ -478,10 +418,6 @@ fn fused_launches_match_reference() {
     ));
     println!("rope_store_kv f16 caches: max rel diff {d:.2e} (tol 1e-3: one f16 rounding)");
     assert!(d < 1e-3, "rope_store_kv caches: {d}");
-}
-
-fn via_f16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|x| half::f16::from_f32(*x).to_f32()).collect()
 }
 
 #[test]
@@ -538,6 +474,286 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
     }
 }
 
+/// `rows` rows of a batch of one-row sequences (decoding): the rows the batched matmuls get.
+fn decode_rows(rows: usize) -> Vec<RowGroup> {
+    vec![RowGroup::solo(1); rows]
+}
+
+/// The tensor-core matmuls (`mma` path) of a decode batch against the reference, against each
+/// row alone through the one-row kernel (within f32 summation order: the quantized products are
+/// the same integers), and a row's bits the same whatever the batch size.
+#[test]
+fn mma_matmul_matches_reference_and_the_row_alone() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        mma: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(41);
+    for dtype in ALL {
+        // Ragged weight rows (blocks of 128), several column splits, rows across blocks of 64.
+        for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
+            let w = weights(&mut rng, dtype, m, k);
+            let host = WeightView::host(dtype, m, k, &w);
+            let dev = on_device(&be, &w);
+            let wd = view(&dev, dtype, m, k);
+            let dev_old = on_device(&old, &w);
+            let wd_old = view(&dev_old, dtype, m, k);
+            let x = random(&mut rng, 70 * k);
+            let mut first_rows: Option<Vec<f32>> = None;
+            for rows in [2, 3, 8, 9, 16, 17, 33, 64, 70] {
+                let x = x[..rows * k].to_vec();
+                let mut want = vec![0f32; rows * m];
+                matmul(&ReferenceBackend, &x, rows, host, &mut want);
+                let xd = up(&be, &x);
+                let mut out = alloc(&be, rows * m);
+                be.matmul_batch(&xd, &decode_rows(rows), &[wd], &mut [&mut out])
+                    .unwrap();
+                let got = down(&be, &out, rows * m);
+                let d = max_rel_diff(&got, &want);
+                // Each row alone through the one-row kernel of the old path.
+                let mut alone = Vec::with_capacity(rows * m);
+                for r in 0..rows {
+                    let xr = up(&old, &x[r * k..(r + 1) * k]);
+                    let mut o = alloc(&old, m);
+                    matmul(&old, &xr, 1, wd_old, &mut o);
+                    alone.extend(down(&old, &o, m));
+                }
+                let d_alone = max_rel_diff(&got, &alone);
+                println!(
+                    "mma matmul {dtype:?} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
+                );
+                assert!(d < MATMUL_TOL, "mma {dtype:?} {m}x{k} rows={rows}: {d}");
+                assert!(
+                    d_alone < 1e-5,
+                    "mma {dtype:?} {m}x{k} rows={rows} vs alone: {d_alone}"
+                );
+                match &first_rows {
+                    None => first_rows = Some(got[..2 * m].to_vec()),
+                    Some(f) => assert_eq!(
+                        &got[..2 * m],
+                        &f[..],
+                        "mma {dtype:?} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
+                    ),
+                }
+            }
+        }
+    }
+    println!("mma matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
+
+    // Q/K/V-style weights in one launch, and the residual add, on the mma path.
+    for dtype in [DType::F16, DType::Q4_1, DType::Q8_0] {
+        let (m1, m2, k, rows) = (200, 72, 576, 12);
+        let (w1, w2) = (
+            weights(&mut rng, dtype, m1, k),
+            weights(&mut rng, dtype, m2, k),
+        );
+        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
+        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
+        let x = random(&mut rng, rows * k);
+        let base = random(&mut rng, rows * m1);
+        let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
+        matmul(
+            &ReferenceBackend,
+            &x,
+            rows,
+            WeightView::host(dtype, m1, k, &w1),
+            &mut want1,
+        );
+        matmul(
+            &ReferenceBackend,
+            &x,
+            rows,
+            WeightView::host(dtype, m2, k, &w2),
+            &mut want2,
+        );
+        let xd = up(&be, &x);
+        let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
+        be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
+            .unwrap();
+        let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
+            .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
+        let mut acc = up(&be, &base);
+        let mut scratch = alloc(&be, rows * m1);
+        be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
+            .unwrap();
+        let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
+        let d_add = max_rel_diff(&down(&be, &acc, rows * m1), &want);
+        println!(
+            "mma matmul {dtype:?}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
+        );
+        assert!(
+            d < MATMUL_TOL && d_add < MATMUL_TOL,
+            "{dtype:?}: {d} {d_add}"
+        );
+    }
+}
+
+/// A batch's RoPE/KV stores and decode attention in one launch each (`seqs` path) against the
+/// launches per sequence: the same bits. More sequences than one launch takes (64), ragged
+/// rows and positions, prompts among them.
+#[test]
+fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
+    let Some((new, old)) = gpu_new_and_old(CudaPaths {
+        seqs: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(42);
+    let shape = AttentionShape {
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+    };
+    let (q_w, kv_w) = (8 * 64, 2 * 64);
+    // (rows, pos0, capacity): a few prompts, then one-row sequences at many positions.
+    let mut specs = vec![
+        (1, 0, 8),
+        (3, 5, 16),
+        (1, 200, 260),
+        (1, 129, 140),
+        (5, 0, 8),
+    ];
+    for i in 0..70 {
+        let pos = (i * 37) % 300;
+        specs.push((1, pos, pos + 1 + i % 3));
+    }
+    let total: usize = specs.iter().map(|s| s.0).sum();
+    let inv = rope_inv_freq(64, 10000.0, None, 0);
+    let (q, k, v) = (
+        random(&mut rng, total * q_w),
+        random(&mut rng, total * kv_w),
+        random(&mut rng, total * kv_w),
+    );
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = specs
+        .iter()
+        .map(|s| (random(&mut rng, s.2 * kv_w), random(&mut rng, s.2 * kv_w)))
+        .collect();
+    let run = |be: &CudaBackend| {
+        let (mut qd, mut kd, vd) = (up(be, &q), up(be, &k), up(be, &v));
+        let mut kv: Vec<(CudaKvBuf, CudaKvBuf)> = caches
+            .iter()
+            .map(|(kc, vc)| (be.upload_kv(kc).unwrap(), be.upload_kv(vc).unwrap()))
+            .collect();
+        let mut row0 = 0;
+        let mut stores: Vec<KvStoreSeq<'_, CudaKvBuf>> = Vec::new();
+        for (s, (kc, vc)) in specs.iter().zip(kv.iter_mut()) {
+            stores.push(KvStoreSeq {
+                row0,
+                rows: s.0,
+                pos0: s.1,
+                k_cache: kc,
+                v_cache: vc,
+            });
+            row0 += s.0;
+        }
+        be.rope_store_kv_batch(&mut qd, &mut kd, &vd, &mut stores, shape, &up(be, &inv))
+            .unwrap();
+        drop(stores);
+        let mut row0 = 0;
+        let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> = specs
+            .iter()
+            .zip(&kv)
+            .map(|(s, (kc, vc))| {
+                let seq = AttentionSeq {
+                    row0,
+                    rows: s.0,
+                    pos0: s.1,
+                    k_cache: kc,
+                    v_cache: vc,
+                };
+                row0 += s.0;
+                seq
+            })
+            .collect();
+        let mut out = alloc(be, total * q_w);
+        be.attention_batch(&qd, &seqs, shape, AttentionParams::causal(shape), &mut out)
+            .unwrap();
+        let cache_values: Vec<Vec<f32>> = kv
+            .iter()
+            .zip(&specs)
+            .flat_map(|((kc, vc), s)| [down_kv(be, kc, s.2 * kv_w), down_kv(be, vc, s.2 * kv_w)])
+            .collect();
+        (
+            down(be, &qd, total * q_w),
+            down(be, &kd, total * kv_w),
+            cache_values,
+            down(be, &out, total * q_w),
+        )
+    };
+    let (a, b) = (run(&new), run(&old));
+    assert_eq!(a.0, b.0, "roped q");
+    assert_eq!(a.1, b.1, "roped k");
+    assert_eq!(a.2, b.2, "KV caches");
+    assert_eq!(a.3, b.3, "attention outputs");
+    println!(
+        "{} sequences ({total} rows): RoPE, KV stores and attention in one launch each equal the per-sequence launches bit for bit",
+        specs.len()
+    );
+}
+
+/// Prompt attention on tensor cores (`flash` path) against the reference and the f32 kernel:
+/// GQA and not, head_dim 64 and 128, prompts across blocks of 64 rows, after a cached prefix.
+#[test]
+fn flash_attention_matches_reference() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        flash: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(43);
+    for (n_heads, n_kv_heads, head_dim, rows, pos0) in [
+        (8, 2, 64, 2, 0),
+        (9, 3, 64, 40, 50),
+        (4, 4, 128, 70, 0),
+        (32, 8, 128, 200, 13),
+        (4, 1, 128, 3, 1500),
+    ] {
+        let shape = AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        };
+        let (q_w, kv_w) = (n_heads * head_dim, n_kv_heads * head_dim);
+        let ctx = pos0 + rows;
+        let (k, v) = (random(&mut rng, ctx * kv_w), random(&mut rng, ctx * kv_w));
+        let q: Vec<f32> = random(&mut rng, rows * q_w)
+            .iter()
+            .map(|x| x * 4.0)
+            .collect();
+        let mut want = vec![0f32; rows * q_w];
+        attention(
+            &ReferenceBackend,
+            &q,
+            rows,
+            &via_f16(&k),
+            &via_f16(&v),
+            pos0,
+            shape,
+            &mut want,
+        );
+        let mut results = Vec::new();
+        for b in [&be, &old] {
+            let (kc, vc) = (b.upload_kv(&k).unwrap(), b.upload_kv(&v).unwrap());
+            let mut out = alloc(b, rows * q_w);
+            attention(b, &up(b, &q), rows, &kc, &vc, pos0, shape, &mut out);
+            results.push(down(b, &out, rows * q_w));
+        }
+        let d = max_rel_diff(&results[0], &want);
+        let d_old = max_rel_diff(&results[0], &results[1]);
+        println!(
+            "flash attention {n_heads}/{n_kv_heads} heads hd={head_dim} rows={rows} pos0={pos0}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_old:.2e} vs the f32 kernel"
+        );
+        assert!(
+            d < MATMUL_TOL,
+            "flash attention rows={rows} pos0={pos0}: {d}"
+        );
+    }
+}
+
 /// A synthetic model of `shape` in `dtype` in a temporary directory (kept alive by the returned
 /// guard), or None when the GPU tests are not enabled.
 fn gpu_test_model(
@@ -587,16 +803,19 @@ fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {
     (idx[0] as u32, logits[idx[0]] - logits[idx[1]])
 }
 
-/// Prefill logits within 1e-2 relative error of the CPU backend, then 16 greedy steps fed the
-/// CPU's token: the device's argmax must agree wherever the CPU's top-2 margin exceeds twice
-/// the logit difference seen at that step (below that, either token is numerically right).
-fn compare_model(dir: &std::path::Path, label: &str) {
+/// Prefill logits within 1e-2 relative error of the CPU backend on `cpu_dir` (the same model, or
+/// its f32 twin), then 16 greedy steps fed the CPU's token: the device's argmax must agree
+/// wherever the CPU's top-2 margin exceeds twice the logit difference seen at that step (below
+/// that, either token is numerically right).
+fn compare_model(dir: &std::path::Path, cpu_dir: &std::path::Path, label: &str) {
     let Some(be_check) = gpu() else { return };
     drop(be_check);
-    let model = weights_format::Model::open(dir).unwrap();
-    let meta = model.metadata().clone();
+    let meta = weights_format::Model::open(cpu_dir)
+        .unwrap()
+        .metadata()
+        .clone();
     let context = 128;
-    let cpu_weights = InMemoryWeights::read_dir(dir, &meta).unwrap();
+    let cpu_weights = InMemoryWeights::read_dir(cpu_dir, &meta).unwrap();
     let mut cpu = Llama::new(
         CpuBackend::new(),
         cpu_weights,
@@ -651,7 +870,7 @@ fn smollm2_shaped_q4_1_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
     };
-    compare_model(&dir, "smollm2-135m q4_1");
+    compare_model(&dir, &dir, "smollm2-135m q4_1");
 }
 
 #[test]
@@ -659,7 +878,7 @@ fn small_untied_f16_model_matches_cpu() {
     let Some((_tmp, dir)) = gpu_test_model(small_untied_shape(4), DType::F16, "small-f16") else {
         return;
     };
-    compare_model(&dir, "small f16 untied");
+    compare_model(&dir, &dir, "small f16 untied");
 }
 
 /// Without a GPU the backend is an error value, never a panic.
@@ -815,4 +1034,271 @@ fn streamed_small_untied_f16_gives_the_resident_tokens() {
         return;
     };
     streamed_matches_resident(&dir, "small f16 untied");
+}
+
+/// The ops of the families beyond llama (biases, per-head norms, post-norms, the tanh-GeLU gate,
+/// the embedding scale, the logit soft-cap) on CUDA against the reference backend.
+#[test]
+fn family_ops_match_reference() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(41);
+    // Gemma 3 270M's per-head norm width (256) and Qwen3's (128); 5 rows of 8 heads.
+    let (rows, heads) = (5, 8);
+    let check = |name: &str, got: &[f32], want: &[f32], tol: f32| {
+        let d = max_rel_diff(got, want);
+        println!("{name}: max rel diff {d:.2e} (tol {tol:.0e})");
+        assert!(d <= tol, "{name}: {d}");
+    };
+    for hd in [256, 128] {
+        let width = heads * hd;
+        let x = random(&mut rng, rows * width);
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let b = weights(&mut rng, dtype, 1, width);
+            let bd = on_device(&be, &b);
+            let mut want = x.clone();
+            ReferenceBackend
+                .add_bias(&mut want, rows, WeightView::host(dtype, 1, width, &b))
+                .unwrap();
+            let mut xd = up(&be, &x);
+            be.add_bias(&mut xd, rows, view(&bd, dtype, 1, width))
+                .unwrap();
+            check(
+                &format!("add_bias {dtype} width {width}"),
+                &down(&be, &xd, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+
+            let nw = weights(&mut rng, dtype, 1, hd);
+            let nd = on_device(&be, &nw);
+            let mut want = x.clone();
+            ReferenceBackend
+                .rmsnorm_pieces(
+                    &mut want,
+                    rows * heads,
+                    WeightView::host(dtype, 1, hd, &nw),
+                    1e-6,
+                )
+                .unwrap();
+            let mut xd = up(&be, &x);
+            be.rmsnorm_pieces(&mut xd, rows * heads, view(&nd, dtype, 1, hd), 1e-6)
+                .unwrap();
+            check(
+                &format!("rmsnorm_pieces {dtype} head_dim {hd}"),
+                &down(&be, &xd, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+
+            let pw = weights(&mut rng, dtype, 1, width);
+            let pd = on_device(&be, &pw);
+            let base = random(&mut rng, rows * width);
+            let mut want = base.clone();
+            ReferenceBackend
+                .add_rmsnorm(
+                    &x,
+                    rows,
+                    WeightView::host(dtype, 1, width, &pw),
+                    1e-6,
+                    &mut want,
+                )
+                .unwrap();
+            let mut acc = up(&be, &base);
+            be.add_rmsnorm(
+                &up(&be, &x),
+                rows,
+                view(&pd, dtype, 1, width),
+                1e-6,
+                &mut acc,
+            )
+            .unwrap();
+            check(
+                &format!("add_rmsnorm {dtype} width {width}"),
+                &down(&be, &acc, x.len()),
+                &want,
+                ELEMENT_TOL,
+            );
+        }
+    }
+    // Four values per thread (also written quantized), four without, one per thread.
+    for n in [3008, 3000, 3001] {
+        let g: Vec<f32> = random(&mut rng, n).iter().map(|v| 8.0 * v).collect();
+        let u = random(&mut rng, n);
+        let mut want = g.clone();
+        ReferenceBackend.geglu(&mut want, &u, n).unwrap();
+        let mut gd = up(&be, &g);
+        be.geglu(&mut gd, &up(&be, &u), n).unwrap();
+        check(
+            &format!("geglu n={n}"),
+            &down(&be, &gd, n),
+            &want,
+            ELEMENT_TOL,
+        );
+    }
+    let n = 5000;
+    let x: Vec<f32> = random(&mut rng, n).iter().map(|v| 100.0 * v).collect();
+    let mut want = x.clone();
+    ReferenceBackend.scale(&mut want, n, 25.3).unwrap();
+    let mut xd = up(&be, &x);
+    be.scale(&mut xd, n, 25.3).unwrap();
+    check("scale", &down(&be, &xd, n), &want, 0.0);
+    let mut want = x.clone();
+    ReferenceBackend.softcap(&mut want, n, 30.0).unwrap();
+    let mut xd = up(&be, &x);
+    be.softcap(&mut xd, n, 30.0).unwrap();
+    let got = down(&be, &xd, n);
+    check("softcap", &got, &want, ELEMENT_TOL);
+    assert!(got.iter().all(|v| v.abs() <= 30.0));
+}
+
+/// A sliding-window layer on CUDA: RoPE and the cache stores into a ring of twice the window
+/// (position `p` in slot `p % slots`), then windowed attention with Gemma's head_dim of 256,
+/// against the reference backend over a cache holding every position (f32): prompts of up to
+/// a window of rows, and decode rows whose window spans several chunks of the split decode
+/// kernel, over 700 positions (the ring wraps three times).
+#[test]
+fn family_windowed_attention_over_a_ring_matches_reference() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(42);
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+    };
+    let (width, kv_width, window) = (1024, 256, 200);
+    let params = AttentionParams {
+        scale: 0.0625,
+        window: Some(window),
+    };
+    let inv = rope_inv_freq(256, 10000.0, None, 0);
+    let chunks = [200, 150, 1, 1, 120, 1, 37, 1, 200, 1, 1, 1, 3];
+    let total: usize = chunks.iter().sum();
+    let (q, k, v) = (
+        random(&mut rng, total * width)
+            .iter()
+            .map(|x| 4.0 * x)
+            .collect::<Vec<f32>>(),
+        random(&mut rng, total * kv_width),
+        random(&mut rng, total * kv_width),
+    );
+    let slots = 2 * window;
+    let (mut kc, mut vc) = (
+        be.alloc_kv(slots * kv_width).unwrap(),
+        be.alloc_kv(slots * kv_width).unwrap(),
+    );
+    let (mut rkc, mut rvc) = (vec![0f32; total * kv_width], vec![0f32; total * kv_width]);
+    let invd = up(&be, &inv);
+    let mut pos = 0;
+    let mut worst = 0f32;
+    for &n in &chunks {
+        let (mut qr, mut kr, vr) = (
+            q[pos * width..(pos + n) * width].to_vec(),
+            k[pos * kv_width..(pos + n) * kv_width].to_vec(),
+            v[pos * kv_width..(pos + n) * kv_width].to_vec(),
+        );
+        let (mut qd, mut kd) = (up(&be, &qr), up(&be, &kr));
+        be.rope_store_kv(
+            &mut qd,
+            &mut kd,
+            &up(&be, &vr),
+            0,
+            n,
+            pos,
+            shape,
+            &invd,
+            &mut kc,
+            &mut vc,
+        )
+        .unwrap();
+        let mut out = alloc(&be, n * width);
+        support::attention_with(&be, &qd, n, (&kc, &vc), pos, shape, params, &mut out);
+        ReferenceBackend
+            .rope_store_kv(
+                &mut qr, &mut kr, &vr, 0, n, pos, shape, &inv, &mut rkc, &mut rvc,
+            )
+            .unwrap();
+        let mut want = vec![0f32; n * width];
+        support::attention_with(
+            &ReferenceBackend,
+            &qr,
+            n,
+            (&rkc, &rvc),
+            pos,
+            shape,
+            params,
+            &mut want,
+        );
+        let d = max_rel_diff(&down(&be, &out, n * width), &want);
+        worst = worst.max(d);
+        assert!(d < 2e-3, "rows {pos}..{}: {d}", pos + n);
+        pos += n;
+    }
+    println!(
+        "windowed attention (window {window}, ring of {slots} slots, {total} positions): max rel diff {worst:.2e} (tol 2e-3: the cache is f16 on the device, f32 in the reference)"
+    );
+}
+
+/// One small model of every family (`support::families`: biases, Q/K head norms, post-norms,
+/// the GeLU gate, the embedding scale, sliding-window layers with their own RoPE base, a
+/// soft-cap, freq_factors and longrope RoPE) on CUDA against the CPU backend: the prompt and
+/// the decode steps run past gemma3's window of 8, so its rings wrap.
+#[test]
+fn family_models_match_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, config) in support::families::configs() {
+        for dtype in [DType::Q4_1, DType::F16] {
+            let dir = tmp.path().join(format!("{name}-{dtype}"));
+            support::families::write(&dir, &config, dtype);
+            compare_model(&dir, &dir, &format!("family {name} {dtype}"));
+        }
+    }
+}
+
+/// Gemma 3's windowed rings through the production path: resident (decode steps replayed
+/// from a CUDA graph), streamed and through the host tier give the upload-once path's tokens
+/// and logits exactly.
+#[test]
+fn family_gemma3_streamed_gives_the_resident_tokens() {
+    if gpu().is_none() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, config) = support::families::configs()
+        .into_iter()
+        .find(|(name, _)| *name == "gemma3")
+        .unwrap();
+    let dir = tmp.path().join("gemma3");
+    support::families::write(&dir, &config, DType::Q4_1);
+    streamed_matches_resident(&dir, "family gemma3 q4_1");
+}
+
+/// A model in llama.cpp's Q4_K_M mix (q4_k, q6_k, and q5_0/q8_0 for ffn_down, whose 704-value
+/// rows are not whole super-blocks) of the small untied shape, and its f32 twin.
+fn gpu_q4_k_m_model(n_layers: usize) -> Option<(tempfile::TempDir, std::path::PathBuf)> {
+    gpu()?;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("q4km");
+    let config = small_untied_shape(n_layers).config();
+    let model = gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.02, 7).unwrap();
+    gdsllm_convert::testing::write_f32_twin(&model, &tmp.path().join("f32")).unwrap();
+    Some((tmp, dir))
+}
+
+#[test]
+fn q4_k_m_mix_model_matches_its_f32_twin_on_cpu() {
+    let Some((tmp, dir)) = gpu_q4_k_m_model(4) else {
+        return;
+    };
+    compare_model(&dir, &tmp.path().join("f32"), "small q4_k_m mix");
+}
+
+#[test]
+fn streamed_q4_k_m_mix_gives_the_resident_tokens() {
+    let Some((_tmp, dir)) = gpu_q4_k_m_model(6) else {
+        return;
+    };
+    streamed_matches_resident(&dir, "small q4_k_m mix");
 }

@@ -3,11 +3,11 @@
 
 mod support;
 
-use llama::backend::{AttentionShape, RowGroup};
+use llama::backend::{AttentionParams, AttentionShape, RowGroup};
 use llama::{Backend, CpuBackend, ReferenceBackend, WeightView, rope_inv_freq};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use support::{ALL, attention, matmul, max_rel_diff, random, weights};
+use support::{ALL, attention, attention_with, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
 
 /// f32 accumulation in a different order than the f64 reference: a few ulps of the scale.
@@ -77,7 +77,7 @@ fn rope_attention_swiglu_add_match_reference() {
         n_kv_heads: 2,
         head_dim: 32,
     };
-    let inv = rope_inv_freq(shape.head_dim, 10000.0, None);
+    let inv = rope_inv_freq(shape.head_dim, 10000.0, None, 0);
     let (ctx, pos0, rows) = (40, 11, 7);
     let q_w = shape.n_heads * shape.head_dim;
     let kv_w = shape.n_kv_heads * shape.head_dim;
@@ -164,6 +164,181 @@ fn rope_attention_swiglu_add_match_reference() {
     }
     add_check(&cpu, &x, view, &base);
     add_check(&ReferenceBackend, &x, view, &base);
+}
+
+/// The ops the families beyond llama add (biases, per-head norms, post-norms, the tanh-GeLU
+/// gate, the embedding scale, the logit soft-cap), CPU against reference.
+#[test]
+fn family_ops_match_reference() {
+    let mut rng = StdRng::seed_from_u64(6);
+    let cpu = CpuBackend::new();
+    let (rows, width) = (5, 96);
+    let x = random(&mut rng, rows * width);
+    let check = |name: &str, fast: &[f32], slow: &[f32], tol: f32| {
+        let d = max_rel_diff(fast, slow);
+        println!("{name}: max rel diff {d:.2e} (tol {tol:.0e})");
+        assert!(d <= tol, "{name}: {d}");
+    };
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let b = weights(&mut rng, dtype, 1, width);
+        let bias = WeightView::host(dtype, 1, width, &b);
+        let (mut fast, mut slow) = (x.clone(), x.clone());
+        cpu.add_bias(&mut fast, rows, bias).unwrap();
+        ReferenceBackend.add_bias(&mut slow, rows, bias).unwrap();
+        check(&format!("add_bias {dtype}"), &fast, &slow, 0.0);
+
+        // Per-head norms: 6 heads of 16 in each row.
+        let nw = weights(&mut rng, dtype, 1, 16);
+        let head_norm = WeightView::host(dtype, 1, 16, &nw);
+        let (mut fast, mut slow) = (x.clone(), x.clone());
+        cpu.rmsnorm_pieces(&mut fast, rows * 6, head_norm, 1e-6)
+            .unwrap();
+        ReferenceBackend
+            .rmsnorm_pieces(&mut slow, rows * 6, head_norm, 1e-6)
+            .unwrap();
+        check(&format!("rmsnorm_pieces {dtype}"), &fast, &slow, TOL);
+        // ... which is the plain rmsnorm of the rows seen as [rows·6, 16].
+        let mut plain = vec![0f32; x.len()];
+        cpu.rmsnorm(&x, rows * 6, head_norm, 1e-6, &mut plain)
+            .unwrap();
+        assert_eq!(fast, plain);
+
+        let pw = weights(&mut rng, dtype, 1, width);
+        let post = WeightView::host(dtype, 1, width, &pw);
+        let base = random(&mut rng, rows * width);
+        let (mut fast, mut slow) = (base.clone(), base.clone());
+        cpu.add_rmsnorm(&x, rows, post, 1e-6, &mut fast).unwrap();
+        ReferenceBackend
+            .add_rmsnorm(&x, rows, post, 1e-6, &mut slow)
+            .unwrap();
+        check(&format!("add_rmsnorm {dtype}"), &fast, &slow, TOL);
+    }
+
+    let g: Vec<f32> = random(&mut rng, 1000).iter().map(|v| 8.0 * v).collect();
+    let u = random(&mut rng, 1000);
+    let (mut gf, mut gs) = (g.clone(), g.clone());
+    cpu.geglu(&mut gf, &u, 1000).unwrap();
+    ReferenceBackend.geglu(&mut gs, &u, 1000).unwrap();
+    check("geglu", &gf, &gs, TOL);
+    // The tanh approximation against values computed by hand (x = 1, -2: 0.841192, -0.045402).
+    let mut two = vec![1.0f32, -2.0];
+    cpu.geglu(&mut two, &vec![1.0, 1.0], 2).unwrap();
+    assert!((two[0] - 0.841_192).abs() < 1e-5 && (two[1] + 0.045_402).abs() < 1e-5);
+
+    let (mut fast, mut slow) = (x.clone(), x.clone());
+    cpu.scale(&mut fast, x.len(), 25.3).unwrap();
+    ReferenceBackend.scale(&mut slow, x.len(), 25.3).unwrap();
+    check("scale", &fast, &slow, 0.0);
+
+    let big: Vec<f32> = x.iter().map(|v| 100.0 * v).collect();
+    let (mut fast, mut slow) = (big.clone(), big.clone());
+    cpu.softcap(&mut fast, big.len(), 30.0).unwrap();
+    ReferenceBackend
+        .softcap(&mut slow, big.len(), 30.0)
+        .unwrap();
+    check("softcap", &fast, &slow, TOL);
+    assert!(fast.iter().all(|v| v.abs() < 30.0));
+}
+
+/// A sliding-window layer's cache is a ring (position `p` in slot `p % slots`): attention over
+/// it equals attention over a cache holding every position with the same window, bit for bit
+/// on the CPU backend and within rounding on the reference, for prompts and decode rows that
+/// wrap the ring; a cache too small for the rows is an error, not a wrong answer.
+#[test]
+fn windowed_attention_over_a_ring_equals_a_full_cache() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let shape = AttentionShape {
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+    };
+    let (width, kv_width, window) = (64, 32, 5);
+    let params = AttentionParams {
+        scale: 0.3,
+        window: Some(window),
+    };
+    let inv = rope_inv_freq(16, 10000.0, None, 0);
+    let total = 23;
+    let q = random(&mut rng, total * width);
+    let k = random(&mut rng, total * kv_width);
+    let v = random(&mut rng, total * kv_width);
+    fn run<B: Backend<Buf = Vec<f32>, KvBuf = Vec<f32>>>(
+        be: &B,
+        slots: usize,
+        chunks: &[usize],
+        (q, k, v): (&[f32], &[f32], &[f32]),
+        shape: AttentionShape,
+        params: AttentionParams,
+        inv: &Vec<f32>,
+    ) -> Vec<f32> {
+        let (width, kv_width) = (64, 32);
+        let (mut kc, mut vc) = (vec![0f32; slots * kv_width], vec![0f32; slots * kv_width]);
+        let mut out = Vec::new();
+        let mut pos = 0;
+        for &n in chunks {
+            let mut qr = q[pos * width..(pos + n) * width].to_vec();
+            let mut kr = k[pos * kv_width..(pos + n) * kv_width].to_vec();
+            let vr = v[pos * kv_width..(pos + n) * kv_width].to_vec();
+            be.rope_store_kv(
+                &mut qr, &mut kr, &vr, 0, n, pos, shape, inv, &mut kc, &mut vc,
+            )
+            .unwrap();
+            let mut o = vec![0f32; n * width];
+            attention_with(be, &qr, n, (&kc, &vc), pos, shape, params, &mut o);
+            out.extend(o);
+            pos += n;
+        }
+        out
+    }
+    let inputs = (&q[..], &k[..], &v[..]);
+    // A prompt of 5 (the window), then 3, 5, 1, ... up to 23 positions.
+    let chunks = [5, 3, 5, 1, 1, 4, 1, 2, 1];
+    let cpu = CpuBackend::new();
+    let full = run(&cpu, total, &chunks, inputs, shape, params, &inv);
+    let ring = run(&cpu, 2 * window, &chunks, inputs, shape, params, &inv);
+    assert_eq!(ring, full, "cpu: ring of {} vs full cache", 2 * window);
+    let slow = run(
+        &ReferenceBackend,
+        2 * window,
+        &chunks,
+        inputs,
+        shape,
+        params,
+        &inv,
+    );
+    let d = max_rel_diff(&ring, &slow);
+    println!(
+        "windowed attention over a ring: cpu identical to a full cache; vs reference max rel diff {d:.2e} (tol {TOL:.0e})"
+    );
+    assert!(d <= TOL);
+    // The window matters: without it the rows past the window differ.
+    let unwindowed = AttentionParams {
+        window: None,
+        ..params
+    };
+    let all = run(&cpu, total, &chunks, inputs, shape, unwindowed, &inv);
+    assert_eq!(all[..window * width], full[..window * width]);
+    assert_ne!(all[window * width..], full[window * width..]);
+
+    // 6 rows at positions 8..=13 see keys from 4 on: 10 positions, which 9 slots cannot hold.
+    let (mut kc, vc) = (vec![0f32; 9 * kv_width], vec![0f32; 9 * kv_width]);
+    kc.iter_mut().for_each(|x| *x = 0.5);
+    let seq = llama::AttentionSeq {
+        row0: 0,
+        rows: 6,
+        pos0: 8,
+        k_cache: &kc,
+        v_cache: &vc,
+    };
+    let mut o = vec![0f32; 6 * width];
+    let err = cpu
+        .attention_batch(&q, &[seq], shape, params, &mut o)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("cannot serve rows at positions 8..=13"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -271,7 +446,7 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>, KvBuf = Vec<f32>>>(be:
         head_dim: 16,
     };
     let (width, kv_width) = (64, 32);
-    let inv = rope_inv_freq(16, 10000.0, None);
+    let inv = rope_inv_freq(16, 10000.0, None, 0);
     // (rows, pos0) of three sequences, each with its own cache.
     let seqs = [(2usize, 5usize), (1, 0), (4, 9)];
     let total: usize = seqs.iter().map(|s| s.0).sum();
@@ -314,7 +489,14 @@ fn batched_ops_equal_ops_alone<B: Backend<Buf = Vec<f32>, KvBuf = Vec<f32>>>(be:
         row0 += n;
     }
     let mut out = vec![0f32; total * width];
-    be.attention_batch(&roped, &attn, shape, &mut out).unwrap();
+    be.attention_batch(
+        &roped,
+        &attn,
+        shape,
+        AttentionParams::causal(shape),
+        &mut out,
+    )
+    .unwrap();
     let mut row0 = 0;
     for (&(n, p), (kc, vc)) in seqs.iter().zip(&caches) {
         let mut alone = q[row0 * width..(row0 + n) * width].to_vec();

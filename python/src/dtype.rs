@@ -98,7 +98,8 @@ impl ElementType {
             DType::F32 => ElementType::F32,
             DType::F16 => ElementType::F16,
             DType::Bf16 => ElementType::Bf16,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => ElementType::U8,
+            // Every other dtype is quantized blocks (q8_0 … q4_1, the k-quants).
+            _ => ElementType::U8,
         }
     }
 }

@@ -114,7 +114,7 @@ def test_bad_inputs_raise_with_the_reason(data_file, tmp_path):
         host_tensor(path, [1 << 40, 1 << 40], "float32")
     with pytest.raises(ValueError, match="unknown device \"tpu:0\""):
         gdsllm.gds_tensor(path, [4], "float32", device="tpu:0", as_torch=False)
-    with pytest.raises(ValueError, match="invalid I/O backend \"nvme\""):
+    with pytest.raises(ValueError, match="invalid I/O path \"nvme\""):
         gdsllm.gds_tensor(path, [4], "float32", device="cpu", io="nvme", as_torch=False)
     with pytest.raises(ValueError, match="io=\"cufile\" reads into GPU memory"):
         gdsllm.gds_tensor(path, [4], "float32", device="cpu", io="cufile", as_torch=False)

@@ -61,7 +61,11 @@ pub enum Lookup {
 /// How a finished read went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    Done { stored_in_host: bool },
+    Done {
+        stored_in_host: bool,
+        /// Bytes fetched from the network tier to local disk before the read.
+        network_bytes: u64,
+    },
     Failed(String),
 }
 
@@ -263,11 +267,23 @@ impl Engine {
     }
 
     /// The I/O side finished `job`.
+    /// Counts a blob fetched from the network tier.
+    pub fn add_network(&mut self, bytes: u64) {
+        self.current.network_bytes += bytes;
+        self.current.network_fetches += 1;
+    }
+
     pub fn complete(&mut self, job: &Job, outcome: Outcome, now: Duration) {
         self.account(now);
         self.in_flight -= 1;
         match outcome {
-            Outcome::Done { stored_in_host } => {
+            Outcome::Done {
+                stored_in_host,
+                network_bytes,
+            } => {
+                if network_bytes > 0 {
+                    self.add_network(network_bytes);
+                }
                 match job.from {
                     ReadFrom::Disk => {
                         self.current.disk_bytes += job.bytes;

@@ -90,6 +90,25 @@ pub enum ResidencyError {
         expected: u64,
         actual: u64,
     },
+    #[error("{file}: fetching it from {url} failed: {message}")]
+    Fetch {
+        file: String,
+        url: String,
+        message: String,
+    },
+    #[error(
+        "{file} fetched from {url}: checksum mismatch: metadata.json says \
+         xxh3:{expected:016x}, the bytes hash to xxh3:{actual:016x} (the served copy is corrupt \
+         or changed); they are not kept"
+    )]
+    FetchedChecksum {
+        file: String,
+        url: String,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("{path}: {reason}")]
+    Origin { path: PathBuf, reason: String },
     #[error("the residency reader thread has stopped")]
     ReaderStopped,
 }

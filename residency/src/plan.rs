@@ -370,8 +370,22 @@ impl Plan {
     }
 }
 
-/// Bytes of a K and V cache for `context` tokens at `bytes_per_value` (2 for f16, 4 for f32):
-/// the largest part of what `reserved_bytes` must cover.
+/// Positions layer `layer`'s KV cache keeps for a sequence of up to `context` positions: all of
+/// them, except on a sliding-window layer, which keeps at most twice its window (a ring: a
+/// position lands in slot `pos % slots`). Twice, not once, so that a pass computing up to
+/// `window` new positions of a sequence at once never overwrites a key that one of its rows
+/// still sees (keys `p - window + 1 ..= p` for the row at `p`; the pass writes all its keys
+/// before attending).
+pub fn kv_positions(config: &weights_format::ModelConfig, layer: u32, context: u64) -> u64 {
+    match &config.sliding_window {
+        Some(w) if config.is_sliding_layer(layer) => context.min(2 * u64::from(w.size)),
+        _ => context,
+    }
+}
+
+/// Bytes of the K and V caches of every layer for a sequence of up to `context` positions at
+/// `bytes_per_value` (2 for f16, 4 for f32), each layer counted with its own positions
+/// ([`kv_positions`]): the largest part of what `reserved_bytes` must cover.
 pub fn kv_cache_bytes(
     config: &weights_format::ModelConfig,
     context: u64,
@@ -379,15 +393,16 @@ pub fn kv_cache_bytes(
 ) -> u64 {
     // Saturating: an absurd config (a context of 2^32) must come out as "too large for the
     // budget", not wrap around to something small or panic.
-    [
-        config.n_layers as u64,
+    let per_position = [
         config.n_kv_heads as u64,
         config.head_dim as u64,
-        context,
         bytes_per_value,
     ]
     .into_iter()
-    .fold(2u64, u64::saturating_mul)
+    .fold(2u64, u64::saturating_mul);
+    (0..config.n_layers)
+        .map(|l| kv_positions(config, l, context).saturating_mul(per_position))
+        .fold(0u64, u64::saturating_add)
 }
 
 fn seconds(bytes: u64, gbps: f64) -> f64 {
@@ -686,6 +701,37 @@ mod tests {
             resident_layers: None,
             policy: Policy::Planned,
         }
+    }
+
+    /// Gemma 3 270M's layout: 18 layers, 15 of them with a 512-position window, one KV head of
+    /// 256 values. Its global layers cost the whole context, the windowed ones 1024 positions.
+    #[test]
+    fn windowed_layers_cost_their_ring_not_the_context() {
+        let config = weights_format::ModelConfig {
+            architecture: "gemma3".into(),
+            n_layers: 18,
+            n_kv_heads: 1,
+            head_dim: 256,
+            sliding_window: Some(weights_format::SlidingWindow {
+                size: 512,
+                layers: (0..18).filter(|l| l % 6 != 5).collect(),
+                rope_theta: 1e4,
+            }),
+            ..weights_format::ModelConfig::default()
+        };
+        assert_eq!(kv_positions(&config, 0, 32768), 1024);
+        assert_eq!(kv_positions(&config, 5, 32768), 32768);
+        assert_eq!(kv_positions(&config, 0, 100), 100);
+        let per_position = 2 * 256 * 2;
+        assert_eq!(
+            kv_cache_bytes(&config, 32768, 2),
+            (3 * 32768 + 15 * 1024) * per_position
+        );
+        let llama = weights_format::ModelConfig {
+            sliding_window: None,
+            ..config
+        };
+        assert_eq!(kv_cache_bytes(&llama, 32768, 2), 18 * 32768 * per_position);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::options::{
     AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ResidencyOptions, human_bytes, mem_available,
 };
 use crate::plan::{ModelLayout, Plan, PlanInputs};
-use crate::source::{BlobSource, HostFileSource};
+use crate::source::{BlobSource, open_model_source};
 use crate::stats::ResidencyStats;
 
 type Buffer = RwLock<Box<dyn DeviceBuffer>>;
@@ -124,17 +124,14 @@ impl Residency {
     pub fn open_host(model: &Model, opts: &ResidencyOptions) -> Result<Residency, ResidencyError> {
         let meta = model.metadata();
         let layout = ModelLayout::from_metadata(meta)?;
-        let source = HostFileSource::open(model.dir(), meta, ParallelRead::default())?;
-        if !source.all_direct() {
-            tracing::info!(dir = %model.dir().display(), "model blobs are read through the page cache (no O_DIRECT on this filesystem)");
-        }
+        let source = open_model_source(model.dir(), meta, ParallelRead::default())?;
         let budget = match opts.device_budget {
             Budget::Bytes(b) => b,
             Budget::Auto => auto_ram_share("--vram-budget auto")?,
         };
         Residency::open_with(
             layout,
-            Arc::new(source),
+            source,
             Arc::new(CpuMemory::new(budget)),
             Arc::new(SystemClock::new()),
             opts,
@@ -162,10 +159,10 @@ impl Residency {
             memory.reduce_budget(GPU_AUTO_MARGIN);
         }
         let memory = Arc::new(memory);
-        let source = HostFileSource::open(model.dir(), meta, ParallelRead::default())?;
+        let source = open_model_source(model.dir(), meta, ParallelRead::default())?;
         let residency = Residency::open_with(
             layout,
-            Arc::new(source),
+            source,
             memory.clone(),
             Arc::new(SystemClock::new()),
             opts,
@@ -340,6 +337,10 @@ impl Residency {
                 length: info.length,
             });
         }
+        let fetched = self.shared.source.ensure_local(blob)?;
+        if fetched > 0 {
+            self.shared.engine.lock().add_network(fetched);
+        }
         if let Some(expected) = self.shared.unchecked(blob) {
             // Read in pieces, never whole, so its first piece is the moment to prove the file:
             // once, on this thread, before any of its bytes are used.
@@ -430,7 +431,9 @@ impl Shared {
         }
     }
 
-    fn perform(&self, job: &Job) -> Result<bool, ResidencyError> {
+    /// Performs one read; returns whether the blob went into the host tier, and the bytes
+    /// fetched from the network for it.
+    fn perform(&self, job: &Job) -> Result<(bool, u64), ResidencyError> {
         let _span = tracing::debug_span!("residency_read", blob = job.blob, bytes = job.bytes, from = ?job.from).entered();
         if let Location::Slot(i) = job.into {
             let fence = self.slot_fences[i].lock().take();
@@ -443,8 +446,16 @@ impl Shared {
                 })?;
             }
         }
-        let mut buffer = self.buffer(job.into).write();
         let (blob, len) = (job.blob, job.bytes);
+        // The network tier (if any) brings the blob to local disk before anything reads it;
+        // a blob in the host tier was fetched and checked before it got there.
+        let host_copy = job.from == ReadFrom::HostTier && self.host_tier[blob].read().is_some();
+        let fetched = if host_copy {
+            0
+        } else {
+            self.source.ensure_local(blob)?
+        };
+        let mut buffer = self.buffer(job.into).write();
         // A blob read from disk is hashed where its bytes lie before compute may use them, the
         // first time only (`BlobChecksums`). The host tier holds only checked bytes.
         let from_disk = |buffer: &mut Box<dyn DeviceBuffer>| -> Result<(), ResidencyError> {
@@ -466,7 +477,7 @@ impl Shared {
                         .wait(),
                     None => from_disk(&mut buffer)?,
                 }
-                Ok(false)
+                Ok((false, fetched))
             }
             ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(len) {
                 Ok(mut host) => {
@@ -481,17 +492,17 @@ impl Shared {
                     self.host_tier_bytes
                         .fetch_add(host.bytes().len() as u64, Ordering::Relaxed);
                     *self.host_tier[blob].write() = Some(host);
-                    Ok(true)
+                    Ok((true, fetched))
                 }
                 Err(err) => {
                     tracing::warn!(file = %self.names[blob], "host tier: {err}; this blob keeps streaming from disk");
                     from_disk(&mut buffer)?;
-                    Ok(false)
+                    Ok((false, fetched))
                 }
             },
             ReadFrom::Disk => {
                 from_disk(&mut buffer)?;
-                Ok(false)
+                Ok((false, fetched))
             }
         }
     }
@@ -541,7 +552,10 @@ fn reader_loop(shared: &Shared, jobs: mpsc::Receiver<Option<Job>>) {
             break;
         }
         let outcome = match shared.perform(&job) {
-            Ok(stored_in_host) => Outcome::Done { stored_in_host },
+            Ok((stored_in_host, network_bytes)) => Outcome::Done {
+                stored_in_host,
+                network_bytes,
+            },
             Err(err) => {
                 tracing::warn!(file = %shared.names[job.blob], "read failed: {err}");
                 Outcome::Failed(err.to_string())

@@ -81,6 +81,7 @@ impl Channel {
             }
             let (finish, job) = self.pending.pop_front().expect("front exists");
             let outcome = Outcome::Done {
+                network_bytes: 0,
                 stored_in_host: job.keep_in_host,
             };
             engine.complete(&job, outcome, Duration::from_nanos(finish));

@@ -1,7 +1,9 @@
-//! Where blob bytes come from: the model's files (through `gds_io::host`), or a pattern
-//! generator for tests and benches.
+//! Where blob bytes come from: the model's files (through `gds_io::host`), those files fetched
+//! first from the server a model is served from (`crate::network`), or a pattern generator for
+//! tests and benches.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gds_io::{DirectFile, ParallelRead};
@@ -27,6 +29,12 @@ pub trait BlobSource: Send + Sync {
     }
     /// The blob's length in bytes.
     fn blob_len(&self, blob: usize) -> u64;
+    /// Makes the blob readable from local files (the network tier fetches it the first time);
+    /// returns the bytes that crossed the network for it. The runtime calls it before every
+    /// read, so that readers of the files themselves (the GPU's I/O paths) find the bytes.
+    fn ensure_local(&self, _blob: usize) -> Result<u64, ResidencyError> {
+        Ok(0)
+    }
     /// XXH3-64 of the whole blob, read in pieces (for blobs that are never read whole).
     fn hash_blob(&self, blob: usize) -> Result<u64, ResidencyError> {
         const PIECE: u64 = 8 << 20;
@@ -42,6 +50,27 @@ pub trait BlobSource: Send + Sync {
         }
         Ok(hasher.digest())
     }
+}
+
+/// The source of the model in `dir`: its files, or, for a cache of a model served over HTTP
+/// (`origin.json`), its files fetched first from the origin where missing.
+pub fn open_model_source(
+    dir: &Path,
+    meta: &Metadata,
+    how: ParallelRead,
+) -> Result<Arc<dyn BlobSource>, ResidencyError> {
+    let origin = crate::network::Origin::read(dir)?;
+    let source: Arc<dyn BlobSource> = match origin {
+        Some(origin) => Arc::new(crate::network::NetworkSource::open(dir, meta, origin, how)?),
+        None => {
+            let files = HostFileSource::open(dir, meta, how)?;
+            if !files.all_direct() {
+                tracing::info!(dir = %dir.display(), "model blobs are read through the page cache (no O_DIRECT on this filesystem)");
+            }
+            Arc::new(files)
+        }
+    };
+    Ok(source)
 }
 
 /// The value of a `xxh3:<16 hex>` checksum of metadata.json (already validated by

@@ -11,6 +11,10 @@ pub struct PassStats {
     pub disk_reads: u64,
     pub host_copy_bytes: u64,
     pub host_copies: u64,
+    /// Bytes fetched from the network tier onto local disk (a model served over HTTP), each
+    /// blob once; they are counted again in `disk_bytes` when read from there.
+    pub network_bytes: u64,
+    pub network_fetches: u64,
     /// Acquires whose blob was in device memory or already on its way (prefetched).
     pub device_hits: u64,
     /// Acquires that had to start a read on demand.
@@ -38,6 +42,8 @@ impl PassStats {
         self.disk_reads += other.disk_reads;
         self.host_copy_bytes += other.host_copy_bytes;
         self.host_copies += other.host_copies;
+        self.network_bytes += other.network_bytes;
+        self.network_fetches += other.network_fetches;
         self.device_hits += other.device_hits;
         self.device_misses += other.device_misses;
         self.host_hits += other.host_hits;

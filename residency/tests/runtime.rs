@@ -444,3 +444,133 @@ fn only_the_first_read_of_a_blob_is_hashed() {
         }
     }
 }
+
+/// A copy of `model`'s metadata and side files in `cache`, made a cache of the model served at
+/// `url` (what `gdsllm-store` does for `-m http://…/`).
+fn remote_cache(model: &Model, cache: &Path, url: &str) -> Model {
+    std::fs::create_dir_all(cache).unwrap();
+    for name in ["metadata.json", "metadata.json.xxh3", "tokenizer.json"] {
+        std::fs::copy(model.dir().join(name), cache.join(name)).unwrap();
+    }
+    residency::init_cache(cache, model.metadata(), &residency::Origin::new(url)).unwrap();
+    Model::open(cache).unwrap()
+}
+
+#[test]
+fn the_network_tier_fetches_each_blob_once_and_later_passes_read_the_disk() {
+    use gdsllm_fetch::testing::{Fault, TestServer};
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_model(&dir.path().join("served"), 4, false);
+    let server = TestServer::start();
+    server.add_dir("models/tiny", model.dir());
+    let url = format!("{}/models/tiny/", server.url());
+    let files: Vec<Vec<u8>> = (0..model.metadata().blobs.len())
+        .map(|b| std::fs::read(model.blob_path(b)).unwrap())
+        .collect();
+    let total: u64 = files.iter().map(|f| f.len() as u64).sum();
+    let largest = files.iter().map(|f| f.len() as u64).max().unwrap();
+
+    let cache = remote_cache(&model, &dir.path().join("cache"), &url);
+    assert_eq!(
+        residency::network::local_blob_bytes(cache.dir(), cache.metadata()).unwrap(),
+        0
+    );
+    // One dropped connection on the way: the fetch resumes within the blob.
+    let first = &model.metadata().blobs[1].file;
+    server.inject(&format!("models/tiny/{first}"), Fault::DropAfter(4096), 1);
+    let res = Residency::open_host(&cache, &opts(3 * largest, 1)).unwrap();
+    let order = res.plan().order.clone();
+    for pass in 0..3 {
+        for &b in &order {
+            let guard = res.acquire(b).unwrap();
+            assert_eq!(
+                guard.host().unwrap(),
+                &files[b][..],
+                "pass {pass}, blob {b}"
+            );
+        }
+        res.end_pass();
+    }
+    let stats = res.stats();
+    let network: Vec<u64> = stats.passes.iter().map(|p| p.network_bytes).collect();
+    println!(
+        "network bytes per pass {network:?}, disk {}",
+        stats.total.disk_bytes
+    );
+    let embed = cache.embed_blob();
+    let on_demand = cache.metadata().blobs[embed].length;
+    // The untied model's embedding is read on demand (rows), not in the pass order.
+    assert_eq!(network[0], total - on_demand, "{network:?}");
+    assert_eq!(&network[1..], &[0, 0], "later passes fetch nothing");
+    assert_eq!(
+        stats.total.network_fetches as usize,
+        files.len() - 1,
+        "one fetch per blob"
+    );
+    // An embedding row on demand fetches the embedding blob once, then reads it locally.
+    assert_eq!(
+        res.read_range(embed, 100, 64).unwrap(),
+        &files[embed][100..164]
+    );
+    res.read_range(embed, 4000, 64).unwrap();
+    assert_eq!(res.stats().total.network_bytes, total);
+    drop(res);
+    assert_eq!(
+        residency::network::local_blob_bytes(cache.dir(), cache.metadata()).unwrap(),
+        total
+    );
+
+    // Everything is local now: with the server gone the model still opens and reads.
+    server.reset_counts();
+    drop(server);
+    let res = Residency::open_host(&cache, &opts(3 * largest, 1)).unwrap();
+    for &b in &order {
+        assert_eq!(res.acquire(b).unwrap().host().unwrap(), &files[b][..]);
+    }
+    assert_eq!(res.stats().total.network_bytes, 0);
+}
+
+#[test]
+fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
+    use gdsllm_fetch::testing::{Content, TestServer};
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_model(&dir.path().join("served"), 2, true);
+    let server = TestServer::start();
+    server.add_dir("models/tiny", model.dir());
+    let layer = &model.metadata().blobs[1].file;
+    let mut bad = std::fs::read(model.dir().join(layer)).unwrap();
+    bad[100] ^= 1;
+    server.add_file(
+        &format!("models/tiny/{layer}"),
+        Content::Bytes(Arc::new(bad)),
+    );
+    let url = format!("{}/models/tiny/", server.url());
+    let cache = remote_cache(&model, &dir.path().join("cache"), &url);
+    let res = Residency::open_host(&cache, &opts(1 << 30, 1)).unwrap();
+    let err = res
+        .acquire(1)
+        .err()
+        .expect("a corrupt blob fails")
+        .to_string();
+    assert!(
+        err.contains(layer.as_str()) && err.contains("checksum mismatch") && err.contains(&url),
+        "{err}"
+    );
+    assert!(!residency::network::is_fetched(cache.dir(), layer));
+    res.acquire(0).unwrap();
+    drop(res);
+
+    // A blob the server does not have.
+    let out = &model.metadata().blobs[3].file;
+    let cache = remote_cache(
+        &model,
+        &dir.path().join("cache404"),
+        &format!("{url}missing/"),
+    );
+    let res = Residency::open_host(&cache, &opts(1 << 30, 1)).unwrap();
+    let err = res.acquire(3).err().expect("404").to_string();
+    assert!(
+        err.contains(out.as_str()) && err.contains("HTTP 404"),
+        "{err}"
+    );
+}

@@ -7,6 +7,9 @@ and checks their SHA-256 against the ones recorded here, so these references app
 bytes CI converts.
 
 usage: python3 llamacpp_reference.py INPUTS_DIR MODELS_DIR OUT.json
+       python3 llamacpp_reference.py --real-only INPUTS_DIR OUT.json
+The second form recomputes only the real models' entry (`real_models`: the Gemma 3 270M
+Q4_K_M file of fetch_inputs.py) of an existing OUT.json.
 """
 import json
 import sys
@@ -16,7 +19,7 @@ import numpy as np
 from llama_cpp import Llama
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fetch_inputs import sha256  # noqa: E402
+from fetch_inputs import GEMMA_FILE, sha256  # noqa: E402
 
 GGML_TYPE_F32 = 0
 N_CTX = 128
@@ -80,11 +83,12 @@ def tokenizer_ids(path: Path) -> list:
     return [llm.tokenize(t.encode(), add_bos=False, special=True) for t in TEXTS]
 
 
-def greedy(path: Path) -> dict:
+def greedy(path: Path, n_batch: int = N_CTX) -> dict:
     llm = Llama(
         model_path=str(path),
         n_ctx=N_CTX,
-        n_batch=N_CTX,
+        n_batch=n_batch,
+        n_ubatch=n_batch,
         n_threads=2,
         type_k=GGML_TYPE_F32,
         type_v=GGML_TYPE_F32,
@@ -114,7 +118,20 @@ def greedy(path: Path) -> dict:
     return {"sha256": sha256(path), "runs": runs}
 
 
+def real_models(inputs: Path) -> dict:
+    """The real files of fetch_inputs.py, by name without `.gguf`. Prompts go in one token per
+    batch: this llama-cpp-python build crashes on the Gemma 3 270M's k-quant matmuls of
+    several rows (a segmentation fault in decode), not on one-row ones."""
+    return {Path(GEMMA_FILE).stem: greedy(inputs / GEMMA_FILE, n_batch=1)}
+
+
 def main() -> None:
+    if sys.argv[1] == "--real-only":
+        inputs, out = Path(sys.argv[2]), Path(sys.argv[3])
+        result = json.loads(out.read_text())
+        result["real_models"] = real_models(inputs)
+        out.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
+        return
     inputs, models, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     import llama_cpp
 
@@ -141,6 +158,7 @@ def main() -> None:
     for gguf_path in sorted(models.glob("*.gguf")):
         result["models"][gguf_path.stem] = greedy(gguf_path)
         print(gguf_path.stem, [s["token"] for s in result["models"][gguf_path.stem]["runs"][0]["steps"]][:8])
+    result["real_models"] = real_models(inputs)
     out.write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
 
 

@@ -116,8 +116,13 @@ impl CancelToken {
 /// totals since the engine was loaded.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineStats {
-    /// Bytes brought to the compute device per tier (`"disk"`, `"host"`, `"on_demand"`).
+    /// Bytes brought to the compute device per tier (`"disk"`, `"host"`, `"on_demand"`), and
+    /// bytes fetched onto local disk from the network tier (`"network"`: a model served over
+    /// HTTP, each blob once; read from disk after that).
     pub bytes_by_tier: Vec<(&'static str, u64)>,
+    /// Weight bytes held now per tier, for `/api/ps`: `"resident"` (in device memory for the
+    /// whole run), `"staging"` (the ring the rest streams through), `"host"` (the host tier).
+    pub held_by_tier: Vec<(&'static str, u64)>,
     /// Bytes brought into device memory per second of wall time, GB/s.
     pub io_gbps: f64,
     /// Weight acquisitions served from device memory (or a prefetch already in flight).

@@ -123,6 +123,12 @@ fn residency_stats(residency: &residency::Residency) -> EngineStats {
             ("disk", s.total.disk_bytes),
             ("host", s.total.host_copy_bytes),
             ("on_demand", s.total.on_demand_bytes),
+            ("network", s.total.network_bytes),
+        ],
+        held_by_tier: vec![
+            ("resident", residency.plan().resident_bytes),
+            ("staging", residency.plan().ring_bytes),
+            ("host", s.host_tier_bytes),
         ],
         io_gbps: s.effective_gbps,
         residency_hits: s.total.device_hits,

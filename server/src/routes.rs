@@ -107,6 +107,33 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// `GET /api/ps`: what the server holds (`gdsllm ps`): the model, its state, the weight bytes
+/// held per tier and read per tier so far.
+pub async fn ps(State(state): State<Arc<AppState>>) -> Response {
+    let tiers = |pairs: &[(&'static str, u64)]| -> serde_json::Map<String, Value> {
+        pairs
+            .iter()
+            .map(|(t, b)| (t.to_string(), json!(b)))
+            .collect()
+    };
+    let model = match &*state.slot.read() {
+        ModelSlot::Loading => json!({"state": "loading"}),
+        ModelSlot::Failed(message) => json!({"state": "failed", "error": message}),
+        ModelSlot::Ready { engine, .. } => {
+            let stats = engine.stats();
+            json!({
+                "state": "ready",
+                "model": engine.model_id(),
+                "context_length": engine.context_length(),
+                "held_bytes": tiers(&stats.held_by_tier),
+                "read_bytes": tiers(&stats.bytes_by_tier),
+                "passes": stats.passes,
+            })
+        }
+    };
+    Json(json!({"models": [model]})).into_response()
+}
+
 pub async fn fallback(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!("no endpoint {method} {}", uri.path()))
 }

@@ -104,6 +104,7 @@ impl Server {
         Router::new()
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
+            .route("/api/ps", get(routes::ps))
             .merge(v1)
             .fallback(routes::fallback)
             .layer(DefaultBodyLimit::max(state.config.body_limit))

@@ -74,6 +74,27 @@ async fn health_is_503_while_loading_then_ok() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ps_says_what_the_server_holds_per_tier() {
+    let ts = TestServer::start_loading(ServerConfig::default()).await;
+    let ps = || async {
+        let r = client().get(ts.url("/api/ps")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    };
+    assert_eq!(ps().await, json!({"models": [{"state": "loading"}]}));
+    ts.server.set_engine(Arc::new(FakeEngine::new()));
+    let model = &ps().await["models"][0];
+    assert_eq!(model["state"], "ready");
+    assert_eq!(model["model"], "fake-model");
+    assert_eq!(
+        model["held_bytes"],
+        json!({"resident": 1 << 20, "staging": 2 << 20, "host": 0})
+    );
+    assert_eq!(model["read_bytes"], json!({"disk": 4096, "host": 8192}));
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_load_is_reported_by_health() {
     let ts = TestServer::start_loading(ServerConfig::default()).await;
     ts.server.set_load_failed("metadata.json: missing");

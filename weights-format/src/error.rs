@@ -185,6 +185,17 @@ pub enum FormatError {
         reason: &'static str,
     },
 
+    #[error(
+        "{blob}: tensor {tensor}: dtype {dtype} needs format_version {needed}, but metadata.json says {found}"
+    )]
+    DTypeNeedsVersion {
+        blob: String,
+        tensor: String,
+        dtype: DType,
+        needed: u32,
+        found: u32,
+    },
+
     #[error("{blob}: tensor {tensor}: {reason}")]
     TensorWrite {
         blob: String,

@@ -23,10 +23,10 @@ pub use dtype::DType;
 pub use error::FormatError;
 pub use files::{remove_stale_partials, stale_work_dirs};
 pub use metadata::{
-    Activation, BlobMeta, ChatTemplateRef, FORMAT_VERSION, Metadata, ModelConfig,
-    OLDEST_FORMAT_VERSION, RopeScaling, SlidingWindow, TensorMeta,
+    Activation, BlobMeta, ChatTemplateRef, FAMILY_FORMAT_VERSION, FORMAT_VERSION, Metadata,
+    ModelConfig, OLDEST_FORMAT_VERSION, RopeScaling, SlidingWindow, TensorMeta,
 };
-pub use model::{Model, VerifyProgress, VerifyReport};
+pub use model::{Model, VerifyProgress, VerifyReport, is_plain_file_name};
 pub use writer::{BlobWriter, ModelWriter, TensorWriter};
 
 /// Every tensor offset inside a blob, and every blob file length, is a multiple of this.

@@ -2,12 +2,19 @@ use serde::{Deserialize, Serialize};
 
 use crate::DType;
 
-/// The version written into `metadata.json`. Readers accept it and every older version they
-/// know ([`OLDEST_FORMAT_VERSION`]..=this), and refuse any other.
-pub const FORMAT_VERSION: u32 = 2;
+/// The newest `metadata.json` format version this build reads and writes. Readers accept
+/// [`OLDEST_FORMAT_VERSION`]..=this and refuse any other. A writer stamps each model with the
+/// oldest version that describes it ([`Metadata::required_version`]): version 2 (the family
+/// fields) for every model, version 3 when a tensor uses a dtype added with the k-quants (see
+/// [`crate::DType::format_version`]), so a build that predates them refuses such a file by its
+/// version instead of failing on an unknown dtype name.
+pub const FORMAT_VERSION: u32 = 3;
 /// Version 1 files (llama only, before the family fields) still open: every field added in
 /// version 2 has a default that describes a plain llama model.
 pub const OLDEST_FORMAT_VERSION: u32 = 1;
+/// The version that added the family fields (architecture, norms, RoPE kinds ...): the least a
+/// writer stamps, whatever dtypes the model uses.
+pub const FAMILY_FORMAT_VERSION: u32 = 2;
 
 /// The whole of `metadata.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -24,6 +31,18 @@ pub struct Metadata {
     /// Free-form provenance (source file, converter version); never interpreted.
     #[serde(default)]
     pub source: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Metadata {
+    /// The oldest format version that has the family fields and every dtype these blobs use:
+    /// what a writer stamps into `format_version`.
+    pub fn required_version(&self) -> u32 {
+        self.blobs
+            .iter()
+            .flat_map(|b| &b.tensors)
+            .map(|t| t.dtype.format_version())
+            .fold(FAMILY_FORMAT_VERSION, u32::max)
+    }
 }
 
 /// Where the chat template lives (a Jinja file in the model directory).

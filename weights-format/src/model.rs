@@ -444,7 +444,7 @@ pub(crate) fn is_checksum_syntax(value: &str) -> bool {
 }
 
 /// A name that stays inside the model directory: one path component, not `.`/`..`.
-pub(crate) fn is_plain_file_name(name: &str) -> bool {
+pub fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
         && name != "."
         && name != ".."
@@ -815,6 +815,19 @@ fn validate(dir: &Path, m: &Metadata) -> Result<(), FormatError> {
 
     for blob in &m.blobs {
         validate_blob(dir, &m.config, blob)?;
+        if let Some(t) = blob
+            .tensors
+            .iter()
+            .find(|t| t.dtype.format_version() > m.format_version)
+        {
+            return Err(FormatError::DTypeNeedsVersion {
+                blob: blob.file.clone(),
+                tensor: t.name.clone(),
+                dtype: t.dtype,
+                needed: t.dtype.format_version(),
+                found: m.format_version,
+            });
+        }
     }
     Ok(())
 }

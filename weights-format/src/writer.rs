@@ -160,7 +160,7 @@ impl ModelWriter {
         let n_layers = config.n_layers;
         let mut blobs = std::mem::take(&mut self.blobs);
         blobs.sort_by_key(|b| layout::blob_kind(&b.file).map(|k| blob_sort_key(k, n_layers)));
-        let metadata = Metadata {
+        let mut metadata = Metadata {
             format_version: FORMAT_VERSION,
             config,
             blobs,
@@ -168,6 +168,7 @@ impl ModelWriter {
             chat_template,
             source,
         };
+        metadata.format_version = metadata.required_version();
         let mut json =
             serde_json::to_string_pretty(&metadata).map_err(|e| FormatError::Writer {
                 reason: format!("cannot serialize metadata.json: {e}"),

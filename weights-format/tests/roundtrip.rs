@@ -1,6 +1,6 @@
 mod common;
 
-use common::{tensor_bytes, tiny_config, write_tiny};
+use common::{super_block_config, tensor_bytes, tiny_config, write_model, write_tiny};
 use weights_format::layout;
 use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
 
@@ -10,12 +10,26 @@ fn round_trip_every_dtype_bit_exact() {
         for tied in [false, true] {
             let tmp = tempfile::tempdir().unwrap();
             let out = tmp.path().join("m");
-            let written = write_tiny(&out, dtype, tied);
+            // 256-value super-block dtypes need rows of a multiple of 256 values.
+            let config = if dtype.is_super_block() {
+                super_block_config(tied)
+            } else {
+                tiny_config(tied)
+            };
+            let written = write_model(&out, config.clone(), dtype);
             assert_eq!(written.dir(), out);
             let model = Model::open(&out).unwrap();
             assert_eq!(model.metadata(), written.metadata());
             assert_eq!(model.blob_count(), 4);
-            let config = tiny_config(tied);
+            // The oldest version that has the family fields and the dtype, so older readers
+            // keep reading models without the k-quant-era dtypes.
+            assert_eq!(
+                model.metadata().format_version,
+                dtype
+                    .format_version()
+                    .max(weights_format::FAMILY_FORMAT_VERSION),
+                "{dtype}"
+            );
             for (i, file) in layout::blob_files(config.n_layers).iter().enumerate() {
                 assert_eq!(&model.blob(i).file, file);
                 assert_eq!(model.blob(i).length % ALIGNMENT, 0);

@@ -95,15 +95,43 @@ fn missing_metadata() {
 #[test]
 fn unsupported_version() {
     let err = open_err(false, |v| {
-        v["format_version"] = json!(3);
+        v["format_version"] = json!(4);
         v["something_new"] = json!(true);
     });
     assert!(
         matches!(
             err,
             FormatError::UnsupportedVersion {
-                found: 3,
-                supported: 2,
+                found: 4,
+                supported: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_dtype_newer_than_the_files_version_is_refused() {
+    // A version-2 file that claims a k-quant-era dtype: a version-2 reader would not know it,
+    // so the file is inconsistent (tensor lengths of q4_1 and q5_1 differ, so the dtype change
+    // comes with the length a q5_1 tensor of that shape has).
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    write_tiny(&dir, DType::Q5_1, false);
+    edit(&dir, |v| {
+        assert_eq!(v["format_version"], json!(3));
+        v["format_version"] = json!(2);
+    });
+    let err = Model::open(&dir).expect_err("version 2 has no q5_1");
+    println!("{err}");
+    assert!(
+        matches!(
+            err,
+            FormatError::DTypeNeedsVersion {
+                needed: 3,
+                found: 2,
+                dtype: DType::Q5_1,
                 ..
             }
         ),

@@ -110,7 +110,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .env("GDSLLM_TEST_MODEL", &model_dir)
             .env("GDSLLM_TEST_GGUF", &gguf)
             .env("GDSLLM_FAMILY_INPUTS", &family_inputs)
-            .env("GDSLLM_FAMILY_GGUFS", &family_ggufs),
+            .env("GDSLLM_FAMILY_GGUFS", &family_ggufs)
+            // The CUDA kernels on the CPU emulator (llama/tests/cuda_emu.rs; a C++ compiler).
+            .env("GDSLLM_EMU_TESTS", "1"),
     )?;
     if !args.no_python {
         python_tests(&target, &gdsllm, &model_dir)?;

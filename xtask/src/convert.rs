@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use gdsllm_convert::DEFAULT_MODEL;
-use gdsllm_convert::{ConvertOptions, Progress, PullOptions, TargetDType};
+use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
+use gdsllm_store::DEFAULT_MODEL;
+use gdsllm_store::PullOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Arguments of `cargo xtask convert`.
@@ -15,7 +16,8 @@ pub struct ConvertArgs {
     pub input: PathBuf,
     /// The model directory to create (must not exist unless --force).
     pub output: PathBuf,
-    /// keep (bit for bit), f16, bf16, q8_0 or q4_1 for the 2-D matrices; norms stay f32.
+    /// keep (bit for bit), f16, bf16, q8_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k for the 2-D
+    /// matrices; norms stay f32.
     #[arg(long, default_value = "keep", value_parser = parse_dtype)]
     pub dtype: TargetDType,
     /// Replace OUTPUT once the new model is complete.
@@ -26,7 +28,8 @@ pub struct ConvertArgs {
 /// Arguments of `cargo xtask fetch`.
 #[derive(clap::Args, Debug)]
 pub struct FetchArgs {
-    /// Known model to pull into $GDSLLM_HOME (default ~/.cache/gdsllm).
+    /// What to pull into $GDSLLM_HOME (default ~/.cache/gdsllm): anything `gdsllm pull`
+    /// accepts.
     #[arg(default_value = DEFAULT_MODEL)]
     pub name: String,
     /// Download and convert again even if already present.
@@ -36,7 +39,7 @@ pub struct FetchArgs {
 
 fn parse_dtype(s: &str) -> Result<TargetDType, String> {
     TargetDType::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
+        .ok_or_else(|| format!("{s:?}: expected one of {}", TargetDType::names()))
 }
 
 struct Bar(ProgressBar);
@@ -87,13 +90,33 @@ pub fn run_convert(args: ConvertArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+impl gdsllm_fetch::Progress for Bar {
+    fn start(&self, total: u64, done: u64) {
+        self.0.set_length(total);
+        self.0.set_position(done);
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl gdsllm_store::PullProgress for Bar {
+    fn phase(&self, what: &str) {
+        self.0.set_message(what.to_string());
+    }
+}
+
 pub fn run_fetch(args: FetchArgs) -> anyhow::Result<()> {
-    let pulled = gdsllm_convert::pull(
-        &args.name,
-        &PullOptions { force: args.force },
-        &Bar::new(&args.name),
-    )
-    .with_context(|| format!("fetching {}", args.name))?;
+    let store = gdsllm_store::Store::from_env()?;
+    let options = PullOptions {
+        force: args.force,
+        ..PullOptions::default()
+    };
+    let pulled = gdsllm_store::pull(&store, &args.name, &options, &Bar::new(&args.name))
+        .with_context(|| format!("fetching {}", args.name))?;
     println!("{}", pulled.dir.display());
     Ok(())
 }

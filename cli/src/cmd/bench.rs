@@ -12,7 +12,8 @@ use crate::device_args::OpenArgs;
 /// otherwise), and the device's own copy speeds are measured as references.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store; default: smollm2.
+    /// The model: anything `gdsllm run -m` accepts (a name in the store, a directory, a .gguf
+    /// file, hf.co/OWNER/REPO[:QUANT], a URL); default: smollm2.
     #[arg(short, long)]
     pub model: Option<String>,
     /// Prompt tokens to process (pp).

@@ -4,8 +4,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use gdsllm_convert::{ConvertOptions, Progress, TargetDType};
-use indicatif::ProgressBar;
+use gdsllm_convert::{ConvertOptions, TargetDType};
+
+use crate::progress::BarProgress;
 
 /// Convert a GGUF file or a Hugging Face LLaMA directory into the GdsLLM format.
 #[derive(clap::Args)]
@@ -16,7 +17,9 @@ pub struct Args {
     /// The model directory to create. It must not exist, unless --force is given.
     pub output: PathBuf,
     /// Storage type of the 2-D weight matrices: `keep` stores every tensor bit for bit as in
-    /// the source; f16, bf16, q8_0 and q4_1 re-encode the matrices (norms stay f32).
+    /// the source (GGUF k-quant mixes such as Q4_K_M included); f16, bf16, q8_0, q4_1, q5_0,
+    /// q5_1, q4_k, q5_k and q6_k re-encode the matrices (norms stay f32). The k-quants need
+    /// rows of a multiple of 256 values.
     #[arg(long, default_value = "keep", value_parser = parse_dtype)]
     pub dtype: TargetDType,
     /// Replace OUTPUT if it exists; the old directory is removed only after the new one is
@@ -30,34 +33,7 @@ pub struct Args {
 
 fn parse_dtype(s: &str) -> Result<TargetDType, String> {
     TargetDType::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected keep, f16, bf16, q8_0 or q4_1"))
-}
-
-/// Feeds the converter's progress hooks into an indicatif bar on stderr.
-pub(crate) struct BarProgress {
-    bar: ProgressBar,
-}
-
-impl BarProgress {
-    pub(crate) fn new(what: &str) -> BarProgress {
-        BarProgress {
-            bar: crate::progress::bytes_bar(0, what),
-        }
-    }
-}
-
-impl Progress for BarProgress {
-    fn start(&self, total_bytes: u64) {
-        self.bar.set_length(total_bytes);
-        self.bar.set_position(0);
-        self.bar.reset_eta();
-    }
-    fn advance(&self, bytes: u64) {
-        self.bar.inc(bytes);
-    }
-    fn finish(&self) {
-        self.bar.finish_and_clear();
-    }
+        .ok_or_else(|| format!("{s:?}: expected one of {}", TargetDType::names()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

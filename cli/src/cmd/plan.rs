@@ -11,7 +11,8 @@ use crate::residency_args::ResidencyArgs;
 /// tokens/s at the given disk and host-copy speeds.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store (see `gdsllm pull`).
+    /// The model: anything `gdsllm run -m` accepts (a name in the store, a directory, a .gguf
+    /// file, hf.co/OWNER/REPO[:QUANT], a URL).
     #[arg(short, long)]
     pub model: String,
     #[command(flatten)]
@@ -40,8 +41,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = gdsllm_convert::resolve_model(&args.model)
-        .with_context(|| format!("finding model {:?}", args.model))?;
+    let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let config = model.config();
     let context = args

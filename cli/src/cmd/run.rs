@@ -19,8 +19,9 @@ use crate::device_args::OpenArgs;
 /// setting, `"""` starts and ends a multi-line message).
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store; default: smollm2 (pulled on
-    /// first use).
+    /// The model: a name in the store, a directory, a .gguf file or hf.co/OWNER/REPO[:QUANT]
+    /// (converted or pulled into the store on first use), or https://HOST/path/MODEL/ (served
+    /// over HTTP, fetched as needed); default: smollm2 (pulled on first use).
     #[arg(short, long)]
     pub model: Option<String>,
     /// The prompt for a raw completion; without it (and -f), start an interactive chat.
@@ -94,14 +95,9 @@ impl Args {
     }
 }
 
-/// Finds the model directory: `-m` (a path or a store name), else the default model.
+/// Finds the model directory: `-m` (see `crate::model_arg`), else the default model.
 pub fn model_dir(model: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
-    match model {
-        Some(spec) => {
-            gdsllm_convert::resolve_model(spec).with_context(|| format!("finding model {spec:?}"))
-        }
-        None => gdsllm_convert::ensure_default_model().context("getting the default model smollm2"),
-    }
+    crate::model_arg::resolve_model(model)
 }
 
 /// Opens the model where `device` says, for `sequences` sequences decoded together (1 for a

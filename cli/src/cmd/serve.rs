@@ -19,8 +19,10 @@ use crate::device_args::OpenArgs;
 /// --shutdown-grace). Every flag can also be set through the environment variable shown.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store; default: smollm2 (pulled on
-    /// first use).
+    /// The model: a name in the store, a directory, a .gguf file or hf.co/OWNER/REPO[:QUANT]
+    /// (converted or pulled into the store on first use), or https://HOST/path/MODEL/ (a model
+    /// served over HTTP: each blob fetched the first time it is needed and kept); default:
+    /// smollm2 (pulled on first use).
     #[arg(short, long, env = "GDSLLM_MODEL")]
     pub model: Option<String>,
     /// Address to listen on; 0.0.0.0 listens on every interface.
@@ -209,6 +211,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             keys = config.api_keys.len(),
             "listening; loading the model"
         );
+        // For `gdsllm ps`; removed when the server stops.
+        let _registered = crate::running::register(&format!("http://{bound}"), &model_id, &dir);
         let server = Server::new(config);
         let loader = server.clone();
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();

@@ -22,7 +22,8 @@ pub struct Args {
     #[arg(long)]
     pub shape: String,
     /// Storage type of the matrices (embedding and LM head included): f32, f16, bf16, q8_0,
-    /// q4_0 or q4_1. Norms are f32 (f16/bf16 when --dtype is that).
+    /// q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k (the k-quants need dims that are multiples
+    /// of 256). Norms are f32 (f16/bf16 when --dtype is that).
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: DType,
     /// The model directory to create; it must not exist.
@@ -69,7 +70,13 @@ pub struct Args {
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
-    DType::from_name(s).ok_or_else(|| format!("{s:?}: expected f32, f16, bf16, q8_0, q4_0 or q4_1"))
+    DType::from_name(s)
+        .filter(|d| weights_format::quant::can_quantize(*d))
+        .ok_or_else(|| {
+            format!(
+                "{s:?}: expected f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k"
+            )
+        })
 }
 
 fn shape(args: &Args) -> anyhow::Result<SynthShape> {

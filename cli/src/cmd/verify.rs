@@ -7,13 +7,23 @@ use weights_format::{FormatError, Model, VerifyProgress};
 /// Validate a model directory (structure, sizes, tensor layout), then re-read every blob and
 /// compare checksums, load tokenizer.json (and encode a sample with it) and render the chat
 /// template for a one-message chat. Exits non-zero naming every bad file.
+///
+/// With `--against FILE.gguf`, also compare every tensor byte for byte with the GGUF tensor it
+/// was converted from (after the same transform the converter makes: llama's Q/K row move,
+/// Gemma's `1 + w` norms): a model converted with `--dtype keep` from a llama.cpp file (a
+/// Q4_K_M mix, say) must hold its blocks unchanged.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model directory, or the name of a model in the store (see `gdsllm pull`).
+    /// The model: anything `gdsllm run -m` accepts (a name in the store, a directory, a .gguf
+    /// file, hf.co/OWNER/REPO[:QUANT], a URL).
     pub model: String,
+    /// The GGUF file the model was converted from: check that every tensor is bit for bit the
+    /// GGUF's (one line per tensor, a summary per dtype); exits non-zero if any differs.
+    #[arg(long, value_name = "FILE.gguf")]
+    pub against: Option<std::path::PathBuf>,
     /// Print one JSON object on stdout: {dir, ok, metadata_error, blobs: [{file, bytes, ok,
     /// error}], tokenizer: {ok, error}, chat_template: {ok, error} (null without one), bytes,
-    /// seconds, gb_per_s}.
+    /// seconds, gb_per_s}, and with --against `lossless`: {all_equal, by_dtype, tensors}.
     #[arg(long)]
     pub json: bool,
     /// Accept a deliberate edit of metadata.json: validate the directory and write the
@@ -54,8 +64,7 @@ fn check_chat_template(model: &Model) -> Option<Result<(), String>> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = gdsllm_convert::resolve_model(&args.model)
-        .with_context(|| format!("finding model {:?}", args.model))?;
+    let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     if args.update_metadata_checksum {
         Model::update_metadata_checksum(&dir)
             .with_context(|| format!("{}: invalid model", dir.display()))?;
@@ -100,19 +109,53 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .map(|e| e.to_string()),
         _ => None,
     };
+    let lossless = match &args.against {
+        Some(path) => {
+            let source = gdsllm_convert::convert::open_source(path)?;
+            Some(
+                gdsllm_convert::lossless::compare_with_source(&model, &source, true)
+                    .with_context(|| format!("comparing with {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
     let side_files_ok = tokenizer.is_ok() && template.as_ref().is_none_or(Result::is_ok);
-    let ok = result.is_ok() && side_files_ok;
+    let lossless_ok = lossless.as_ref().is_none_or(|r| r.all_equal());
+    let ok = result.is_ok() && side_files_ok && lossless_ok;
     let status =
         |r: &Result<(), String>| serde_json::json!({"ok": r.is_ok(), "error": r.as_ref().err()});
     if args.json {
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "dir": dir, "ok": ok, "metadata_error": metadata_error, "blobs": blobs,
             "tokenizer": status(&tokenizer),
             "chat_template": template.as_ref().map(status),
             "bytes": bytes, "seconds": seconds, "gb_per_s": gb_per_s,
         });
+        if let Some(report) = &lossless {
+            json["lossless"] = serde_json::json!({
+                "all_equal": report.all_equal(), "by_dtype": report.by_dtype,
+                "tensors": report.tensors,
+            });
+        }
         println!("{json}");
     } else {
+        if let Some(report) = &lossless {
+            for t in &report.tensors {
+                let verdict = if t.equal { "same" } else { "DIFF" };
+                let detail = match (t.dtype == t.gguf_dtype, t.first_difference) {
+                    (false, _) => format!(" (GGUF has {})", t.gguf_dtype),
+                    (true, Some(at)) => format!(" (first difference at byte {at})"),
+                    (true, None) => String::new(),
+                };
+                println!(
+                    "{verdict} {}/{} {} {} bytes = {}{detail}",
+                    t.blob, t.tensor, t.dtype, t.bytes, t.gguf_tensor
+                );
+            }
+            for (dtype, (n, equal, bytes)) in &report.by_dtype {
+                println!("{dtype}: {equal} of {n} tensors bit for bit equal ({bytes} bytes)");
+            }
+        }
         if let Some(e) = &metadata_error {
             println!("BAD  {e}");
         }
@@ -139,6 +182,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tokenizer.map_err(|e| anyhow::anyhow!("{}: tokenizer: {e}", dir.display()))?;
     if let Some(Err(e)) = template {
         anyhow::bail!("{}: chat template: {e}", dir.display());
+    }
+    if let (Some(report), Some(path)) = (&lossless, &args.against) {
+        let differ = report.tensors.iter().filter(|t| !t.equal).count();
+        if differ > 0 {
+            anyhow::bail!(
+                "{}: {differ} of {} tensors differ from {}",
+                dir.display(),
+                report.tensors.len(),
+                path.display()
+            );
+        }
+        if !args.json {
+            println!(
+                "all {} tensors equal those of {} bit for bit",
+                report.tensors.len(),
+                path.display()
+            );
+        }
     }
     Ok(())
 }

@@ -5,9 +5,10 @@ use rayon::prelude::*;
 use weights_format::DType;
 
 use super::kernels::{self, QK};
+use super::kquants::{self, QuantizedActs};
 use super::{
-    AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView, host_bytes,
-    matmul_then_add,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView,
+    check_cache_slots, host_bytes, matmul_then_add,
 };
 
 /// Multi-threaded CPU backend on the global rayon pool.
@@ -36,6 +37,39 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
+/// `√(2/π)`, in the tanh approximation of GeLU.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// `rows` rows of `weight.cols` values of `x`, each RMS-normalised and multiplied by the
+/// weight, handed to `store(normed value, output slot)`.
+fn rmsnorm_rows(
+    x: &[f32],
+    rows: usize,
+    weight: WeightView<'_>,
+    eps: f32,
+    out: &mut [f32],
+    store: impl Fn(f32, &mut f32),
+) -> Result<(), BackendError> {
+    let dim = weight.cols;
+    let mut w = vec![0f32; dim];
+    kernels::dequantize_row(weight.dtype, host(&weight)?, &mut w);
+    for (xr, or) in x[..rows * dim]
+        .chunks_exact(dim)
+        .zip(out[..rows * dim].chunks_exact_mut(dim))
+    {
+        let ss = kernels::dot(xr, xr);
+        let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+        for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
+            store(xv * scale * wv, o);
+        }
+    }
+    Ok(())
+}
+
 /// `out = x · Wᵀ` for the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it
 /// (see [`kernels::matmul_rows`]).
 fn matmul_rows_of(
@@ -58,13 +92,17 @@ fn matmul_rows_of(
             xsums.extend_from_slice(&one);
         }
     }
+    let mut xq = QuantizedActs::default();
+    if kquants::handles(w.dtype) && wide.contains(&false) {
+        xq.prepare(x, k, w.dtype);
+    }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
     let task = |(ci, o): (usize, &mut [f32])| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, wide, o);
+        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, wide, o);
     };
     if rows == 1 {
         out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
@@ -82,6 +120,13 @@ fn matmul_rows_of(
         }
     }
     Ok(())
+}
+
+fn empty_cache() -> BackendError {
+    BackendError::Unsupported {
+        op: "rope_store_kv",
+        message: "the KV cache holds no position".into(),
+    }
 }
 
 fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
@@ -141,10 +186,14 @@ impl CpuBackend {
         // Decoding: one parallel region over the row chunks of all weights, so the threads
         // meet once instead of once per weight.
         let mut xsums = Vec::new();
+        let mut xq = QuantizedActs::default();
         let mut tasks: Vec<(WeightView<'_>, &[u8], usize, &mut [f32])> = Vec::new();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
+            }
+            if kquants::handles(w.dtype) {
+                xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
             let bytes = host(w)?;
             let chunk = rows_per_task(w.rows, w.cols);
@@ -152,10 +201,12 @@ impl CpuBackend {
                 tasks.push((*w, bytes, ci * chunk, o));
             }
         }
+        let xq = &xq;
         tasks.into_par_iter().for_each(|(w, bytes, first, o)| {
             let rb = w.row_bytes();
             let wb = &bytes[first * rb..(first + o.len()) * rb];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, &x[..w.cols], &xsums, &[false], o);
+            let x = &x[..w.cols];
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, &[false], o);
         });
         Ok(())
     }
@@ -222,20 +273,7 @@ impl Backend for CpuBackend {
         eps: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let dim = weight.cols;
-        let mut w = vec![0f32; dim];
-        kernels::dequantize_row(weight.dtype, host(&weight)?, &mut w);
-        for (xr, or) in x[..rows * dim]
-            .chunks_exact(dim)
-            .zip(out[..rows * dim].chunks_exact_mut(dim))
-        {
-            let ss = kernels::dot(xr, xr);
-            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
-            for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
-                *o = xv * scale * wv;
-            }
-        }
-        Ok(())
+        rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o = v)
     }
 
     fn matmul_batch(
@@ -297,9 +335,16 @@ impl Backend for CpuBackend {
         let rows_of = |width: usize| row0 * width..(row0 + rows) * width;
         rope_rows(&mut q[rows_of(q_dim)], q_dim, hd, pos0, inv_freq);
         rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, pos0, inv_freq);
-        let at = pos0 * kv_dim..(pos0 + rows) * kv_dim;
-        k_cache[at.clone()].copy_from_slice(&k[rows_of(kv_dim)]);
-        v_cache[at].copy_from_slice(&v[rows_of(kv_dim)]);
+        let slots = k_cache.len() / kv_dim;
+        if slots == 0 && rows > 0 {
+            return Err(empty_cache());
+        }
+        for r in 0..rows {
+            let at = (pos0 + r) % slots * kv_dim..((pos0 + r) % slots + 1) * kv_dim;
+            let src = (row0 + r) * kv_dim..(row0 + r + 1) * kv_dim;
+            k_cache[at.clone()].copy_from_slice(&k[src.clone()]);
+            v_cache[at].copy_from_slice(&v[src]);
+        }
         Ok(())
     }
 
@@ -308,6 +353,7 @@ impl Backend for CpuBackend {
         q: &Vec<f32>,
         seqs: &[AttentionSeq<'_, Vec<f32>>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let AttentionShape {
@@ -317,7 +363,10 @@ impl Backend for CpuBackend {
         } = shape;
         let group = n_heads / n_kv_heads;
         let kv_width = n_kv_heads * head_dim;
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        let scale = params.scale;
+        for s in seqs {
+            check_cache_slots(s.k_cache.len() / kv_width, s.pos0, s.rows, params)?;
+        }
         // The sequence of each query row, so that one parallel region covers every (row, head)
         // pair of the batch; each pair is computed exactly as it is for a sequence alone.
         let rows = seqs.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
@@ -337,10 +386,13 @@ impl Backend for CpuBackend {
                 let r = row - s.row0;
                 let kv_off = (h / group) * head_dim;
                 let qh = &q[idx * head_dim..(idx + 1) * head_dim];
-                let len = s.pos0 + r + 1;
+                let pos = s.pos0 + r;
+                let slots = k_cache.len() / kv_width;
+                let keys = params.first_key(pos)..pos + 1;
+                let at = |t: usize| t % slots * kv_width + kv_off;
                 scores.clear();
-                scores.extend((0..len).map(|t| {
-                    let kt = &k_cache[t * kv_width + kv_off..t * kv_width + kv_off + head_dim];
+                scores.extend(keys.clone().map(|t| {
+                    let kt = &k_cache[at(t)..at(t) + head_dim];
                     kernels::dot(qh, kt) * scale
                 }));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -351,8 +403,8 @@ impl Backend for CpuBackend {
                 }
                 o.fill(0.0);
                 let inv = 1.0 / sum;
-                for (t, s) in scores.iter().enumerate() {
-                    let vt = &v_cache[t * kv_width + kv_off..t * kv_width + kv_off + head_dim];
+                for (t, s) in keys.zip(scores.iter()) {
+                    let vt = &v_cache[at(t)..at(t) + head_dim];
                     kernels::axpy(s * inv, vt, o);
                 }
             });
@@ -363,6 +415,63 @@ impl Backend for CpuBackend {
         for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
             *g = silu(*g) * u;
         }
+        Ok(())
+    }
+
+    fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
+        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
+            *g = gelu_tanh(*g) * u;
+        }
+        Ok(())
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        let mut b = vec![0f32; bias.cols];
+        kernels::dequantize_row(bias.dtype, host(&bias)?, &mut b);
+        for xr in x[..rows * bias.cols].chunks_exact_mut(bias.cols) {
+            for (v, bv) in xr.iter_mut().zip(&b) {
+                *v += bv;
+            }
+        }
+        Ok(())
+    }
+
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut Vec<f32>,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        let input = x[..pieces * weight.cols].to_vec();
+        rmsnorm_rows(&input, pieces, weight, eps, x, |v, o| *o = v)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o += v)
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) -> Result<(), BackendError> {
+        x[..len].iter_mut().for_each(|v| *v *= factor);
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) -> Result<(), BackendError> {
+        x[..len]
+            .iter_mut()
+            .for_each(|v| *v = cap * (*v / cap).tanh());
         Ok(())
     }
 

@@ -1,5 +1,6 @@
 //! The inner loops of the CPU backend: dot products of f32 activations with weight rows in each
-//! storage type, read straight from the blocks.
+//! storage type, read straight from the blocks (the dtypes added with the k-quants go to
+//! [`kquants`], on 8-bit activations).
 //!
 //! They are written so that LLVM vectorises them without `unsafe`: fixed-size array
 //! accumulators, `chunks_exact` with array conversions (so the inner loops carry no bounds
@@ -10,6 +11,8 @@
 use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use weights_format::DType;
+
+use super::kquants::{self, QuantizedActs};
 
 /// Values per quantization block (q8_0, q4_0, q4_1).
 pub const QK: usize = 32;
@@ -276,6 +279,7 @@ fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        _ => kquants::portable::dequantize_row(dtype, row, out),
     }
 }
 
@@ -292,6 +296,7 @@ fn matmul_rows_impl<const FMA: bool>(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
+    xq: &QuantizedActs,
     wide: &[bool],
     out_t: &mut [f32],
 ) {
@@ -345,6 +350,7 @@ fn matmul_rows_impl<const FMA: bool>(
                 DType::Q8_0 => dot_q8_0::<FMA>(row, xr(r)),
                 DType::Q4_0 => dot_q4_rows::<FMA, false, 1>(row, [xr(r)], [xs(r)])[0],
                 DType::Q4_1 => dot_q4_rows::<FMA, true, 1>(row, [xr(r)], [xs(r)])[0],
+                _ => kquants::dot(dtype, row, xq.row(dtype, r)),
             };
         }
     }
@@ -356,8 +362,9 @@ fn matmul_rows_impl<const FMA: bool>(
 /// [`DECODE_ONCE_MIN_ROWS`] or more rows); the others straight from the blocks (fewer rows).
 /// The two round differently, so the caller picks per row to reproduce a given row count's
 /// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
-/// for rows that are not wide; may be empty otherwise). The output is transposed (weight row
-/// major) so that each task of the caller owns a contiguous slice.
+/// for rows that are not wide; may be empty otherwise), `xq` the rows quantized for the
+/// k-quant-era dtypes ([`kquants`]; needed by those for rows that are not wide). The output is
+/// transposed (weight row major) so that each task of the caller owns a contiguous slice.
 #[allow(clippy::too_many_arguments)]
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
@@ -372,13 +379,14 @@ pub fn matmul_rows(
     cols: usize,
     x: &[f32],
     xsums: &[f32],
+    xq: &QuantizedActs,
     wide: &[bool],
     out_t: &mut [f32],
 ) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
+        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, xq, wide, out_t)
     } else {
-        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, wide, out_t)
+        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, xq, wide, out_t)
     }
 }
 

@@ -13,6 +13,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub(crate) mod kernels;
+pub(crate) mod kquants;
 pub mod reference;
 
 pub use crate::error::BackendError;
@@ -30,6 +31,32 @@ pub struct AttentionShape {
     /// Each KV head serves `n_heads / n_kv_heads` consecutive query heads (HF `repeat_kv`).
     pub n_kv_heads: usize,
     pub head_dim: usize,
+}
+
+/// What one layer's attention does beyond its head layout: how its scores are scaled and which
+/// keys each query sees.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    /// Multiplier of `q·k` (usually `1/√head_dim`).
+    pub scale: f32,
+    /// `Some(w)`: the query at position `p` sees keys `p - w + 1 ..= p` only (a sliding-window
+    /// layer); `None`: every key up to `p`.
+    pub window: Option<usize>,
+}
+
+impl AttentionParams {
+    /// Scores scaled by `1/√head_dim`, every earlier key seen.
+    pub fn causal(shape: AttentionShape) -> AttentionParams {
+        AttentionParams {
+            scale: 1.0 / (shape.head_dim as f32).sqrt(),
+            window: None,
+        }
+    }
+
+    /// The first position the query at `pos` sees.
+    pub fn first_key(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 /// Rows of a batched matmul that belong to one sequence: `rows` consecutive activation rows,
@@ -55,13 +82,24 @@ impl RowGroup {
 }
 
 /// One sequence's part of a batched attention: query rows `row0 .. row0+rows` at positions
-/// `pos0 ..` against that sequence's own caches (`[capacity, n_kv_heads·head_dim]` each).
+/// `pos0 ..` against that sequence's own caches (`[slots, n_kv_heads·head_dim]` each; position
+/// `t` is in slot `t % slots`, see [`Backend::rope_store_kv`]).
 pub struct AttentionSeq<'a, Kv> {
     pub row0: usize,
     pub rows: usize,
     pub pos0: usize,
     pub k_cache: &'a Kv,
     pub v_cache: &'a Kv,
+}
+
+/// One sequence's part of [`Backend::rope_store_kv_batch`]: its rows `row0 .. row0+rows`, at
+/// positions `pos0 ..`, stored into its own caches (`[slots, n_kv_heads·head_dim]` each; slot `pos % slots`).
+pub struct KvStoreSeq<'a, Kv> {
+    pub row0: usize,
+    pub rows: usize,
+    pub pos0: usize,
+    pub k_cache: &'a mut Kv,
+    pub v_cache: &'a mut Kv,
 }
 
 /// What a backend is told about the pass that begins ([`Backend::begin_pass`]): enough to
@@ -187,8 +225,10 @@ pub trait Backend: Send + Sync {
     /// `q` (`[.., n_heads·head_dim]`) and `k` (`[.., n_kv_heads·head_dim]`) get rotary
     /// embeddings at positions `pos0 ..` (Hugging Face `rotate_half`: in each head the pair
     /// `(i, i + head_dim/2)` is rotated by `pos · inv_freq[i]`), then those rows of `k` and
-    /// `v` are stored at the same positions of `k_cache` and `v_cache`
-    /// (`[capacity, n_kv_heads·head_dim]`). `inv_freq` holds `head_dim / 2` values.
+    /// `v` are stored in `k_cache` and `v_cache` (`[slots, n_kv_heads·head_dim]`), position
+    /// `pos` in slot `pos % slots`: a cache of at least as many slots as positions holds each
+    /// at its own index, a smaller one is a ring (a sliding-window layer's). `inv_freq` holds
+    /// `head_dim / 2` values.
     #[allow(clippy::too_many_arguments)]
     fn rope_store_kv(
         &self,
@@ -204,20 +244,82 @@ pub trait Backend: Send + Sync {
         v_cache: &mut Self::KvBuf,
     ) -> Result<(), BackendError>;
 
-    /// Causal grouped-query attention for each sequence of `seqs`: its query rows of `q` at
-    /// positions `pos0 .. pos0+rows` against the first `pos0 + rows` positions of its caches,
-    /// into the same rows of `out` (`[.., n_heads·head_dim]`). Scores are scaled by
-    /// `1/sqrt(head_dim)`. Each sequence's rows come out as they do for it alone.
+    /// [`Backend::rope_store_kv`] for every sequence of a batch (their rows of `q`, `k` and
+    /// `v`, each at its own positions, into its own caches). The default calls it per
+    /// sequence; a backend may do them all at once.
+    fn rope_store_kv_batch(
+        &self,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        seqs: &mut [KvStoreSeq<'_, Self::KvBuf>],
+        shape: AttentionShape,
+        inv_freq: &Self::Buf,
+    ) -> Result<(), BackendError> {
+        for s in seqs.iter_mut() {
+            self.rope_store_kv(
+                q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Causal grouped-query attention for each sequence of `seqs`: its query row at position
+    /// `p` (rows at `pos0 .. pos0+rows`) against the keys and values of positions
+    /// `params.first_key(p) ..= p` of its caches (slot `t % slots` holds position `t`), keys
+    /// taken in position order, into the same rows of `out` (`[.., n_heads·head_dim]`).
+    /// Scores are scaled by `params.scale`. Each sequence's rows come out as they do for it
+    /// alone. A cache too small for the positions a row sees is an error.
     fn attention_batch(
         &self,
         q: &Self::Buf,
         seqs: &[AttentionSeq<'_, Self::KvBuf>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
     /// SiLU-gated FFN activation: `gate = silu(gate) · up` over `len` values.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize) -> Result<(), BackendError>;
+
+    /// GeLU-gated FFN activation (tanh approximation, Gemma's `gelu_pytorch_tanh`):
+    /// `gate = 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))) · up` over `len` values.
+    fn geglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize) -> Result<(), BackendError>;
+
+    /// `x[r, :] += bias` for `rows` rows of `bias.cols` values (the Q/K/V biases).
+    fn add_bias(
+        &self,
+        x: &mut Self::Buf,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError>;
+
+    /// [`Backend::rmsnorm`] in place over `pieces` consecutive pieces of `weight.cols` values
+    /// each: the per-head norm of Q or K (`pieces = rows · heads`, `weight: [head_dim]`).
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut Self::Buf,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError>;
+
+    /// `out[r, :] += rmsnorm(x[r, :]) · weight` over `rows` rows (a post-norm before the
+    /// residual add: Gemma's).
+    fn add_rmsnorm(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+
+    /// `x = factor · x` over `len` values (Gemma's embedding scale).
+    fn scale(&self, x: &mut Self::Buf, len: usize, factor: f32) -> Result<(), BackendError>;
+
+    /// `x = cap · tanh(x / cap)` over `len` values (a final logit soft-cap).
+    fn softcap(&self, x: &mut Self::Buf, len: usize, cap: f32) -> Result<(), BackendError>;
 
     /// Copies rows `src_row .. src_row+rows` of `src` to rows `dst_row ..` of `dst`, each
     /// `row_len` values (picking each sequence's last position for the LM head).
@@ -230,6 +332,34 @@ pub trait Backend: Send + Sync {
         rows: usize,
         row_len: usize,
     ) -> Result<(), BackendError>;
+}
+
+/// The attention of a sequence over a cache of `slots` positions needs, for its rows at
+/// `pos0 .. pos0+rows`, that none of the keys a row sees was overwritten by a later position of
+/// the same ring: `slots` at least the positions the last row sees plus those written after
+/// the first row's first key. An error says which cache is too small.
+pub(crate) fn check_cache_slots(
+    slots: usize,
+    pos0: usize,
+    rows: usize,
+    params: AttentionParams,
+) -> Result<(), BackendError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let last = pos0 + rows - 1;
+    let needed = last + 1 - params.first_key(pos0);
+    if slots < needed {
+        return Err(BackendError::Unsupported {
+            op: "attention",
+            message: format!(
+                "a cache of {slots} positions cannot serve rows at positions {pos0}..={last} \
+                 (they see positions from {} on)",
+                params.first_key(pos0)
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The host bytes of a weight, for backends that compute from host memory.

@@ -6,8 +6,8 @@
 use weights_format::quant::dequantize;
 
 use super::{
-    AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView, host_bytes,
-    matmul_then_add,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView,
+    check_cache_slots, host_bytes, matmul_then_add,
 };
 
 /// Single-threaded reference backend (host memory).
@@ -38,6 +38,31 @@ impl ReferenceBackend {
                 out[r * m + i] = acc as f32;
             }
         }
+    }
+
+    /// `x[r, :] / sqrt(mean(x[r, :]²) + eps) · w` in f64, for `rows` rows of `w.len()` values.
+    /// [`ReferenceBackend::rmsnorm_f64`] with the weight of `weight` (any dtype).
+    fn normed(
+        x: &[f32],
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<Vec<f64>, BackendError> {
+        Ok(Self::rmsnorm_f64(x, rows, &dequantize_all(weight)?, eps))
+    }
+
+    fn rmsnorm_f64(x: &[f32], rows: usize, w: &[f32], eps: f32) -> Vec<f64> {
+        let dim = w.len();
+        let mut out = vec![0f64; rows * dim];
+        for r in 0..rows {
+            let xr = &x[r * dim..(r + 1) * dim];
+            let mean_sq = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / dim as f64;
+            let scale = 1.0 / (mean_sq + eps as f64).sqrt();
+            for i in 0..dim {
+                out[r * dim + i] = xr[i] as f64 * scale * w[i] as f64;
+            }
+        }
+        out
     }
 
     /// Rotary embedding of `rows` rows of `n_heads` heads at positions `pos0 ..`.
@@ -119,15 +144,11 @@ impl Backend for ReferenceBackend {
         eps: f32,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        let w = dequantize_all(weight)?;
-        let dim = weight.cols;
-        for r in 0..rows {
-            let xr = &x[r * dim..(r + 1) * dim];
-            let mean_sq = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / dim as f64;
-            let scale = 1.0 / (mean_sq + eps as f64).sqrt();
-            for i in 0..dim {
-                out[r * dim + i] = (xr[i] as f64 * scale * w[i] as f64) as f32;
-            }
+        for (o, v) in out
+            .iter_mut()
+            .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
+        {
+            *o = v as f32;
         }
         Ok(())
     }
@@ -181,9 +202,13 @@ impl Backend for ReferenceBackend {
         ReferenceBackend::rope(qr, rows, shape.n_heads, hd, pos0, inv_freq);
         let kr = &mut k[row0 * kv_dim..(row0 + rows) * kv_dim];
         ReferenceBackend::rope(kr, rows, shape.n_kv_heads, hd, pos0, inv_freq);
-        for i in 0..rows * kv_dim {
-            k_cache[pos0 * kv_dim + i] = k[row0 * kv_dim + i];
-            v_cache[pos0 * kv_dim + i] = v[row0 * kv_dim + i];
+        let slots = k_cache.len() / kv_dim;
+        for r in 0..rows {
+            let slot = (pos0 + r) % slots;
+            for i in 0..kv_dim {
+                k_cache[slot * kv_dim + i] = k[(row0 + r) * kv_dim + i];
+                v_cache[slot * kv_dim + i] = v[(row0 + r) * kv_dim + i];
+            }
         }
         Ok(())
     }
@@ -193,6 +218,7 @@ impl Backend for ReferenceBackend {
         q: &Vec<f32>,
         seqs: &[AttentionSeq<'_, Vec<f32>>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let AttentionShape {
@@ -202,20 +228,25 @@ impl Backend for ReferenceBackend {
         } = shape;
         let kv_width = n_kv_heads * head_dim;
         for s in seqs {
+            let slots = s.k_cache.len() / kv_width;
+            check_cache_slots(slots, s.pos0, s.rows, params)?;
             for r in 0..s.rows {
                 let row = s.row0 + r;
+                let pos = s.pos0 + r;
+                let keys: Vec<usize> = (params.first_key(pos)..=pos).collect();
                 for h in 0..n_heads {
                     let kvh = h / (n_heads / n_kv_heads);
+                    let at = |t: usize| t % slots * kv_width + kvh * head_dim;
                     let qh = &q[(row * n_heads + h) * head_dim..][..head_dim];
-                    let len = s.pos0 + r + 1;
-                    let scores: Vec<f64> = (0..len)
-                        .map(|t| {
-                            let k = &s.k_cache[t * kv_width + kvh * head_dim..][..head_dim];
+                    let scores: Vec<f64> = keys
+                        .iter()
+                        .map(|&t| {
+                            let k = &s.k_cache[at(t)..][..head_dim];
                             qh.iter()
                                 .zip(k)
                                 .map(|(a, b)| *a as f64 * *b as f64)
                                 .sum::<f64>()
-                                / (head_dim as f64).sqrt()
+                                * params.scale as f64
                         })
                         .collect();
                     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -223,8 +254,8 @@ impl Backend for ReferenceBackend {
                     let sum: f64 = exps.iter().sum();
                     for d in 0..head_dim {
                         let mut acc = 0f64;
-                        for (t, e) in exps.iter().enumerate() {
-                            acc += e / sum * s.v_cache[t * kv_width + kvh * head_dim + d] as f64;
+                        for (&t, e) in keys.iter().zip(&exps) {
+                            acc += e / sum * s.v_cache[at(t) + d] as f64;
                         }
                         out[(row * n_heads + h) * head_dim + d] = acc as f32;
                     }
@@ -238,6 +269,76 @@ impl Backend for ReferenceBackend {
         for i in 0..len {
             let g = gate[i] as f64;
             gate[i] = (g / (1.0 + (-g).exp()) * up[i] as f64) as f32;
+        }
+        Ok(())
+    }
+
+    fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        for i in 0..len {
+            let g = gate[i] as f64;
+            gate[i] =
+                (0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * up[i] as f64) as f32;
+        }
+        Ok(())
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut Vec<f32>,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        let b = dequantize_all(bias)?;
+        for r in 0..rows {
+            for (i, bv) in b.iter().enumerate() {
+                x[r * b.len() + i] = (x[r * b.len() + i] as f64 + *bv as f64) as f32;
+            }
+        }
+        Ok(())
+    }
+
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut Vec<f32>,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        let normed = ReferenceBackend::normed(x, pieces, weight, eps)?;
+        for (o, v) in x.iter_mut().zip(normed) {
+            *o = v as f32;
+        }
+        Ok(())
+    }
+
+    fn add_rmsnorm(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        for (o, v) in out
+            .iter_mut()
+            .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
+        {
+            *o = (*o as f64 + v) as f32;
+        }
+        Ok(())
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) -> Result<(), BackendError> {
+        for v in &mut x[..len] {
+            *v = (*v as f64 * factor as f64) as f32;
+        }
+        Ok(())
+    }
+
+    fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) -> Result<(), BackendError> {
+        for v in &mut x[..len] {
+            *v = (cap as f64 * (*v as f64 / cap as f64).tanh()) as f32;
         }
         Ok(())
     }

@@ -5,7 +5,9 @@
 //! matched here, in one place.
 
 use crate::LlamaError;
-use crate::backend::{AttentionSeq, AttentionShape, Backend, RowGroup};
+use crate::backend::{
+    AttentionParams, AttentionSeq, AttentionShape, Backend, KvStoreSeq, RowGroup,
+};
 use crate::config::LlamaConfig;
 use crate::weights::{WeightBytes, WeightView};
 
@@ -32,12 +34,21 @@ pub(crate) struct State<B: Backend> {
     pub logits: B::Buf,
     /// Rows `last`, `last_norm` and `logits` hold: 1 until a batch needs more.
     pub logit_rows: usize,
-    /// The RoPE inverse frequencies `[head_dim / 2]`.
+    /// The RoPE inverse frequencies `[head_dim / 2]` of the layers that see the whole context.
     pub inv_freq: B::Buf,
+    /// Those of the sliding-window layers (their own base), when the model has any.
+    pub inv_freq_sliding: Option<B::Buf>,
 }
 
 impl<B: Backend> State<B> {
-    pub fn new(be: &B, c: &LlamaConfig, max_rows: usize) -> Result<State<B>, LlamaError> {
+    /// Buffers for passes of up to `max_rows` rows of a model opened with `context` positions
+    /// (which picks longrope's factors).
+    pub fn new(
+        be: &B,
+        c: &LlamaConfig,
+        max_rows: usize,
+        context: usize,
+    ) -> Result<State<B>, LlamaError> {
         Ok(State {
             x: be.alloc(max_rows * c.dim)?,
             xb: be.alloc(max_rows * c.dim)?,
@@ -52,7 +63,11 @@ impl<B: Backend> State<B> {
             last_norm: be.alloc(c.dim)?,
             logits: be.alloc(c.vocab_size)?,
             logit_rows: 1,
-            inv_freq: be.upload(&c.rope_inv_freq)?,
+            inv_freq: be.upload(&c.rope_inv_freq(false, context))?,
+            inv_freq_sliding: match c.sliding_window {
+                Some(_) => Some(be.upload(&c.rope_inv_freq(true, context))?),
+                None => None,
+            },
         })
     }
 }
@@ -77,11 +92,17 @@ pub(crate) struct PassShape {
     /// the pass over the weights).
     pub groups: Vec<RowGroup>,
     pub attention: AttentionShape,
+    /// Each layer's score scale and window.
+    pub layer_attention: Vec<AttentionParams>,
     pub dim: usize,
     pub ffn_dim: usize,
+    pub vocab: usize,
     pub eps: f32,
     pub norm: Norm,
     pub activation: Activation,
+    /// The embeddings are multiplied by this (when it is not 1).
+    pub embedding_scale: f32,
+    pub final_logit_softcap: Option<f32>,
 }
 
 impl PassShape {
@@ -96,11 +117,20 @@ impl PassShape {
                 n_kv_heads: c.n_kv_heads,
                 head_dim: c.head_dim,
             },
+            layer_attention: (0..c.n_layers)
+                .map(|l| AttentionParams {
+                    scale: c.attention_scale,
+                    window: c.window(l),
+                })
+                .collect(),
             dim: c.dim,
             ffn_dim: c.ffn_dim,
+            vocab: c.vocab_size,
             eps: c.rms_norm_eps,
             norm: table.family.norm,
             activation: table.family.activation,
+            embedding_scale: c.embedding_scale,
+            final_logit_softcap: c.final_logit_softcap,
         }
     }
 }
@@ -115,6 +145,11 @@ impl<'a> Layer<'a> {
     fn w(&self, role: LayerRole) -> Result<WeightView<'a>, LlamaError> {
         self.table.view(role, self.bytes)
     }
+
+    /// The tensor of an optional step, when the family's layer has it.
+    fn w_if(&self, role: LayerRole) -> Result<Option<WeightView<'a>>, LlamaError> {
+        self.table.view_if(role, self.bytes)
+    }
 }
 
 /// `out = norm(x)` over `rows` rows with weight `w: [dim]`.
@@ -128,6 +163,29 @@ pub(crate) fn norm<B: Backend>(
 ) -> Result<(), LlamaError> {
     match p.norm {
         Norm::Rms => be.rmsnorm(x, rows, w, p.eps, out)?,
+    }
+    Ok(())
+}
+
+/// The residual connection after a sub-block: `x += input · wᵀ`, or with a post-norm
+/// `x += rmsnorm(input · wᵀ) · post` (Gemma), the product going through `scratch`.
+fn residual_add<B: Backend>(
+    be: &B,
+    p: &PassShape,
+    input: &B::Buf,
+    w: WeightView<'_>,
+    post: Option<WeightView<'_>>,
+    scratch: &mut B::Buf,
+    x: &mut B::Buf,
+) -> Result<(), LlamaError> {
+    match post {
+        None => be.matmul_add_batch(input, &p.groups, w, scratch, x)?,
+        Some(post) => {
+            be.matmul_batch(input, &p.groups, &[w], &mut [&mut *scratch])?;
+            match p.norm {
+                Norm::Rms => be.add_rmsnorm(scratch, p.rows, post, p.eps, x)?,
+            }
+        }
     }
     Ok(())
 }
@@ -148,8 +206,20 @@ impl<B: Backend> Graph<'_, '_, B> {
         self.ffn(w)
     }
 
-    /// Attention: `x += Wo · attn(rope(Wq·n), rope(Wk·n), Wv·n)`, `n = norm(x)`, each segment
-    /// at its own positions against its own cache (layer `l` of it).
+    /// The inputs of the pass scaled, when the config says so (Gemma's √dim).
+    pub fn scale_embeddings(&mut self) -> Result<(), LlamaError> {
+        let p = self.p;
+        if p.embedding_scale != 1.0 {
+            self.be
+                .scale(&mut self.s.x, p.rows * p.dim, p.embedding_scale)?;
+        }
+        Ok(())
+    }
+
+    /// Attention: `x += post(Wo · attn(rope(qn(Wq·n + bq)), rope(kn(Wk·n + bk)), Wv·n + bv))`,
+    /// `n = norm(x)`, each segment at its own positions against its own cache (layer `l` of
+    /// it); the biases, the Q/K head norms `qn`, `kn` and the post-norm `post` are steps of the
+    /// families whose layer has those tensors.
     fn attention(&mut self, l: usize, w: &Layer<'_>) -> Result<(), LlamaError> {
         let (be, s, p) = (self.be, &mut *self.s, self.p);
         norm(be, p, &s.x, p.rows, w.w(LayerRole::AttnNorm)?, &mut s.xb)?; // [dim]
@@ -162,23 +232,47 @@ impl<B: Backend> Graph<'_, '_, B> {
             &[wq, wk, wv],
             &mut [&mut s.q, &mut s.k, &mut s.v],
         )?;
-        // Each sequence's rows at its own positions, into its own cache ([capacity, kv_dim]
-        // each).
-        for g in self.segs.iter_mut() {
-            let (k_cache, v_cache) = &mut g.kv[l];
-            be.rope_store_kv(
-                &mut s.q,
-                &mut s.k,
-                &s.v,
-                g.row0,
-                g.rows,
-                g.pos0,
-                p.attention,
-                &s.inv_freq,
-                k_cache,
-                v_cache,
-            )?;
+        for (role, out) in [
+            (LayerRole::QBias, &mut s.q), // [n_heads·hd]
+            (LayerRole::KBias, &mut s.k), // [n_kv·hd]
+            (LayerRole::VBias, &mut s.v), // [n_kv·hd]
+        ] {
+            if let Some(bias) = w.w_if(role)? {
+                be.add_bias(out, p.rows, bias)?;
+            }
         }
+        let shape = p.attention;
+        for (role, out, heads) in [
+            (LayerRole::QNorm, &mut s.q, shape.n_heads),    // [hd]
+            (LayerRole::KNorm, &mut s.k, shape.n_kv_heads), // [hd]
+        ] {
+            if let Some(weight) = w.w_if(role)? {
+                be.rmsnorm_pieces(out, p.rows * heads, weight, p.eps)?;
+            }
+        }
+        let params = p.layer_attention[l];
+        let inv_freq = match (&s.inv_freq_sliding, params.window) {
+            (Some(sliding), Some(_)) => sliding,
+            _ => &s.inv_freq,
+        };
+        // Each sequence's rows at its own positions, into its own cache ([slots, kv_dim]
+        // each).
+        let mut stores: Vec<KvStoreSeq<'_, B::KvBuf>> = self
+            .segs
+            .iter_mut()
+            .map(|g| {
+                let (k_cache, v_cache) = &mut g.kv[l];
+                KvStoreSeq {
+                    row0: g.row0,
+                    rows: g.rows,
+                    pos0: g.pos0,
+                    k_cache,
+                    v_cache,
+                }
+            })
+            .collect();
+        be.rope_store_kv_batch(&mut s.q, &mut s.k, &s.v, &mut stores, shape, inv_freq)?;
+        drop(stores);
         let seqs: Vec<AttentionSeq<'_, B::KvBuf>> = self
             .segs
             .iter()
@@ -190,13 +284,14 @@ impl<B: Backend> Graph<'_, '_, B> {
                 v_cache: &g.kv[l].1,
             })
             .collect();
-        be.attention_batch(&s.q, &seqs, p.attention, &mut s.att)?;
+        be.attention_batch(&s.q, &seqs, shape, params, &mut s.att)?;
         let wo = w.w(LayerRole::AttnOutput)?; // [dim, n_heads·hd]
-        be.matmul_add_batch(&s.att, &p.groups, wo, &mut s.xb2, &mut s.x)?;
-        Ok(())
+        let post = w.w_if(LayerRole::AttnPostNorm)?; // [dim]
+        residual_add(be, p, &s.att, wo, post, &mut s.xb2, &mut s.x)
     }
 
-    /// FFN: `x += W_down · (act(W_gate·n) ⊙ W_up·n)`, `n = norm(x)`.
+    /// FFN: `x += post(W_down · (act(W_gate·n) ⊙ W_up·n))`, `n = norm(x)`; the post-norm when
+    /// the family's layer has it.
     fn ffn(&mut self, w: &Layer<'_>) -> Result<(), LlamaError> {
         let (be, s, p) = (self.be, &mut *self.s, self.p);
         norm(be, p, &s.x, p.rows, w.w(LayerRole::FfnNorm)?, &mut s.xb)?; // [dim]
@@ -210,10 +305,11 @@ impl<B: Backend> Graph<'_, '_, B> {
         )?;
         match p.activation {
             Activation::Silu => be.swiglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
+            Activation::GeluTanh => be.geglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
         }
         let w_down = w.w(LayerRole::Down)?; // [dim, ffn]
-        be.matmul_add_batch(&s.hb, &p.groups, w_down, &mut s.xb2, &mut s.x)?;
-        Ok(())
+        let post = w.w_if(LayerRole::FfnPostNorm)?; // [dim]
+        residual_add(be, p, &s.hb, w_down, post, &mut s.xb2, &mut s.x)
     }
 
     /// The LM head for the last position of each segment that wants logits: those rows of
@@ -237,6 +333,9 @@ impl<B: Backend> Graph<'_, '_, B> {
             &[head],
             &mut [&mut s.logits],
         )?;
+        if let Some(cap) = p.final_logit_softcap {
+            be.softcap(&mut s.logits, n * p.vocab, cap)?;
+        }
         Ok(())
     }
 }

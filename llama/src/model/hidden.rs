@@ -15,7 +15,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let dim = self.config.dim;
         let mut hidden = vec![0.0; tokens.len() * dim];
         let mut done = 0;
-        for chunk in tokens.chunks(self.max_rows) {
+        for chunk in tokens.chunks(self.max_rows_per_sequence()) {
             // The pass leaves the chunk's residual stream in `state.x`; only its last row was
             // normed, so the output norm is applied again to all rows.
             self.single_pass(chunk)?;

@@ -21,14 +21,35 @@ use graph::{Graph, Layer, PassShape, Segment, State};
 /// Per layer, a key and a value cache buffer.
 type KvLayers<B> = Vec<(<B as Backend>::KvBuf, <B as Backend>::KvBuf)>;
 
-/// One sequence's keys and values for every layer, `[capacity, kv_dim]` each, and how many
-/// positions are filled. Batched decoding gives each sequence its own cache of the size it
-/// needs (see [`crate::batch`] for why per-sequence rather than paged).
+/// One sequence's keys and values for every layer, `[slots, kv_dim]` each, and how many
+/// positions are filled. A layer keeps all `capacity` positions, or on a sliding-window layer
+/// a ring of at most twice its window (`residency::kv_positions`: position `p` in slot
+/// `p % slots`). Batched decoding gives each sequence its own cache of the size it needs (see
+/// [`crate::batch`] for why per-sequence rather than paged).
 pub struct KvCache<B: Backend> {
     layers: KvLayers<B>,
     kv_dim: usize,
     capacity: usize,
     len: usize,
+    rings: Vec<Ring>,
+}
+
+/// A layer whose cache is a ring smaller than the positions it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ring {
+    slots: usize,
+    window: usize,
+}
+
+/// Where a cache filled up to `from` positions can be cut back to when `to` is asked for:
+/// `to`, unless one of its rings has overwritten a key that the next position would see
+/// (`to` further back than `slots - window` on a ring that has wrapped), then 0: nothing
+/// is kept.
+fn rewind(rings: &[Ring], from: usize, to: usize) -> usize {
+    let kept = rings
+        .iter()
+        .all(|r| from <= r.slots || to + (r.slots - r.window) >= from);
+    if kept || to >= from { to } else { 0 }
 }
 
 impl<B: Backend> KvCache<B> {
@@ -46,9 +67,11 @@ impl<B: Backend> KvCache<B> {
         self.capacity
     }
 
-    /// Forgets positions from `len` on.
+    /// Forgets positions from `len` on. On a model with sliding-window layers a cache whose
+    /// rings have wrapped can only go back a window's length; further back it forgets
+    /// everything ([`KvCache::len`] says what was kept).
     pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+        self.len = rewind(&self.rings, self.len, len.min(self.len));
     }
 }
 
@@ -109,7 +132,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         )?;
         // A single sequence never has more than `context` rows, but a batch of them may.
         let max_rows = max_rows.max(1);
-        let state = State::new(&backend, &config, max_rows)?;
+        let state = State::new(&backend, &config, max_rows, context)?;
         let logits = vec![0.0; config.vocab_size];
         Ok(Llama {
             backend,
@@ -154,17 +177,50 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         self.max_rows
     }
 
-    /// Bytes of a [`KvCache`] of `capacity` positions on this model's backend.
-    pub fn kv_cache_bytes(&self, capacity: usize) -> u64 {
-        let c = &self.config;
-        (capacity * c.kv_dim() * 2 * c.n_layers * self.backend.kv_value_bytes()) as u64
+    /// Most positions of one sequence one pass computes: `max_rows()`, and on a model with
+    /// sliding-window layers at most the smallest window (so that a ring of twice the window
+    /// still holds every key the pass's rows see; see `residency::kv_positions`). A longer
+    /// prompt takes several passes.
+    pub fn max_rows_per_sequence(&self) -> usize {
+        self.config
+            .smallest_window()
+            .map_or(self.max_rows, |w| w.min(self.max_rows))
     }
 
-    /// `n_layers` pairs of zeroed key and value buffers of `capacity` positions.
-    fn alloc_kv_layers(&self, capacity: usize) -> Result<KvLayers<B>, LlamaError> {
-        let len = capacity * self.config.kv_dim();
+    /// Bytes of a [`KvCache`] of `capacity` positions on this model's backend, each layer
+    /// counted with the positions it keeps.
+    pub fn kv_cache_bytes(&self, capacity: usize) -> u64 {
+        residency::kv_cache_bytes(
+            &self.metadata.config,
+            capacity as u64,
+            self.backend.kv_value_bytes() as u64,
+        )
+    }
+
+    /// Positions layer `layer`'s cache keeps for a sequence of up to `capacity` positions.
+    fn kv_slots(&self, layer: usize, capacity: usize) -> usize {
+        residency::kv_positions(&self.metadata.config, layer as u32, capacity as u64) as usize
+    }
+
+    /// The layers whose caches of `capacity` positions are rings.
+    fn kv_rings(&self, capacity: usize) -> Vec<Ring> {
         (0..self.config.n_layers)
-            .map(|_| Ok((self.backend.alloc_kv(len)?, self.backend.alloc_kv(len)?)))
+            .filter_map(|l| {
+                let window = self.config.window(l)?;
+                let slots = self.kv_slots(l, capacity);
+                (slots < capacity).then_some(Ring { slots, window })
+            })
+            .collect()
+    }
+
+    /// Per layer a pair of zeroed key and value buffers for `capacity` positions (each layer's
+    /// own slots).
+    fn alloc_kv_layers(&self, capacity: usize) -> Result<KvLayers<B>, LlamaError> {
+        (0..self.config.n_layers)
+            .map(|l| {
+                let len = self.kv_slots(l, capacity) * self.config.kv_dim();
+                Ok((self.backend.alloc_kv(len)?, self.backend.alloc_kv(len)?))
+            })
             .collect()
     }
 
@@ -176,6 +232,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             kv_dim: self.config.kv_dim(),
             capacity,
             len: 0,
+            rings: self.kv_rings(capacity),
         })
     }
 
@@ -189,9 +246,11 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         &self.logits
     }
 
-    /// Forgets cached positions from `pos` on (0 starts a new sequence).
+    /// Forgets cached positions from `pos` on (0 starts a new sequence). On a model with
+    /// sliding-window layers the cache can only go back a window's length once its rings have
+    /// wrapped; further back it forgets everything: [`Llama::pos`] says what was kept.
     pub fn truncate(&mut self, pos: usize) {
-        self.pos = self.pos.min(pos);
+        self.pos = rewind(&self.kv_rings(self.context), self.pos, pos.min(self.pos));
     }
 
     /// Checks that `rows` more positions fit the context and that every token is in the
@@ -219,14 +278,14 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
     }
 
-    /// Runs `tokens` at positions `pos() ..` (in passes of at most `max_rows` positions) and
-    /// returns the logits after the last one.
+    /// Runs `tokens` at positions `pos() ..` (in passes of at most
+    /// [`Llama::max_rows_per_sequence`] positions) and returns the logits after the last one.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<&[f32], LlamaError> {
         if tokens.is_empty() {
             return Ok(&self.logits);
         }
         self.check_tokens(tokens)?;
-        for chunk in tokens.chunks(self.max_rows) {
+        for chunk in tokens.chunks(self.max_rows_per_sequence()) {
             self.single_pass(chunk)?;
         }
         Ok(&self.logits)
@@ -266,7 +325,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     /// positions `kv.len() ..` of its own cache, which then advances. Returns the logits after
     /// the last token of each entry that asked for them, `[n, vocab]` in entry order. Every
     /// sequence's results are those it gets alone (see [`BatchSeq::solo_rows`]). All tokens
-    /// together must fit one pass (`max_rows()`).
+    /// together must fit one pass (`max_rows()`), and each sequence's
+    /// [`Llama::max_rows_per_sequence`].
     pub fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_, B>]) -> Result<&[f32], LlamaError> {
         let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if rows > self.max_rows {
@@ -275,6 +335,17 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
                 message: format!(
                     "{rows} tokens in one pass; the model was set up for at most {}",
                     self.max_rows
+                ),
+            });
+        }
+        let per_sequence = self.max_rows_per_sequence();
+        if let Some(s) = seqs.iter().find(|s| s.tokens.len() > per_sequence) {
+            return Err(LlamaError::Config {
+                setting: "batch",
+                message: format!(
+                    "{} tokens of one sequence in one pass; this model takes at most \
+                     {per_sequence} (its smallest attention window)",
+                    s.tokens.len()
                 ),
             });
         }
@@ -387,6 +458,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         })?;
         let mut graph = Graph { be, s, segs, p: &p };
         let ran = (|| {
+            graph.scale_embeddings()?;
             for (l, layer) in table.layers.iter().enumerate() {
                 let guard = weights.acquire(layer.blob)?;
                 let w = Layer {

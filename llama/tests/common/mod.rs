@@ -19,6 +19,20 @@ pub fn model_dir() -> Option<PathBuf> {
     );
 }
 
+/// The path in environment variable `var` (a file or directory the tests need, made by CI),
+/// or `None` (after saying so) when `GDSLLM_SKIP_MODEL_TESTS=1`. Panics with `how` (how to make
+/// it) otherwise.
+pub fn env_path(var: &str, how: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
+        return Some(PathBuf::from(p));
+    }
+    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and {var} is unset");
+        return None;
+    }
+    panic!("{var} is not set: {how} (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)");
+}
+
 /// The golden reference outputs checked into the shared reference directory.
 pub fn golden() -> serde_json::Value {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -3,15 +3,28 @@
 //! `attention` of one sequence computes), written with the ops the backends have.
 #![allow(dead_code)]
 
+pub mod families;
+
 use llama::WeightView;
-use llama::backend::{AttentionSeq, AttentionShape, Backend, RowGroup};
+use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, Backend, RowGroup};
 use rand::RngExt;
 use rand::rngs::StdRng;
 use weights_format::DType;
 use weights_format::quant::quantize;
 
-/// Every element type (the ops tests run each op for each).
-pub const ALL: [DType; DType::ALL.len()] = DType::ALL;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// The dtypes of format version 1 (those of the CUDA kernel files before `kquants.cu`;
+/// `cuda_kquants.rs` and the CPU kernel tests of `backend/kquants.rs` cover the others).
+pub const ALL: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::Bf16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
 
 pub fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
@@ -42,7 +55,8 @@ pub fn matmul<B: Backend>(be: &B, x: &B::Buf, rows: usize, w: WeightView<'_>, ou
         .unwrap();
 }
 
-/// Causal attention of one sequence's `rows` query rows (from row 0) at positions `pos0 ..`.
+/// Causal attention (scores scaled by `1/√head_dim`, no window) of one sequence's `rows` query
+/// rows (from row 0) at positions `pos0 ..`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention<B: Backend>(
     be: &B,
@@ -54,6 +68,30 @@ pub fn attention<B: Backend>(
     shape: AttentionShape,
     out: &mut B::Buf,
 ) {
+    attention_with(
+        be,
+        q,
+        rows,
+        (k_cache, v_cache),
+        pos0,
+        shape,
+        AttentionParams::causal(shape),
+        out,
+    );
+}
+
+/// [`attention`] with the scale and window of `params`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with<B: Backend>(
+    be: &B,
+    q: &B::Buf,
+    rows: usize,
+    (k_cache, v_cache): (&B::KvBuf, &B::KvBuf),
+    pos0: usize,
+    shape: AttentionShape,
+    params: AttentionParams,
+    out: &mut B::Buf,
+) {
     let seq = AttentionSeq {
         row0: 0,
         rows,
@@ -61,5 +99,5 @@ pub fn attention<B: Backend>(
         k_cache,
         v_cache,
     };
-    be.attention_batch(q, &[seq], shape, out).unwrap();
+    be.attention_batch(q, &[seq], shape, params, out).unwrap();
 }

@@ -301,6 +301,7 @@ impl Engine for FakeEngine {
     fn stats(&self) -> EngineStats {
         EngineStats {
             bytes_by_tier: vec![("disk", 4096), ("host", 8192)],
+            held_by_tier: vec![("resident", 1 << 20), ("staging", 2 << 20), ("host", 0)],
             io_gbps: 2.5,
             residency_hits: 7,
             residency_misses: 3,

@@ -40,10 +40,33 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A config whose rows are whole 256-value super-blocks, for the k-quant dtypes.
+pub fn super_block_config(tied: bool) -> ModelConfig {
+    ModelConfig {
+        hidden_size: 256,
+        head_dim: 64,
+        ffn_dim: 512,
+        vocab_size: 96,
+        ..tiny_config(tied)
+    }
+}
+
 pub fn tensor_bytes(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
     let n: u64 = shape.iter().product();
     let mut out = Vec::new();
-    quant::quantize(dtype, &values(seed, n as usize), &mut out).unwrap();
+    if quant::can_quantize(dtype) {
+        quant::quantize(dtype, &values(seed, n as usize), &mut out).unwrap();
+    } else {
+        // Decode-only dtypes: arbitrary bytes are valid blocks.
+        let len = dtype.byte_len(shape).unwrap() as usize;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        out.extend((0..len).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        }));
+    }
     out
 }
 

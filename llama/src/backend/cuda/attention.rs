@@ -2,7 +2,11 @@
 //! attention over the f16 cache — the tiled kernel for prompts, the split (flash-decoding)
 //! kernels for one query row.
 
-use crate::backend::{AttentionSeq, AttentionShape, BackendError};
+use crate::backend::{
+    AttentionParams, AttentionSeq, AttentionShape, BackendError, check_cache_slots,
+};
+
+use cudarc::driver::LaunchConfig;
 
 use super::device::{blocks, elementwise};
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
@@ -10,25 +14,232 @@ use super::{CudaBackend, CudaBuf, CudaKvBuf};
 /// Threads per block of the attention kernels: they assume 256.
 const ROW_THREADS: u32 = 256;
 
+/// A sequence's K and V caches (device addresses) and the positions they hold.
+#[derive(Debug, Clone, Copy)]
+struct Cache {
+    kp: u64,
+    vp: u64,
+    slots: usize,
+}
+
 /// Positions per chunk of the decode attention kernel: a 4096-token context is 32 chunks per
 /// head, so even 8 heads fill the GPU.
 const ATT_SPLIT: usize = 128;
 
+/// Warps per block and query rows per block of `attention_flash_hd*` (FA_WARPS, FA_ROWS in
+/// attention.cu).
+const FA_WARPS: u32 = 4;
+const FA_ROWS: usize = 16 * FA_WARPS as usize;
+
+/// Sequences per launch of the kernels that take a [`SeqTable`] (`SEQS_MAX` in common.cuh).
+const SEQS_MAX: usize = 64;
+
+/// The sequences of one launch of `rope_store_kv_seqs` / `attention_*_seqs`: must match
+/// `SeqTable` in common.cuh (64 cache pointers of each kind, then 64 each of row0, rows, pos0,
+/// and the count).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SeqTable {
+    k_cache: [u64; SEQS_MAX],
+    v_cache: [u64; SEQS_MAX],
+    row0: [i32; SEQS_MAX],
+    rows: [i32; SEQS_MAX],
+    pos0: [i32; SEQS_MAX],
+    n: i32,
+}
+
+// SAFETY: plain data with the C layout of the kernels' by-value parameter (`repr(C)`, no
+// pointers the host dereferences, every bit pattern valid).
+unsafe impl cudarc::driver::DeviceRepr for SeqTable {}
+
+/// One sequence of a [`SeqTable`]: its caches by device address, its rows and first position.
+pub(super) struct SeqEntry {
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub row0: usize,
+    pub rows: usize,
+    pub pos0: usize,
+}
+
+impl SeqTable {
+    /// Up to [`SEQS_MAX`] entries.
+    fn of(entries: &[SeqEntry]) -> SeqTable {
+        let mut t = SeqTable {
+            k_cache: [0; SEQS_MAX],
+            v_cache: [0; SEQS_MAX],
+            row0: [0; SEQS_MAX],
+            rows: [0; SEQS_MAX],
+            pos0: [0; SEQS_MAX],
+            n: entries.len().min(SEQS_MAX) as i32,
+        };
+        for (i, e) in entries.iter().take(SEQS_MAX).enumerate() {
+            t.k_cache[i] = e.k_cache;
+            t.v_cache[i] = e.v_cache;
+            t.row0[i] = e.row0 as i32;
+            t.rows[i] = e.rows as i32;
+            t.pos0[i] = e.pos0 as i32;
+        }
+        t
+    }
+}
+
 impl CudaBackend {
+    /// `rope_store_kv` for the rows of all `seqs` (rows counted from 0 at `q`, `k`, `v`; the
+    /// frequencies at `f`), [`SEQS_MAX`] sequences per launch.
+    pub(super) fn rope_store_kv_seqs_launch(
+        &self,
+        [qp, kp, vp, f]: [u64; 4],
+        seqs: &[SeqEntry],
+        shape: AttentionShape,
+    ) -> Result<(), BackendError> {
+        let (hd, q_dim, kv_dim) = (
+            shape.head_dim,
+            shape.n_heads * shape.head_dim,
+            shape.n_kv_heads * shape.head_dim,
+        );
+        for chunk in seqs.chunks(SEQS_MAX) {
+            // Rows of this chunk counted from its first sequence's.
+            let first = chunk[0].row0;
+            let rows: usize = chunk.iter().map(|s| s.rows).sum();
+            if rows == 0 {
+                continue;
+            }
+            let local: Vec<SeqEntry> = chunk
+                .iter()
+                .map(|s| SeqEntry {
+                    row0: s.row0 - first,
+                    ..*s
+                })
+                .collect();
+            let table = SeqTable::of(&local);
+            let (q0, k0, v0) = (
+                qp + (first * q_dim * 4) as u64,
+                kp + (first * kv_dim * 4) as u64,
+                vp + (first * kv_dim * 4) as u64,
+            );
+            let (rows_i, nh, nkv, hd_i) = (
+                rows as i32,
+                shape.n_heads as i32,
+                shape.n_kv_heads as i32,
+                hd as i32,
+            );
+            let mut b = self.queue.kernel(
+                &self.kernels.rope_store_kv_seqs,
+                "rope_store_kv_seqs kernel",
+            );
+            b.arg(&q0)
+                .arg(&k0)
+                .arg(&v0)
+                .arg(&rows_i)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd_i)
+                .arg(&f)
+                .arg(&table);
+            // SAFETY: the chunk's rows are consecutive from `first` (the model lays sequences
+            // out in row order), so q0/k0/v0 hold rows·n_heads·head_dim and rows·kv_dim values;
+            // each sequence's caches hold its positions pos0 .. pos0+rows (the model checks the
+            // capacity); one thread per rotated pair.
+            unsafe {
+                b.run(elementwise(
+                    rows * (shape.n_heads + shape.n_kv_heads) * hd / 2,
+                ))
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Decode attention of the one-row sequences `seqs` (their query rows counted from 0 at
+    /// `qp`, outputs likewise at `op`): one launch of `attention_decode_seqs` over (head,
+    /// chunk, sequence) and one of `attention_combine_seqs` per [`SEQS_MAX`] sequences.
+    fn attention_decode_seqs_launch(
+        &self,
+        qp: u64,
+        op: u64,
+        seqs: &[SeqEntry],
+        shape: AttentionShape,
+        scale: f32,
+    ) -> Result<(), BackendError> {
+        for chunk in seqs.chunks(SEQS_MAX) {
+            let max_splits = chunk
+                .iter()
+                .map(|s| (s.pos0 + 1).div_ceil(ATT_SPLIT))
+                .max()
+                .unwrap_or(1);
+            let partials = chunk.len() * shape.n_heads * max_splits * (2 + shape.head_dim);
+            let pp = self
+                .seq_attention_scratch
+                .room(&self.queue, &self.graphs, partials)?;
+            let table = SeqTable::of(chunk);
+            let (nh, nkv, hd, split, max_splits_i) = (
+                shape.n_heads as i32,
+                shape.n_kv_heads as i32,
+                shape.head_dim as i32,
+                ATT_SPLIT as i32,
+                max_splits as i32,
+            );
+            let mut b = self.queue.kernel(
+                &self.kernels.attention_decode_seqs,
+                "attention_decode_seqs kernel",
+            );
+            b.arg(&qp)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(&scale)
+                .arg(&split)
+                .arg(&pp)
+                .arg(&table);
+            let cfg = LaunchConfig {
+                grid_dim: (shape.n_heads as u32, max_splits as u32, chunk.len() as u32),
+                block_dim: (ROW_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: q holds the query rows row0[z] of every sequence (n_heads·head_dim values
+            // each), each sequence's caches its positions 0 ..= pos0; the partials hold
+            // n_seqs·n_heads·max_splits·(2+head_dim) values; head_dim <= 256 was checked.
+            unsafe { b.run(cfg) }?;
+            let mut b = self.queue.kernel(
+                &self.kernels.attention_combine_seqs,
+                "attention_combine_seqs kernel",
+            );
+            b.arg(&pp)
+                .arg(&max_splits_i)
+                .arg(&nh)
+                .arg(&hd)
+                .arg(&split)
+                .arg(&op)
+                .arg(&table);
+            let cfg = blocks((shape.n_heads as u32, chunk.len() as u32), ROW_THREADS);
+            // SAFETY: reads the partials written above (the chunks each sequence has), writes
+            // n_heads·head_dim values of each sequence's output row.
+            unsafe { b.run(cfg) }?;
+        }
+        Ok(())
+    }
+
     /// One launch: RoPE on `rows` rows of q and k at device addresses `qp` and `kp`, then
-    /// those k and v (at `vp`) rows stored in the f16 caches at `kc`/`vc` at positions
-    /// `pos0 ..`, with the frequencies at `f`. While a pass is recorded the kernel reads the
-    /// position from the pass parameters.
+    /// those k and v (at `vp`) rows stored in the f16 caches of `slots` positions at `kc`/`vc`
+    /// at positions `pos0 ..` (slot `pos % slots`), with the frequencies at `f`. While a pass
+    /// is recorded the kernel reads the position from the pass parameters.
     pub(super) fn rope_store_kv_launch(
         &self,
         [qp, kp, vp, f, kc, vc]: [u64; 6],
         rows: usize,
         pos0: usize,
         shape: AttentionShape,
+        slots: usize,
     ) -> Result<(), BackendError> {
         if rows == 0 {
             return Ok(());
         }
+        if slots == 0 {
+            return Err(BackendError::Unsupported {
+                op: "rope_store_kv",
+                message: "the KV cache holds no position".into(),
+            });
+        }
+        let slots_i = slots as i32;
         let hd = shape.head_dim;
         let pos_ptr = self.graphs.pos_param(&self.queue).unwrap_or(0);
         let (rows_i, nh, nkv, hd_i, p0) = (
@@ -52,10 +263,11 @@ impl CudaBackend {
             .arg(&pos_ptr)
             .arg(&f)
             .arg(&kc)
-            .arg(&vc);
+            .arg(&vc)
+            .arg(&slots_i);
         // SAFETY: the caller passes live buffers: rows·n_heads·head_dim values at qp,
         // rows·n_kv_heads·head_dim at kp and vp, head_dim/2 frequencies at f, and caches at
-        // kc/vc that hold the positions pos0 .. pos0+rows (the model checks the capacity).
+        // kc/vc of `slots` positions (the kernel writes slot pos % slots).
         unsafe {
             b.run(elementwise(
                 rows * (shape.n_heads + shape.n_kv_heads) * hd / 2,
@@ -64,12 +276,15 @@ impl CudaBackend {
     }
 
     /// Each sequence's query rows against its own caches, in place in `q` and `out`: one row
-    /// through the split decode kernels, more through the tiled kernel.
+    /// through the split decode kernels, more through the tiled kernel; with the new paths
+    /// (not for a sliding-window layer) a batch's one-row sequences in one launch and prompts
+    /// through flash attention.
     pub(super) fn attention_seqs(
         &self,
         q: &CudaBuf,
         seqs: &[AttentionSeq<'_, CudaKvBuf>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &CudaBuf,
     ) -> Result<(), BackendError> {
         if shape.head_dim > ROW_THREADS as usize {
@@ -79,39 +294,138 @@ impl CudaBackend {
             });
         }
         let width = shape.n_heads * shape.head_dim;
-        let scale = 1.0 / (shape.head_dim as f32).sqrt();
-        for s in seqs.iter().filter(|s| s.rows > 0) {
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        for s in seqs {
+            check_cache_slots(s.k_cache.0.len() / kv_dim, s.pos0, s.rows, params)?;
+        }
+        // The one-launch and flash kernels know neither windows nor ring caches: a
+        // sliding-window layer's attention goes through the kernels that do. Without a window
+        // every cache holds all the positions its rows see (checked above), slot t for
+        // position t.
+        let whole_caches = params.window.is_none();
+        // With the `seqs` path, the one-row sequences of a batch in one launch.
+        let batched =
+            whole_caches && self.paths.seqs && seqs.iter().filter(|s| s.rows == 1).count() >= 2;
+        if batched {
+            let ones: Vec<SeqEntry> = seqs
+                .iter()
+                .filter(|s| s.rows == 1)
+                .map(|s| SeqEntry {
+                    k_cache: self.kv_addr(s.k_cache),
+                    v_cache: self.kv_addr(s.v_cache),
+                    row0: s.row0,
+                    rows: 1,
+                    pos0: s.pos0,
+                })
+                .collect();
+            self.attention_decode_seqs_launch(
+                self.addr(q, 0),
+                self.addr(out, 0),
+                &ones,
+                shape,
+                params.scale,
+            )?;
+        }
+        let flash = self.flash_kernel(shape).filter(|_| whole_caches);
+        for s in seqs
+            .iter()
+            .filter(|s| s.rows > 0 && !(batched && s.rows == 1))
+        {
             let (qp, op) = (self.addr(q, s.row0 * width), self.addr(out, s.row0 * width));
             let (kp, vp) = (self.kv_addr(s.k_cache), self.kv_addr(s.v_cache));
+            let cache = Cache {
+                kp,
+                vp,
+                slots: s.k_cache.0.len() / kv_dim,
+            };
             if s.rows == 1 {
-                let capacity = s.k_cache.0.len() / (shape.n_kv_heads * shape.head_dim);
-                self.attention_decode(qp, kp, vp, s.pos0, capacity, shape, scale, op)?;
+                self.attention_decode(qp, cache, s.pos0, shape, params, op)?;
+            } else if let Some(kernel) = flash {
+                self.attention_flash(
+                    kernel,
+                    [qp, kp, vp, op],
+                    s.rows,
+                    s.pos0,
+                    shape,
+                    params.scale,
+                )?;
             } else {
-                self.attention_rows(qp, kp, vp, s.rows, s.pos0, shape, scale, op)?;
+                self.attention_rows([qp, op], cache, (s.rows, s.pos0), shape, params)?;
             }
         }
         Ok(())
     }
 
-    /// `rows` query rows at positions `pos0 ..`: one block per (row, head).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_rows(
+    /// The tensor-core prompt attention kernel for `shape`, when the `flash` path is on, the
+    /// device has the instructions and there is a kernel for its head_dim (64, 128).
+    fn flash_kernel(&self, shape: AttentionShape) -> Option<&cudarc::driver::CudaFunction> {
+        if !self.paths.flash || !self.tensor_cores {
+            return None;
+        }
+        match shape.head_dim {
+            64 => Some(&self.kernels.attention_flash[0]),
+            128 => Some(&self.kernels.attention_flash[1]),
+            _ => None,
+        }
+    }
+
+    /// `rows` query rows at positions `pos0 ..` on tensor cores (`attention_flash_hd*`):
+    /// blocks of [`FA_ROWS`] rows of one head.
+    fn attention_flash(
         &self,
-        qp: u64,
-        kp: u64,
-        vp: u64,
+        kernel: &cudarc::driver::CudaFunction,
+        [qp, kp, vp, op]: [u64; 4],
         rows: usize,
         pos0: usize,
         shape: AttentionShape,
         scale: f32,
-        op: u64,
     ) -> Result<(), BackendError> {
-        let (p0, nh, nkv, hd) = (
+        let (rows_i, p0, nh, nkv) = (
+            rows as i32,
+            pos0 as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+        );
+        let mut b = self.queue.kernel(kernel, "attention_flash kernel");
+        b.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&rows_i)
+            .arg(&p0)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&scale)
+            .arg(&op);
+        let cfg = blocks(
+            (rows.div_ceil(FA_ROWS) as u32, shape.n_heads as u32),
+            FA_WARPS * 32,
+        );
+        // SAFETY: q and out hold rows·n_heads·head_dim values, the caches at least
+        // (pos0+rows)·n_kv_heads·head_dim; the kernel is the one for this head_dim; the grid
+        // covers the rows in blocks of FA_ROWS for every head.
+        unsafe { b.run(cfg) }
+    }
+
+    /// `rows` query rows (at device address `qp`, out at `op`) at positions `pos0 ..`: one
+    /// block per (row, head).
+    fn attention_rows(
+        &self,
+        [qp, op]: [u64; 2],
+        cache: Cache,
+        (rows, pos0): (usize, usize),
+        shape: AttentionShape,
+        params: AttentionParams,
+    ) -> Result<(), BackendError> {
+        let Cache { kp, vp, slots } = cache;
+        let (p0, nh, nkv, hd, slots_i, window) = (
             pos0 as i32,
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
+            slots as i32,
+            params.window.unwrap_or(0) as i32,
         );
+        let scale = params.scale;
         let mut b = self
             .queue
             .kernel(&self.kernels.attention, "attention kernel");
@@ -123,48 +437,51 @@ impl CudaBackend {
             .arg(&nkv)
             .arg(&hd)
             .arg(&scale)
+            .arg(&slots_i)
+            .arg(&window)
             .arg(&op);
         let cfg = blocks(((rows * shape.n_heads) as u32, 1), ROW_THREADS);
-        // SAFETY: q and out hold rows·n_heads·head_dim values, the caches at least
-        // (pos0+rows)·n_kv_heads·head_dim; head_dim <= 256 was checked by the caller.
+        // SAFETY: q and out hold rows·n_heads·head_dim values, the caches `slots` positions of
+        // n_kv_heads·head_dim (enough for the rows: checked by the caller, as head_dim <= 256).
         unsafe { b.run(cfg) }
     }
 
-    /// One query row: the positions in chunks of [`ATT_SPLIT`] over (head, chunk) blocks, then
-    /// the chunks merged (see `attention_decode` in attention.cu). While a pass is recorded
-    /// the grid covers the whole cache (`capacity` positions) and the kernels read the
-    /// position from the pass parameters; the chunks past it come out empty and the merge
-    /// skips them.
-    #[allow(clippy::too_many_arguments)]
+    /// One query row: the positions it sees in chunks of [`ATT_SPLIT`] over (head, chunk)
+    /// blocks, then the chunks merged (see `attention_decode` in attention.cu). While a pass
+    /// is recorded the grid covers the whole cache (`slots` positions, at least what the row
+    /// sees) and the kernels read the position from the pass parameters; the chunks past it
+    /// come out empty and the merge skips them.
     fn attention_decode(
         &self,
         qp: u64,
-        kp: u64,
-        vp: u64,
+        cache: Cache,
         pos0: usize,
-        capacity: usize,
         shape: AttentionShape,
-        scale: f32,
+        params: AttentionParams,
         op: u64,
     ) -> Result<(), BackendError> {
+        let Cache { kp, vp, slots } = cache;
         let pos_dev = self.graphs.pos_param(&self.queue);
+        let seen = pos0 + 1 - params.first_key(pos0);
         let n_splits = if pos_dev.is_some() {
-            capacity.max(pos0 + 1).div_ceil(ATT_SPLIT)
+            slots.max(seen).div_ceil(ATT_SPLIT)
         } else {
-            (pos0 + 1).div_ceil(ATT_SPLIT)
+            seen.div_ceil(ATT_SPLIT)
         };
-        let partials =
-            shape.n_heads * capacity.max(pos0 + 1).div_ceil(ATT_SPLIT) * (2 + shape.head_dim);
+        let partials = shape.n_heads * slots.max(seen).div_ceil(ATT_SPLIT) * (2 + shape.head_dim);
         let pp = self
             .attention_scratch
             .room(&self.queue, &self.graphs, partials)?;
-        let (p0, nh, nkv, hd, split) = (
+        let (p0, nh, nkv, hd, split, slots_i, window) = (
             pos0 as i32,
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
             ATT_SPLIT as i32,
+            slots as i32,
+            params.window.unwrap_or(0) as i32,
         );
+        let scale = params.scale;
         let pos_ptr = pos_dev.unwrap_or(0);
         let mut b = self
             .queue
@@ -178,12 +495,14 @@ impl CudaBackend {
             .arg(&nkv)
             .arg(&hd)
             .arg(&scale)
+            .arg(&slots_i)
+            .arg(&window)
             .arg(&split)
             .arg(&pp);
         let cfg = blocks((shape.n_heads as u32, n_splits as u32), ROW_THREADS);
-        // SAFETY: q holds n_heads·head_dim values, the caches `capacity` positions of
-        // n_kv_heads·head_dim (the kernel reads only the first pos+1), the partials
-        // n_heads·n_splits·(2+head_dim) (sized above for the capacity); ATT_SPLIT <= the
+        // SAFETY: q holds n_heads·head_dim values, the caches `slots` positions of
+        // n_kv_heads·head_dim (the kernel reads the slots of the positions the row sees), the
+        // partials n_heads·n_splits·(2+head_dim) (sized above for the slots); ATT_SPLIT <= the
         // kernel's tile of 1024.
         unsafe { b.run(cfg) }?;
         let n_splits_i = n_splits as i32;

@@ -28,6 +28,9 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("matmul_mma.cu", include_str!("kernels/matmul_mma.cu")),
+    // The dtypes added with the k-quants; after matmul.cu, whose tile and loads they use.
+    ("kquants.cu", include_str!("kernels/kquants.cu")),
 ];
 
 /// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
@@ -199,7 +202,8 @@ mod tests {
         for part in loader.split("f(\"").skip(1) {
             names.push(part.split('"').next().unwrap());
         }
-        assert!(names.len() >= 26, "{names:?}");
+        // The matmul kernels are looked up per dtype by name (below), the others by literal.
+        assert!(names.len() >= 15, "{names:?}");
         for name in names {
             let (stem, plain) = match name.rsplit_once('_') {
                 Some((stem, "r1" | "r8")) => (stem, false),
@@ -211,6 +215,131 @@ mod tests {
                 src.matches(&format!("KERNELS({stem}, ")).count()
             };
             assert_eq!(defined, 1, "kernel {name}");
+        }
+        // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each.
+        let mut mma = 0;
+        for part in loader.split("mma(\"").skip(1) {
+            let dtype = part.split('"').next().unwrap();
+            let stamp = format!("MATMUL_MMA_KERNELS(matmul_mma_{dtype}, ");
+            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+            mma += 1;
+        }
+        assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
+    }
+
+    /// Compiling needs libnvrtc only, no GPU: this catches a kernel source that does not
+    /// compile on any machine that has the library (e.g. from the PyPI wheel
+    /// nvidia-cuda-nvrtc, on LD_LIBRARY_PATH). Opt-in: `GDSLLM_NVRTC_TESTS=1`, failing when
+    /// set without the library.
+    #[test]
+    fn nvrtc_compiles_the_program_when_asked() {
+        if std::env::var("GDSLLM_NVRTC_TESTS").as_deref() != Ok("1") {
+            eprintln!("skipped: set GDSLLM_NVRTC_TESTS=1 (and LD_LIBRARY_PATH to libnvrtc)");
+            return;
+        }
+        // SAFETY: only tries to dlopen libnvrtc (cudarc panics on a call into a missing one).
+        assert!(
+            unsafe { cudarc::nvrtc::sys::is_culib_present() },
+            "GDSLLM_NVRTC_TESTS=1 but libnvrtc is not loadable"
+        );
+        let (major, minor) = nvrtc_version().unwrap();
+        for arch in ["compute_75", "compute_80", "compute_90"] {
+            let opts = CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}"), "-std=c++17".into()],
+                name: Some("kernels.cu".into()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(program_source(), opts).unwrap_or_else(|e| match e {
+                CompileError::CompileError { log, .. } => {
+                    panic!("NVRTC {major}.{minor}, {arch}:\n{}", log.to_string_lossy())
+                }
+                other => panic!("NVRTC {major}.{minor}, {arch}: {other}"),
+            });
+            let text = ptx.to_src();
+            for entry in [
+                "matmul_q4_1_r1",
+                "matmul_mma_q4_1_n8",
+                "matmul_mma_bf16_n1",
+                "attention_flash_hd128",
+                "attention_decode_seqs",
+                "rope_store_kv_seqs",
+            ] {
+                assert!(
+                    text.contains(&format!(".entry {entry}(")),
+                    "{arch}: no {entry}"
+                );
+            }
+            // A matmul kernel for every dtype, the k-quants' included.
+            for dtype in weights_format::DType::ALL {
+                let entry = format!(".entry matmul_{}_r1(", dtype.name());
+                assert!(text.contains(&entry), "{arch}: no {entry} in the PTX");
+            }
+            // Tensor-core instructions only where the device has them (8.0 on).
+            assert_eq!(
+                text.contains("mma.sync.aligned.m16n8k32"),
+                arch != "compute_75",
+                "{arch}"
+            );
+            println!(
+                "NVRTC {major}.{minor} compiled the kernels for {arch}: {} bytes of PTX",
+                text.len()
+            );
+        }
+    }
+
+    /// The CPU emulator's test program (llama/tests/cuda_emu) includes the kernel files in this
+    /// order too.
+    #[test]
+    fn the_emulator_tests_include_every_kernel_file_in_order() {
+        let harness = include_str!("../../../tests/cuda_emu/kernels_test.cpp");
+        let list = harness
+            .split("// KERNEL FILES BEGIN")
+            .nth(1)
+            .and_then(|s| s.split("// KERNEL FILES END").next())
+            .expect("markers");
+        let included: Vec<&str> = list
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \""))
+            .map(|l| l.trim_end_matches('"'))
+            .collect();
+        let want: Vec<&str> = std::iter::once(COMMON.0)
+            .chain(KERNEL_FILES.iter().map(|(name, _)| *name))
+            .collect();
+        assert_eq!(included, want);
+    }
+
+    #[test]
+    fn every_matmul_kernel_the_backend_loads_is_in_the_source() {
+        // `Kernels::load` loads `matmul_<dtype>_r1` and `_r8` for every dtype, by its code;
+        // the kernels are stamped out by macros with the same code.
+        let program = program_source();
+        let kquants = KERNEL_FILES
+            .iter()
+            .find(|(name, _)| *name == "kquants.cu")
+            .unwrap()
+            .1;
+        for (code, dtype) in weights_format::DType::ALL.iter().enumerate() {
+            let name = format!("matmul_{}", dtype.name());
+            let stamped = [
+                format!("MATMUL_KERNELS({name}, {code})"),
+                format!("MATMUL_Q_KERNELS({name}, {code})"),
+                format!(
+                    "MATMUL_KQ_KERNELS({name}, KQ_{})",
+                    dtype.name().to_uppercase()
+                ),
+            ];
+            assert_eq!(
+                stamped
+                    .iter()
+                    .map(|s| program.matches(s.as_str()).count())
+                    .sum::<usize>(),
+                1,
+                "kernel {name} with code {code}"
+            );
+            if code >= 6 {
+                let define = format!("#define KQ_{} {code}", dtype.name().to_uppercase());
+                assert!(kquants.contains(&define), "{define}");
+            }
         }
     }
 }

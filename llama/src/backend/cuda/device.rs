@@ -8,7 +8,7 @@
 //! between the op that wrote them and the matmul that reads them.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -21,6 +21,7 @@ use crate::LlamaError;
 use crate::backend::BackendError;
 
 use super::compile;
+use super::profile::Profile;
 
 /// Threads per block of elementwise kernels.
 pub(super) const ELEMENT_THREADS: u32 = 256;
@@ -30,23 +31,38 @@ pub(super) fn elementwise(n: usize) -> LaunchConfig {
     blocks(((n as u32).div_ceil(ELEMENT_THREADS), 1), ELEMENT_THREADS)
 }
 
-/// The dtype codes of the kernels (`common.cuh`). A new dtype is one more arm here and in
-/// the kernels that read weights.
+/// The dtype codes of the kernels: the position in [`DType::ALL`] (0–5 in `common.cuh`,
+/// 6–14, the dtypes added with the k-quants, in `kquants.cu`, whose `KQ_*` defines match).
 pub(super) fn dtype_code(dtype: DType) -> i32 {
-    match dtype {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::Bf16 => 2,
-        DType::Q8_0 => 3,
-        DType::Q4_0 => 4,
-        DType::Q4_1 => 5,
-    }
+    DType::ALL
+        .iter()
+        .position(|d| *d == dtype)
+        .expect("DType::ALL has every dtype") as i32
+}
+
+/// Whether `dtype`'s kernels are those of `kernels/kquants.cu` (its embedding lookup is
+/// `kq_embed_rows`).
+pub(super) fn kq_kernels(dtype: DType) -> bool {
+    dtype_code(dtype) >= 6
 }
 
 pub(super) fn device_error(message: impl Into<String>) -> LlamaError {
     LlamaError::Device {
         message: message.into(),
     }
+}
+
+/// The device's streaming multiprocessors, and whether it has the tensor-core instructions the
+/// mma kernels use (`mma.sync` with 8-bit integers and bf16: compute capability 8.0 and later).
+pub(super) fn capabilities(ctx: &Arc<CudaContext>) -> Result<(u32, bool), LlamaError> {
+    use cudarc::driver::sys::CUdevice_attribute;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| device_error(format!("cuDeviceGetAttribute(multiprocessors): {e}")))?;
+    let (major, _) = ctx
+        .compute_capability()
+        .map_err(|e| device_error(format!("cuDeviceGetAttribute(compute capability): {e}")))?;
+    Ok((sms.max(1) as u32, major >= 8))
 }
 
 /// Opens device `ordinal` after checking that the driver and NVRTC libraries load (cudarc
@@ -86,6 +102,10 @@ pub(super) struct Queue {
     issued: AtomicU64,
     /// cuBLAS on the same stream, when libcublas loads.
     blas: Option<cudarc::cublas::CudaBlas>,
+    /// GPU time per op, when asked for (see [`super::profile`]).
+    profile: Option<Profile>,
+    /// Whether a graph is being recorded (then nothing is timed).
+    capturing: AtomicBool,
 }
 
 impl Queue {
@@ -115,7 +135,19 @@ impl Queue {
             device,
             issued: AtomicU64::new(0),
             blas,
+            profile: Profile::from_env(),
+            capturing: AtomicBool::new(false),
         })
+    }
+
+    /// Queues `op` through `queue_it`, timed when profiling (and not recording).
+    fn timed<R>(&self, op: &'static str, queue_it: impl FnOnce() -> R) -> R {
+        match &self.profile {
+            Some(p) if !self.capturing.load(Ordering::Relaxed) => {
+                p.time(&self.stream, op, queue_it)
+            }
+            _ => queue_it(),
+        }
     }
 
     /// Work queued so far: launches, copies, allocations, GEMMs, graph replays.
@@ -211,7 +243,11 @@ impl Queue {
         self.stream
             .memcpy_dtoh(&src.slice(0..out.len()), out)
             .map_err(|e| self.error(op, e))?;
-        self.synchronize()
+        self.synchronize()?;
+        if let Some(p) = &self.profile {
+            p.settle();
+        }
+        Ok(())
     }
 
     pub fn synchronize(&self) -> Result<(), BackendError> {
@@ -241,7 +277,7 @@ impl Queue {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
         self.issue();
         // SAFETY: the handle runs on this queue's stream; the caller vouches for the pointers.
-        let r = unsafe {
+        let r = self.timed("cublasGemmEx", || unsafe {
             cudarc::cublas::result::gemm_ex(
                 *blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
@@ -263,7 +299,7 @@ impl Queue {
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
-        };
+        });
         r.map_err(|source| BackendError::Cublas {
             device: self.device.clone(),
             op: "cublasGemmEx",
@@ -274,19 +310,28 @@ impl Queue {
     /// Starts recording what is queued into a graph instead of running it. Thread-local: the
     /// residency reader's driver calls on other threads stay legal.
     pub fn begin_capture(&self) -> Result<(), DriverError> {
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        self.capturing.store(true, Ordering::Relaxed);
+        let r = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        if r.is_err() {
+            self.capturing.store(false, Ordering::Relaxed);
+        }
+        r
     }
 
     /// Ends the recording: the graph of what was queued since [`Queue::begin_capture`].
     pub fn end_capture(&self) -> Result<Option<CudaGraph>, DriverError> {
-        self.stream.end_capture(CUgraphInstantiate_flags(0))
+        let r = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        self.capturing.store(false, Ordering::Relaxed);
+        r
     }
 
     /// Queues a recorded graph.
     pub fn launch_graph(&self, graph: &CudaGraph) -> Result<(), BackendError> {
         self.issue();
-        graph.launch().map_err(|e| self.error("cuGraphLaunch", e))
+        self.timed("graph replay", || graph.launch())
+            .map_err(|e| self.error("cuGraphLaunch", e))
     }
 
     /// An event after everything queued so far, whose `synchronize` blocks the calling
@@ -346,6 +391,14 @@ impl Queue {
     }
 }
 
+impl Drop for Queue {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            tracing::info!("{}", p.report());
+        }
+    }
+}
+
 /// A launch configuration of `grid` blocks of `threads` threads.
 pub(super) fn blocks(grid: (u32, u32), threads: u32) -> LaunchConfig {
     LaunchConfig {
@@ -392,10 +445,12 @@ impl<'a> Launch<'a> {
     /// live device allocation large enough for what the kernel reads and writes with `cfg`.
     pub unsafe fn run(mut self, cfg: LaunchConfig) -> Result<(), BackendError> {
         self.queue.issue();
+        let (queue, op, args) = (self.queue, self.op, &mut self.args);
         // SAFETY: the caller vouches for the arguments and the grid.
-        unsafe { self.args.launch(cfg) }
+        queue
+            .timed(op, || unsafe { args.launch(cfg) })
             .map(|_| ())
-            .map_err(|e| self.queue.error(self.op, e))
+            .map_err(|e| queue.error(op, e))
     }
 }
 
@@ -404,19 +459,35 @@ pub(super) struct Kernels {
     pub embed_rows: CudaFunction,
     pub rmsnorm: CudaFunction,
     pub rope_store_kv: CudaFunction,
+    pub rope_store_kv_seqs: CudaFunction,
     pub copy_f32: CudaFunction,
     pub copy_f32_to_f16: CudaFunction,
     pub copy_f32_to_bf16: CudaFunction,
     pub copy_f16_to_f32: CudaFunction,
-    pub swiglu: CudaFunction,
+    pub gated_act: CudaFunction,
+    pub rmsnorm_pieces: CudaFunction,
+    pub add_rmsnorm: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub scale_f32: CudaFunction,
+    pub softcap: CudaFunction,
     pub attention: CudaFunction,
     pub attention_decode: CudaFunction,
     pub attention_combine: CudaFunction,
+    pub attention_decode_seqs: CudaFunction,
+    /// Prompt attention on tensor cores for head_dim 64 and 128.
+    pub attention_flash: [CudaFunction; 2],
+    pub attention_combine_seqs: CudaFunction,
     pub dequant_f16: CudaFunction,
     pub dequant_f32: CudaFunction,
     pub quantize_x16: CudaFunction,
+    /// `embed_rows` for the dtypes of `kquants.cu`.
+    pub kq_embed_rows: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
-    pub matmul: [[CudaFunction; 2]; 6],
+    pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
+    /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16, 32 and 64 input
+    /// rows per block (`matmul_mma.cu`). Only the six dtype codes before the k-quants have them;
+    /// a dtype past the table keeps the one-row kernels (`CudaBackend::mma_kernels`).
+    pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
 }
 
 impl Kernels {
@@ -429,28 +500,57 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| device_error(format!("kernel `{name}`: {e}")))
         };
+        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code)` stamps out `_n1` .. `_n8`.
+        let mma = |dtype: &str| -> Result<[CudaFunction; 4], LlamaError> {
+            Ok([
+                f(&format!("matmul_mma_{dtype}_n1"))?,
+                f(&format!("matmul_mma_{dtype}_n2"))?,
+                f(&format!("matmul_mma_{dtype}_n4"))?,
+                f(&format!("matmul_mma_{dtype}_n8"))?,
+            ])
+        };
         Ok(Kernels {
             embed_rows: f("embed_rows")?,
             rmsnorm: f("rmsnorm")?,
             rope_store_kv: f("rope_store_kv")?,
+            rope_store_kv_seqs: f("rope_store_kv_seqs")?,
             copy_f32: f("copy_f32")?,
             copy_f32_to_f16: f("copy_f32_to_f16")?,
             copy_f32_to_bf16: f("copy_f32_to_bf16")?,
             copy_f16_to_f32: f("copy_f16_to_f32")?,
-            swiglu: f("swiglu")?,
+            gated_act: f("gated_act")?,
+            rmsnorm_pieces: f("rmsnorm_pieces")?,
+            add_rmsnorm: f("add_rmsnorm")?,
+            add_bias: f("add_bias")?,
+            scale_f32: f("scale_f32")?,
+            softcap: f("softcap")?,
             attention: f("attention")?,
             attention_decode: f("attention_decode")?,
             attention_combine: f("attention_combine")?,
+            attention_decode_seqs: f("attention_decode_seqs")?,
+            attention_flash: [f("attention_flash_hd64")?, f("attention_flash_hd128")?],
+            attention_combine_seqs: f("attention_combine_seqs")?,
             dequant_f16: f("dequant_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
-            matmul: [
-                [f("matmul_f32_r1")?, f("matmul_f32_r8")?],
-                [f("matmul_f16_r1")?, f("matmul_f16_r8")?],
-                [f("matmul_bf16_r1")?, f("matmul_bf16_r8")?],
-                [f("matmul_q8_0_r1")?, f("matmul_q8_0_r8")?],
-                [f("matmul_q4_0_r1")?, f("matmul_q4_0_r8")?],
-                [f("matmul_q4_1_r1")?, f("matmul_q4_1_r8")?],
+            kq_embed_rows: f("kq_embed_rows")?,
+            // `matmul_<dtype>_r1` and `_r8`, in dtype-code order.
+            matmul: DType::ALL
+                .iter()
+                .map(|d| {
+                    let name = format!("matmul_{}", d.name());
+                    Ok([f(&format!("{name}_r1"))?, f(&format!("{name}_r8"))?])
+                })
+                .collect::<Result<Vec<_>, LlamaError>>()?
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
+            matmul_mma: [
+                None,
+                Some(mma("f16")?),
+                Some(mma("bf16")?),
+                Some(mma("q8_0")?),
+                Some(mma("q4_0")?),
+                Some(mma("q4_1")?),
             ],
         })
     }

@@ -1,18 +1,28 @@
-//! Row- and element-wise device work: the embedding lookup, rmsnorm, the gated activation,
-//! row copies, and the f32 ↔ f16 conversions of the KV cache.
+//! Row- and element-wise device work: the embedding lookup, the norms (rmsnorm, its per-head
+//! and post-norm forms), the gated activations, the bias add, scaling and soft-capping, row
+//! copies, and the f32 ↔ f16 conversions of the KV cache.
 
 use cudarc::driver::CudaFunction;
 
 use crate::backend::{BackendError, WeightView};
 
-use super::device::{blocks, dtype_code, elementwise};
+use super::device::{blocks, dtype_code, elementwise, kq_kernels};
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
 
 /// Threads per block of `embed_rows`.
 const EMBED_THREADS: u32 = 256;
-/// Threads per block of `rmsnorm` (must match RMS_THREADS in norm_rope.cu).
+/// Threads per block of `rmsnorm` and `add_rmsnorm` (must match RMS_THREADS in norm_rope.cu).
 const RMS_THREADS: u32 = 1024;
+/// Pieces (one warp each) per block of `rmsnorm_pieces` (RMS_PIECE_WARPS in norm_rope.cu).
+const RMS_PIECE_WARPS: u32 = 8;
+
+/// The gate activations of the `gated_act` kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GateAct {
+    Silu = 0,
+    GeluTanh = 1,
+}
 
 impl CudaBackend {
     /// `out[r, :] = table[ids[r], :]` for a table in device memory.
@@ -34,9 +44,12 @@ impl CudaBackend {
             dtype_code(table.dtype),
             table.cols as i32,
         );
-        let mut b = self
-            .queue
-            .kernel(&self.kernels.embed_rows, "embed_rows kernel");
+        let kernel = if kq_kernels(table.dtype) {
+            &self.kernels.kq_embed_rows
+        } else {
+            &self.kernels.embed_rows
+        };
+        let mut b = self.queue.kernel(kernel, "embed_rows kernel");
         b.arg(&w)
             .arg(&row_bytes)
             .arg(&dtype)
@@ -104,22 +117,25 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// `gate = silu(gate) · up` over `len` values; also written quantized (see
+    /// `gate = act(gate) · up` over `len` values; also written quantized (see
     /// [`CudaBackend::rmsnorm_launch`]).
-    pub(super) fn swiglu_launch(
+    pub(super) fn gated_act_launch(
         &self,
         gate: &CudaBuf,
         up: &CudaBuf,
         len: usize,
+        act: GateAct,
     ) -> Result<(), BackendError> {
         if len == 0 {
             return Ok(());
         }
         let (gp, upp) = (self.addr(gate, 0), self.addr(up, 0));
         let (xq, xs) = self.x16.fused_target(&self.queue, &self.graphs, len)?;
-        let n = len as u64;
-        let mut b = self.queue.kernel(&self.kernels.swiglu, "swiglu kernel");
-        b.arg(&gp).arg(&upp).arg(&n).arg(&xq).arg(&xs);
+        let (n, act) = (len as u64, act as i32);
+        let mut b = self
+            .queue
+            .kernel(&self.kernels.gated_act, "gated_act kernel");
+        b.arg(&gp).arg(&upp).arg(&n).arg(&act).arg(&xq).arg(&xs);
         let threads = if len.is_multiple_of(4) { len / 4 } else { len };
         // SAFETY: both buffers hold at least len values; the kernel touches elements < n (four
         // per thread when n is a multiple of 4); xq/xs are null or (n a multiple of 32) the
@@ -127,6 +143,94 @@ impl CudaBackend {
         unsafe { b.run(elementwise(threads)) }?;
         self.x16.remember(&self.queue, gp, len, (xq, xs));
         Ok(())
+    }
+
+    /// `x` normalised in place in `pieces` pieces of `weight.cols` values (per-head norms).
+    pub(super) fn rmsnorm_pieces_launch(
+        &self,
+        x: &CudaBuf,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        if pieces == 0 {
+            return Ok(());
+        }
+        let w = device_ptr(&weight)?.addr();
+        let xp = self.addr(x, 0);
+        let (dtype, dim, n) = (dtype_code(weight.dtype), weight.cols as i32, pieces as i32);
+        let mut b = self
+            .queue
+            .kernel(&self.kernels.rmsnorm_pieces, "rmsnorm_pieces kernel");
+        b.arg(&xp).arg(&w).arg(&dtype).arg(&dim).arg(&eps).arg(&n);
+        let cfg = blocks(
+            ((pieces as u32).div_ceil(RMS_PIECE_WARPS), 1),
+            32 * RMS_PIECE_WARPS,
+        );
+        // SAFETY: x holds pieces·dim values, the weight dim values; one warp per piece.
+        unsafe { b.run(cfg) }
+    }
+
+    /// `out += rmsnorm(x) · weight` over `rows` rows.
+    pub(super) fn add_rmsnorm_launch(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &CudaBuf,
+    ) -> Result<(), BackendError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let w = device_ptr(&weight)?.addr();
+        let (xp, op) = (self.addr(x, 0), self.addr(out, 0));
+        let (dtype, dim) = (dtype_code(weight.dtype), weight.cols as i32);
+        let mut b = self
+            .queue
+            .kernel(&self.kernels.add_rmsnorm, "add_rmsnorm kernel");
+        b.arg(&xp).arg(&w).arg(&dtype).arg(&dim).arg(&eps).arg(&op);
+        // SAFETY: x and out hold rows·dim values, the weight dim values.
+        unsafe { b.run(blocks((rows as u32, 1), RMS_THREADS)) }
+    }
+
+    /// `x[r, :] += bias` over `rows` rows of `bias.cols` values.
+    pub(super) fn add_bias_launch(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        let n = rows * bias.cols;
+        if n == 0 {
+            return Ok(());
+        }
+        let w = device_ptr(&bias)?.addr();
+        let xp = self.addr(x, 0);
+        let (dtype, width, n64) = (dtype_code(bias.dtype), bias.cols as i32, n as u64);
+        let mut b = self.queue.kernel(&self.kernels.add_bias, "add_bias kernel");
+        b.arg(&xp).arg(&w).arg(&dtype).arg(&width).arg(&n64);
+        // SAFETY: x holds rows·width values, the bias width values.
+        unsafe { b.run(elementwise(n)) }
+    }
+
+    /// `x = f(x)` over `len` values with a one-float-parameter elementwise kernel (`scale_f32`,
+    /// `softcap`).
+    pub(super) fn map_launch(
+        &self,
+        kernel: &CudaFunction,
+        x: &CudaBuf,
+        len: usize,
+        param: f32,
+    ) -> Result<(), BackendError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let (xp, n) = (self.addr(x, 0), len as u64);
+        let mut b = self.queue.kernel(kernel, "elementwise kernel");
+        b.arg(&xp).arg(&n).arg(&param);
+        // SAFETY: x holds at least len values; the kernel takes (float*, u64, float).
+        unsafe { b.run(elementwise(len)) }
     }
 
     /// `n` values from device address `src` to `dst` through a `copy_*` kernel (which converts

@@ -3,7 +3,7 @@
 //! the 16-bit integers of [`super::scratch::X16`]), cuBLAS for prompts.
 
 use cudarc::cublas::sys::cudaDataType;
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use weights_format::DType;
 
 use crate::backend::{BackendError, RowGroup, WeightView};
@@ -36,12 +36,47 @@ struct MatmulJobs {
 // pointers the host dereferences, every bit pattern valid).
 unsafe impl cudarc::driver::DeviceRepr for MatmulJobs {}
 
+impl MatmulJobs {
+    /// The parameter of a launch over `jobs` (at most [`MM_MAX_JOBS`] weights and their
+    /// outputs' device addresses).
+    fn of(jobs: &[(&WeightView<'_>, u64)], accumulate: bool) -> Result<MatmulJobs, BackendError> {
+        let mut params = MatmulJobs {
+            n_jobs: jobs.len() as i32,
+            accumulate: accumulate as i32,
+            ..MatmulJobs::default()
+        };
+        for (i, (w, op)) in jobs.iter().enumerate() {
+            params.w[i] = device_ptr(w)?.addr();
+            params.out[i] = *op;
+            params.m[i] = w.rows as i32;
+        }
+        Ok(params)
+    }
+}
+
 /// What a matmul kernel reads as x: f32 rows, or (quantized weights) `quantize_x16`'s
 /// integers and block records, by device address.
 #[derive(Clone, Copy)]
 enum MatmulInput {
     F32(u64),
     Int16 { xq: u64, xs: u64 },
+}
+
+/// Warps per block, weight rows per block and input rows per block of the tensor-core
+/// matmul kernels (must match `MMA_WARPS`, `MMA_BROWS` and `MMA_NMAX` in `matmul_mma.cu`).
+const MMA_WARPS: u32 = 8;
+const MMA_BROWS: usize = 16 * MMA_WARPS as usize;
+const MMA_NMAX: usize = 64;
+
+/// How many slices the columns of a tensor-core matmul are split into (grid.z): enough blocks
+/// for two per multiprocessor, at least 8 chunks of 32 columns per slice, at most 16 slices.
+/// From the weights' shape and the device alone (not the row count), so that a row's result
+/// does not depend on its batch.
+fn mma_split(column_tiles: usize, n_chunks: usize, sms: usize) -> usize {
+    (2 * sms)
+        .div_ceil(column_tiles.max(1))
+        .min(n_chunks / 8)
+        .clamp(1, 16)
 }
 
 /// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
@@ -150,10 +185,104 @@ impl CudaBackend {
             } else {
                 MatmulInput::F32(xp)
             };
-            self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
+            if self.mma_applies(rows, first) {
+                self.launch_mma(x, rows, &jobs[start..end], accumulate)?;
+            } else {
+                self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
+            }
             start = end;
         }
         Ok(())
+    }
+
+    /// Whether `rows` rows (fewer than a prompt's) times `w` go to the tensor-core kernels of
+    /// `matmul_mma.cu`: when that path is on, for two rows or more (one row is the decode
+    /// step of a single sequence, which the one-row kernel reads at full bandwidth), on a
+    /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks
+    /// and a 16-byte aligned weight (tensors start 4096-aligned; the f16 path loads 16 bytes).
+    fn mma_applies(&self, rows: usize, w: &WeightView<'_>) -> bool {
+        self.paths.mma
+            && self.tensor_cores
+            && rows >= 2
+            && w.cols.is_multiple_of(32)
+            && self.mma_kernels(w.dtype).is_some()
+            && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))
+    }
+
+    /// The tensor-core kernels of `dtype`, if `matmul_mma.cu` has them (a dtype without them,
+    /// whatever its code, keeps the one-row kernels).
+    fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction; 4]> {
+        self.kernels
+            .matmul_mma
+            .get(dtype_code(dtype) as usize)
+            .and_then(Option::as_ref)
+    }
+
+    /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
+    /// dtype (see `matmul_mma.cu`): blocks of [`MMA_BROWS`] weight rows and up to
+    /// [`MMA_NMAX`] input rows, the columns split into `split` slices so that the grid fills
+    /// the GPU. The split depends on the weights' shape only, so a row's result does not
+    /// depend on how many rows share the launch.
+    fn launch_mma(
+        &self,
+        x: MatmulInput,
+        rows: usize,
+        jobs: &[(&WeightView<'_>, u64)],
+        accumulate: bool,
+    ) -> Result<(), BackendError> {
+        let params = MatmulJobs::of(jobs, accumulate)?;
+        let blocks_x: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(MMA_BROWS)).sum();
+        let m_total: usize = jobs.iter().map(|(w, _)| w.rows).sum();
+        let w = jobs[0].0;
+        let n_chunks = w.cols / 32;
+        let split = mma_split(blocks_x, n_chunks, self.sms as usize);
+        let blocks_y = rows.div_ceil(MMA_NMAX);
+        let partial = if split > 1 {
+            self.mma_partials
+                .room(&self.queue, &self.graphs, split * rows * m_total)?
+        } else {
+            0
+        };
+        // Zeroed when allocated; the last block of each tile sets its counter back to 0.
+        let counters = self
+            .mma_counters
+            .room(&self.queue, &self.graphs, blocks_x * blocks_y)?;
+        let variant = match rows.min(MMA_NMAX).div_ceil(8) {
+            1 => 0,
+            2 => 1,
+            3 | 4 => 2,
+            _ => 3,
+        };
+        let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
+            op: "matmul_mma",
+            message: format!("no tensor-core matmul for {:?}", w.dtype),
+        })?;
+        let (x0, xs) = match x {
+            MatmulInput::F32(xp) => (xp, 0u64),
+            MatmulInput::Int16 { xq, xs } => (xq, xs),
+        };
+        let (rows_i, k, split_i) = (rows as i32, w.cols as i32, split as i32);
+        let mut b = self.queue.kernel(&kernels[variant], "matmul_mma kernel");
+        b.arg(&x0)
+            .arg(&xs)
+            .arg(&rows_i)
+            .arg(&k)
+            .arg(&params)
+            .arg(&partial)
+            .arg(&counters)
+            .arg(&split_i);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_x as u32, blocks_y as u32, split as u32),
+            block_dim: (MMA_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x holds rows·k values (f32 for f16/bf16 weights, else the 16-bit integers and
+        // block records of `quantize_x16`), k a multiple of 32 (checked by `mma_applies`); each
+        // job's weight has m rows of k values of the shared dtype in device memory and its
+        // output rows·m values; the partial sums hold split·rows·Σm values when split > 1 and
+        // the counters one per (column tile, row tile) of the grid, zero between launches (the
+        // kernel resets them); the grid is the one the kernel expects for these shapes.
+        unsafe { b.run(cfg) }
     }
 
     /// One launch of a matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
@@ -164,18 +293,11 @@ impl CudaBackend {
         jobs: &[(&WeightView<'_>, u64)],
         accumulate: bool,
     ) -> Result<(), BackendError> {
-        let mut params = MatmulJobs {
-            n_jobs: jobs.len() as i32,
-            accumulate: accumulate as i32,
-            ..MatmulJobs::default()
-        };
-        let mut n_blocks = 0;
-        for (i, (w, op)) in jobs.iter().enumerate() {
-            params.w[i] = device_ptr(w)?.addr();
-            params.out[i] = *op;
-            params.m[i] = w.rows as i32;
-            n_blocks += (w.rows as u32).div_ceil(MM_WROWS);
-        }
+        let params = MatmulJobs::of(jobs, accumulate)?;
+        let n_blocks: u32 = jobs
+            .iter()
+            .map(|(w, _)| (w.rows as u32).div_ceil(MM_WROWS))
+            .sum();
         let w = jobs[0].0;
         let (rows_i, k) = (rows as i32, w.cols as i32);
         // One input row per block when there is one: the kernel then keeps no accumulators
@@ -186,7 +308,12 @@ impl CudaBackend {
             MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
         };
         let kernel = &self.kernels.matmul[dtype_code(w.dtype) as usize][variant];
-        let mut b = self.queue.kernel(kernel, "matmul kernel");
+        let op = if variant == 0 {
+            "matmul kernel, 1 row"
+        } else {
+            "matmul kernel, 8 rows"
+        };
+        let mut b = self.queue.kernel(kernel, op);
         b.arg(&x0);
         if let Some(xs) = &x1 {
             b.arg(xs);
@@ -253,9 +380,10 @@ impl CudaBackend {
         let (dtype, n_blocks) = (dtype_code(w.dtype), (n / 32) as u64);
         let mut b = self.queue.kernel(kernel, "dequant kernel");
         b.arg(&w_ptr).arg(&dtype).arg(&n_blocks).arg(&out);
-        // SAFETY: the weight holds n_blocks blocks of 32 values of its dtype (checked when the
-        // model resolved it; rows of a model are whole multiples of 32) and `tmp` room for
-        // n_blocks·32 values of `to`; eight values per thread.
+        // SAFETY: the weight holds n_blocks·32 values in whole blocks of its dtype (checked when
+        // the model resolved it: rows of 32-value block dtypes are multiples of 32, of
+        // super-block dtypes multiples of 256) and `tmp` room for n_blocks·32 values of `to`;
+        // eight values per thread.
         unsafe { b.run(elementwise(n / 8)) }?;
         Ok(tmp)
     }
@@ -315,5 +443,27 @@ impl CudaBackend {
         unsafe { self.queue.gemm(args) }?;
         drop(x16);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_column_split_fills_the_gpu_without_thin_slices() {
+        let sms = 132;
+        // 4096 rows (32 tiles of 128) x 4096 columns (128 chunks): 9 slices of ~14 chunks.
+        assert_eq!(mma_split(32, 128, sms), 9);
+        // Q/K/V of a 7B model together (96 tiles): 3 slices.
+        assert_eq!(mma_split(96, 128, sms), 3);
+        // The down projection (4096 x 11008): at most 16 slices.
+        assert_eq!(mma_split(32, 344, sms), 9);
+        // A small model (9 tiles, 18 chunks): no slice thinner than 8 chunks.
+        assert_eq!(mma_split(9, 18, sms), 2);
+        // Enough tiles already, or too few chunks: one slice.
+        assert_eq!(mma_split(400, 128, sms), 1);
+        assert_eq!(mma_split(1, 3, sms), 1);
+        assert_eq!(mma_split(1, 4096, sms), 16);
     }
 }

@@ -19,6 +19,8 @@ mod device;
 mod elementwise;
 mod graph;
 mod matmul;
+mod paths;
+mod profile;
 mod scratch;
 mod weights;
 
@@ -28,14 +30,18 @@ use cudarc::driver::{CudaContext, CudaSlice};
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionSeq, AttentionShape, Backend, BackendError, PassInfo, RowGroup, WeightView,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, PassInfo,
+    RowGroup, WeightView,
 };
 
 pub use compile::kernel_cache_dir;
 pub use matmul::CUBLAS_MIN_ROWS;
+pub use paths::{CudaPaths, PATHS_ENV};
+pub use profile::PROFILE_ENV;
 pub use weights::{CudaBlobGuard, CudaWeights, DeviceBlob, DeviceWeights};
 
 use device::{Kernels, Queue};
+use elementwise::GateAct;
 use graph::Graphs;
 use scratch::{Scratch, X16};
 
@@ -70,6 +76,18 @@ pub struct CudaBackend {
     /// Partial results of the split decode attention, sized for the largest cache seen (a
     /// recorded pass keeps using it).
     attention_scratch: Scratch<f32>,
+    /// The same for the decode attention of a batch's sequences in one launch (apart, so that
+    /// a batch never drops the recorded pass of a single sequence).
+    seq_attention_scratch: Scratch<f32>,
+    /// The new kernel paths this backend uses (see [`CudaPaths`]).
+    paths: CudaPaths,
+    /// What the device has: streaming multiprocessors (to size grids) and whether it has the
+    /// tensor-core instructions of the mma kernels (compute capability 8.0 and later).
+    sms: u32,
+    tensor_cores: bool,
+    /// The split-K partial sums and per-tile counters of the mma matmul kernels.
+    mma_partials: Scratch<f32>,
+    mma_counters: Scratch<i32>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -85,12 +103,21 @@ impl CudaBackend {
     /// Opens device `ordinal` and loads (compiling on first use) the kernels. Fails with the
     /// reason — no driver library, no NVRTC library, no such device, compile log — and never
     /// panics when CUDA is missing.
+    ///
+    /// The new kernel paths are those `GDSLLM_CUDA_PATHS` names ([`CudaPaths::from_env`]).
     pub fn new(ordinal: usize) -> Result<CudaBackend, LlamaError> {
+        CudaBackend::with_paths(ordinal, CudaPaths::from_env()?)
+    }
+
+    /// [`CudaBackend::new`] with the given kernel paths (whatever the environment says).
+    pub fn with_paths(ordinal: usize, paths: CudaPaths) -> Result<CudaBackend, LlamaError> {
         let ctx = device::open_context(ordinal)?;
         let device_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let (sms, tensor_cores) = device::capabilities(&ctx)?;
         let queue = Queue::new(&ctx, format!("{device_name} ({ordinal})"))?;
         let kernels = Kernels::load(&ctx)?;
         let graphs = Graphs::new(&queue)?;
+        tracing::debug!(%paths, sms, tensor_cores, "CUDA backend on {device_name}");
         Ok(CudaBackend {
             ctx,
             device_name,
@@ -99,7 +126,18 @@ impl CudaBackend {
             graphs,
             x16: X16::new(),
             attention_scratch: Scratch::new("allocating attention partials"),
+            seq_attention_scratch: Scratch::new("allocating batched attention partials"),
+            paths,
+            sms,
+            tensor_cores,
+            mma_partials: Scratch::new("allocating matmul partial sums"),
+            mma_counters: Scratch::new("allocating matmul tile counters"),
         })
+    }
+
+    /// The new kernel paths this backend uses.
+    pub fn paths(&self) -> CudaPaths {
+        self.paths
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -131,7 +169,7 @@ impl CudaBackend {
     }
 
     /// Inputs of quantized matmuls converted by a `quantize_x16` launch of their own so far
-    /// (those that rmsnorm or swiglu wrote in that form as they produced them are not counted).
+    /// (those that rmsnorm or a gated activation wrote in that form as they produced them are not counted).
     pub fn x16_launches(&self) -> u64 {
         self.x16.launches()
     }
@@ -279,7 +317,55 @@ impl Backend for CudaBackend {
             self.kv_addr(k_cache),
             self.kv_addr(v_cache),
         ];
-        self.rope_store_kv_launch(addrs, rows, pos0, shape)
+        let slots = k_cache.0.len() / kv_dim;
+        self.rope_store_kv_launch(addrs, rows, pos0, shape, slots)
+    }
+
+    /// With the `seqs` path, every sequence of a batch in one launch (a single sequence, whose
+    /// decode steps may be recorded, goes through `rope_store_kv`). That kernel stores position
+    /// `p` at slot `p`, so a batch where a ring cache (a sliding-window layer's) has wrapped goes
+    /// through `rope_store_kv` too.
+    fn rope_store_kv_batch(
+        &self,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &CudaBuf,
+        seqs: &mut [KvStoreSeq<'_, CudaKvBuf>],
+        shape: AttentionShape,
+        inv_freq: &CudaBuf,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        let kv_dim = shape.n_kv_heads * shape.head_dim;
+        let unwrapped = seqs
+            .iter()
+            .all(|s| s.pos0 + s.rows <= s.k_cache.0.len() / kv_dim);
+        if !self.paths.seqs || seqs.len() < 2 || !unwrapped {
+            for s in seqs.iter_mut() {
+                self.rope_store_kv(
+                    q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
+                )?;
+            }
+            return Ok(());
+        }
+        let addrs = [
+            self.addr(q, 0),
+            self.addr(k, 0),
+            self.addr(v, 0),
+            self.addr(inv_freq, 0),
+        ];
+        let table: Vec<attention::SeqEntry> = seqs
+            .iter()
+            .map(|s| attention::SeqEntry {
+                k_cache: self.kv_addr(s.k_cache),
+                v_cache: self.kv_addr(s.v_cache),
+                row0: s.row0,
+                rows: s.rows,
+                pos0: s.pos0,
+            })
+            .collect();
+        self.rope_store_kv_seqs_launch(addrs, &table, shape)
     }
 
     fn attention_batch(
@@ -287,19 +373,80 @@ impl Backend for CudaBackend {
         q: &CudaBuf,
         seqs: &[AttentionSeq<'_, CudaKvBuf>],
         shape: AttentionShape,
+        params: AttentionParams,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.attention_seqs(q, seqs, shape, out)
+        self.attention_seqs(q, seqs, shape, params, out)
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.swiglu_launch(gate, up, len)
+        self.gated_act_launch(gate, up, len, GateAct::Silu)
+    }
+
+    fn geglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.gated_act_launch(gate, up, len, GateAct::GeluTanh)
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut CudaBuf,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.add_bias_launch(x, rows, bias)
+    }
+
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut CudaBuf,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.rmsnorm_pieces_launch(x, pieces, weight, eps)
+    }
+
+    fn add_rmsnorm(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.add_rmsnorm_launch(x, rows, weight, eps, out)
+    }
+
+    fn scale(&self, x: &mut CudaBuf, len: usize, factor: f32) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.map_launch(&self.kernels.scale_f32, x, len, factor)
+    }
+
+    fn softcap(&self, x: &mut CudaBuf, len: usize, cap: f32) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        self.map_launch(&self.kernels.softcap, x, len, cap)
     }
 
     fn copy_rows(

@@ -1,6 +1,6 @@
 //! Scratch buffers the backend keeps for itself, reused by every layer and pass (ops are
 //! stream-ordered) and grown to the largest size asked for; and the quantized activations of
-//! the matmuls, with the memo that lets rmsnorm and swiglu hand theirs to the next matmul.
+//! the matmuls, with the memo that lets rmsnorm and the gated activations hand theirs to the next matmul.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,7 +12,7 @@ use crate::backend::BackendError;
 use super::device::{Kernels, Queue, elementwise};
 use super::graph::Graphs;
 
-/// The most activations rmsnorm and swiglu also write quantized (see [`X16`]): decoding
+/// The most activations rmsnorm and the gated activations also write quantized (see [`X16`]): decoding
 /// batches of up to 64 sequences of a 16384-wide FFN; long prompts go to cuBLAS and do not
 /// read them.
 const X16_FUSED_MAX: usize = 1 << 20;
@@ -83,7 +83,7 @@ struct X16Memo {
 /// (`common.cuh`): per 32-value block, 32 16-bit integers (64 bytes, at `xq`) and a
 /// (scale, sum, integer sum) record (16 bytes, at `xs`).
 ///
-/// rmsnorm and swiglu write their output in this format too, and remember where; the quantized
+/// rmsnorm and the gated activations write their output in this format too, and remember where; the quantized
 /// matmul reading that output next uses it instead of converting x again. The memo holds only
 /// while nothing else has been queued since ([`Queue::issued`] has not moved): every launch,
 /// copy and allocation goes through the [`Queue`], which counts it, so no op can write the
@@ -140,7 +140,7 @@ impl X16 {
     }
 
     /// Where the op just before this one left `n` activations at `xp` quantized, if it did:
-    /// the memo of an rmsnorm or swiglu when nothing was queued since, and `xp` lies in its
+    /// the memo of an rmsnorm or a gated activation when nothing was queued since, and `xp` lies in its
     /// output at a whole block.
     pub fn lookup(&self, queue: &Queue, xp: u64, n: usize) -> Option<(u64, u64)> {
         let memo = (*self.memo.lock().expect("not poisoned"))?;

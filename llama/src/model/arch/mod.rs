@@ -8,7 +8,11 @@
 //! Adding a family: a file with its `Family` (a new tensor gets a [`LayerRole`], a new choice a
 //! variant of [`Norm`] or [`Activation`], handled in `graph.rs`), one line in [`FAMILIES`].
 
+pub mod gemma3;
 pub mod llama;
+pub mod phi3;
+pub mod qwen2;
+pub mod qwen3;
 
 use weights_format::{BlobMeta, DType, Metadata, names};
 
@@ -17,7 +21,13 @@ use crate::config::LlamaConfig;
 use crate::weights::{WeightBytes, WeightView};
 
 /// Every family the forward pass knows, looked up by `config.architecture`.
-pub const FAMILIES: &[&Family] = &[&llama::LLAMA];
+pub const FAMILIES: &[&Family] = &[
+    &llama::LLAMA,
+    &qwen2::QWEN2,
+    &qwen3::QWEN3,
+    &gemma3::GEMMA3,
+    &phi3::PHI3,
+];
 
 /// A size in a tensor's shape, in terms of the config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +38,8 @@ pub enum Dim {
     Q,
     /// `n_kv_heads · head_dim`.
     Kv,
+    /// One attention head (`head_dim`): the per-head norms of Q and K.
+    Head,
     /// The FFN's intermediate size.
     Ffn,
     Vocab,
@@ -39,13 +51,15 @@ impl Dim {
             Dim::Model => c.dim,
             Dim::Q => c.q_dim(),
             Dim::Kv => c.kv_dim(),
+            Dim::Head => c.head_dim,
             Dim::Ffn => c.ffn_dim,
             Dim::Vocab => c.vocab_size,
         }
     }
 }
 
-/// What a layer's tensor is for: the blocks ask the resolved table by role.
+/// What a layer's tensor is for: the blocks ask the resolved table by role. The roles after
+/// `Down` are optional steps: a block takes them when its family's layer has the tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerRole {
     AttnNorm,
@@ -57,11 +71,21 @@ pub enum LayerRole {
     Gate,
     Up,
     Down,
+    /// Added to the Q/K/V projections (Qwen2): `[q]`, `[kv]`, `[kv]`.
+    QBias,
+    KBias,
+    VBias,
+    /// RMSNorm of each Q/K head before RoPE (Qwen3, Gemma 3): `[head_dim]`.
+    QNorm,
+    KNorm,
+    /// RMSNorm of the attention / FFN output before the residual add (Gemma 3): `[dim]`.
+    AttnPostNorm,
+    FfnPostNorm,
 }
 
 impl LayerRole {
     /// How many roles there are (the size of a [`LayerTable`]).
-    pub const COUNT: usize = 9;
+    pub const COUNT: usize = 16;
 
     fn index(self) -> usize {
         self as usize
@@ -82,6 +106,48 @@ impl TensorSpec {
     }
 }
 
+/// The layer tensors of every family, each with its role, name and shape; a family's layer
+/// lists the ones it has, in the order `weights_format::layout::blob_tensors` writes them.
+pub mod tensors {
+    use super::{Dim, LayerRole, TensorSpec};
+    use weights_format::names;
+
+    pub const ATTN_NORM: TensorSpec =
+        TensorSpec::new(LayerRole::AttnNorm, names::ATTN_NORM, &[Dim::Model]);
+    pub const Q: TensorSpec = TensorSpec::new(LayerRole::Q, names::ATTN_Q, &[Dim::Q, Dim::Model]);
+    pub const K: TensorSpec = TensorSpec::new(LayerRole::K, names::ATTN_K, &[Dim::Kv, Dim::Model]);
+    pub const V: TensorSpec = TensorSpec::new(LayerRole::V, names::ATTN_V, &[Dim::Kv, Dim::Model]);
+    pub const Q_BIAS: TensorSpec = TensorSpec::new(LayerRole::QBias, names::ATTN_Q_BIAS, &[Dim::Q]);
+    pub const K_BIAS: TensorSpec =
+        TensorSpec::new(LayerRole::KBias, names::ATTN_K_BIAS, &[Dim::Kv]);
+    pub const V_BIAS: TensorSpec =
+        TensorSpec::new(LayerRole::VBias, names::ATTN_V_BIAS, &[Dim::Kv]);
+    pub const Q_NORM: TensorSpec =
+        TensorSpec::new(LayerRole::QNorm, names::ATTN_Q_NORM, &[Dim::Head]);
+    pub const K_NORM: TensorSpec =
+        TensorSpec::new(LayerRole::KNorm, names::ATTN_K_NORM, &[Dim::Head]);
+    pub const ATTN_OUTPUT: TensorSpec = TensorSpec::new(
+        LayerRole::AttnOutput,
+        names::ATTN_OUTPUT,
+        &[Dim::Model, Dim::Q],
+    );
+    pub const ATTN_POST_NORM: TensorSpec = TensorSpec::new(
+        LayerRole::AttnPostNorm,
+        names::ATTN_POST_NORM,
+        &[Dim::Model],
+    );
+    pub const FFN_NORM: TensorSpec =
+        TensorSpec::new(LayerRole::FfnNorm, names::FFN_NORM, &[Dim::Model]);
+    pub const GATE: TensorSpec =
+        TensorSpec::new(LayerRole::Gate, names::FFN_GATE, &[Dim::Ffn, Dim::Model]);
+    pub const UP: TensorSpec =
+        TensorSpec::new(LayerRole::Up, names::FFN_UP, &[Dim::Ffn, Dim::Model]);
+    pub const DOWN: TensorSpec =
+        TensorSpec::new(LayerRole::Down, names::FFN_DOWN, &[Dim::Model, Dim::Ffn]);
+    pub const FFN_POST_NORM: TensorSpec =
+        TensorSpec::new(LayerRole::FfnPostNorm, names::FFN_POST_NORM, &[Dim::Model]);
+}
+
 /// How a block normalises its input.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Norm {
@@ -92,7 +158,10 @@ pub enum Norm {
 /// The gate's activation in the FFN `down(act(gate(x)) · up(x))`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
+    /// `x·sigmoid(x)`.
     Silu,
+    /// GeLU, tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    GeluTanh,
 }
 
 /// A model family as the forward pass sees it.
@@ -191,6 +260,19 @@ impl LayerTable {
             name: format!("{role:?}"),
         })?;
         t.view(blob, &self.file)
+    }
+
+    /// The tensor with `role` inside `blob` when the family's layer has one (the optional
+    /// steps), else `None`.
+    pub fn view_if<'a>(
+        &self,
+        role: LayerRole,
+        blob: WeightBytes<'a>,
+    ) -> Result<Option<WeightView<'a>>, LlamaError> {
+        match self.tensors[role.index()] {
+            Some(t) => t.view(blob, &self.file).map(Some),
+            None => Ok(None),
+        }
     }
 }
 
@@ -331,4 +413,58 @@ fn resolve(blob: &BlobMeta, name: &str, expected: &[usize]) -> Result<TensorRef,
         offset,
         len,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weights_format::layout::{BlobKind, blob_tensors};
+    use weights_format::{Architecture, ModelConfig};
+
+    /// Every architecture the format describes has a family here, whose layer is exactly the
+    /// tensors (names, shapes, order) the format lays out for a config of that family, and
+    /// whose activation is the one the family's config must name.
+    #[test]
+    fn every_architecture_has_a_family_that_agrees_with_the_format_layout() {
+        for arch in Architecture::ALL {
+            let rules = arch.rules();
+            let config = ModelConfig {
+                architecture: arch.name().into(),
+                n_layers: 2,
+                hidden_size: 48,
+                n_heads: 4,
+                n_kv_heads: 2,
+                head_dim: 16,
+                ffn_dim: 80,
+                vocab_size: 32,
+                context_length: 64,
+                attention_bias: rules.attention_bias,
+                qk_norm: rules.qk_norm,
+                post_norms: rules.post_norms,
+                activation: rules.activation,
+                ..ModelConfig::default()
+            };
+            let family = Family::named(arch.name()).unwrap();
+            let c = LlamaConfig::from_model_config(&config).unwrap();
+            let format: Vec<(&str, Vec<u64>)> = blob_tensors(&config, BlobKind::Layer(0))
+                .into_iter()
+                .map(|t| (t.name, t.shape))
+                .collect();
+            let ours: Vec<(&str, Vec<u64>)> = family
+                .layer
+                .iter()
+                .map(|t| (t.name, t.shape.iter().map(|d| d.of(&c) as u64).collect()))
+                .collect();
+            assert_eq!(ours, format, "{arch}");
+            let activation = match rules.activation {
+                weights_format::Activation::Silu => Activation::Silu,
+                weights_format::Activation::GeluTanh => Activation::GeluTanh,
+            };
+            assert_eq!(family.activation, activation, "{arch}");
+            let mut roles: Vec<usize> = family.layer.iter().map(|t| t.role.index()).collect();
+            roles.sort_unstable();
+            roles.dedup();
+            assert_eq!(roles.len(), family.layer.len(), "{arch}: a role twice");
+        }
+    }
 }

@@ -1,4 +1,19 @@
 // Causal grouped-query attention over the f16 KV cache.
+//
+// Every kernel takes the cache's `slots` (position t is in slot t % slots: a sliding-window
+// layer's cache is a ring) and the layer's `window` (0: none; else the query at position p sees
+// keys p - window + 1 ..= p only).
+
+// The first position the query at `pos` sees.
+__device__ __forceinline__ int first_key(int pos, int window) { return window > 0 ? max(0, pos + 1 - window) : 0; }
+
+// The slot of position t0 + t, given s0 = t0 % slots and t < slots: the positions one query
+// sees fit the cache (the model sizes rings for it), so a range of them wraps at most once and
+// one division per range does.
+__device__ __forceinline__ u64 slot_of(int s0, int t, int slots) {
+    int s = s0 + t;
+    return (u64)(s >= slots ? s - slots : s);
+}
 
 // Causal GQA attention over the f16 KV cache, one block per (query row, head), processed in
 // tiles of ATT_TILE positions with an online softmax so any context length fits in shared
@@ -10,14 +25,16 @@
 // (Positions per chunk of `attention_decode`: ATT_SPLIT in cuda/attention.rs.)
 #define ATT_DPL 8
 // Scaled scores of one query head (`qs`, in shared memory) against positions t0..t0+n of the
-// f16 K cache into p[]: each warp scores whole positions (lanes over head_dim, coalesced).
-// Returns their maximum (NEG_INF when n is 0). Every thread of the block calls it.
-__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int t0, int n,
-                                                  int kv_width, int kvh, int head_dim, float scale,
+// f16 K cache of `slots` positions into p[]: each warp scores whole positions (lanes over
+// head_dim, coalesced). Returns their maximum (NEG_INF when n is 0). Every thread of the block
+// calls it.
+__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int slots, int t0,
+                                                  int n, int kv_width, int kvh, int head_dim, float scale,
                                                   float* p, float* red) {
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    int s0 = t0 % slots;
     for (int t = warp; t < n; t += n_warps) {
-        const u16* kt = k_cache + (u64)(t0 + t) * kv_width + kvh * head_dim;
+        const u16* kt = k_cache + slot_of(s0, t, slots) * kv_width + kvh * head_dim;
         float s = 0.f;
         for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
         s = warp_sum(s);
@@ -54,7 +71,7 @@ __device__ __forceinline__ float attention_exp_sum(float* p, int n, float ref, f
 
 extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache,
                                      int pos0, int n_heads, int n_kv_heads, int head_dim,
-                                     float scale, float* out) {
+                                     float scale, int slots, int window, float* out) {
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
@@ -69,9 +86,9 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
     __syncthreads();
 
     float running_max = NEG_INF, running_sum = 0.f, acc = 0.f;
-    for (int t0 = 0; t0 < len; t0 += ATT_TILE) {
+    for (int t0 = first_key(len - 1, window); t0 < len; t0 += ATT_TILE) {
         int n = min(ATT_TILE, len - t0);
-        float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
+        float m = attention_scores(qs, k_cache, slots, t0, n, kv_width, kvh, head_dim, scale, p, red);
         float new_max = fmaxf(running_max, m);
         float tile_sum = attention_exp_sum(p, n, new_max, red);
         float rescale = expf(running_max - new_max);  // 0 on the first tile
@@ -79,9 +96,10 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
         running_max = new_max;
         if (tid < head_dim) {
             float a = acc * rescale;
-            const u16* vt = v_cache + (u64)t0 * kv_width + kvh * head_dim + tid;
+            const u16* vt = v_cache + kvh * head_dim + tid;
+            int s0 = t0 % slots;
 #pragma unroll 8
-            for (int t = 0; t < n; t++) a += p[t] * h2f(vt[(u64)t * kv_width]);
+            for (int t = 0; t < n; t++) a += p[t] * h2f(vt[slot_of(s0, t, slots) * kv_width]);
             acc = a;
         }
         __syncthreads();  // p[] and red[] are rewritten by the next tile
@@ -93,36 +111,35 @@ extern "C" __global__ void attention(const float* q, const u16* k_cache, const u
 // chunks of `split_len` (flash-decoding): block (h, s) scores chunk s of head h, keeps each
 // warp's share of the probability-weighted V rows in registers, and writes the chunk's max,
 // sum of exponentials and unnormalised output to `part` [n_heads, n_splits, 2 + head_dim];
-// `attention_combine` merges the chunks. split_len <= ATT_TILE. A recorded decode step is
-// launched with the chunks of the whole cache and reads the position from `pos_dev`: the
-// chunks past it write an empty result (max -inf), which the merge skips.
-extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
-                                            int pos0, const int* pos_dev, int n_heads, int n_kv_heads,
-                                            int head_dim, float scale, int split_len, float* part) {
+// `attention_combine` merges the chunks. The chunks cover the positions the query sees, from
+// `first_key` on. split_len <= ATT_TILE. A recorded decode step is launched with the chunks of
+// the whole cache and reads the position from `pos_dev`: the chunks past it write an empty
+// result (max -inf), which the merge skips.
+//
+// One chunk: positions t0 .. t0+n of KV head kvh (in the cache of `slots` positions) against
+// the query head `qh`, into `dst` (max, sum, head_dim unnormalised outputs). Every thread of
+// the block calls it.
+__device__ __forceinline__ void attention_decode_chunk(const float* qh, const u16* k_cache, const u16* v_cache,
+                                                       int slots, int t0, int n, int kv_width, int kvh,
+                                                       int head_dim, float scale, float* dst) {
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
     __shared__ float partial[8][256];
-    int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
-    int kvh = h / (n_heads / n_kv_heads);
-    int kv_width = n_kv_heads * head_dim;
-    int len = start_pos(pos0, pos_dev) + 1;
-    int t0 = split * split_len;
-    int n = max(0, min(split_len, len - t0));
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
-    float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
-    for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = q[(u64)h * head_dim + d];
+    for (int d = tid; d < head_dim; d += blockDim.x) qs[d] = qh[d];
     __syncthreads();
-    float m = attention_scores(qs, k_cache, t0, n, kv_width, kvh, head_dim, scale, p, red);
+    float m = attention_scores(qs, k_cache, slots, t0, n, kv_width, kvh, head_dim, scale, p, red);
     float sum = attention_exp_sum(p, n, m, red);
     float acc[ATT_DPL];
 #pragma unroll
     for (int i = 0; i < ATT_DPL; i++) acc[i] = 0.f;
-    const u16* vbase = v_cache + (u64)t0 * kv_width + kvh * head_dim;
+    const u16* vbase = v_cache + kvh * head_dim;
+    int s0 = t0 % slots;
 #pragma unroll 4
     for (int t = warp; t < n; t += n_warps) {
         float pt = p[t];
-        const u16* vt = vbase + (u64)t * kv_width;
+        const u16* vt = vbase + slot_of(s0, t, slots) * kv_width;
 #pragma unroll
         for (int i = 0; i < ATT_DPL; i++) {
             int d = lane + 32 * i;
@@ -146,11 +163,46 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
     }
 }
 
-// out[h, :] = Σ_s e^(m_s − M) acc_s / Σ_s e^(m_s − M) l_s over the chunks of `attention_decode`.
-extern "C" __global__ void attention_combine(const float* part, int n_splits, int head_dim,
-                                             float* out) {
-    int h = blockIdx.x, tid = threadIdx.x;
-    const float* base = part + (u64)h * n_splits * (2 + head_dim);
+extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
+                                            int pos0, const int* pos_dev, int n_heads, int n_kv_heads,
+                                            int head_dim, float scale, int slots, int window, int split_len,
+                                            float* part) {
+    int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    int kvh = h / (n_heads / n_kv_heads);
+    int len = start_pos(pos0, pos_dev) + 1;
+    int t0 = first_key(len - 1, window) + split * split_len;
+    int n = max(0, min(split_len, len - t0));
+    float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
+    attention_decode_chunk(q + (u64)h * head_dim, k_cache, v_cache, slots, t0, n, n_kv_heads * head_dim, kvh,
+                           head_dim, scale, dst);
+}
+
+// `attention_decode` for the one-row sequences of `seqs` (grid.z), each against its own caches
+// up to its own position: block (h, s, z) is chunk s of head h of sequence z, into `part`
+// [n_seqs, n_heads, max_splits, 2 + head_dim]. Chunks past a sequence's position do nothing:
+// `attention_combine_seqs` reads only those that exist. No window, and every cache holds all
+// the positions of its sequence (slot t for position t): the backend sends a sliding-window
+// layer's ring caches to `attention_decode`.
+extern "C" __global__ void attention_decode_seqs(const float* q, int n_heads, int n_kv_heads, int head_dim,
+                                                 float scale, int split_len, float* part,
+                                                 const __grid_constant__ SeqTable seqs) {
+    int h = blockIdx.x, split = blockIdx.y, max_splits = gridDim.y, z = blockIdx.z;
+    int len = seqs.pos0[z] + 1;
+    int t0 = split * split_len;
+    if (t0 >= len) return;  // the whole block
+    int n = min(split_len, len - t0);
+    int kvh = h / (n_heads / n_kv_heads);
+    float* dst = part + (((u64)z * n_heads + h) * max_splits + split) * (2 + head_dim);
+    const float* qh = q + ((u64)seqs.row0[z] * n_heads + h) * head_dim;
+    const int no_ring = 0x7fffffff;  // slot t holds position t
+    attention_decode_chunk(qh, seqs.k_cache[z], seqs.v_cache[z], no_ring, t0, n, n_kv_heads * head_dim, kvh,
+                           head_dim, scale, dst);
+}
+
+// out = Σ_s e^(m_s − M) acc_s / Σ_s e^(m_s − M) l_s over the `n_splits` chunks at `base` (each
+// 2 + head_dim values), skipping empty ones.
+__device__ __forceinline__ void attention_combine_head(const float* base, int n_splits, int head_dim, float* out) {
+    int tid = threadIdx.x;
     float mx = NEG_INF;
     for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, base[(u64)s * (2 + head_dim)]);
     float denom = 0.f, num = 0.f;
@@ -161,5 +213,193 @@ extern "C" __global__ void attention_combine(const float* part, int n_splits, in
         denom += w * c[1];
         if (tid < head_dim) num += w * c[2 + tid];
     }
-    if (tid < head_dim) out[(u64)h * head_dim + tid] = num / denom;
+    if (tid < head_dim) out[tid] = num / denom;
+}
+
+// The chunks of `attention_decode` merged, one block per head.
+extern "C" __global__ void attention_combine(const float* part, int n_splits, int head_dim,
+                                             float* out) {
+    int h = blockIdx.x;
+    attention_combine_head(part + (u64)h * n_splits * (2 + head_dim), n_splits, head_dim, out + (u64)h * head_dim);
+}
+
+// The chunks of `attention_decode_seqs` merged, block (h, z) for head h of sequence z: the
+// chunks up to its position.
+extern "C" __global__ void attention_combine_seqs(const float* part, int max_splits, int n_heads, int head_dim,
+                                                  int split_len, float* out, const __grid_constant__ SeqTable seqs) {
+    int h = blockIdx.x, z = blockIdx.y;
+    int n_splits = (seqs.pos0[z] + split_len) / split_len;
+    const float* base = part + ((u64)z * n_heads + h) * max_splits * (2 + head_dim);
+    attention_combine_head(base, n_splits, head_dim, out + ((u64)seqs.row0[z] * n_heads + h) * head_dim);
+}
+
+// Prompt attention on tensor cores (flash attention): causal GQA of `rows` query rows at
+// positions pos0 .. against the f16 caches, for head_dim HD (64 or 128). A block of FA_WARPS
+// warps takes FA_ROWS query rows of one head, each warp 16 of them; the positions go by in tiles
+// of FA_TILE with an online softmax, so any context fits. Scores S = Q·Kᵀ and outputs O += P·V
+// are mma m16n8k16 products with f32 sums; Q and P enter as two f16 parts each (x = hi + lo,
+// within 2^-22 of x), so the only roundings beyond the f32 kernel's are those of the f16 caches
+// themselves, which both share. Q (both parts) is staged once in shared memory, each V tile
+// transposed (so that a B fragment is one 32-bit load); K fragments are read from the cache
+// directly (rows of a position are contiguous). A query row's result does not depend on which
+// other rows share its launch: the position tiles start at 0 for every block.
+// grid = (ceil(rows / FA_ROWS), n_heads), FA_WARPS·32 threads.
+#define FA_WARPS 4
+#define FA_ROWS (16 * FA_WARPS)
+#define FA_TILE 32
+
+template <int HD>
+__device__ void attention_flash_impl(const float* q, const u16* k_cache, const u16* v_cache, int rows, int pos0,
+                                     int n_heads, int n_kv_heads, float scale, float* out) {
+    constexpr int QS = HD + 8;         // row stride of the staged Q parts (no bank conflicts)
+    constexpr int VS = FA_TILE + 8;    // row stride of the transposed V tile
+    constexpr int DT = HD / 8;         // output tiles of 8 dims
+    __shared__ u16 qs[2][FA_ROWS][QS];
+    __shared__ u16 vt[HD][VS];
+    const int h = blockIdx.y, r0 = blockIdx.x * FA_ROWS;
+    const int kvh = h / (n_heads / n_kv_heads), kv_width = n_kv_heads * HD;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int last_row = min(r0 + FA_ROWS, rows) - 1;
+    const int len = pos0 + last_row + 1;  // positions any row of the block sees
+
+    // Q rows r0 .. (clamped to the last row) as f16 hi and lo parts.
+    for (int e = threadIdx.x; e < FA_ROWS * HD; e += blockDim.x) {
+        int rr = e / HD, d = e % HD;
+        float x = q[((u64)min(r0 + rr, rows - 1) * n_heads + h) * HD + d];
+        u16 hi = f2h(x);
+        qs[0][rr][d] = hi;
+        qs[1][rr][d] = f2h(x - h2f(hi));
+    }
+
+    const int qrow = warp * 16 + g;  // this lane's rows in the block: qrow and qrow + 8
+    const int qpos[2] = {pos0 + min(r0 + qrow, rows - 1), pos0 + min(r0 + qrow + 8, rows - 1)};
+    float o[DT][4];
+#pragma unroll
+    for (int j = 0; j < DT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[j][e] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const u16* kbase = k_cache + kvh * HD;
+
+    for (int t0 = 0; t0 < len; t0 += FA_TILE) {
+        __syncthreads();  // Q is staged; the previous tile's V is no longer read
+        for (int e = threadIdx.x; e < FA_TILE * HD; e += blockDim.x) {
+            int p = e / HD, d = e % HD;
+            int pos = min(t0 + p, len - 1);
+            vt[d][p] = v_cache[(u64)pos * kv_width + kvh * HD + d];
+        }
+        __syncthreads();
+
+        // S = Q·Kᵀ for this warp's 16 rows and the tile's positions (FA_TILE / 8 n-tiles).
+        float s[FA_TILE / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_TILE / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nt][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const int c = ks * 16 + 2 * t;
+            u32 a[2][4];
+#pragma unroll
+            for (int part = 0; part < 2; part++) {
+                a[part][0] = *(const u32*)&qs[part][qrow][c];
+                a[part][1] = *(const u32*)&qs[part][qrow + 8][c];
+                a[part][2] = *(const u32*)&qs[part][qrow][c + 8];
+                a[part][3] = *(const u32*)&qs[part][qrow + 8][c + 8];
+            }
+#pragma unroll
+            for (int nt = 0; nt < FA_TILE / 8; nt++) {
+                int pos = min(t0 + nt * 8 + g, len - 1);
+                const u16* kr = kbase + (u64)pos * kv_width;
+                const u32 b[2] = {*(const u32*)(kr + c), *(const u32*)(kr + c + 8)};
+                mma_f16(a[1], b, s[nt]);
+                mma_f16(a[0], b, s[nt]);
+            }
+        }
+
+        // Online softmax: rows qrow (i = 0) and qrow + 8 (i = 1), columns 2t, 2t+1 of each n-tile;
+        // a row's maximum and sum span the four lanes of its group.
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int nt = 0; nt < FA_TILE / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = e / 2, pos = t0 + nt * 8 + 2 * t + (e & 1);
+                float v = pos <= qpos[i] ? s[nt][e] * scale : NEG_INF;
+                s[nt][e] = v;
+                mx[i] = fmaxf(mx[i], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            float m_new = fmaxf(m[i], mx[i]);  // finite: position 0 is in every row's first tile
+            alpha[i] = expf(m[i] - m_new);     // 0 on the first tile
+            m[i] = m_new;
+            l[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int j = 0; j < DT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[j][e] *= alpha[e / 2];
+#pragma unroll
+        for (int nt = 0; nt < FA_TILE / 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = expf(s[nt][e] - m[e / 2]);
+                s[nt][e] = p;
+                l[e / 2] += p;
+            }
+
+        // O += P·V: P (16 rows x FA_TILE positions) from the score fragments, two parts.
+#pragma unroll
+        for (int ks = 0; ks < FA_TILE / 16; ks++) {
+            u32 a[2][4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                // reg r: n-tile 2ks + r / 2, row g (r even) or g+8 (r odd).
+                const float* sp = s[2 * ks + r / 2] + 2 * (r % 2);
+                u16 h0 = f2h(sp[0]), h1 = f2h(sp[1]);
+                a[0][r] = pack_halves(h0, h1);
+                a[1][r] = pack_halves(f2h(sp[0] - h2f(h0)), f2h(sp[1] - h2f(h1)));
+            }
+#pragma unroll
+            for (int j = 0; j < DT; j++) {
+                const u16* vr = &vt[j * 8 + g][ks * 16 + 2 * t];
+                const u32 b[2] = {*(const u32*)vr, *(const u32*)(vr + 8)};
+                mma_f16(a[1], b, o[j]);
+                mma_f16(a[0], b, o[j]);
+            }
+        }
+    }
+
+    // Each row's sum over the four lanes of its group, then the outputs of the rows that exist.
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int r = r0 + qrow + 8 * i;
+        if (r >= rows) continue;
+        float* orow = out + ((u64)r * n_heads + h) * HD;
+#pragma unroll
+        for (int j = 0; j < DT; j++) {
+            orow[j * 8 + 2 * t] = o[j][2 * i] / l[i];
+            orow[j * 8 + 2 * t + 1] = o[j][2 * i + 1] / l[i];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    attention_flash_hd64(const float* q, const u16* k_cache, const u16* v_cache, int rows, int pos0, int n_heads,
+                         int n_kv_heads, float scale, float* out) {
+    attention_flash_impl<64>(q, k_cache, v_cache, rows, pos0, n_heads, n_kv_heads, scale, out);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
+    attention_flash_hd128(const float* q, const u16* k_cache, const u16* v_cache, int rows, int pos0, int n_heads,
+                          int n_kv_heads, float scale, float* out) {
+    attention_flash_impl<128>(q, k_cache, v_cache, rows, pos0, n_heads, n_kv_heads, scale, out);
 }

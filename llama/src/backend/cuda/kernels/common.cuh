@@ -3,7 +3,7 @@
 // so halves are converted with PTX `cvt` and bf16 by shifting bits.
 //
 // Weight dtype codes (must match `dtype_code` in cuda/device.rs):
-//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1.
+//   0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0, 5 q4_1; 6 and up: the dtypes of kquants.cu.
 // Block layouts (32 values): q8_0 = f16 d, i8 qs[32] (34 bytes); q4_0 = f16 d, u8 qs[16]
 // (18 bytes, x = (nibble - 8)·d); q4_1 = f16 d, f16 m, u8 qs[16] (20 bytes, x = nibble·d + m);
 // low nibbles are values 0..15, high nibbles 16..31.
@@ -15,16 +15,32 @@ typedef unsigned long long u64;
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// On the device (`__CUDA_ARCH__`, NVRTC) PTX instructions; else the CPU emulator's functions
+// (llama/tests/cuda_emu/emu.h), which runs these files in tests on machines without a GPU.
 __device__ __forceinline__ float h2f(u16 h) {
+#ifdef __CUDA_ARCH__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#else
+    return emu_h2f(h);
+#endif
 }
 
 __device__ __forceinline__ u16 f2h(float f) {
+#ifdef __CUDA_ARCH__
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#else
+    return emu_f2h(f);
+#endif
+}
+
+// Round to nearest even (inputs are finite activations).
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 b = __float_as_uint(f);
+    return (u16)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
@@ -80,7 +96,7 @@ __device__ float load_elem(const u8* row, int dtype, int j) {
 //
 // Eight consecutive lanes hold one block, four values each (lane t of the eight: values
 // 4t..4t+3); every lane of the warp must call this (it shuffles), `live` says whether the
-// lane's block exists. The kernels that produce a matmul's input (rmsnorm, swiglu) write this
+// lane's block exists. The kernels that produce a matmul's input (rmsnorm, gated_act) write this
 // as they write x, and `quantize_x16` does it for any other input, all through this function,
 // so the integers and sums are the same bits whichever kernel made them.
 __device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
@@ -108,6 +124,94 @@ __device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 bloc
 }
 
 
+// The sequences of a batch whose attention steps run in one launch (`rope_store_kv_seqs`,
+// `attention_decode_seqs`): sequence s has rows row0[s] .. row0[s]+rows[s] of the activations
+// (ascending row0), at positions pos0[s] .. of its own f16 caches. Passed by value as a
+// `__grid_constant__` parameter (indexed in place, not copied per thread). Must match `SeqTable`
+// in cuda/attention.rs.
+#define SEQS_MAX 64
+struct SeqTable {
+    u16* k_cache[SEQS_MAX];
+    u16* v_cache[SEQS_MAX];
+    int row0[SEQS_MAX];
+    int rows[SEQS_MAX];
+    int pos0[SEQS_MAX];
+    int n;
+};
+
+// The sequence that activation row r belongs to (the last whose row0 <= r).
+__device__ __forceinline__ int seq_of_row(const SeqTable& seqs, int r) {
+    int lo = 0, hi = seqs.n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (seqs.row0[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 // The position a kernel starts at: `*pos_dev` when given (a recorded decode step reads it from
 // the step parameters written before each replay), else `pos0`.
 __device__ __forceinline__ int start_pos(int pos0, const int* pos_dev) { return pos_dev ? *pos_dev : pos0; }
+
+// ---- tensor cores: warp-wide matrix products (mma.sync, sm_80 and later) ---------------------
+// D = A·B + C for A 16×K (row-major fragments), B K×8, C/D 16×8, in the fragment layouts of the
+// PTX ISA, lane = 4·g + t: A reg0 holds row g and reg1 row g+8 for the first k-set of t, reg2 and
+// reg3 the same rows for the second; B reg0 the first k-set of t and reg1 the second, column g;
+// C/D (c0, c1) row g, columns 2t and 2t+1, (c2, c3) row g+8, the same columns.
+//   m16n8k32, 8-bit integers: k-sets 4t..4t+3 and 16+4t..16+4t+3, byte i of a register is k+i.
+//   m16n8k16, f16/bf16: k-sets (2t, 2t+1) and (2t+8, 2t+9), the low half of a register the even k.
+// Since a dot product does not care in which order its terms are added, a kernel may give each
+// lane's k-sets any columns of the matrix, as long as A and B use the same ones.
+// The host launches these only on devices of compute capability 8.0 and later; for older ones
+// NVRTC still compiles the file, with a trap in their place.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MMA_ASM(shape_types, c_constraint)                                                           \
+    asm volatile("mma.sync.aligned." shape_types " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "   \
+                 "{%0, %1, %2, %3};"                                                                 \
+                 : c_constraint(c[0]), c_constraint(c[1]), c_constraint(c[2]), c_constraint(c[3])    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+#endif
+
+// c += A·B, A signed 8-bit, B signed (`mma_s8s8`) or unsigned (`mma_s8u8`) 8-bit, int32 sums.
+__device__ __forceinline__ void mma_s8s8(const u32 (&a)[4], const u32 (&b)[2], int (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    MMA_ASM("m16n8k32.row.col.s32.s8.s8.s32", "+r");
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#else
+    emu::mma_m16n8k32_i8(a, b, c, c, true, true);
+#endif
+}
+__device__ __forceinline__ void mma_s8u8(const u32 (&a)[4], const u32 (&b)[2], int (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    MMA_ASM("m16n8k32.row.col.s32.s8.u8.s32", "+r");
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#else
+    emu::mma_m16n8k32_i8(a, b, c, c, true, false);
+#endif
+}
+
+// c += A·B with f16 (`mma_f16`) or bf16 (`mma_bf16`) operands, f32 sums.
+__device__ __forceinline__ void mma_f16(const u32 (&a)[4], const u32 (&b)[2], float (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    MMA_ASM("m16n8k16.row.col.f32.f16.f16.f32", "+f");
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#else
+    emu::mma_m16n8k16_f16(a, b, c, c, false);
+#endif
+}
+__device__ __forceinline__ void mma_bf16(const u32 (&a)[4], const u32 (&b)[2], float (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    MMA_ASM("m16n8k16.row.col.f32.bf16.bf16.f32", "+f");
+#elif defined(__CUDA_ARCH__)
+    __trap();
+#else
+    emu::mma_m16n8k16_f16(a, b, c, c, true);
+#endif
+}
+
+// Two values as the halves of one register (the first in the low half).
+__device__ __forceinline__ u32 pack_halves(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }

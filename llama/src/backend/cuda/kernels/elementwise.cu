@@ -1,4 +1,5 @@
-// Elementwise kernels: conversions between f32 and 16-bit floats, the gated activation.
+// Elementwise kernels: conversions between f32 and 16-bit floats, the gated activations, the
+// bias add, scaling and soft-capping.
 
 extern "C" __global__ void copy_f32(const float* src, float* dst, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -13,11 +14,7 @@ extern "C" __global__ void copy_f32_to_f16(const float* src, u16* dst, u64 n) {
 
 extern "C" __global__ void copy_f32_to_bf16(const float* src, u16* dst, u64 n) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        // Round to nearest even (inputs are finite activations).
-        u32 b = __float_as_uint(src[i]);
-        dst[i] = (u16)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-    }
+    if (i < n) dst[i] = f2bf(src[i]);
 }
 
 extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {
@@ -25,25 +22,46 @@ extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {
     if (i < n) dst[i] = h2f(src[i]);
 }
 
-// gate = silu(gate) · up over n values, four per thread when n is a multiple of 4 (grid over
-// n / 4 threads, else n); with `xq` (n a multiple of 32) also written for the quantized matmul
-// that reads it next.
-extern "C" __global__ void swiglu(float* gate, const float* up, u64 n, short* xq, float4* xs) {
+// The gate's activation: 0 silu, 1 GeLU with the tanh approximation.
+__device__ __forceinline__ float gate_act(float g, int act) {
+    if (act == 0) return g / (1.f + expf(-g));
+    return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
+// gate = act(gate) · up over n values (act as `gate_act`), four per thread when n is a multiple
+// of 4 (grid over n / 4 threads, else n); with `xq` (n a multiple of 32) also written for the
+// quantized matmul that reads it next.
+extern "C" __global__ void gated_act(float* gate, const float* up, u64 n, int act, short* xq, float4* xs) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (n % 4 != 0) {
-        if (i < n) {
-            float g = gate[i];
-            gate[i] = g / (1.f + expf(-g)) * up[i];
-        }
+        if (i < n) gate[i] = gate_act(gate[i], act) * up[i];
         return;
     }
     bool live = i < n / 4;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     if (live) {
         float4 g = ((const float4*)gate)[i], u = ((const float4*)up)[i];
-        o = make_float4(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y,
-                        g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
+        o = make_float4(gate_act(g.x, act) * u.x, gate_act(g.y, act) * u.y, gate_act(g.z, act) * u.z,
+                        gate_act(g.w, act) * u.w);
         ((float4*)gate)[i] = o;
     }
     if (xq) quantize_x16_lanes(o, live, i / 8, xq, xs);
+}
+
+// x[r, c] += bias[c] over rows·width values (the Q/K/V biases; bias of weight `dtype`).
+extern "C" __global__ void add_bias(float* x, const u8* bias, int dtype, int width, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += load_elem(bias, dtype, (int)(i % width));
+}
+
+// x = factor · x over n values (an embedding scale).
+extern "C" __global__ void scale_f32(float* x, u64 n, float factor) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= factor;
+}
+
+// x = cap · tanh(x / cap) over n values (a final logit soft-cap).
+extern "C" __global__ void softcap(float* x, u64 n, float cap) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }

@@ -237,6 +237,18 @@ __device__ __forceinline__ float qblock_acc(const QBlock<5>& q, int dot, float4 
     return fmaf(h2f((u16)(q.w[0] >> 16)), xs.y, acc);
 }
 
+// Activation block `xb` in the format of `quantize_x16_lanes`: its 32 16-bit integers as 16
+// pairs (`xw`, four 16-byte loads), and its (d, Σx, Σq) record.
+__device__ __forceinline__ float4 x16_block(const short* xq, const float4* xs, u64 xb, int* xw) {
+    const uint4* xp = (const uint4*)(xq + xb * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint4 t = xp[i];
+        xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
+    }
+    return xs[xb];
+}
+
 // q8_0, q4_0 and q4_1 weights read as stored (no dequantized copy), with the activations of
 // `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
 template <int DTYPE, int NR>
@@ -259,15 +271,8 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;
-            u64 xb = (u64)(r0 + r) * n_blocks + b;
             int xw[16];
-            const uint4* xp = (const uint4*)(xq + xb * 32);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                uint4 t = xp[i];
-                xw[4 * i] = t.x; xw[4 * i + 1] = t.y; xw[4 * i + 2] = t.z; xw[4 * i + 3] = t.w;
-            }
-            float4 s = xs[xb];
+            float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
         }

@@ -21,6 +21,23 @@ __device__ __forceinline__ void rmsnorm_store(float4 t, int c, int n4, int r, fl
     if (live) ((float4*)orow)[c] = o;
     if (xq) quantize_x16_lanes(o, live, ((u64)r * n4 + c) / 8, xq, xs);
 }
+// 1 / rms of a row from each thread's share `ss` of its sum of squares: summed over the block
+// of RMS_THREADS (through `partial`, RMS_THREADS / 32 floats of shared memory). Every thread
+// of the block calls it and gets the result.
+__device__ __forceinline__ float rms_scale(float ss, int dim, float eps, float* partial) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    ss = warp_sum(ss);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
+        p = warp_sum(p);
+        if (lane == 0) partial[0] = p;
+    }
+    __syncthreads();
+    return 1.f / sqrtf(partial[0] / (float)dim + eps);
+}
+
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x, const u8* weight, int dtype,
                                                                  int dim, float eps, float* out, short* xq,
                                                                  float4* xs) {
@@ -28,7 +45,6 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
     float* orow = out + (u64)r * dim;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     bool vec = dim % 4 == 0;
     int n4 = vec ? dim / 4 : 0;
     float4 v[RMS_VEC];
@@ -44,16 +60,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
         ss += t.x * t.x + t.y * t.y + t.z * t.z + t.w * t.w;
     }
     for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
-    ss = warp_sum(ss);
-    if (lane == 0) partial[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-        float p = lane < RMS_THREADS / 32 ? partial[lane] : 0.f;
-        p = warp_sum(p);
-        if (lane == 0) partial[0] = p;
-    }
-    __syncthreads();
-    float scale = 1.f / sqrtf(partial[0] / (float)dim + eps);
+    float scale = rms_scale(ss, dim, eps, partial);
     // Whole warps run every step (quantize_x16_lanes shuffles); `c < n4` says which lanes hold
     // values.
     int n4_warps = (n4 + 31) / 32 * 32;
@@ -70,6 +77,36 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
         orow[j] = xr[j] * scale * load_elem(weight, dtype, j);
 }
 
+// In-place RMSNorm of `pieces` consecutive pieces of `dim` values (the per-head norms of Q and
+// K: pieces = rows · heads, dim = head_dim): one warp per piece, RMS_PIECE_WARPS pieces per
+// block of 32·RMS_PIECE_WARPS threads.
+#define RMS_PIECE_WARPS 8
+extern "C" __global__ void rmsnorm_pieces(float* x, const u8* weight, int dtype, int dim, float eps,
+                                          int pieces) {
+    int piece = blockIdx.x * RMS_PIECE_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (piece >= pieces) return;  // a whole warp leaves together
+    float* xr = x + (u64)piece * dim;
+    float ss = 0.f;
+    for (int j = lane; j < dim; j += 32) ss += xr[j] * xr[j];
+    ss = warp_sum(ss);
+    float scale = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int j = lane; j < dim; j += 32) xr[j] = xr[j] * scale * load_elem(weight, dtype, j);
+}
+
+// out[r, :] += RMSNorm of x[r, :], times weight: the post-norm of a sub-block added to the residual
+// stream (Gemma). One block of RMS_THREADS per row.
+extern "C" __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm(const float* x, const u8* weight, int dtype,
+                                                                     int dim, float eps, float* out) {
+    __shared__ float partial[RMS_THREADS / 32];
+    int r = blockIdx.x;
+    const float* xr = x + (u64)r * dim;
+    float* orow = out + (u64)r * dim;
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) ss += xr[j] * xr[j];
+    float scale = rms_scale(ss, dim, eps, partial);
+    for (int j = threadIdx.x; j < dim; j += RMS_THREADS) orow[j] += xr[j] * scale * load_elem(weight, dtype, j);
+}
+
 // HF rotate_half: the pair (i, i + half) of head h, rotated by pos·inv_freq[i].
 __device__ __forceinline__ void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq) {
     float angle = pos * inv_freq[i];
@@ -79,20 +116,13 @@ __device__ __forceinline__ void rotate_pair(float* head, int i, int half, float 
     head[i + half] = x2 * c + x1 * s;
 }
 
-// The attention block's position-dependent steps in one launch: q and k rows r roped at
-// position p + r (p = start_pos), k and v rows stored in the f16 caches at that position.
-// One thread per rotated pair of a q or k head; the k pairs also store v's pair.
-extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
-                                         int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
-                                         const float* inv_freq, u16* k_cache, u16* v_cache) {
+// Rotates the pair i of head h of activation row `r` at position `pos` (q heads first, then k
+// heads), and for a k head stores its k and v pair in the caches of `slots` positions at slot
+// pos % slots (a sliding-window layer's cache is a ring).
+__device__ __forceinline__ void rope_store_pair(float* q, float* k, const float* v, int r, int h, int i, int pos,
+                                                int n_heads, int n_kv_heads, int head_dim, const float* inv_freq,
+                                                u16* k_cache, u16* v_cache, int slots) {
     int half = head_dim / 2;
-    int heads = n_heads + n_kv_heads;
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows * heads * half) return;
-    int i = idx % half;
-    int h = (idx / half) % heads;
-    int r = idx / (half * heads);
-    int pos = start_pos(pos0, pos_dev) + r;
     if (h < n_heads) {
         rotate_pair(q + ((u64)r * n_heads + h) * head_dim, i, half, (float)pos, inv_freq);
         return;
@@ -101,9 +131,48 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int
     u64 row = ((u64)r * n_kv_heads + kvh) * head_dim;
     float* kh = k + row;
     rotate_pair(kh, i, half, (float)pos, inv_freq);
-    u64 at = ((u64)pos * n_kv_heads + kvh) * head_dim;
+    u64 at = ((u64)(pos % slots) * n_kv_heads + kvh) * head_dim;
     k_cache[at + i] = f2h(kh[i]);
     k_cache[at + i + half] = f2h(kh[i + half]);
     v_cache[at + i] = f2h(v[row + i]);
     v_cache[at + i + half] = f2h(v[row + i + half]);
+}
+
+// The attention block's position-dependent steps in one launch: q and k rows r roped at
+// position p + r (p = start_pos), k and v rows stored in the f16 caches of `slots` positions at
+// slot (p + r) % slots. One thread per rotated pair of a q or k head; the k pairs also store
+// v's pair.
+extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
+                                         int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
+                                         const float* inv_freq, u16* k_cache, u16* v_cache, int slots) {
+    int half = head_dim / 2;
+    int heads = n_heads + n_kv_heads;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * heads * half) return;
+    int i = idx % half;
+    int h = (idx / half) % heads;
+    int r = idx / (half * heads);
+    int pos = start_pos(pos0, pos_dev) + r;
+    rope_store_pair(q, k, v, r, h, i, pos, n_heads, n_kv_heads, head_dim, inv_freq, k_cache, v_cache, slots);
+}
+
+// `rope_store_kv` for the rows of every sequence of `seqs` (`total_rows` rows, each sequence at
+// its own positions, into its own caches) in one launch. Every cache holds all the positions
+// stored (slot t for position t): the backend stores into a ring that wrapped with
+// `rope_store_kv`.
+extern "C" __global__ void rope_store_kv_seqs(float* q, float* k, const float* v, int total_rows, int n_heads,
+                                              int n_kv_heads, int head_dim, const float* inv_freq,
+                                              const __grid_constant__ SeqTable seqs) {
+    int half = head_dim / 2;
+    int heads = n_heads + n_kv_heads;
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= total_rows * heads * half) return;
+    int i = idx % half;
+    int h = (idx / half) % heads;
+    int r = idx / (half * heads);
+    int s = seq_of_row(seqs, r);
+    int pos = seqs.pos0[s] + (r - seqs.row0[s]);
+    const int no_ring = 0x7fffffff;
+    rope_store_pair(q, k, v, r, h, i, pos, n_heads, n_kv_heads, head_dim, inv_freq, seqs.k_cache[s], seqs.v_cache[s],
+                    no_ring);
 }

@@ -24,15 +24,22 @@ __device__ __forceinline__ int block_bytes(int dtype) {
     return dtype == 3 ? 34 : dtype == 4 ? 18 : dtype == 5 ? 20 : dtype == 0 ? 128 : 64;
 }
 
+// Values 8·i .. 8·i+7 of a weight of a dtype of kquants.cu (codes 6 and up), defined there.
+__device__ void kq_values8(const u8* w, int dtype, u64 i, float* v);
+
 // This thread's eight values (8·(i % 4).. of block i / 4, which start at value 8·i), false
 // past the end.
 __device__ __forceinline__ bool dequant8(const u8* w, int dtype, u64 n_blocks, float* v, u64& at) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks * 4) return false;
-    const u8* blk = w + (i / 4) * block_bytes(dtype);
-    int p = (int)(i % 4) * 8;
+    if (dtype >= 6) {
+        kq_values8(w, dtype, i, v);
+    } else {
+        const u8* blk = w + (i / 4) * block_bytes(dtype);
+        int p = (int)(i % 4) * 8;
 #pragma unroll
-    for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
+        for (int j = 0; j < 8; j++) v[j] = load_elem(blk, dtype, p + j);
+    }
     at = i * 8;
     return true;
 }

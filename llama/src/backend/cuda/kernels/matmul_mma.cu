@@ -1,0 +1,307 @@
+// Batched matmuls on tensor cores: out[r, i] (+)= Σ_c x[r, c] · w[i, c] for several input rows
+// (batched decoding: one row per sequence), each weight byte read once for up to MMA_NMAX rows.
+//
+// A block of MMA_WARPS warps owns MMA_BROWS weight rows, one 16-row tile per warp, and up to
+// MMA_NMAX input rows (NT tiles of 8). Its warps walk the same 32-column chunks, so the input
+// rows they all read come from L1; the chunks of a row are split into `split` contiguous slices
+// over grid.z (split-K), so that a few thousand weight rows still fill the GPU. With one slice
+// a block writes its outputs; with more, each writes its partial sums and the last block of a
+// tile to finish (a counter per tile) adds them in slice order. Every output is thus computed in
+// an order fixed by the weight's shape alone: a row's result does not depend on the other rows
+// of the batch (it differs from the one-row kernel of matmul.cu in the last bits only, f32
+// summation order).
+//
+// Quantized weights (q8_0, q4_0, q4_1) take x in the 16-bit integer format of
+// `quantize_x16_lanes`, split into its high (signed) and low (unsigned) bytes: two 8-bit
+// integer products (mma m16n8k32, exact int32 sums) give exactly the integer dot products of the
+// one-row kernel, scaled the same way. f16 and bf16 weights take x as f32 split into two f16
+// (x ≈ hi + lo, within 2^-22 of x) or three bf16 parts, each multiplied on the tensor cores with
+// f32 sums: products as exact as the f32 kernel's up to the summation order.
+// grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / MMA_NMAX), split), MMA_WARPS·32 threads.
+#define MMA_WARPS 8
+#define MMA_BROWS (16 * MMA_WARPS)
+#define MMA_NMAX 64
+// Chunks whose weights a warp loads before multiplying any of them (loads in flight).
+#define MMA_QUNROLL 4
+#define MMA_FUNROLL 2
+
+// The job (weight, output, rows) of this block, its first weight row, its input rows, and the
+// job's first column in the partial sums ([split][rows][Σ m_j]).
+struct MmaTile {
+    const u8* w;
+    float* out;
+    int m, i0;
+    int r0, nr;
+    int col0, m_total;
+};
+
+__device__ __forceinline__ bool mma_tile(const MatmulJobs& jobs, int rows, MmaTile& t) {
+    // Selected with unrolled conditional moves (an index into the by-value parameter would copy
+    // it to local memory).
+    int cta = blockIdx.x, col0 = 0, m_total = jobs.m[0];
+    t.w = jobs.w[0];
+    t.out = jobs.out[0];
+    t.m = jobs.m[0];
+    bool found = cta < (t.m + MMA_BROWS - 1) / MMA_BROWS;
+    if (!found) cta -= (t.m + MMA_BROWS - 1) / MMA_BROWS;
+#pragma unroll
+    for (int j = 1; j < MM_MAX_JOBS; j++) {
+        if (j >= jobs.n_jobs) break;
+        int m = jobs.m[j], tiles = (m + MMA_BROWS - 1) / MMA_BROWS;
+        if (!found) {
+            if (cta < tiles) {
+                found = true;
+                t.w = jobs.w[j];
+                t.out = jobs.out[j];
+                t.m = m;
+                col0 = m_total;
+            } else {
+                cta -= tiles;
+            }
+        }
+        m_total += m;
+    }
+    if (!found) return false;
+    t.i0 = cta * MMA_BROWS;
+    t.r0 = blockIdx.y * MMA_NMAX;
+    t.nr = min(MMA_NMAX, rows - t.r0);
+    t.col0 = col0;
+    t.m_total = m_total;
+    return true;
+}
+
+// One 32-value block of a quantized weight row as this lane's two k-sets: w0 holds values
+// 4t..4t+3, w1 values 16+4t..16+4t+3, as signed 8-bit levels; value = a·level (+ c for q4_1).
+struct MmaQ {
+    u32 w0, w1;
+    float a, c;
+};
+
+template <int DTYPE> __device__ __forceinline__ void mma_qload(const u8* row, int chunk, int t, MmaQ& q);
+template <> __device__ __forceinline__ void mma_qload<3>(const u8* row, int chunk, int t, MmaQ& q) {
+    const u16* h = (const u16*)(row + (u64)chunk * 34);  // 2-aligned
+    q.a = h2f(h[0]);
+    q.c = 0.f;
+    q.w0 = pack_halves(h[1 + 2 * t], h[2 + 2 * t]);
+    q.w1 = pack_halves(h[9 + 2 * t], h[10 + 2 * t]);
+}
+template <> __device__ __forceinline__ void mma_qload<4>(const u8* row, int chunk, int t, MmaQ& q) {
+    const u16* h = (const u16*)(row + (u64)chunk * 18);  // 2-aligned
+    q.a = h2f(h[0]);
+    q.c = 0.f;
+    u32 v = pack_halves(h[1 + 2 * t], h[2 + 2 * t]);
+    q.w0 = __vsub4(v & 0x0F0F0F0Fu, 0x08080808u);
+    q.w1 = __vsub4((v >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+}
+template <> __device__ __forceinline__ void mma_qload<5>(const u8* row, int chunk, int t, MmaQ& q) {
+    const u32* p = (const u32*)(row + (u64)chunk * 20);  // 4-aligned
+    u32 hdr = p[0], v = p[1 + t];
+    q.a = h2f((u16)(hdr & 0xFFFF));
+    q.c = h2f((u16)(hdr >> 16));
+    q.w0 = v & 0x0F0F0F0Fu;
+    q.w1 = (v >> 4) & 0x0F0F0F0Fu;
+}
+
+// acc + the block's products from their integer dot product `dot` and the activations' record
+// `s` (scale, Σx, Σq): the expressions of `qblock_acc` in matmul.cu (q4_0's levels already
+// have the −8, which the one-row kernel subtracts through Σq: the same integer).
+template <int DTYPE>
+__device__ __forceinline__ float mma_qacc(const MmaQ& q, int dot, float4 s, float acc) {
+    acc = fmaf(q.a, s.x * (float)dot, acc);
+    if constexpr (DTYPE == 5) acc = fmaf(q.c, s.y, acc);
+    return acc;
+}
+
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_block_bytes() {
+    return DTYPE == 1 || DTYPE == 2 ? 64 : DTYPE == 3 ? 34 : DTYPE == 4 ? 18 : 20;
+}
+
+// x row (clamped to the block's rows: the extra columns of a partial tile repeat the last row and
+// are never stored) of B column `col` of input tile j.
+__device__ __forceinline__ int mma_xrow(const MmaTile& t, int j, int col) { return t.r0 + min(j * 8 + col, t.nr - 1); }
+
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* wg, const u8* wg8, const short* xq,
+                                             const float4* xs, int n_chunks, int c0, int c1, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    for (int c = c0; c < c1; c += MMA_QUNROLL) {
+        MmaQ a[MMA_QUNROLL][2];
+#pragma unroll
+        for (int u = 0; u < MMA_QUNROLL; u++) {
+            int cu = min(c + u, c1 - 1);
+            mma_qload<DTYPE>(wg, cu, tq, a[u][0]);
+            mma_qload<DTYPE>(wg8, cu, tq, a[u][1]);
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_QUNROLL; u++) {
+            if (c + u >= c1) break;  // the same for the whole warp
+            const u32 A[4] = {a[u][0].w0, a[u][1].w0, a[u][0].w1, a[u][1].w1};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j * 8 >= t.nr) break;
+                const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c + u) * 32;
+                uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
+                // x = 256·hi + lo: hi the signed high bytes, lo the unsigned low bytes.
+                const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
+                const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
+                int d[4] = {0, 0, 0, 0};
+                mma_s8s8(A, bh, d);
+#pragma unroll
+                for (int e = 0; e < 4; e++) d[e] *= 256;
+                mma_s8u8(A, bl, d);
+                // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
+                float4 s0 = xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
+                float4 s1 = xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
+                acc[j][0] = mma_qacc<DTYPE>(a[u][0], d[0], s0, acc[j][0]);
+                acc[j][1] = mma_qacc<DTYPE>(a[u][0], d[1], s1, acc[j][1]);
+                acc[j][2] = mma_qacc<DTYPE>(a[u][1], d[2], s0, acc[j][2]);
+                acc[j][3] = mma_qacc<DTYPE>(a[u][1], d[3], s1, acc[j][3]);
+            }
+        }
+    }
+}
+
+// f16 (DTYPE 1) or bf16 (2) weights: lane t takes values 8t..8t+7 of each 32-value chunk (one
+// 16-byte load per row), two k16 steps: values 8t+4s, +1 as k-set (2t, 2t+1) and 8t+4s+2, +3 as
+// (2t+8, 2t+9) of step s, for A and B alike.
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* wg, const u8* wg8, const float* x, int k,
+                                             int c0, int c1, float (&acc)[NT][4]) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    constexpr int PARTS = DTYPE == 1 ? 2 : 3;
+    for (int c = c0; c < c1; c += MMA_FUNROLL) {
+        uint4 a[MMA_FUNROLL][2];
+#pragma unroll
+        for (int u = 0; u < MMA_FUNROLL; u++) {
+            int cu = min(c + u, c1 - 1);
+            a[u][0] = *(const uint4*)(wg + (u64)cu * 64 + 16 * tq);
+            a[u][1] = *(const uint4*)(wg8 + (u64)cu * 64 + 16 * tq);
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_FUNROLL; u++) {
+            if (c + u >= c1) break;
+            const u32 A0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
+            const u32 A1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j * 8 >= t.nr) break;
+                const float* xp = x + (u64)mma_xrow(t, j, g) * k + (u64)(c + u) * 32 + 8 * tq;
+                float4 p = *(const float4*)xp, q = *(const float4*)(xp + 4);
+                float v[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+                u16 part[PARTS][8];
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float rest = v[e];
+#pragma unroll
+                    for (int s = 0; s < PARTS; s++) {
+                        u16 h = DTYPE == 1 ? f2h(rest) : f2bf(rest);
+                        part[s][e] = h;
+                        rest -= DTYPE == 1 ? h2f(h) : bf2f(h);
+                    }
+                }
+                // The smallest parts first.
+#pragma unroll
+                for (int s = PARTS - 1; s >= 0; s--) {
+                    const u32 B0[2] = {pack_halves(part[s][0], part[s][1]), pack_halves(part[s][2], part[s][3])};
+                    const u32 B1[2] = {pack_halves(part[s][4], part[s][5]), pack_halves(part[s][6], part[s][7])};
+                    if constexpr (DTYPE == 1) {
+                        mma_f16(A0, B0, acc[j]);
+                        mma_f16(A1, B1, acc[j]);
+                    } else {
+                        mma_bf16(A0, B0, acc[j]);
+                        mma_bf16(A1, B1, acc[j]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The block's outputs: written (or added) directly with one slice; with more, the partial sums,
+// then the last block of the tile adds every slice's in order.
+template <int NT>
+__device__ __forceinline__ void mma_store(const float (&acc)[NT][4], const MmaTile& t, int rows, int accumulate,
+                                          float* partial, int* counters, int split) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int wr = t.i0 + warp * 16;
+    if (wr < t.m) {
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = j * 8 + 2 * tq + (e & 1), i = wr + g + (e >= 2 ? 8 : 0);
+                if (r >= t.nr || i >= t.m) continue;
+                if (split == 1) {
+                    float* o = t.out + (u64)(t.r0 + r) * t.m + i;
+                    *o = accumulate ? *o + acc[j][e] : acc[j][e];
+                } else {
+                    partial[((u64)blockIdx.z * rows + t.r0 + r) * t.m_total + t.col0 + i] = acc[j][e];
+                }
+            }
+    }
+    if (split == 1) return;
+    __shared__ int last;
+    __threadfence();  // this thread's partial sums are visible to the block that adds them
+    __syncthreads();
+    int* counter = counters + blockIdx.x + gridDim.x * blockIdx.y;
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == split - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    int cols = min(MMA_BROWS, t.m - t.i0);
+    for (int e = threadIdx.x; e < t.nr * cols; e += blockDim.x) {
+        int r = e / cols, i = t.i0 + e % cols;
+        float v = 0.f;
+        for (int s = 0; s < split; s++) v += __ldcg(partial + ((u64)s * rows + t.r0 + r) * t.m_total + t.col0 + i);
+        float* o = t.out + (u64)(t.r0 + r) * t.m + i;
+        *o = accumulate ? *o + v : v;
+    }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+}
+
+// `x` is f32 rows for f16/bf16 weights, the 16-bit integers of `quantize_x16` (with their
+// records `xs`) for quantized ones; rows of whole 32-value chunks.
+template <int DTYPE, int NT>
+__device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k, const MatmulJobs& jobs,
+                                float* partial, int* counters, int split) {
+    MmaTile t;
+    if (!mma_tile(jobs, rows, t)) return;  // the whole block, before any barrier
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
+    const int n_chunks = k / 32;
+    const int c0 = (int)((long long)n_chunks * blockIdx.z / split);
+    const int c1 = (int)((long long)n_chunks * (blockIdx.z + 1) / split);
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
+    const int wr = t.i0 + warp * 16;
+    if (wr < t.m) {  // the same for the whole warp
+        const u64 row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
+        const u8* wg = t.w + (u64)min(wr + g, t.m - 1) * row_bytes;
+        const u8* wg8 = t.w + (u64)min(wr + g + 8, t.m - 1) * row_bytes;
+        if constexpr (DTYPE == 1 || DTYPE == 2)
+            mma_chunks_f<DTYPE, NT>(t, wg, wg8, (const float*)x, k, c0, c1, acc);
+        else
+            mma_chunks_q<DTYPE, NT>(t, wg, wg8, (const short*)x, xs, n_chunks, c0, c1, acc);
+    }
+    mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
+}
+
+// `_n1` .. `_n8`: up to 8, 16, 32 or 64 input rows per block.
+#define MATMUL_MMA_KERNEL(NAME, DTYPE, NT)                                                              \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                       \
+        NAME##_n##NT(const void* x, const float4* xs, int rows, int k, MatmulJobs jobs, float* partial, \
+                     int* counters, int split) {                                                       \
+        matmul_mma_impl<DTYPE, NT>(x, xs, rows, k, jobs, partial, counters, split);                    \
+    }
+#define MATMUL_MMA_KERNELS(NAME, DTYPE) \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 1)   \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 2)   \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 4)   \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 8)
+MATMUL_MMA_KERNELS(matmul_mma_f16, 1)
+MATMUL_MMA_KERNELS(matmul_mma_bf16, 2)
+MATMUL_MMA_KERNELS(matmul_mma_q8_0, 3)
+MATMUL_MMA_KERNELS(matmul_mma_q4_0, 4)
+MATMUL_MMA_KERNELS(matmul_mma_q4_1, 5)

@@ -1,0 +1,117 @@
+//! The kernel paths of issue 23 that are still being proven on the GPU: each is off until a GPU
+//! run has shown it correct and faster, so that one process can compare the old and the new
+//! path (tests build a backend per choice; benches set `GDSLLM_CUDA_PATHS`) and a new kernel
+//! that turns out wrong cannot take the default path down.
+
+use crate::LlamaError;
+
+/// The environment variable naming the paths a [`super::CudaBackend`] uses by default.
+pub const PATHS_ENV: &str = "GDSLLM_CUDA_PATHS";
+
+/// Which new kernel paths a [`super::CudaBackend`] uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaPaths {
+    /// Matmuls of several rows that are not a long prompt's (batched decoding: one row per
+    /// sequence) on tensor cores, each weight read once for up to 64 rows (`matmul_mma.cu`),
+    /// for f16, bf16 and the quantized dtypes, on devices of compute capability 8.0 and later.
+    /// Off: the eight-row kernel of `matmul.cu`, which reads the weights once per 8 rows.
+    pub mma: bool,
+    /// RoPE with the KV-cache stores, and decode attention, of all sequences of a batch in one
+    /// launch each (off: launches per sequence). A sliding-window layer's attention, and the
+    /// stores of a batch where one of its ring caches has wrapped, keep the per-sequence
+    /// kernels, which know windows and rings.
+    pub seqs: bool,
+    /// Prompt attention (more than one query row) on tensor cores, flash-attention style (off:
+    /// the tiled f32 kernel); not for a sliding-window layer (the tiled kernel knows windows).
+    pub flash: bool,
+}
+
+impl CudaPaths {
+    /// The names `parse` takes, each with what it turns on.
+    pub const NAMES: [&'static str; 3] = ["mma", "seqs", "flash"];
+
+    /// Every new path.
+    pub fn all() -> CudaPaths {
+        CudaPaths {
+            mma: true,
+            seqs: true,
+            flash: true,
+        }
+    }
+
+    /// A comma-separated list of names ([`CudaPaths::NAMES`]), `all`, `none` or empty.
+    pub fn parse(list: &str) -> Result<CudaPaths, LlamaError> {
+        let mut paths = CudaPaths::default();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "all" => paths = CudaPaths::all(),
+                "none" => paths = CudaPaths::default(),
+                "mma" => paths.mma = true,
+                "seqs" => paths.seqs = true,
+                "flash" => paths.flash = true,
+                other => {
+                    return Err(LlamaError::Config {
+                        setting: PATHS_ENV,
+                        message: format!(
+                            "unknown kernel path `{other}` (known: {}, all, none)",
+                            CudaPaths::NAMES.join(", ")
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(paths)
+    }
+
+    /// The paths `GDSLLM_CUDA_PATHS` names (none when it is unset).
+    pub fn from_env() -> Result<CudaPaths, LlamaError> {
+        match std::env::var(PATHS_ENV) {
+            Ok(list) => CudaPaths::parse(&list),
+            Err(std::env::VarError::NotPresent) => Ok(CudaPaths::default()),
+            Err(e) => Err(LlamaError::Config {
+                setting: PATHS_ENV,
+                message: e.to_string(),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for CudaPaths {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let on: Vec<&str> = [self.mma, self.seqs, self.flash]
+            .iter()
+            .zip(CudaPaths::NAMES)
+            .filter(|(on, _)| **on)
+            .map(|(_, name)| name)
+            .collect();
+        if on.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&on.join(","))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_names_all_and_none_and_rejects_unknown_ones() {
+        assert_eq!(CudaPaths::parse("").unwrap(), CudaPaths::default());
+        assert_eq!(CudaPaths::parse("all").unwrap(), CudaPaths::all());
+        assert_eq!(
+            CudaPaths::parse(" mma , flash").unwrap(),
+            CudaPaths {
+                mma: true,
+                seqs: false,
+                flash: true
+            }
+        );
+        assert_eq!(CudaPaths::parse("all,none").unwrap(), CudaPaths::default());
+        let e = CudaPaths::parse("mma,fast").unwrap_err().to_string();
+        assert!(e.contains("unknown kernel path `fast`"), "{e}");
+        assert_eq!(CudaPaths::all().to_string(), "mma,seqs,flash");
+        assert_eq!(CudaPaths::default().to_string(), "none");
+    }
+}

@@ -1,0 +1,610 @@
+// The CUDA kernels run on the CPU emulator (emu.h) against slow references written here, on
+// random inputs and random quantized blocks, several shapes including ragged ones; outputs are
+// poisoned (NaN) before each run. Every check prints its error and tolerance. Built and run by
+// scripts/cuda-emu-check.sh (and the opt-in test llama/tests/cuda_emu.rs); exits non-zero on the
+// first failure. `--quick` runs smaller shapes.
+
+#include "emu.h"
+
+// The kernel files, in the order of KERNEL_FILES in llama/src/backend/cuda/compile.rs (a unit
+// test there checks that this list matches).
+// KERNEL FILES BEGIN
+#include "common.cuh"
+#include "quant.cu"
+#include "norm_rope.cu"
+#include "elementwise.cu"
+#include "attention.cu"
+#include "matmul.cu"
+#include "matmul_mma.cu"
+#include "kquants.cu"
+// KERNEL FILES END
+
+#include <memory>
+#include <random>
+#include <string>
+
+namespace {
+
+bool quick = false;
+int failures = 0;
+
+std::mt19937_64 rng(1234);
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+std::vector<float> random_vec(size_t n, float scale = 1.f) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = uniform(-scale, scale);
+    return v;
+}
+
+// Device-like buffers: 256-byte aligned, poisoned with NaN bytes.
+template <class T>
+struct Buf {
+    T* p = nullptr;
+    size_t n = 0;
+    explicit Buf(size_t count) : n(count) {
+        p = (T*)aligned_alloc(256, ((count * sizeof(T) + 255) / 256 + 1) * 256);
+        memset((void*)p, 0xFF, count * sizeof(T));
+    }
+    Buf(const std::vector<T>& v) : Buf(v.size()) { memcpy((void*)p, v.data(), v.size() * sizeof(T)); }
+    ~Buf() { free(p); }
+    Buf(const Buf&) = delete;
+    std::vector<T> vec() const { return std::vector<T>(p, p + n); }
+    void poison() { memset((void*)p, 0xFF, n * sizeof(T)); }
+};
+
+double max_rel(const std::vector<float>& got, const std::vector<double>& want) {
+    double scale = 1e-6, err = 0;
+    for (double w : want) scale = std::max(scale, std::fabs(w));
+    for (size_t i = 0; i < got.size(); i++) {
+        double d = std::fabs((double)got[i] - want[i]);
+        if (!(d == d)) return INFINITY;  // NaN: a value that was never written
+        err = std::max(err, d);
+    }
+    return err / scale;
+}
+
+void check(const std::string& what, double err, double tol) {
+    bool ok = err <= tol;
+    printf("%-70s max rel err %.2e (tol %.0e) %s\n", what.c_str(), err, tol, ok ? "ok" : "FAILED");
+    fflush(stdout);
+    if (!ok) failures++;
+}
+
+// ---- weights -------------------------------------------------------------------------------
+
+enum { F32 = 0, F16 = 1, BF16 = 2, Q8_0 = 3, Q4_0 = 4, Q4_1 = 5 };
+const char* dtype_name(int d) {
+    static const char* names[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"};
+    return names[d];
+}
+size_t row_bytes(int dtype, int k) {
+    switch (dtype) {
+        case F32: return (size_t)k * 4;
+        case F16: case BF16: return (size_t)k * 2;
+        case Q8_0: return (size_t)k / 32 * 34;
+        case Q4_0: return (size_t)k / 32 * 18;
+        default: return (size_t)k / 32 * 20;
+    }
+}
+
+// Random weights of `dtype` [m, k] and their values as the format defines them.
+struct Weights {
+    std::vector<uint8_t> bytes;
+    std::vector<double> values;
+};
+Weights random_weights(int dtype, int m, int k) {
+    Weights w;
+    w.bytes.resize(row_bytes(dtype, k) * m);
+    w.values.resize((size_t)m * k);
+    auto put16 = [&](size_t at, uint16_t h) { w.bytes[at] = h & 0xFF; w.bytes[at + 1] = h >> 8; };
+    for (int i = 0; i < m; i++) {
+        size_t row = row_bytes(dtype, k) * i;
+        for (int c = 0; c < k; c++) {
+            double& v = w.values[(size_t)i * k + c];
+            if (dtype == F32) {
+                float f = uniform(-1, 1);
+                memcpy(&w.bytes[row + 4 * c], &f, 4);
+                v = f;
+            } else if (dtype == F16) {
+                uint16_t h = emu_f2h(uniform(-1, 1));
+                put16(row + 2 * c, h);
+                v = emu_h2f(h);
+            } else if (dtype == BF16) {
+                uint16_t h = emu_f2bf(uniform(-1, 1));
+                put16(row + 2 * c, h);
+                uint32_t f = (uint32_t)h << 16;
+                float x;
+                memcpy(&x, &f, 4);
+                v = x;
+            }
+        }
+        if (dtype >= Q8_0) {
+            int bb = dtype == Q8_0 ? 34 : dtype == Q4_0 ? 18 : 20;
+            for (int b = 0; b < k / 32; b++) {
+                size_t at = row + (size_t)b * bb;
+                uint16_t d = emu_f2h(uniform(0.001f, 0.02f) * (uniform(0, 1) < 0.5f ? -1 : 1));
+                put16(at, d);
+                double dd = emu_h2f(d), mm = 0;
+                if (dtype == Q4_1) {
+                    uint16_t m16 = emu_f2h(uniform(-0.1f, 0.1f));
+                    put16(at + 2, m16);
+                    mm = emu_h2f(m16);
+                }
+                for (int j = 0; j < 32; j++) {
+                    double& v = w.values[(size_t)i * k + b * 32 + j];
+                    if (dtype == Q8_0) {
+                        int8_t q = (int8_t)(rng() & 0xFF);
+                        w.bytes[at + 2 + j] = (uint8_t)q;
+                        v = dd * q;
+                    }
+                }
+                if (dtype != Q8_0) {
+                    size_t qs = at + (dtype == Q4_0 ? 2 : 4);
+                    for (int j = 0; j < 16; j++) w.bytes[qs + j] = (uint8_t)(rng() & 0xFF);
+                    for (int j = 0; j < 32; j++) {
+                        int q = j < 16 ? (w.bytes[qs + j] & 0xF) : (w.bytes[qs + j - 16] >> 4);
+                        w.values[(size_t)i * k + b * 32 + j] = dtype == Q4_0 ? (q - 8) * dd : q * dd + mm;
+                    }
+                }
+            }
+        }
+    }
+    return w;
+}
+
+// want[r, i] = Σ_c x[r, c] · w[i, c] (+ base) in f64.
+std::vector<double> ref_matmul(const std::vector<float>& x, int rows, const Weights& w, int m, int k,
+                               const std::vector<float>* base = nullptr) {
+    std::vector<double> out((size_t)rows * m);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < m; i++) {
+            double s = base ? (*base)[(size_t)r * m + i] : 0;
+            for (int c = 0; c < k; c++) s += (double)x[(size_t)r * k + c] * w.values[(size_t)i * k + c];
+            out[(size_t)r * m + i] = s;
+        }
+    return out;
+}
+
+uint3e grid3(unsigned x, unsigned y = 1, unsigned z = 1) { return {x, y, z}; }
+
+// ---- the existing matmul kernels (the emulator's own check: they passed on the GPU) ---------
+
+#define KERNEL_TABLE(NAME) \
+    {NAME##_r1, NAME##_r8}
+
+void run_matmul_kernel(int dtype, int variant, const float* x, const short* xq, const float4* xs, int rows,
+                       int k, MatmulJobs jobs, int n_blocks) {
+    int per_block = variant == 0 ? 1 : MM_ROWS;
+    uint3e grid = grid3(n_blocks, (rows + per_block - 1) / per_block);
+    emu::launch(grid, MM_WARPS * 32, [&] {
+        switch (dtype * 2 + variant) {
+            case 0: matmul_f32_r1(x, rows, k, jobs); break;
+            case 1: matmul_f32_r8(x, rows, k, jobs); break;
+            case 2: matmul_f16_r1(x, rows, k, jobs); break;
+            case 3: matmul_f16_r8(x, rows, k, jobs); break;
+            case 4: matmul_bf16_r1(x, rows, k, jobs); break;
+            case 5: matmul_bf16_r8(x, rows, k, jobs); break;
+            case 6: matmul_q8_0_r1(xq, xs, rows, k, jobs); break;
+            case 7: matmul_q8_0_r8(xq, xs, rows, k, jobs); break;
+            case 8: matmul_q4_0_r1(xq, xs, rows, k, jobs); break;
+            case 9: matmul_q4_0_r8(xq, xs, rows, k, jobs); break;
+            case 10: matmul_q4_1_r1(xq, xs, rows, k, jobs); break;
+            default: matmul_q4_1_r8(xq, xs, rows, k, jobs); break;
+        }
+    });
+}
+
+// x (rows·k values) in the 16-bit integer format, by the `quantize_x16` kernel.
+struct X16Buf {
+    Buf<short> xq;
+    Buf<float4> xs;
+    X16Buf(const Buf<float>& x, size_t n) : xq(n), xs(n / 32) {
+        emu::launch(grid3((unsigned)((n / 4 + 255) / 256)), 256,
+                    [&] { quantize_x16(x.p, (u64)n, xq.p, xs.p); });
+    }
+};
+
+void test_existing_matmul() {
+    int shapes[][2] = {{77, 96}, {33, 576}};
+    for (int dtype = 0; dtype < 6; dtype++)
+        for (auto& s : shapes) {
+            int m = s[0], k = s[1];
+            Weights w = random_weights(dtype, m, k);
+            Buf<uint8_t> wd(w.bytes);
+            for (int rows : {1, 3, 9}) {
+                auto x = random_vec((size_t)rows * k);
+                Buf<float> xd(x);
+                X16Buf x16(xd, (size_t)rows * k);
+                Buf<float> out((size_t)rows * m);
+                MatmulJobs jobs{};
+                jobs.w[0] = wd.p;
+                jobs.out[0] = out.p;
+                jobs.m[0] = m;
+                jobs.n_jobs = 1;
+                jobs.accumulate = 0;
+                run_matmul_kernel(dtype, rows == 1 ? 0 : 1, xd.p, x16.xq.p, x16.xs.p, rows, k, jobs,
+                                  (m + MM_WROWS - 1) / MM_WROWS);
+                double tol = dtype >= Q8_0 ? 1e-4 : 1e-5;
+                check(std::string("existing matmul ") + dtype_name(dtype) + " " + std::to_string(m) + "x" +
+                          std::to_string(k) + " rows=" + std::to_string(rows),
+                      max_rel(out.vec(), ref_matmul(x, rows, w, m, k)), tol);
+            }
+        }
+}
+
+// ---- the tensor-core batched matmul ---------------------------------------------------------
+
+using MmaKernel = void (*)(const void*, const float4*, int, int, MatmulJobs, float*, int*, int);
+MmaKernel mma_kernel(int dtype, int nt) {
+#define MMA_ROW(NAME) {NAME##_n1, NAME##_n2, NAME##_n4, NAME##_n8}
+    static const MmaKernel table[6][4] = {{nullptr, nullptr, nullptr, nullptr},
+                                          MMA_ROW(matmul_mma_f16),
+                                          MMA_ROW(matmul_mma_bf16),
+                                          MMA_ROW(matmul_mma_q8_0),
+                                          MMA_ROW(matmul_mma_q4_0),
+                                          MMA_ROW(matmul_mma_q4_1)};
+    int v = nt <= 1 ? 0 : nt <= 2 ? 1 : nt <= 4 ? 2 : 3;
+    return table[dtype][v];
+}
+
+// One launch of the mma kernel over `jobs` (weights of one dtype sharing x), as the host does.
+void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k, MatmulJobs jobs, int split) {
+    int blocks_x = 0, m_total = 0;
+    for (int j = 0; j < jobs.n_jobs; j++) {
+        blocks_x += (jobs.m[j] + MMA_BROWS - 1) / MMA_BROWS;
+        m_total += jobs.m[j];
+    }
+    int blocks_y = (rows + MMA_NMAX - 1) / MMA_NMAX;
+    int nt = (std::min(rows, MMA_NMAX) + 7) / 8;
+    Buf<float> partial(std::max(1, split * rows * m_total));
+    std::vector<int> zero(blocks_x * blocks_y, 0);
+    Buf<int> counters(zero);
+    MmaKernel kernel = mma_kernel(dtype, nt);
+    const void* xp = dtype <= BF16 ? (const void*)x.p : (const void*)x16->xq.p;
+    const float4* xs = dtype <= BF16 ? nullptr : x16->xs.p;
+    emu::launch(grid3(blocks_x, blocks_y, split), MMA_WARPS * 32,
+                [&] { kernel(xp, xs, rows, k, jobs, partial.p, counters.p, split); });
+    for (int c : counters.vec())
+        if (c != 0) {
+            printf("a split-K counter was left at %d\n", c);
+            failures++;
+        }
+}
+
+void test_mma_matmul() {
+    struct Case {
+        std::vector<int> ms;
+        int k;
+    };
+    std::vector<Case> cases = {{{1}, 32}, {{77}, 96}, {{130, 40, 7}, 576}, {{256}, 1536}};
+    if (quick) cases.pop_back();
+    std::vector<int> row_counts = {2, 3, 8, 9, 17, 33, 64, 70};
+    for (int dtype = F16; dtype <= Q4_1; dtype++)
+        for (auto& cs : cases) {
+            int k = cs.k, n_jobs = (int)cs.ms.size();
+            std::vector<Weights> ws;
+            std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
+            for (int m : cs.ms) {
+                ws.push_back(random_weights(dtype, m, k));
+                wd.emplace_back(new Buf<uint8_t>(ws.back().bytes));
+            }
+            for (int rows : row_counts) {
+                if (quick && rows > 33) continue;
+                auto x = random_vec((size_t)rows * k);
+                Buf<float> xd(x);
+                X16Buf x16(xd, (size_t)rows * k);
+                for (int split : {1, 3}) {
+                    if (split > k / 32) continue;
+                    for (int accumulate : {0, 1}) {
+                        std::vector<std::vector<float>> base;
+                        std::vector<std::unique_ptr<Buf<float>>> outs;
+                        MatmulJobs jobs{};
+                        jobs.n_jobs = n_jobs;
+                        jobs.accumulate = accumulate;
+                        for (int j = 0; j < n_jobs; j++) {
+                            base.push_back(random_vec((size_t)rows * cs.ms[j]));
+                            outs.emplace_back(accumulate ? new Buf<float>(base.back())
+                                                         : new Buf<float>((size_t)rows * cs.ms[j]));
+                            jobs.w[j] = wd[j]->p;
+                            jobs.out[j] = outs[j]->p;
+                            jobs.m[j] = cs.ms[j];
+                        }
+                        run_mma(dtype, xd, &x16, rows, k, jobs, split);
+                        double err = 0;
+                        for (int j = 0; j < n_jobs; j++)
+                            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], cs.ms[j], k,
+                                                                                    accumulate ? &base[j] : nullptr)));
+                        std::string ms;
+                        for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
+                        // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts
+                        // within 2^-22 (2^-24) of x; f32 sums in another order than f64.
+                        double tol = dtype >= Q8_0 ? 1e-4 : 1e-5;
+                        check(std::string("mma matmul ") + dtype_name(dtype) + " [" + ms + "]x" + std::to_string(k) +
+                                  " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
+                                  (accumulate ? " +=" : ""),
+                              err, tol);
+                    }
+                }
+            }
+        }
+}
+
+// A row's result does not depend on the rows it is batched with (the same bits), and stays
+// within f32 rounding of the one-row kernel's (the same integer products for quantized weights).
+void test_mma_rows_independent() {
+    int m = 200, k = 1024;
+    for (int dtype = F16; dtype <= Q4_1; dtype++) {
+        Weights w = random_weights(dtype, m, k);
+        Buf<uint8_t> wd(w.bytes);
+        auto x = random_vec((size_t)64 * k);
+        std::vector<std::vector<float>> results;
+        for (int rows : {64, 9, 2}) {
+            Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
+            X16Buf x16(xd, (size_t)rows * k);
+            Buf<float> out((size_t)rows * m);
+            MatmulJobs jobs{};
+            jobs.n_jobs = 1;
+            jobs.w[0] = wd.p;
+            jobs.out[0] = out.p;
+            jobs.m[0] = m;
+            run_mma(dtype, xd, &x16, rows, k, jobs, 4);
+            results.push_back(out.vec());
+        }
+        bool same = true;
+        for (size_t v = 1; v < results.size(); v++)
+            for (size_t i = 0; i < results[v].size(); i++) same &= results[v][i] == results[0][i];
+        printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", dtype_name(dtype),
+               same ? "yes" : "NO");
+        if (!same) failures++;
+        // Against the one-row kernel, row by row.
+        std::vector<float> solo((size_t)2 * m);
+        std::vector<double> solo_d(solo.size());
+        for (int r = 0; r < 2; r++) {
+            Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
+            X16Buf x16(xd, k);
+            Buf<float> out(m);
+            MatmulJobs jobs{};
+            jobs.n_jobs = 1;
+            jobs.w[0] = wd.p;
+            jobs.out[0] = out.p;
+            jobs.m[0] = m;
+            run_matmul_kernel(dtype, 0, xd.p, x16.xq.p, x16.xs.p, 1, k, jobs, (m + MM_WROWS - 1) / MM_WROWS);
+            for (int i = 0; i < m; i++) solo_d[(size_t)r * m + i] = out.p[i];
+        }
+        check(std::string("mma matmul ") + dtype_name(dtype) + " vs the one-row kernel", 
+              max_rel(results[2], solo_d), 2e-6);
+    }
+}
+
+// ---- the attention steps of a batch of sequences in one launch ------------------------------
+
+struct SeqSpec {
+    int rows, pos0, capacity;
+};
+
+// RoPE + KV stores and decode attention of several sequences through the one-launch kernels,
+// against the per-sequence kernels on the same data: the same bits (the same arithmetic).
+void test_seq_kernels() {
+    const int n_heads = 8, n_kv = 2, hd = 64, half = hd / 2, kv_w = n_kv * hd, q_w = n_heads * hd;
+    std::vector<SeqSpec> specs = {{1, 0, 8}, {3, 5, 16}, {1, 200, 260}, {1, 129, 140}, {5, 0, 8}, {1, 17, 32}};
+    int total = 0;
+    for (auto& sp : specs) total += sp.rows;
+    std::vector<float> inv(half);
+    for (int i = 0; i < half; i++) inv[i] = (float)std::pow(10000.0, -2.0 * i / hd);
+    Buf<float> invd(inv);
+    auto q0 = random_vec((size_t)total * q_w, 2.f), k0 = random_vec((size_t)total * kv_w), v0 = random_vec((size_t)total * kv_w);
+    // Caches with random earlier positions, the same for both runs.
+    std::vector<std::vector<uint16_t>> cache0;
+    for (auto& sp : specs)
+        for (int kv = 0; kv < 2; kv++) {
+            std::vector<uint16_t> c((size_t)sp.capacity * kv_w);
+            for (auto& x : c) x = emu_f2h(uniform(-1, 1));
+            cache0.push_back(c);
+        }
+    std::vector<float> q_results[2], k_results[2], att_results[2];
+    std::vector<std::vector<uint16_t>> cache_results[2];
+    for (int variant = 0; variant < 2; variant++) {
+        Buf<float> q(q0), k(k0), v(v0);
+        std::vector<std::unique_ptr<Buf<uint16_t>>> caches;
+        for (auto& c : cache0) caches.emplace_back(new Buf<uint16_t>(c));
+        SeqTable table{};
+        table.n = (int)specs.size();
+        int row0 = 0;
+        for (size_t z = 0; z < specs.size(); z++) {
+            table.k_cache[z] = caches[2 * z]->p;
+            table.v_cache[z] = caches[2 * z + 1]->p;
+            table.row0[z] = row0;
+            table.rows[z] = specs[z].rows;
+            table.pos0[z] = specs[z].pos0;
+            row0 += specs[z].rows;
+        }
+        if (variant == 0) {
+            for (size_t z = 0; z < specs.size(); z++) {
+                int r0 = table.row0[z], rows = specs[z].rows;
+                unsigned threads = rows * (n_heads + n_kv) * half;
+                emu::launch(grid3((threads + 255) / 256), 256, [&] {
+                    rope_store_kv(q.p + (size_t)r0 * q_w, k.p + (size_t)r0 * kv_w, v.p + (size_t)r0 * kv_w, rows,
+                                  n_heads, n_kv, hd, specs[z].pos0, nullptr, invd.p, table.k_cache[z], table.v_cache[z],
+                                  specs[z].capacity);
+                });
+            }
+        } else {
+            unsigned threads = total * (n_heads + n_kv) * half;
+            emu::launch(grid3((threads + 255) / 256), 256, [&] {
+                rope_store_kv_seqs(q.p, k.p, v.p, total, n_heads, n_kv, hd, invd.p, table);
+            });
+        }
+        // Decode attention of the one-row sequences.
+        Buf<float> out((size_t)total * q_w);
+        out.poison();
+        const int split_len = 128;
+        float scale = 1.f / std::sqrt((float)hd);
+        if (variant == 0) {
+            for (size_t z = 0; z < specs.size(); z++) {
+                if (specs[z].rows != 1) continue;
+                int n_splits = (specs[z].pos0 + split_len) / split_len;
+                Buf<float> part((size_t)n_heads * n_splits * (2 + hd));
+                emu::launch(grid3(n_heads, n_splits), 256, [&] {
+                    attention_decode(q.p + (size_t)table.row0[z] * q_w, table.k_cache[z], table.v_cache[z],
+                                     specs[z].pos0, nullptr, n_heads, n_kv, hd, scale, specs[z].capacity, /*window=*/0,
+                                     split_len, part.p);
+                });
+                emu::launch(grid3(n_heads), 256, [&] {
+                    attention_combine(part.p, n_splits, hd, out.p + (size_t)table.row0[z] * q_w);
+                });
+            }
+        } else {
+            // Only the one-row sequences, as the host passes them.
+            SeqTable ones{};
+            int max_splits = 0;
+            for (size_t z = 0; z < specs.size(); z++) {
+                if (specs[z].rows != 1) continue;
+                int i = ones.n++;
+                ones.k_cache[i] = table.k_cache[z];
+                ones.v_cache[i] = table.v_cache[z];
+                ones.row0[i] = table.row0[z];
+                ones.rows[i] = 1;
+                ones.pos0[i] = specs[z].pos0;
+                max_splits = std::max(max_splits, (specs[z].pos0 + split_len) / split_len);
+            }
+            Buf<float> part((size_t)ones.n * n_heads * max_splits * (2 + hd));
+            emu::launch(grid3(n_heads, max_splits, ones.n), 256, [&] {
+                attention_decode_seqs(q.p, n_heads, n_kv, hd, scale, split_len, part.p, ones);
+            });
+            emu::launch(grid3(n_heads, ones.n), 256, [&] {
+                attention_combine_seqs(part.p, max_splits, n_heads, hd, split_len, out.p, ones);
+            });
+        }
+        q_results[variant] = q.vec();
+        k_results[variant] = k.vec();
+        for (auto& c : caches) cache_results[variant].push_back(c->vec());
+        // The rows of the one-row sequences only (the others are not computed here).
+        for (size_t z = 0; z < specs.size(); z++)
+            if (specs[z].rows == 1)
+                att_results[variant].insert(att_results[variant].end(), out.p + (size_t)table.row0[z] * q_w,
+                                            out.p + (size_t)(table.row0[z] + 1) * q_w);
+    }
+    auto same = [](const auto& a, const auto& b) { return a.size() == b.size() && memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0; };
+    bool ok = same(q_results[0], q_results[1]) && same(k_results[0], k_results[1]);
+    for (size_t i = 0; i < cache_results[0].size(); i++) ok &= same(cache_results[0][i], cache_results[1][i]);
+    printf("rope_store_kv_seqs: q, k and every cache the bits of per-sequence rope_store_kv: %s\n", ok ? "yes" : "NO");
+    if (!ok) failures++;
+    bool att_ok = same(att_results[0], att_results[1]);
+    bool finite = true;
+    for (float x : att_results[1]) finite &= std::isfinite(x);
+    printf("attention_decode_seqs + combine: the bits of the per-sequence kernels: %s (all finite: %s)\n",
+           att_ok ? "yes" : "NO", finite ? "yes" : "NO");
+    if (!att_ok || !finite) failures++;
+    // And against an f64 reference, for the one-row sequences.
+    std::vector<double> want;
+    int row0 = 0;
+    for (size_t z = 0; z < specs.size(); z++) {
+        const auto& kc = cache_results[1][2 * z];
+        const auto& vc = cache_results[1][2 * z + 1];
+        if (specs[z].rows == 1) {
+            int len = specs[z].pos0 + 1;
+            for (int h = 0; h < n_heads; h++) {
+                int kvh = h / (n_heads / n_kv);
+                const float* qh = q_results[1].data() + ((size_t)row0 * n_heads + h) * hd;
+                std::vector<double> sc(len);
+                double mx = -1e300;
+                for (int t = 0; t < len; t++) {
+                    double s = 0;
+                    for (int d = 0; d < hd; d++) s += (double)qh[d] * emu_h2f(kc[(size_t)t * kv_w + kvh * hd + d]);
+                    sc[t] = s / std::sqrt((double)hd);
+                    mx = std::max(mx, sc[t]);
+                }
+                double den = 0;
+                for (auto& x : sc) den += (x = std::exp(x - mx));
+                for (int d = 0; d < hd; d++) {
+                    double a = 0;
+                    for (int t = 0; t < len; t++) a += sc[t] * emu_h2f(vc[(size_t)t * kv_w + kvh * hd + d]);
+                    want.push_back(a / den);
+                }
+            }
+        }
+        row0 += specs[z].rows;
+    }
+    check("attention_decode_seqs vs f64 reference", max_rel(att_results[1], want), 1e-5);
+}
+
+// ---- prompt attention on tensor cores ---------------------------------------------------------
+
+// f64 causal attention of `rows` query rows at positions pos0.. over f16 caches.
+std::vector<double> ref_attention(const std::vector<float>& q, const std::vector<uint16_t>& kc,
+                                  const std::vector<uint16_t>& vc, int rows, int pos0, int n_heads, int n_kv, int hd) {
+    int kv_w = n_kv * hd;
+    std::vector<double> out((size_t)rows * n_heads * hd);
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < n_heads; h++) {
+            int kvh = h / (n_heads / n_kv), len = pos0 + r + 1;
+            const float* qh = q.data() + ((size_t)r * n_heads + h) * hd;
+            std::vector<double> sc(len);
+            double mx = -1e300;
+            for (int t = 0; t < len; t++) {
+                double s = 0;
+                for (int d = 0; d < hd; d++) s += (double)qh[d] * emu_h2f(kc[(size_t)t * kv_w + kvh * hd + d]);
+                sc[t] = s / std::sqrt((double)hd);
+                mx = std::max(mx, sc[t]);
+            }
+            double den = 0;
+            for (auto& x : sc) den += (x = std::exp(x - mx));
+            for (int d = 0; d < hd; d++) {
+                double a = 0;
+                for (int t = 0; t < len; t++) a += sc[t] * emu_h2f(vc[(size_t)t * kv_w + kvh * hd + d]);
+                out[((size_t)r * n_heads + h) * hd + d] = a / den;
+            }
+        }
+    return out;
+}
+
+void test_flash_attention() {
+    struct Case {
+        int hd, n_heads, n_kv, rows, pos0;
+    };
+    std::vector<Case> cases = {{64, 8, 2, 2, 0},   {64, 8, 2, 17, 5},  {64, 4, 4, 70, 0},
+                               {128, 4, 1, 33, 100}, {128, 2, 2, 130, 3}, {64, 9, 3, 64, 31}};
+    if (quick) cases.resize(4);
+    for (auto& c : cases) {
+        int kv_w = c.n_kv * c.hd, ctx = c.pos0 + c.rows;
+        auto q = random_vec((size_t)c.rows * c.n_heads * c.hd, 3.f);
+        std::vector<uint16_t> kc((size_t)ctx * kv_w), vc((size_t)ctx * kv_w);
+        for (auto& x : kc) x = emu_f2h(uniform(-1, 1));
+        for (auto& x : vc) x = emu_f2h(uniform(-1, 1));
+        Buf<float> qd(q);
+        Buf<uint16_t> kd(kc), vd(vc);
+        Buf<float> out_flash((size_t)c.rows * c.n_heads * c.hd), out_old((size_t)c.rows * c.n_heads * c.hd);
+        float scale = 1.f / std::sqrt((float)c.hd);
+        emu::launch(grid3((c.rows + FA_ROWS - 1) / FA_ROWS, c.n_heads), FA_WARPS * 32, [&] {
+            if (c.hd == 64) attention_flash_hd64(qd.p, kd.p, vd.p, c.rows, c.pos0, c.n_heads, c.n_kv, scale, out_flash.p);
+            else attention_flash_hd128(qd.p, kd.p, vd.p, c.rows, c.pos0, c.n_heads, c.n_kv, scale, out_flash.p);
+        });
+        emu::launch(grid3(c.rows * c.n_heads), 256, [&] {
+            attention(qd.p, kd.p, vd.p, c.pos0, c.n_heads, c.n_kv, c.hd, scale, ctx, /*window=*/0, out_old.p);
+        });
+        auto want = ref_attention(q, kc, vc, c.rows, c.pos0, c.n_heads, c.n_kv, c.hd);
+        std::string what = "flash attention hd=" + std::to_string(c.hd) + " heads " + std::to_string(c.n_heads) + "/" +
+                           std::to_string(c.n_kv) + " rows=" + std::to_string(c.rows) + " pos0=" + std::to_string(c.pos0);
+        check(what + " vs f64", max_rel(out_flash.vec(), want), 1e-5);
+        std::vector<double> old_d(out_old.p, out_old.p + out_old.n);
+        check(what + " vs the f32 kernel", max_rel(out_flash.vec(), old_d), 1e-5);
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    for (int i = 1; i < argc; i++)
+        if (std::string(argv[i]) == "--quick") quick = true;
+    test_existing_matmul();
+    test_mma_matmul();
+    test_mma_rows_independent();
+    test_seq_kernels();
+    test_flash_attention();
+    if (failures) {
+        printf("%d check(s) FAILED\n", failures);
+        return 1;
+    }
+    printf("all emulated kernel checks passed\n");
+    return 0;
+}

@@ -1,0 +1,69 @@
+//! The CUDA kernels of the dtypes added with the k-quants (q5_0, q5_1, iq4_nl, q2_k … q6_k,
+//! iq4_xs; `kernels/kquants.cu`) against the slow reference backend (weights decoded by
+//! `weights_format::quant`) on random blocks: the matmul kernels at one row (decode), a few rows
+//! (batched decode) and many rows (prefill through cuBLAS on a dequantized f16 copy), and the
+//! embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
+//! `support::cuda::check_matmul`: 1e-4 relative on the kernels — exact integer sums of the levels
+//! with x as 16-bit integers per 32 values, f32 scaling — and 2e-3 through cuBLAS). Opt-in: `GDSLLM_GPU_TESTS=1`
+//! (then a machine without a usable GPU FAILS these tests instead of skipping them). Needs the
+//! `cuda` feature. Whole models in a k-quant mix are in `cuda_ops.rs`.
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use gdsllm_convert::testing::random_blocks;
+use llama::{Backend, ReferenceBackend, WeightView};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use support::cuda::{alloc, check_matmul, down, gpu, on_device, view};
+use support::max_rel_diff;
+use weights_format::DType;
+
+/// The dtypes of `kernels/kquants.cu`: those format version 3 added.
+fn kquant_dtypes() -> impl Iterator<Item = DType> {
+    DType::ALL.into_iter().filter(|d| d.format_version() == 3)
+}
+
+#[test]
+fn kquant_matmuls_match_the_reference_for_every_row_count() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(21);
+    for dtype in kquant_dtypes() {
+        // Weight-row counts that leave partial tiles (MM_WROWS = 4); widths of one and of
+        // several blocks per lane.
+        let shapes: &[(usize, usize)] = if dtype.is_super_block() {
+            &[(67, 256), (130, 2048), (9, 5120)]
+        } else {
+            &[(67, 96), (130, 2048), (9, 576)]
+        };
+        for &(m, k) in shapes {
+            let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
+            for rows in [1, 3, 8, 9, 40] {
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
+            }
+        }
+    }
+}
+
+#[test]
+fn kquant_embedding_rows_are_the_decoded_rows() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(22);
+    let (vocab, dim) = (50, 512);
+    for dtype in kquant_dtypes() {
+        let table = random_blocks(dtype, vocab * dim / dtype.block_len(), rng.random());
+        let host = WeightView::host(dtype, vocab, dim, &table);
+        let dev = on_device(&be, &table);
+        let ids: Vec<u32> = (0..7).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let mut want = vec![0f32; ids.len() * dim];
+        ReferenceBackend.embed_rows(host, &ids, &mut want).unwrap();
+        let mut out = alloc(&be, ids.len() * dim);
+        be.embed_rows(view(&dev, dtype, vocab, dim), &ids, &mut out)
+            .unwrap();
+        let got = down(&be, &out, ids.len() * dim);
+        // The device may fuse a·level + c into one FMA: one rounding fewer than the reference.
+        let d = max_rel_diff(&got, &want);
+        println!("embed_rows {dtype}: max rel diff {d:.2e} (tol 1e-6)");
+        assert!(d <= 1e-6, "embed_rows {dtype}: {d}");
+    }
+}

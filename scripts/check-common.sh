@@ -1,0 +1,33 @@
+# Shell helpers shared by the GPU check scripts (gpu-check.sh, kernel-check.sh); sourced, not
+# run. They expect WORK_DIR and STAGES to be set, and append to `summary` and set `status`.
+
+status=0
+declare -a summary
+step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
+note() { summary+=("$*"); echo "[note] $*" >&2; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
+jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+
+# A test binary with --test-threads=1 --nocapture, its output in $WORK_DIR/LABEL.log and on
+# stdout, the result line (and any panic) in the summary. TEST_FILTER selects tests by name
+# (space-separated substrings); TEST_TIMEOUT (seconds) stops the binary after that long.
+run_test_bin() { # label binary [VAR=value...]
+  local label=$1 bin=$2; shift 2
+  if [ -z "$bin" ] || [ ! -x "$bin" ]; then note "$label: MISSING test binary"; status=1; return; fi
+  local -a limit=()
+  if [ -n "${TEST_TIMEOUT:-}" ]; then
+    if [ "$TEST_TIMEOUT" -lt 5 ]; then note "$label: SKIPPED (no time left)"; status=1; return; fi
+    limit=(timeout -k 5 "$TEST_TIMEOUT")
+  fi
+  # shellcheck disable=SC2086 # TEST_FILTER is a list of filters
+  "${limit[@]}" env "$@" "$bin" ${TEST_FILTER:-} --test-threads=1 --nocapture 2>&1 | tee "$WORK_DIR/$label.log"
+  local rc=${PIPESTATUS[0]}
+  local line; line=$(grep -E '^test result' "$WORK_DIR/$label.log" | tail -n1)
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    line="stopped after ${TEST_TIMEOUT}s (time budget), $(grep -cE ' ok$' "$WORK_DIR/$label.log") tests passed by then"
+  fi
+  [ "$rc" = 0 ] || { status=1; line="FAILED (rc $rc): $line"; }
+  note "$label: $line"
+  grep -A4 "panicked" "$WORK_DIR/$label.log" | head -n 40 | while read -r l; do note "  $l"; done
+}
