@@ -14,34 +14,15 @@ temporary directory), pip-installs gguf==0.19.0 into it and re-runs itself there
 """
 
 import os
-import subprocess
 import sys
-import tempfile
 
-
-def ensure_gguf():
-    try:
-        import gguf  # noqa: F401
-        return
-    except ImportError:
-        pass
-    if os.environ.get("GDSLLM_GGUF_PY_IN_VENV") == "1":
-        sys.exit("gguf is still not importable inside the virtual environment")
-    venv = os.environ.get("GDSLLM_GGUF_PY_VENV") or tempfile.mkdtemp(prefix="gdsllm-gguf-venv-")
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        print(f"creating virtual environment {venv}", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "venv", venv])
-    subprocess.check_call([python, "-m", "pip", "install", "--quiet", "gguf==0.19.0"],
-                          stdout=sys.stderr)
-    env = dict(os.environ, GDSLLM_GGUF_PY_IN_VENV="1")
-    os.execve(python, [python, os.path.abspath(__file__), *sys.argv[1:]], env)
+from venv_rerun import ensure_importable
 
 
 def main():
     if len(sys.argv) < 3 or sys.argv[1] not in ("blocks", "tensors"):
         sys.exit(__doc__)
-    ensure_gguf()
+    ensure_importable("gguf", "gguf==0.19.0", os.environ.get("GDSLLM_GGUF_PY_VENV"))
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize

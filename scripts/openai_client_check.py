@@ -20,30 +20,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
+from venv_rerun import ensure_importable
+
 KEY = "openai-check-key"
-
-
-def ensure_openai(args):
-    try:
-        import openai  # noqa: F401
-        return
-    except ImportError:
-        pass
-    if os.environ.get("GDSLLM_OPENAI_CHECK_IN_VENV") == "1":
-        sys.exit("openai is still not importable inside the virtual environment")
-    venv = args.venv or tempfile.mkdtemp(prefix="gdsllm-openai-venv-")
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        print(f"creating virtual environment {venv}", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "venv", venv])
-    print("pip install openai", file=sys.stderr)
-    subprocess.check_call([python, "-m", "pip", "install", "--quiet", "openai"])
-    env = dict(os.environ, GDSLLM_OPENAI_CHECK_IN_VENV="1")
-    os.execve(python, [python, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def start_server(args):
@@ -162,7 +144,7 @@ def main():
     args = parser.parse_args()
     if not args.model:
         sys.exit("no model: pass --model DIR or set GDSLLM_TEST_MODEL (see `gdsllm pull smollm2`)")
-    ensure_openai(args)
+    ensure_importable("openai", "openai", args.venv)
     import openai
     print(f"openai {openai.__version__}", file=sys.stderr)
     proc, base = start_server(args)
