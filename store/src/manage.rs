@@ -33,6 +33,23 @@ pub struct Listed {
     pub added_unix: Option<u64>,
 }
 
+impl Listed {
+    /// A model directory the index has no record of (one from before the index, or a cache of
+    /// a served model): no other names, source or date; its sizes measured on disk.
+    fn unrecorded(name: String, dir: PathBuf, remote: bool) -> Listed {
+        Listed {
+            name,
+            aliases: Vec::new(),
+            source: None,
+            disk_bytes: disk_usage(&dir),
+            model_bytes: model_bytes(&dir),
+            remote,
+            added_unix: None,
+            dir,
+        }
+    }
+}
+
 /// What `rm` did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Removed {
@@ -82,16 +99,7 @@ impl Store {
                 continue;
             }
             let dir = self.models_dir().join(&dir_name);
-            rows.push(Listed {
-                name: dir_name,
-                aliases: Vec::new(),
-                source: None,
-                disk_bytes: disk_usage(&dir),
-                model_bytes: model_bytes(&dir),
-                remote: false,
-                added_unix: None,
-                dir,
-            });
+            rows.push(Listed::unrecorded(dir_name, dir, false));
         }
         rows.sort_by(|a, b| a.name.cmp(&b.name));
         for dir_name in model_dirs(&self.remote_dir())? {
@@ -99,16 +107,7 @@ impl Store {
             let Ok(Some(origin)) = residency::Origin::read(&dir) else {
                 continue;
             };
-            rows.push(Listed {
-                name: origin.url,
-                aliases: Vec::new(),
-                source: None,
-                disk_bytes: disk_usage(&dir),
-                model_bytes: model_bytes(&dir),
-                remote: true,
-                added_unix: None,
-                dir,
-            });
+            rows.push(Listed::unrecorded(origin.url, dir, true));
         }
         Ok(rows)
     }
