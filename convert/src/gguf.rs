@@ -1064,14 +1064,9 @@ impl GgufFile {
 
     /// An optional non-negative integer that fits in u32.
     pub fn opt_u32(&self, key: &str) -> Result<Option<u32>, GgufError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|v| u32::try_from(v).ok())
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, v, "an integer in 0..2^32")),
-        }
+        self.opt_value(key, "an integer in 0..2^32", |v| {
+            v.as_u64().and_then(|v| u32::try_from(v).ok())
+        })
     }
 
     /// A required number (float or integer).
@@ -1080,21 +1075,14 @@ impl GgufFile {
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>, GgufError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|v| Some(v as f32))
-                .ok_or_else(|| self.wrong(key, v, "a number")),
-        }
+        self.opt_value(key, "a number", |v| v.as_f64().map(|v| v as f32))
     }
 
     pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, GgufError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(GgufValue::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(self.wrong(key, v, "a bool")),
-        }
+        self.opt_value(key, "a bool", |v| match v {
+            GgufValue::Bool(b) => Some(*b),
+            _ => None,
+        })
     }
 
     pub fn require_str(&self, key: &str) -> Result<&str, GgufError> {
@@ -1102,11 +1090,7 @@ impl GgufFile {
     }
 
     pub fn opt_str(&self, key: &str) -> Result<Option<&str>, GgufError> {
-        match self.get(key) {
-            None => Ok(None),
-            Some(GgufValue::String(s)) => Ok(Some(s)),
-            Some(v) => Err(self.wrong(key, v, "a string")),
-        }
+        self.opt_value(key, "a string", GgufValue::as_str)
     }
 
     /// An optional array whose elements are all strings.
@@ -1116,63 +1100,66 @@ impl GgufFile {
         {
             return Ok(Some(raw.strs().collect()));
         }
-        match self.get(key) {
-            None => Ok(None),
-            Some(v @ GgufValue::Array(_, items)) => items
-                .iter()
-                .map(GgufValue::as_str)
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, v, "an array of strings")),
-            Some(v) => Err(self.wrong(key, v, "an array of strings")),
-        }
+        self.opt_parsed_array(key, "an array of strings", GgufValue::as_str)
     }
 
     /// An optional array of integers.
     pub fn opt_int_array(&self, key: &str) -> Result<Option<Vec<i64>>, GgufError> {
-        if let Some(Slot::Raw(raw)) = self.slot(key)
-            && raw.elem != GgufValueType::String
-        {
-            return raw
-                .scalars()
-                .map(|v| v.as_i64())
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, raw.value(), "an array of integers"));
-        }
-        match self.get(key) {
-            None => Ok(None),
-            Some(v @ GgufValue::Array(_, items)) => items
-                .iter()
-                .map(GgufValue::as_i64)
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, v, "an array of integers")),
-            Some(v) => Err(self.wrong(key, v, "an array of integers")),
-        }
+        self.opt_number_array(key, "an array of integers", GgufValue::as_i64)
     }
 
     /// An optional array of numbers.
     pub fn opt_f32_array(&self, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
+        self.opt_number_array(key, "an array of numbers", |v| v.as_f64().map(|x| x as f32))
+    }
+
+    /// The optional array at `key` with each element converted by `elem`, from its raw bytes
+    /// when it was left unparsed; an element `elem` refuses makes the whole array
+    /// `what`-typed wrong.
+    fn opt_number_array<T>(
+        &self,
+        key: &str,
+        what: &'static str,
+        elem: impl Fn(&GgufValue) -> Option<T>,
+    ) -> Result<Option<Vec<T>>, GgufError> {
         if let Some(Slot::Raw(raw)) = self.slot(key)
             && raw.elem != GgufValueType::String
         {
             return raw
                 .scalars()
-                .map(|v| v.as_f64().map(|x| x as f32))
+                .map(|v| elem(&v))
                 .collect::<Option<Vec<_>>>()
                 .map(Some)
-                .ok_or_else(|| self.wrong(key, raw.value(), "an array of numbers"));
+                .ok_or_else(|| self.wrong(key, raw.value(), what));
         }
+        self.opt_parsed_array(key, what, elem)
+    }
+
+    /// [`GgufFile::opt_number_array`] for an array that was parsed into values (or one of
+    /// strings).
+    fn opt_parsed_array<'a, T>(
+        &'a self,
+        key: &str,
+        what: &'static str,
+        elem: impl Fn(&'a GgufValue) -> Option<T>,
+    ) -> Result<Option<Vec<T>>, GgufError> {
+        self.opt_value(key, what, |v| match v {
+            GgufValue::Array(_, items) => items.iter().map(elem).collect(),
+            _ => None,
+        })
+    }
+
+    /// The value at `key` as `convert` makes it, None when the key is absent; a value
+    /// `convert` refuses is an error that says it should be `what`.
+    fn opt_value<'a, T>(
+        &'a self,
+        key: &str,
+        what: &'static str,
+        convert: impl FnOnce(&'a GgufValue) -> Option<T>,
+    ) -> Result<Option<T>, GgufError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v @ GgufValue::Array(_, items)) => items
-                .iter()
-                .map(|x| x.as_f64().map(|x| x as f32))
-                .collect::<Option<Vec<_>>>()
-                .map(Some)
-                .ok_or_else(|| self.wrong(key, v, "an array of numbers")),
-            Some(v) => Err(self.wrong(key, v, "an array of numbers")),
+            Some(v) => convert(v).map(Some).ok_or_else(|| self.wrong(key, v, what)),
         }
     }
 
