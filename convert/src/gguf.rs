@@ -1093,6 +1093,11 @@ impl GgufFile {
         self.opt_value(key, "a string", GgufValue::as_str)
     }
 
+    /// A required array whose elements are all strings.
+    pub fn require_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        self.opt_str_array(key)?.ok_or_else(|| self.missing(key))
+    }
+
     /// An optional array whose elements are all strings.
     pub fn opt_str_array(&self, key: &str) -> Result<Option<Vec<&str>>, GgufError> {
         if let Some(Slot::Raw(raw)) = self.slot(key)

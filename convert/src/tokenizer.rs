@@ -85,6 +85,25 @@ enum TokenizerModel<'g> {
     },
 }
 
+/// An optional array of one value per token (`key` of the GGUF at `path`): an error when it is
+/// not as long as the vocabulary.
+fn per_token<T>(
+    values: Option<Vec<T>>,
+    key: &'static str,
+    path: &str,
+    tokens: &[&str],
+) -> Result<Option<Vec<T>>, TokenizerError> {
+    match values {
+        Some(v) if v.len() != tokens.len() => Err(TokenizerError::LengthMismatch {
+            path: path.to_string(),
+            key,
+            found: v.len(),
+            tokens: tokens.len(),
+        }),
+        values => Ok(values),
+    }
+}
+
 enum PreTokenizer {
     /// `smollm`: digits split one by one, then GPT-2 byte level.
     Smollm,
@@ -102,23 +121,9 @@ impl<'g> GgufTokenizer<'g> {
     pub fn from_gguf(gguf: &'g GgufFile) -> Result<GgufTokenizer<'g>, TokenizerError> {
         let path = gguf.path().display().to_string();
         let model = gguf.require_str("tokenizer.ggml.model")?;
-        let tokens = gguf
-            .opt_str_array("tokenizer.ggml.tokens")?
-            .ok_or_else(|| GgufError::MissingKey {
-                path: gguf.path().to_path_buf(),
-                key: "tokenizer.ggml.tokens".into(),
-            })?;
-        let token_types = gguf.opt_int_array("tokenizer.ggml.token_type")?;
-        if let Some(types) = &token_types
-            && types.len() != tokens.len()
-        {
-            return Err(TokenizerError::LengthMismatch {
-                path,
-                key: "tokenizer.ggml.token_type",
-                found: types.len(),
-                tokens: tokens.len(),
-            });
-        }
+        let tokens = gguf.require_str_array("tokenizer.ggml.tokens")?;
+        const TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
+        let token_types = per_token(gguf.opt_int_array(TOKEN_TYPE)?, TOKEN_TYPE, &path, &tokens)?;
         let type_of = |id: usize| token_types.as_ref().map_or(1, |t| t[id]);
 
         // A few GGUF vocabularies repeat unused placeholder pieces; the tokenizer can only map
@@ -158,12 +163,7 @@ impl<'g> GgufTokenizer<'g> {
 
         let model = match model {
             "gpt2" => {
-                let merges = gguf
-                    .opt_str_array("tokenizer.ggml.merges")?
-                    .ok_or_else(|| GgufError::MissingKey {
-                        path: gguf.path().to_path_buf(),
-                        key: "tokenizer.ggml.merges".into(),
-                    })?;
+                let merges = gguf.require_str_array("tokenizer.ggml.merges")?;
                 let pre = match gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default") {
                     "smollm" => PreTokenizer::Smollm,
                     "gpt2" | "default" => PreTokenizer::Gpt2,
@@ -179,17 +179,8 @@ impl<'g> GgufTokenizer<'g> {
                 TokenizerModel::Gpt2 { merges, pre }
             }
             "llama" => {
-                let scores = gguf.opt_f32_array("tokenizer.ggml.scores")?;
-                if let Some(s) = &scores
-                    && s.len() != tokens.len()
-                {
-                    return Err(TokenizerError::LengthMismatch {
-                        path,
-                        key: "tokenizer.ggml.scores",
-                        found: s.len(),
-                        tokens: tokens.len(),
-                    });
-                }
+                const SCORES: &str = "tokenizer.ggml.scores";
+                let scores = per_token(gguf.opt_f32_array(SCORES)?, SCORES, &path, &tokens)?;
                 let scores = scores.unwrap_or_else(|| vec![0.0; tokens.len()]);
                 let unk = (0..tokens.len())
                     .find(|&id| type_of(id) == TOKEN_TYPE_UNKNOWN)
