@@ -63,9 +63,7 @@ pub fn compare_with_source(
     for planned_blob in &source.blobs {
         let index = model
             .metadata()
-            .blobs
-            .iter()
-            .position(|b| b.file == planned_blob.file)
+            .blob_index(&planned_blob.file)
             .ok_or_else(|| ConvertError::BadInput {
                 path: model.dir().to_path_buf(),
                 reason: format!("the model has no blob {}", planned_blob.file),

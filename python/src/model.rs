@@ -91,17 +91,12 @@ impl GdsModel {
                 });
         }
         let name: String = blob.extract()?;
-        self.model
-            .metadata()
-            .blobs
-            .iter()
-            .position(|b| b.file == name)
-            .ok_or_else(|| {
-                PyKeyError::new_err(format!(
-                    "no blob {name:?} in {} (blobs: embed.bin, layer_NNN.bin, output.bin)",
-                    self.model.dir().display()
-                ))
-            })
+        self.model.metadata().blob_index(&name).ok_or_else(|| {
+            PyKeyError::new_err(format!(
+                "no blob {name:?} in {} (blobs: embed.bin, layer_NNN.bin, output.bin)",
+                self.model.dir().display()
+            ))
+        })
     }
 
     /// Reads blob `index` with one read into one buffer and returns its tensors as views.

@@ -49,14 +49,10 @@ impl ModelLayout {
     pub fn from_metadata(meta: &Metadata) -> Result<ModelLayout, ResidencyError> {
         let n_layers = meta.config.n_layers as usize;
         let find = |file: &str| {
-            meta.blobs
-                .iter()
-                .position(|b| b.file == file)
-                .ok_or_else(|| ResidencyError::Layout {
-                    file: file.to_string(),
-                    reason: "listed by the model config but missing from metadata.json blobs"
-                        .into(),
-                })
+            meta.blob_index(file).ok_or_else(|| ResidencyError::Layout {
+                file: file.to_string(),
+                reason: "listed by the model config but missing from metadata.json blobs".into(),
+            })
         };
         let embed = find(names::EMBED_BLOB)?;
         let output = find(names::OUTPUT_BLOB)?;

@@ -223,7 +223,12 @@ pub struct TensorMeta {
 
 impl Metadata {
     pub fn blob(&self, file: &str) -> Option<&BlobMeta> {
-        self.blobs.iter().find(|b| b.file == file)
+        self.blob_index(file).map(|i| &self.blobs[i])
+    }
+
+    /// The index in `blobs` of the blob stored in `file` (`embed.bin`, `layer_NNN.bin`, ...).
+    pub fn blob_index(&self, file: &str) -> Option<usize> {
+        self.blobs.iter().position(|b| b.file == file)
     }
 }
 

@@ -312,9 +312,7 @@ impl ModelTable {
     pub fn resolve(meta: &Metadata, c: &LlamaConfig) -> Result<ModelTable, LlamaError> {
         let family = Family::named(&meta.config.architecture)?;
         let find = |file: &str| {
-            meta.blobs
-                .iter()
-                .position(|b| b.file == file)
+            meta.blob_index(file)
                 .ok_or_else(|| LlamaError::MissingBlob {
                     file: file.to_string(),
                 })
