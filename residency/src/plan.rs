@@ -248,12 +248,7 @@ impl Plan {
         resident: &[bool],
         slots: usize,
     ) -> Plan {
-        let streamed: Vec<usize> = layout
-            .order
-            .iter()
-            .copied()
-            .filter(|&b| !resident[b])
-            .collect();
+        let streamed: Vec<usize> = blobs_where(layout, resident, false).collect();
         let slot_bytes = largest_in(layout, &streamed).1;
         let ring_slots = if streamed.is_empty() { 0 } else { slots };
         let ring_bytes = slot_bytes * ring_slots as u64;
@@ -449,6 +444,28 @@ fn spread(r: usize, n: usize) -> Vec<usize> {
 }
 
 /// Returns the resident flags and the ring size k.
+/// The blobs whose flag is `resident`, in pass order.
+fn blobs_where<'a>(
+    layout: &'a ModelLayout,
+    flags: &'a [bool],
+    resident: bool,
+) -> impl Iterator<Item = usize> + 'a {
+    layout
+        .order
+        .iter()
+        .copied()
+        .filter(move |&b| flags[b] == resident)
+}
+
+/// The lengths of [`blobs_where`]'s blobs.
+fn lengths_where<'a>(
+    layout: &'a ModelLayout,
+    flags: &'a [bool],
+    resident: bool,
+) -> impl Iterator<Item = u64> + 'a {
+    blobs_where(layout, flags, resident).map(|b| layout.blobs[b].length)
+}
+
 fn choose_resident(
     layout: &ModelLayout,
     inputs: &PlanInputs,
@@ -457,41 +474,29 @@ fn choose_resident(
     let k = inputs.ring_slots;
     // Blobs needed every pass besides the layers: output (final norm, LM head when untied)
     // and the tied embedding (the LM head). Few, so every subset is tried.
-    let specials: Vec<usize> = layout
+    let (layer_blobs, specials): (Vec<usize>, Vec<usize>) = layout
         .order
         .iter()
         .copied()
-        .filter(|&b| !matches!(layout.blobs[b].kind, BlobKind::Layer(_)))
-        .collect();
-    let layer_blobs: Vec<usize> = layout
-        .order
-        .iter()
-        .copied()
-        .filter(|&b| matches!(layout.blobs[b].kind, BlobKind::Layer(_)))
-        .collect();
+        .partition(|&b| matches!(layout.blobs[b].kind, BlobKind::Layer(_)));
     let n = layer_blobs.len();
-    let cost = |flags: &[bool]| -> u64 {
-        let resident: u64 = layout
-            .order
-            .iter()
-            .filter(|&&b| flags[b])
-            .map(|&b| layout.blobs[b].length)
-            .sum();
-        let largest_streamed = layout
-            .order
-            .iter()
-            .filter(|&&b| !flags[b])
-            .map(|&b| layout.blobs[b].length)
-            .max();
-        resident + largest_streamed.map_or(0, |l| l * k as u64)
-    };
-    // (resident bytes, output kept, flags)
-    let mut best: Option<(u64, bool, Vec<bool>)> = None;
-    for mask in 0..(1usize << specials.len()) {
+    // Resident flags with the specials of the bits of `mask` (bit i: specials[i]) set.
+    let special_flags = |mask: usize| -> Vec<bool> {
         let mut flags = vec![false; layout.blobs.len()];
         for (i, &b) in specials.iter().enumerate() {
             flags[b] = mask & (1 << i) != 0;
         }
+        flags
+    };
+    let resident_bytes = |flags: &[bool]| -> u64 { lengths_where(layout, flags, true).sum() };
+    let cost = |flags: &[bool]| -> u64 {
+        let largest_streamed = lengths_where(layout, flags, false).max();
+        resident_bytes(flags) + largest_streamed.map_or(0, |l| l * k as u64)
+    };
+    // (resident bytes, output kept, flags)
+    let mut best: Option<(u64, bool, Vec<bool>)> = None;
+    for mask in 0..(1usize << specials.len()) {
+        let flags = special_flags(mask);
         let counts: Vec<usize> = match inputs.resident_layers {
             Some(r) => vec![r.min(n)],
             None => (0..=n).rev().collect(),
@@ -502,12 +507,7 @@ fn choose_resident(
                 candidate[layer_blobs[l]] = true;
             }
             if cost(&candidate) <= available {
-                let resident: u64 = layout
-                    .order
-                    .iter()
-                    .filter(|&&b| candidate[b])
-                    .map(|&b| layout.blobs[b].length)
-                    .sum();
+                let resident = resident_bytes(&candidate);
                 let keeps_output = specials
                     .iter()
                     .any(|&b| layout.blobs[b].kind == BlobKind::Output && candidate[b]);
@@ -545,34 +545,20 @@ fn choose_resident(
             // slots enough to need less than streaming everything.
             let mut cheapest: Option<(u64, Vec<bool>)> = None;
             for mask in 0..(1usize << specials.len()) {
-                let mut flags = vec![false; layout.blobs.len()];
-                for (i, &b) in specials.iter().enumerate() {
-                    flags[b] = mask & (1 << i) != 0;
-                }
+                let flags = special_flags(mask);
                 let c = cost(&flags);
                 if cheapest.as_ref().is_none_or(|(best, _)| c < *best) {
                     cheapest = Some((c, flags));
                 }
             }
             let flags = cheapest.map(|(_, f)| f).unwrap_or_default();
-            let streamed: Vec<usize> = layout
-                .order
-                .iter()
-                .copied()
-                .filter(|&b| !flags[b])
-                .collect();
-            let resident_bytes = layout
-                .order
-                .iter()
-                .filter(|&&b| flags[b])
-                .map(|&b| layout.blobs[b].length)
-                .sum();
+            let streamed: Vec<usize> = blobs_where(layout, &flags, false).collect();
             Err(too_small(
                 inputs,
                 available,
                 k,
                 largest_in(layout, &streamed),
-                resident_bytes,
+                resident_bytes(&flags),
             ))
         }
     }
