@@ -7,7 +7,9 @@
 mod support;
 
 use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
-use llama::backend::{AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, RowGroup};
+use llama::backend::{
+    AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, NormInto, RowGroup,
+};
 use llama::load::open_uploaded;
 use llama::{
     Backend, CpuBackend, CudaBackend, InMemoryWeights, Llama, ReferenceBackend, WeightView,
@@ -78,12 +80,19 @@ fn embed_rows_and_rmsnorm_match_reference() {
         let nd = on_device(&be, &norm);
         let mut want = vec![0f32; rows * dim];
         ReferenceBackend
-            .rmsnorm(&x, rows, nv, 1e-5, &mut want)
+            .rmsnorm(&x, rows, nv, 1e-5, &mut want, NormInto::Write)
             .unwrap();
         let xd = up(&be, &x);
         let mut out = alloc(&be, rows * dim);
-        be.rmsnorm(&xd, rows, view(&nd, dtype, 1, dim), 1e-5, &mut out)
-            .unwrap();
+        be.rmsnorm(
+            &xd,
+            rows,
+            view(&nd, dtype, 1, dim),
+            1e-5,
+            &mut out,
+            NormInto::Write,
+        )
+        .unwrap();
         let d = max_rel_diff(&down(&be, &out, rows * dim), &want);
         println!("rmsnorm weight {dtype:?}: max rel diff {d:.2e} (tol {ELEMENT_TOL:.0e})");
         assert!(d < ELEMENT_TOL, "rmsnorm {dtype:?}: {d}");
@@ -241,7 +250,8 @@ fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
         // (An allocation between them would count as an op: `o` comes first.)
         let x = random(&mut rng, rows * dim);
         let (mut h, mut o) = (alloc(&be, rows * dim), alloc(&be, rows * m));
-        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h).unwrap();
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h, NormInto::Write)
+            .unwrap();
         check_used("rmsnorm", &h, dim, v1, &mut o);
 
         let (g, u) = (random(&mut rng, rows * ffn), random(&mut rng, rows * ffn));
@@ -256,7 +266,8 @@ fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
         // output): the stale quantized copy is not used.
         let y = random(&mut rng, rows * dim);
         let (mut h, mut o, yd) = (alloc(&be, rows * dim), alloc(&be, rows * m), up(&be, &y));
-        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h).unwrap();
+        be.rmsnorm(&up(&be, &x), rows, nv, 1e-5, &mut h, NormInto::Write)
+            .unwrap();
         be.copy_rows(&yd, 0, &mut h, 0, rows, dim).unwrap();
         let before = be.x16_launches();
         matmul(&be, &h, rows, v1, &mut o);
@@ -1095,21 +1106,23 @@ fn family_ops_match_reference() {
             let base = random(&mut rng, rows * width);
             let mut want = base.clone();
             ReferenceBackend
-                .add_rmsnorm(
+                .rmsnorm(
                     &x,
                     rows,
                     WeightView::host(dtype, 1, width, &pw),
                     1e-6,
                     &mut want,
+                    NormInto::Add,
                 )
                 .unwrap();
             let mut acc = up(&be, &base);
-            be.add_rmsnorm(
+            be.rmsnorm(
                 &up(&be, &x),
                 rows,
                 view(&pd, dtype, 1, width),
                 1e-6,
                 &mut acc,
+                NormInto::Add,
             )
             .unwrap();
             check(

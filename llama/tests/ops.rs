@@ -3,7 +3,7 @@
 
 mod support;
 
-use llama::backend::{AttentionParams, AttentionShape, RowGroup};
+use llama::backend::{AttentionParams, AttentionShape, NormInto, RowGroup};
 use llama::{Backend, CpuBackend, ReferenceBackend, WeightView, rope_inv_freq};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -58,10 +58,10 @@ fn embed_rows_and_rmsnorm_match_reference() {
         let norm = WeightView::host(dtype, 1, dim, &nw);
         let (mut a, mut b) = (vec![0f32; ids.len() * dim], vec![0f32; ids.len() * dim]);
         CpuBackend::new()
-            .rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a)
+            .rmsnorm(&fast, ids.len(), norm, 1e-5, &mut a, NormInto::Write)
             .unwrap();
         ReferenceBackend
-            .rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b)
+            .rmsnorm(&slow, ids.len(), norm, 1e-5, &mut b, NormInto::Write)
             .unwrap();
         let d = max_rel_diff(&a, &b);
         println!("rmsnorm {dtype}: max rel diff {d:.2e} (tol {TOL:.0e})");
@@ -199,7 +199,7 @@ fn family_ops_match_reference() {
         check(&format!("rmsnorm_pieces {dtype}"), &fast, &slow, TOL);
         // ... which is the plain rmsnorm of the rows seen as [rows·6, 16].
         let mut plain = vec![0f32; x.len()];
-        cpu.rmsnorm(&x, rows * 6, head_norm, 1e-6, &mut plain)
+        cpu.rmsnorm(&x, rows * 6, head_norm, 1e-6, &mut plain, NormInto::Write)
             .unwrap();
         assert_eq!(fast, plain);
 
@@ -207,9 +207,10 @@ fn family_ops_match_reference() {
         let post = WeightView::host(dtype, 1, width, &pw);
         let base = random(&mut rng, rows * width);
         let (mut fast, mut slow) = (base.clone(), base.clone());
-        cpu.add_rmsnorm(&x, rows, post, 1e-6, &mut fast).unwrap();
+        cpu.rmsnorm(&x, rows, post, 1e-6, &mut fast, NormInto::Add)
+            .unwrap();
         ReferenceBackend
-            .add_rmsnorm(&x, rows, post, 1e-6, &mut slow)
+            .rmsnorm(&x, rows, post, 1e-6, &mut slow, NormInto::Add)
             .unwrap();
         check(&format!("add_rmsnorm {dtype}"), &fast, &slow, TOL);
     }

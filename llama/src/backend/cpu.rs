@@ -7,8 +7,8 @@ use weights_format::DType;
 use super::kernels::{self, QK};
 use super::kquants::{self, QuantizedActs};
 use super::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView,
-    check_cache_slots, host_bytes, matmul_then_add,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, RowGroup,
+    WeightView, check_cache_slots, host_bytes, matmul_then_add,
 };
 
 /// Multi-threaded CPU backend on the global rayon pool.
@@ -272,8 +272,12 @@ impl Backend for CpuBackend {
         weight: WeightView<'_>,
         eps: f32,
         out: &mut Vec<f32>,
+        into: NormInto,
     ) -> Result<(), BackendError> {
-        rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o = v)
+        match into {
+            NormInto::Write => rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o = v),
+            NormInto::Add => rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o += v),
+        }
     }
 
     fn matmul_batch(
@@ -450,17 +454,6 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let input = x[..pieces * weight.cols].to_vec();
         rmsnorm_rows(&input, pieces, weight, eps, x, |v, o| *o = v)
-    }
-
-    fn add_rmsnorm(
-        &self,
-        x: &Vec<f32>,
-        rows: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
-        rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o += v)
     }
 
     fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) -> Result<(), BackendError> {

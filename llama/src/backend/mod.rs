@@ -33,6 +33,14 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// What [`Backend::rmsnorm`] does with each normalised value: write it over `out`, or add it
+/// to `out` (a post-norm before the residual add: Gemma's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormInto {
+    Write,
+    Add,
+}
+
 /// What one layer's attention does beyond its head layout: how its scores are scaled and which
 /// keys each query sees.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -185,7 +193,8 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
-    /// `out[r, :] = x[r, :] / sqrt(mean(x[r, :]²) + eps) · weight` for `weight: [dim]`.
+    /// `out[r, :] = x[r, :] / sqrt(mean(x[r, :]²) + eps) · weight` for `weight: [dim]`, or
+    /// with [`NormInto::Add`] `out[r, :] +=` the same.
     fn rmsnorm(
         &self,
         x: &Self::Buf,
@@ -193,6 +202,7 @@ pub trait Backend: Send + Sync {
         weight: WeightView<'_>,
         eps: f32,
         out: &mut Self::Buf,
+        into: NormInto,
     ) -> Result<(), BackendError>;
 
     /// `outs[i][r, :] = x[r, :] · ws[i]ᵀ` (as `nn.Linear`) for several weights of the same
@@ -302,17 +312,6 @@ pub trait Backend: Send + Sync {
         pieces: usize,
         weight: WeightView<'_>,
         eps: f32,
-    ) -> Result<(), BackendError>;
-
-    /// `out[r, :] += rmsnorm(x[r, :]) · weight` over `rows` rows (a post-norm before the
-    /// residual add: Gemma's).
-    fn add_rmsnorm(
-        &self,
-        x: &Self::Buf,
-        rows: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-        out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
 
     /// `x = factor · x` over `len` values (Gemma's embedding scale).

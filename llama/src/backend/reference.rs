@@ -6,8 +6,8 @@
 use weights_format::quant::dequantize;
 
 use super::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, RowGroup, WeightView,
-    check_cache_slots, host_bytes, matmul_then_add,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, RowGroup,
+    WeightView, check_cache_slots, host_bytes, matmul_then_add,
 };
 
 /// Single-threaded reference backend (host memory).
@@ -143,12 +143,16 @@ impl Backend for ReferenceBackend {
         weight: WeightView<'_>,
         eps: f32,
         out: &mut Vec<f32>,
+        into: NormInto,
     ) -> Result<(), BackendError> {
         for (o, v) in out
             .iter_mut()
             .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
         {
-            *o = v as f32;
+            *o = match into {
+                NormInto::Write => v as f32,
+                NormInto::Add => (*o as f64 + v) as f32,
+            };
         }
         Ok(())
     }
@@ -308,23 +312,6 @@ impl Backend for ReferenceBackend {
         let normed = ReferenceBackend::normed(x, pieces, weight, eps)?;
         for (o, v) in x.iter_mut().zip(normed) {
             *o = v as f32;
-        }
-        Ok(())
-    }
-
-    fn add_rmsnorm(
-        &self,
-        x: &Vec<f32>,
-        rows: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-        out: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
-        for (o, v) in out
-            .iter_mut()
-            .zip(ReferenceBackend::normed(x, rows, weight, eps)?)
-        {
-            *o = (*o as f64 + v) as f32;
         }
         Ok(())
     }

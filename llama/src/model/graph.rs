@@ -6,7 +6,7 @@
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, KvStoreSeq, RowGroup,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, KvStoreSeq, NormInto, RowGroup,
 };
 use crate::config::LlamaConfig;
 use crate::weights::{WeightBytes, WeightView};
@@ -162,7 +162,7 @@ pub(crate) fn norm<B: Backend>(
     out: &mut B::Buf,
 ) -> Result<(), LlamaError> {
     match p.norm {
-        Norm::Rms => be.rmsnorm(x, rows, w, p.eps, out)?,
+        Norm::Rms => be.rmsnorm(x, rows, w, p.eps, out, NormInto::Write)?,
     }
     Ok(())
 }
@@ -183,7 +183,7 @@ fn residual_add<B: Backend>(
         Some(post) => {
             be.matmul_batch(input, &p.groups, &[w], &mut [&mut *scratch])?;
             match p.norm {
-                Norm::Rms => be.add_rmsnorm(scratch, p.rows, post, p.eps, x)?,
+                Norm::Rms => be.rmsnorm(scratch, p.rows, post, p.eps, x, NormInto::Add)?,
             }
         }
     }

@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaFunction;
 
-use crate::backend::{BackendError, WeightView};
+use crate::backend::{BackendError, NormInto, WeightView};
 
 use super::device::{blocks, dtype_code, elementwise, kq_kernels};
 use super::weights::device_ptr;
@@ -82,8 +82,9 @@ impl CudaBackend {
         self.embed_launch(table, &ids, out)
     }
 
-    /// `out = rmsnorm(x) · weight`, `rows` rows; also written quantized for the next matmul
-    /// (see [`super::scratch::X16`]) when the rows are whole blocks.
+    /// `out = rmsnorm(x) · weight` (also written quantized for the next matmul, see
+    /// [`super::scratch::X16`], when the rows are whole blocks) or `out += rmsnorm(x) · weight`,
+    /// `rows` rows.
     pub(super) fn rmsnorm_launch(
         &self,
         x: &CudaBuf,
@@ -91,6 +92,7 @@ impl CudaBackend {
         weight: WeightView<'_>,
         eps: f32,
         out: &CudaBuf,
+        into: NormInto,
     ) -> Result<(), BackendError> {
         if rows == 0 {
             return Ok(());
@@ -98,6 +100,14 @@ impl CudaBackend {
         let w = device_ptr(&weight)?.addr();
         let (xp, op) = (self.addr(x, 0), self.addr(out, 0));
         let (dtype, dim) = (dtype_code(weight.dtype), weight.cols as i32);
+        if into == NormInto::Add {
+            let mut b = self
+                .queue
+                .kernel(&self.kernels.add_rmsnorm, "add_rmsnorm kernel");
+            b.arg(&xp).arg(&w).arg(&dtype).arg(&dim).arg(&eps).arg(&op);
+            // SAFETY: x and out hold rows·dim values, the weight dim values.
+            return unsafe { b.run(blocks((rows as u32, 1), RMS_THREADS)) };
+        }
         let n = rows * weight.cols;
         let (xq, xs) = self.x16.fused_target(&self.queue, &self.graphs, n)?;
         let mut b = self.queue.kernel(&self.kernels.rmsnorm, "rmsnorm kernel");
@@ -169,29 +179,6 @@ impl CudaBackend {
         );
         // SAFETY: x holds pieces·dim values, the weight dim values; one warp per piece.
         unsafe { b.run(cfg) }
-    }
-
-    /// `out += rmsnorm(x) · weight` over `rows` rows.
-    pub(super) fn add_rmsnorm_launch(
-        &self,
-        x: &CudaBuf,
-        rows: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-        out: &CudaBuf,
-    ) -> Result<(), BackendError> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let w = device_ptr(&weight)?.addr();
-        let (xp, op) = (self.addr(x, 0), self.addr(out, 0));
-        let (dtype, dim) = (dtype_code(weight.dtype), weight.cols as i32);
-        let mut b = self
-            .queue
-            .kernel(&self.kernels.add_rmsnorm, "add_rmsnorm kernel");
-        b.arg(&xp).arg(&w).arg(&dtype).arg(&dim).arg(&eps).arg(&op);
-        // SAFETY: x and out hold rows·dim values, the weight dim values.
-        unsafe { b.run(blocks((rows as u32, 1), RMS_THREADS)) }
     }
 
     /// `x[r, :] += bias` over `rows` rows of `bias.cols` values.

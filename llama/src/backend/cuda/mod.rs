@@ -30,8 +30,8 @@ use cudarc::driver::{CudaContext, CudaSlice};
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, PassInfo,
-    RowGroup, WeightView,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, NormInto,
+    PassInfo, RowGroup, WeightView,
 };
 
 pub use compile::kernel_cache_dir;
@@ -255,11 +255,12 @@ impl Backend for CudaBackend {
         weight: WeightView<'_>,
         eps: f32,
         out: &mut CudaBuf,
+        into: NormInto,
     ) -> Result<(), BackendError> {
         if self.graphs.replaying() {
             return Ok(());
         }
-        self.rmsnorm_launch(x, rows, weight, eps, out)
+        self.rmsnorm_launch(x, rows, weight, eps, out, into)
     }
 
     /// Q/K/V and gate/up share one launch of the matmul kernel; see
@@ -419,20 +420,6 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.rmsnorm_pieces_launch(x, pieces, weight, eps)
-    }
-
-    fn add_rmsnorm(
-        &self,
-        x: &CudaBuf,
-        rows: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-        out: &mut CudaBuf,
-    ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.add_rmsnorm_launch(x, rows, weight, eps, out)
     }
 
     fn scale(&self, x: &mut CudaBuf, len: usize, factor: f32) -> Result<(), BackendError> {
