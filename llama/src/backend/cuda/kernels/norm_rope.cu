@@ -138,6 +138,17 @@ __device__ __forceinline__ void rope_store_pair(float* q, float* k, const float*
     v_cache[at + i + half] = f2h(v[row + i + half]);
 }
 
+// The rotated pair of this thread, one thread per pair of `rows` rows of `heads` heads (q's,
+// then k's) of `half` pairs: row r, head h, pair i; false for a thread past the last pair.
+__device__ __forceinline__ bool rope_pair_of_thread(int rows, int heads, int half, int& r, int& h, int& i) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * heads * half) return false;
+    i = idx % half;
+    h = (idx / half) % heads;
+    r = idx / (half * heads);
+    return true;
+}
+
 // The attention block's position-dependent steps in one launch: q and k rows r roped at
 // position p + r (p = start_pos), k and v rows stored in the f16 caches of `slots` positions at
 // slot (p + r) % slots. One thread per rotated pair of a q or k head; the k pairs also store
@@ -145,13 +156,8 @@ __device__ __forceinline__ void rope_store_pair(float* q, float* k, const float*
 extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
                                          int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
                                          const float* inv_freq, u16* k_cache, u16* v_cache, int slots) {
-    int half = head_dim / 2;
-    int heads = n_heads + n_kv_heads;
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows * heads * half) return;
-    int i = idx % half;
-    int h = (idx / half) % heads;
-    int r = idx / (half * heads);
+    int r, h, i;
+    if (!rope_pair_of_thread(rows, n_heads + n_kv_heads, head_dim / 2, r, h, i)) return;
     int pos = start_pos(pos0, pos_dev) + r;
     rope_store_pair(q, k, v, r, h, i, pos, n_heads, n_kv_heads, head_dim, inv_freq, k_cache, v_cache, slots);
 }
@@ -163,13 +169,8 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int
 extern "C" __global__ void rope_store_kv_seqs(float* q, float* k, const float* v, int total_rows, int n_heads,
                                               int n_kv_heads, int head_dim, const float* inv_freq,
                                               const __grid_constant__ SeqTable seqs) {
-    int half = head_dim / 2;
-    int heads = n_heads + n_kv_heads;
-    int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= total_rows * heads * half) return;
-    int i = idx % half;
-    int h = (idx / half) % heads;
-    int r = idx / (half * heads);
+    int r, h, i;
+    if (!rope_pair_of_thread(total_rows, n_heads + n_kv_heads, head_dim / 2, r, h, i)) return;
     int s = seq_of_row(seqs, r);
     int pos = seqs.pos0[s] + (r - seqs.row0[s]);
     const int no_ring = 0x7fffffff;
