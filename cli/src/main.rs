@@ -7,6 +7,7 @@
 mod cmd;
 mod device_args;
 mod model_arg;
+mod output;
 mod progress;
 mod residency_args;
 mod running;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::driver::{Driver, explain_registration_failure};
 use crate::error::GdsError;
 use crate::host::{DirectFile, HostIoError};
+use crate::io_path::IoPath;
 
 /// A file ready for device reads through any I/O path.
 #[derive(Debug)]
@@ -58,6 +59,24 @@ impl GdsFile {
     ) -> Result<GdsFile, GdsError> {
         let mut file = GdsFile::open(path)?;
         file.register(driver)?;
+        Ok(file)
+    }
+
+    /// Opens `path` to be read with `io_path`: registered with cuFile for
+    /// [`IoPath::Cufile`] (an error when there is no `driver`), as [`GdsFile::open`] otherwise.
+    pub fn open_for(
+        path: impl AsRef<Path>,
+        io_path: IoPath,
+        driver: Option<&Arc<Driver>>,
+    ) -> Result<GdsFile, GdsError> {
+        let mut file = GdsFile::open(path)?;
+        if io_path == IoPath::Cufile {
+            let driver = driver.ok_or_else(|| GdsError::IoPathUnavailable {
+                io_path: "cufile",
+                reason: "libcufile could not be loaded or opened".into(),
+            })?;
+            file.register(driver)?;
+        }
         Ok(file)
     }
 

@@ -214,17 +214,7 @@ fn open_files(
 ) -> Result<Vec<GdsFile>, gds_io::GdsError> {
     blobs
         .iter()
-        .map(|blob| {
-            let mut file = GdsFile::open(&blob.path)?;
-            if kind == IoPath::Cufile {
-                let driver = driver.ok_or_else(|| gds_io::GdsError::IoPathUnavailable {
-                    io_path: "cufile",
-                    reason: "libcufile could not be loaded or opened".into(),
-                })?;
-                file.register(driver)?;
-            }
-            Ok(file)
-        })
+        .map(|blob| GdsFile::open_for(&blob.path, kind, driver))
         .collect()
 }
 
@@ -472,12 +462,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cufile_path,
         io_paths,
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_table(&report);
-    }
-    Ok(())
+    crate::output::print_report(args.json, &report, print_table)
 }
 
 fn print_table(report: &Report) {

@@ -166,12 +166,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         cufile_registration,
         io_paths,
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print_text(&report);
-    }
-    Ok(())
+    crate::output::print_report(args.json, &report, print_text)
 }
 
 fn check_store(home: &Path) -> StoreReport {
@@ -255,14 +250,7 @@ fn measure_io_paths(
                 other => other.name(),
             };
             let outcome = (|| -> Result<gds_io::ReadRecord, gds_io::GdsError> {
-                let mut file = GdsFile::open(&path)?;
-                if kind == IoPath::Cufile {
-                    let driver = driver.ok_or_else(|| gds_io::GdsError::IoPathUnavailable {
-                        io_path: "cufile",
-                        reason: "libcufile not loaded".into(),
-                    })?;
-                    file.register(driver)?;
-                }
+                let file = GdsFile::open_for(&path, kind, driver)?;
                 let reader: Box<dyn DeviceReader> = gds_io::build_reader(kind, gpu, driver)?;
                 reader.read(&DeviceRead::from_start(&file, len, &buffer))
             })();
