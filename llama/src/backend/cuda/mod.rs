@@ -109,6 +109,18 @@ impl CudaBackend {
         CudaBackend::with_paths(ordinal, CudaPaths::from_env()?)
     }
 
+    /// Runs `op` unless the ops called now belong to a replayed pass: the replay runs the
+    /// recorded launches instead, so every op of the pass is skipped while it lasts.
+    fn unless_replaying(
+        &self,
+        op: impl FnOnce() -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        if self.graphs.replaying() {
+            return Ok(());
+        }
+        op()
+    }
+
     /// [`CudaBackend::new`] with the given kernel paths (whatever the environment says).
     pub fn with_paths(ordinal: usize, paths: CudaPaths) -> Result<CudaBackend, LlamaError> {
         let ctx = device::open_context(ordinal)?;
@@ -257,10 +269,7 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
         into: NormInto,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.rmsnorm_launch(x, rows, weight, eps, out, into)
+        self.unless_replaying(|| self.rmsnorm_launch(x, rows, weight, eps, out, into))
     }
 
     /// Q/K/V and gate/up share one launch of the matmul kernel; see
@@ -272,10 +281,7 @@ impl Backend for CudaBackend {
         ws: &[WeightView<'_>],
         outs: &mut [&mut CudaBuf],
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.matmul_groups(x, groups, ws, outs, false)
+        self.unless_replaying(|| self.matmul_groups(x, groups, ws, outs, false))
     }
 
     /// The kernel adds to `out` as it writes (cuBLAS: β = 1); `scratch` is not used.
@@ -287,10 +293,7 @@ impl Backend for CudaBackend {
         _scratch: &mut CudaBuf,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.matmul_groups(x, groups, &[w], &mut [out], true)
+        self.unless_replaying(|| self.matmul_groups(x, groups, &[w], &mut [out], true))
     }
 
     fn rope_store_kv(
@@ -306,20 +309,19 @@ impl Backend for CudaBackend {
         k_cache: &mut CudaKvBuf,
         v_cache: &mut CudaKvBuf,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
-        let addrs = [
-            self.addr(q, row0 * shape.n_heads * hd),
-            self.addr(k, row0 * kv_dim),
-            self.addr(v, row0 * kv_dim),
-            self.addr(inv_freq, 0),
-            self.kv_addr(k_cache),
-            self.kv_addr(v_cache),
-        ];
-        let slots = k_cache.0.len() / kv_dim;
-        self.rope_store_kv_launch(addrs, rows, pos0, shape, slots)
+        self.unless_replaying(|| {
+            let (hd, kv_dim) = (shape.head_dim, shape.n_kv_heads * shape.head_dim);
+            let addrs = [
+                self.addr(q, row0 * shape.n_heads * hd),
+                self.addr(k, row0 * kv_dim),
+                self.addr(v, row0 * kv_dim),
+                self.addr(inv_freq, 0),
+                self.kv_addr(k_cache),
+                self.kv_addr(v_cache),
+            ];
+            let slots = k_cache.0.len() / kv_dim;
+            self.rope_store_kv_launch(addrs, rows, pos0, shape, slots)
+        })
     }
 
     /// With the `seqs` path, every sequence of a batch in one launch (a single sequence, whose
@@ -335,38 +337,37 @@ impl Backend for CudaBackend {
         shape: AttentionShape,
         inv_freq: &CudaBuf,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        let kv_dim = shape.n_kv_heads * shape.head_dim;
-        let unwrapped = seqs
-            .iter()
-            .all(|s| s.pos0 + s.rows <= s.k_cache.0.len() / kv_dim);
-        if !self.paths.seqs || seqs.len() < 2 || !unwrapped {
-            for s in seqs.iter_mut() {
-                self.rope_store_kv(
-                    q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
-                )?;
+        self.unless_replaying(|| {
+            let kv_dim = shape.n_kv_heads * shape.head_dim;
+            let unwrapped = seqs
+                .iter()
+                .all(|s| s.pos0 + s.rows <= s.k_cache.0.len() / kv_dim);
+            if !self.paths.seqs || seqs.len() < 2 || !unwrapped {
+                for s in seqs.iter_mut() {
+                    self.rope_store_kv(
+                        q, k, v, s.row0, s.rows, s.pos0, shape, inv_freq, s.k_cache, s.v_cache,
+                    )?;
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
-        let addrs = [
-            self.addr(q, 0),
-            self.addr(k, 0),
-            self.addr(v, 0),
-            self.addr(inv_freq, 0),
-        ];
-        let table: Vec<attention::SeqEntry> = seqs
-            .iter()
-            .map(|s| attention::SeqEntry {
-                k_cache: self.kv_addr(s.k_cache),
-                v_cache: self.kv_addr(s.v_cache),
-                row0: s.row0,
-                rows: s.rows,
-                pos0: s.pos0,
-            })
-            .collect();
-        self.rope_store_kv_seqs_launch(addrs, &table, shape)
+            let addrs = [
+                self.addr(q, 0),
+                self.addr(k, 0),
+                self.addr(v, 0),
+                self.addr(inv_freq, 0),
+            ];
+            let table: Vec<attention::SeqEntry> = seqs
+                .iter()
+                .map(|s| attention::SeqEntry {
+                    k_cache: self.kv_addr(s.k_cache),
+                    v_cache: self.kv_addr(s.v_cache),
+                    row0: s.row0,
+                    rows: s.rows,
+                    pos0: s.pos0,
+                })
+                .collect();
+            self.rope_store_kv_seqs_launch(addrs, &table, shape)
+        })
     }
 
     fn attention_batch(
@@ -377,24 +378,15 @@ impl Backend for CudaBackend {
         params: AttentionParams,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.attention_seqs(q, seqs, shape, params, out)
+        self.unless_replaying(|| self.attention_seqs(q, seqs, shape, params, out))
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.gated_act_launch(gate, up, len, GateAct::Silu)
+        self.unless_replaying(|| self.gated_act_launch(gate, up, len, GateAct::Silu))
     }
 
     fn geglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.gated_act_launch(gate, up, len, GateAct::GeluTanh)
+        self.unless_replaying(|| self.gated_act_launch(gate, up, len, GateAct::GeluTanh))
     }
 
     fn add_bias(
@@ -403,10 +395,7 @@ impl Backend for CudaBackend {
         rows: usize,
         bias: WeightView<'_>,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.add_bias_launch(x, rows, bias)
+        self.unless_replaying(|| self.add_bias_launch(x, rows, bias))
     }
 
     fn rmsnorm_pieces(
@@ -416,24 +405,15 @@ impl Backend for CudaBackend {
         weight: WeightView<'_>,
         eps: f32,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.rmsnorm_pieces_launch(x, pieces, weight, eps)
+        self.unless_replaying(|| self.rmsnorm_pieces_launch(x, pieces, weight, eps))
     }
 
     fn scale(&self, x: &mut CudaBuf, len: usize, factor: f32) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.map_launch(&self.kernels.scale_f32, x, len, factor)
+        self.unless_replaying(|| self.map_launch(&self.kernels.scale_f32, x, len, factor))
     }
 
     fn softcap(&self, x: &mut CudaBuf, len: usize, cap: f32) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        self.map_launch(&self.kernels.softcap, x, len, cap)
+        self.unless_replaying(|| self.map_launch(&self.kernels.softcap, x, len, cap))
     }
 
     fn copy_rows(
@@ -445,13 +425,12 @@ impl Backend for CudaBackend {
         rows: usize,
         row_len: usize,
     ) -> Result<(), BackendError> {
-        if self.graphs.replaying() {
-            return Ok(());
-        }
-        let (s, d) = (
-            self.addr(src, src_row * row_len),
-            self.addr(dst, dst_row * row_len),
-        );
-        self.copy_launch(&self.kernels.copy_f32, s, d, rows * row_len)
+        self.unless_replaying(|| {
+            let (s, d) = (
+                self.addr(src, src_row * row_len),
+                self.addr(dst, dst_row * row_len),
+            );
+            self.copy_launch(&self.kernels.copy_f32, s, d, rows * row_len)
+        })
     }
 }
