@@ -17,6 +17,12 @@
 #            kernel path: windowed layers keep their own kernels); then transformers' own class of
 #            every family (Qwen2, Qwen3, Gemma3, Phi3, Llama 3.1 rope) with random weights, as
 #            the hf stage does, f16 and bf16.
+#   gemma3   (opt-in, issue 16) the real Gemma 3 270M Q4_K_M file against llama.cpp's greedy
+#            tokens and logits and the exact math of the file (llama/tests/real_gemma3.rs, CUDA
+#            and CPU). The file (253 MB) does not travel in one call: pass it as GEMMA3_GGUF, or
+#            as GEMMA3_GGUF_PARTS, the pieces of `split -b 50M` in order, joined here; either
+#            way its SHA-256 is checked (scripts/fetch_gemma3_q4km.py, which reuses a file with
+#            the right hash and cannot fetch anything on that machine).
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
 #   batch    (opt-in) `gdsllm bench --batch` on the 7B f16 model streamed with 4 GiB, and the
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
@@ -51,6 +57,9 @@
 #   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
 #                    (and the batch stage); default for families: newest target/release/deps/batch-*
 #   KQ_TEST_BIN      cuda_kquants test binary, likewise
+#   GEMMA3_TEST_BIN  real_gemma3 test binary (`... --features cuda --test real_gemma3 --no-run`)
+#   GEMMA3_GGUF      the Gemma 3 270M Q4_K_M file, for the gemma3 stage
+#   GEMMA3_GGUF_PARTS its `split` pieces instead (space-separated paths, in order)
 #   KQUANT_GGUFS     GGUF files for the kquants stage (space-separated paths)
 #   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b"; families is opt-in)
 #   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
@@ -117,6 +126,25 @@ if has families; then
   TEST_FILTER=cuda_windowed_family run_test_bin batch-families "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
   grep -E "sequences per pass|relative L2 from alone" "$WORK_DIR/batch-families.log" | sed 's/^/  /' >&2
   for case in $FAMILY_HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
+fi
+
+if has gemma3; then
+  step "the real Gemma 3 270M Q4_K_M file against llama.cpp (CUDA and CPU)"
+  gemma_dir="$WORK_DIR/gemma3"
+  mkdir -p "$gemma_dir"
+  if [ -n "${GEMMA3_GGUF_PARTS:-}" ]; then
+    # shellcheck disable=SC2086 # a list of paths
+    cat $GEMMA3_GGUF_PARTS > "$gemma_dir/gemma-3-270m-q4_k_m.gguf"
+  elif [ -n "${GEMMA3_GGUF:-}" ]; then
+    cp "$GEMMA3_GGUF" "$gemma_dir/gemma-3-270m-q4_k_m.gguf"
+  fi
+  if gemma_file=$(python3 "$SCRIPTS/fetch_gemma3_q4km.py" "$gemma_dir"); then
+    run_test_bin real_gemma3 "${GEMMA3_TEST_BIN:-$(newest real_gemma3)}" GDSLLM_GPU_TESTS=1 \
+      GDSLLM_TEST_GEMMA3_GGUF="$gemma_file" >/dev/null
+    grep -E "decided|max \|ours" "$WORK_DIR/real_gemma3.log" | while read -r l; do note "  $l"; done
+  else
+    note "gemma3: no Gemma 3 270M Q4_K_M file with the right SHA-256 (set GEMMA3_GGUF or GEMMA3_GGUF_PARTS)"; status=1
+  fi
 fi
 
 if has smollm2; then
