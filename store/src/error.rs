@@ -61,14 +61,12 @@ pub enum StoreError {
         tag: String,
         available: String,
     },
-    #[error(
-        "{repo}: {file} is split into {parts} parts; split GGUFs cannot be converted yet (merge \
-         them with llama.cpp's `llama-gguf-split --merge`, then `gdsllm pull FILE.gguf`)"
-    )]
+    #[error("{origin}: split GGUF {file}: {reason}")]
     SplitGguf {
-        repo: String,
+        /// The repository or URL.
+        origin: String,
         file: String,
-        parts: usize,
+        reason: String,
     },
     #[error("{url}: {file}: {reason}")]
     HfDownload {
