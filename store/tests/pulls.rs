@@ -691,10 +691,10 @@ fn a_split_gguf_with_a_part_missing_or_not_the_first_leaves_nothing_in_the_store
 
     // By URL: part 3 is not on the server (HTTP 404, naming it); the parts downloaded before
     // are removed.
-    for i in 0..2 {
+    for (i, part) in parts.iter().take(2).enumerate() {
         hub.server.add_file_with_digest(
             &format!("f/{}", part_name(i + 1, PARTS)),
-            Content::Bytes(parts[i].clone()),
+            Content::Bytes(part.clone()),
         );
     }
     let url = format!("{}/f/{}", hub.server.url(), part_name(1, PARTS));
