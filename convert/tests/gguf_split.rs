@@ -36,6 +36,16 @@ fn convert_error(input: &Path, out: &Path) -> String {
     err
 }
 
+/// Asserts that `err` says each of `needles`.
+fn assert_says(err: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(
+            err.contains(needle),
+            "{err}\n(expected it to say {needle:?})"
+        );
+    }
+}
+
 #[test]
 fn a_split_gguf_converts_to_the_same_bytes_as_the_file_it_splits() {
     let root = tempfile::tempdir().unwrap();
@@ -78,21 +88,18 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
     let first = write_parts(&dir, &parts);
     std::fs::remove_file(dir.join(part_name(3, PARTS))).unwrap();
     let err = convert_error(&first, &out);
-    assert!(
-        err.contains(&part_name(3, PARTS))
-            && err.contains("part 3 of 3")
-            && err.contains("missing"),
-        "{err}"
-    );
+    assert_says(&err, &[&part_name(3, PARTS), "part 3 of 3", "missing"]);
 
     // Not the first part.
     let dir = root.path().join("second");
     write_parts(&dir, &parts);
     let err = convert_error(&dir.join(part_name(2, PARTS)), &out);
-    assert!(
-        err.contains("part 2 of 3")
-            && err.contains(&format!("convert the first part, {}", part_name(1, PARTS))),
-        "{err}"
+    assert_says(
+        &err,
+        &[
+            "part 2 of 3",
+            &format!("convert the first part, {}", part_name(1, PARTS)),
+        ],
     );
 
     // Part 2 of a split in two, renamed into a split in three: parts of different splits.
@@ -102,11 +109,9 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
         .write_to(&dir.join(part_name(2, PARTS)))
         .unwrap();
     let err = convert_error(&first, &out);
-    assert!(
-        err.contains(&part_name(2, PARTS))
-            && err.contains("split.count is 2")
-            && err.contains("different splits"),
-        "{err}"
+    assert_says(
+        &err,
+        &[&part_name(2, PARTS), "split.count is 2", "different splits"],
     );
 
     // Two parts swapped by name: each one's split.no gives it away.
@@ -115,10 +120,7 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
     parts[2].write_to(&dir.join(part_name(2, PARTS))).unwrap();
     parts[1].write_to(&dir.join(part_name(3, PARTS))).unwrap();
     let err = convert_error(&first, &out);
-    assert!(
-        err.contains(&part_name(2, PARTS)) && err.contains("split.no is 2"),
-        "{err}"
-    );
+    assert_says(&err, &[&part_name(2, PARTS), "split.no is 2"]);
 
     // A tensor count that does not add up (in every part, so that they agree with each other).
     let dir = root.path().join("count");
@@ -127,13 +129,14 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
     for part in &mut miscounted {
         part.set_kv("split.tensors.count", GgufValue::I32(wrong));
     }
-    let first = write_parts(&dir, &miscounted);
-    let err = convert_error(&first, &out);
-    assert!(
-        err.contains(&part_name(1, PARTS))
-            && err.contains(&format!("split.tensors.count is {wrong}"))
-            && err.contains(&format!("hold {} tensors", wrong - 1)),
-        "{err}"
+    let err = convert_error(&write_parts(&dir, &miscounted), &out);
+    assert_says(
+        &err,
+        &[
+            &part_name(1, PARTS),
+            &format!("split.tensors.count is {wrong}"),
+            &format!("hold {} tensors", wrong - 1),
+        ],
     );
 
     // A tensor in two parts.
@@ -141,12 +144,13 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
     let mut doubled = whole.split(PARTS);
     let name = doubled[0].tensor_names()[0].clone();
     doubled[1].tensor(&name, DType::F32, &[4], vec![0; 16]);
-    let first = write_parts(&dir, &doubled);
-    let err = convert_error(&first, &out);
-    assert!(
-        err.contains(&part_name(2, PARTS))
-            && err.contains(&format!("tensor {name} is in part 1 too")),
-        "{err}"
+    let err = convert_error(&write_parts(&dir, &doubled), &out);
+    assert_says(
+        &err,
+        &[
+            &part_name(2, PARTS),
+            &format!("tensor {name} is in part 1 too"),
+        ],
     );
 
     // A first part whose name does not say which split it belongs to.
@@ -155,8 +159,5 @@ fn bad_split_gguf_parts_are_errors_that_name_the_part() {
     let renamed = dir.join("tiny.gguf");
     std::fs::rename(&first, &renamed).unwrap();
     let err = convert_error(&renamed, &out);
-    assert!(
-        err.contains("tiny.gguf") && err.contains("-00001-of-00003.gguf"),
-        "{err}"
-    );
+    assert_says(&err, &["tiny.gguf", "-00001-of-00003.gguf"]);
 }

@@ -81,6 +81,17 @@ impl Hub {
             Err(err) => err.to_string(),
         }
     }
+    /// A hub with one repository, o/Tiny-GGUF, holding one tiny GGUF (made from `seed`),
+    /// Tiny-Q8_0.gguf; returns its bytes.
+    fn with_tiny_repo(seed: u64) -> (Hub, Arc<Vec<u8>>) {
+        let hub = Hub::new();
+        let bytes = tiny_gguf_bytes(seed);
+        hub.server.add_hf_repo(
+            "o/Tiny-GGUF",
+            vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
+        );
+        (hub, bytes)
+    }
     fn models(&self) -> Vec<String> {
         std::fs::read_dir(self.store().models_dir())
             .map(|d| {
@@ -189,12 +200,7 @@ fn a_hugging_face_gguf_repo_pulls_the_quant_asked_for_identical_to_the_local_con
 
 #[test]
 fn an_interrupted_hugging_face_pull_resumes_and_fetches_less_than_the_file() {
-    let hub = Hub::new();
-    let bytes = tiny_gguf_bytes(2);
-    hub.server.add_hf_repo(
-        "o/Tiny-GGUF",
-        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
-    );
+    let (hub, bytes) = Hub::with_tiny_repo(2);
     let path = "o/Tiny-GGUF/resolve/main/Tiny-Q8_0.gguf";
     let store = hub.store();
     hub.server
@@ -227,12 +233,7 @@ fn an_interrupted_hugging_face_pull_resumes_and_fetches_less_than_the_file() {
 
 #[test]
 fn hugging_face_faults_are_clear_errors_that_leave_nothing_in_the_store() {
-    let hub = Hub::new();
-    let bytes = tiny_gguf_bytes(3);
-    hub.server.add_hf_repo(
-        "o/Tiny-GGUF",
-        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
-    );
+    let (hub, _) = Hub::with_tiny_repo(3);
     let path = "o/Tiny-GGUF/resolve/main/Tiny-Q8_0.gguf";
     let store = hub.store();
     let cases: [(Fault, &str); 3] = [
@@ -747,12 +748,7 @@ fn partial_files(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn a_full_disk_during_a_hugging_face_pull_is_a_clear_error_and_leaves_nothing_half_written() {
-    let hub = Hub::new();
-    let bytes = tiny_gguf_bytes(11);
-    hub.server.add_hf_repo(
-        "o/Tiny-GGUF",
-        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
-    );
+    let (hub, bytes) = Hub::with_tiny_repo(11);
     let store = hub.store();
     let full = PullOptions {
         write_limit: Some(bytes.len() as u64 / 2),
