@@ -212,6 +212,27 @@ fn a_split_gguf_given_to_m_by_its_first_part_converts_as_one_model() {
         gdsllm_convert::testing::dir_files(&resolved.dir)
             == gdsllm_convert::testing::dir_files(&expected)
     );
+    // Reused while no part changes; converted again once one does.
+    let again = resolve(&store, first.to_str(), &PullOptions::default(), &Quiet).unwrap();
+    assert!(
+        matches!(again.how, Resolution::Reused { .. }),
+        "{:?}",
+        again.how
+    );
+    let second = home.path().join("Tiny-Llama.Q8_0-00002-of-00002.gguf");
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+    std::fs::File::options()
+        .write(true)
+        .open(&second)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let changed = resolve(&store, first.to_str(), &PullOptions::default(), &Quiet).unwrap();
+    assert!(
+        !matches!(changed.how, Resolution::Reused { .. }),
+        "{:?}",
+        changed.how
+    );
     // Without its second part: an error naming it, and nothing new in the store.
     std::fs::remove_file(home.path().join("Tiny-Llama.Q8_0-00002-of-00002.gguf")).unwrap();
     let other = Store::at(home.path().join("other"));
