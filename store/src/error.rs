@@ -11,7 +11,8 @@ use gdsllm_fetch::FetchError;
 pub const ACCEPTED_FORMS: &str = "a model name in the store (see `gdsllm list`), a known \
     model (smollm2), hf.co/OWNER/REPO[:QUANT] or OWNER/REPO[:QUANT] (Hugging Face), \
     https://HOST/path/file.gguf, https://HOST/path/MODEL/ (a GdsLLM model directory served \
-    over HTTP), a .gguf file, or a model directory";
+    over HTTP), a .gguf file (a split one by its first part, NAME-00001-of-0000N.gguf), or a \
+    model directory";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
