@@ -258,6 +258,7 @@ mod tests {
             let text = ptx.to_src();
             for entry in [
                 "matmul_q4_1_r1",
+                "matmul_sb_q6_k_r8",
                 "matmul_mma_q4_1_n8",
                 "matmul_mma_bf16_n1",
                 "attention_flash_hd128",

@@ -488,6 +488,9 @@ pub(super) struct Kernels {
     /// rows per block (`matmul_mma.cu`). Only the six dtype codes before the k-quants have them;
     /// a dtype past the table keeps the one-row kernels (`CudaBackend::mma_kernels`).
     pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
+    /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
+    /// row and `MM_ROWS` rows per block, as `matmul`.
+    pub matmul_superblock: [[CudaFunction; 2]; 3],
 }
 
 impl Kernels {
@@ -507,6 +510,13 @@ impl Kernels {
                 f(&format!("matmul_mma_{dtype}_n2"))?,
                 f(&format!("matmul_mma_{dtype}_n4"))?,
                 f(&format!("matmul_mma_{dtype}_n8"))?,
+            ])
+        };
+        // `MATMUL_KQ_SB_KERNELS(matmul_sb_<dtype>, ..)` stamps out `_r1` and `_r8`.
+        let sb = |dtype: &str| -> Result<[CudaFunction; 2], LlamaError> {
+            Ok([
+                f(&format!("matmul_sb_{dtype}_r1"))?,
+                f(&format!("matmul_sb_{dtype}_r8"))?,
             ])
         };
         Ok(Kernels {
@@ -552,6 +562,7 @@ impl Kernels {
                 Some(mma("q4_0")?),
                 Some(mma("q4_1")?),
             ],
+            matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],
         })
     }
 }
