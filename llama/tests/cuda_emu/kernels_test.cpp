@@ -204,6 +204,35 @@ struct X16Buf {
     }
 };
 
+// The outputs and `MatmulJobs` of one launch over weights `wd` of `ms[j]` rows each (sharing x
+// of `rows` rows); with `accumulate` each output starts as random values (`base`) that the
+// kernel adds to.
+struct JobOutputs {
+    std::vector<std::vector<float>> base;
+    std::vector<std::unique_ptr<Buf<float>>> outs;
+    MatmulJobs jobs{};
+    JobOutputs(const std::vector<std::unique_ptr<Buf<uint8_t>>>& wd, const std::vector<int>& ms, int rows,
+               int accumulate) {
+        jobs.n_jobs = (int)ms.size();
+        jobs.accumulate = accumulate;
+        for (int j = 0; j < jobs.n_jobs; j++) {
+            base.push_back(random_vec((size_t)rows * ms[j]));
+            outs.emplace_back(accumulate ? new Buf<float>(base.back()) : new Buf<float>((size_t)rows * ms[j]));
+            jobs.w[j] = wd[j]->p;
+            jobs.out[j] = outs[j]->p;
+            jobs.m[j] = ms[j];
+        }
+    }
+    // The largest relative error of any output against the f64 reference.
+    double max_err(const std::vector<float>& x, int rows, const std::vector<Weights>& ws, int k) const {
+        double err = 0;
+        for (int j = 0; j < jobs.n_jobs; j++)
+            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], jobs.m[j], k,
+                                                                    jobs.accumulate ? &base[j] : nullptr)));
+        return err;
+    }
+};
+
 void test_existing_matmul() {
     int shapes[][2] = {{77, 96}, {33, 576}};
     for (int dtype = 0; dtype < 6; dtype++)
@@ -281,7 +310,7 @@ void test_mma_matmul() {
     std::vector<int> row_counts = {2, 3, 8, 9, 17, 33, 64, 70};
     for (int dtype = F16; dtype <= Q4_1; dtype++)
         for (auto& cs : cases) {
-            int k = cs.k, n_jobs = (int)cs.ms.size();
+            int k = cs.k;
             std::vector<Weights> ws;
             std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
             for (int m : cs.ms) {
@@ -296,24 +325,9 @@ void test_mma_matmul() {
                 for (int split : {1, 3}) {
                     if (split > k / 32) continue;
                     for (int accumulate : {0, 1}) {
-                        std::vector<std::vector<float>> base;
-                        std::vector<std::unique_ptr<Buf<float>>> outs;
-                        MatmulJobs jobs{};
-                        jobs.n_jobs = n_jobs;
-                        jobs.accumulate = accumulate;
-                        for (int j = 0; j < n_jobs; j++) {
-                            base.push_back(random_vec((size_t)rows * cs.ms[j]));
-                            outs.emplace_back(accumulate ? new Buf<float>(base.back())
-                                                         : new Buf<float>((size_t)rows * cs.ms[j]));
-                            jobs.w[j] = wd[j]->p;
-                            jobs.out[j] = outs[j]->p;
-                            jobs.m[j] = cs.ms[j];
-                        }
-                        run_mma(dtype, xd, &x16, rows, k, jobs, split);
-                        double err = 0;
-                        for (int j = 0; j < n_jobs; j++)
-                            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], cs.ms[j], k,
-                                                                                    accumulate ? &base[j] : nullptr)));
+                        JobOutputs o(wd, cs.ms, rows, accumulate);
+                        run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
+                        double err = o.max_err(x, rows, ws, k);
                         std::string ms;
                         for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
                         // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts
@@ -682,29 +696,14 @@ void test_kq_matmul() {
                 std::vector<std::vector<float>> sb_out;
                 for (int superblock : {0, 1})
                     for (int accumulate : {0, 1}) {
-                        std::vector<std::vector<float>> base;
-                        std::vector<std::unique_ptr<Buf<float>>> outs;
-                        MatmulJobs jobs{};
-                        jobs.n_jobs = n_jobs;
-                        jobs.accumulate = accumulate;
-                        for (int j = 0; j < n_jobs; j++) {
-                            base.push_back(random_vec((size_t)rows * cs.ms[j]));
-                            outs.emplace_back(accumulate ? new Buf<float>(base.back())
-                                                         : new Buf<float>((size_t)rows * cs.ms[j]));
-                            jobs.w[j] = wd[j]->p;
-                            jobs.out[j] = outs[j]->p;
-                            jobs.m[j] = cs.ms[j];
-                        }
+                        JobOutputs o(wd, cs.ms, rows, accumulate);
                         int per_block = rows == 1 ? 1 : MM_ROWS;
                         KqKernel kernel = kq_kernel(dtype, superblock, rows == 1);
                         emu::launch(grid3(n_blocks, (rows + per_block - 1) / per_block), MM_WARPS * 32,
-                                    [&] { kernel(x16.xq.p, x16.xs.p, rows, k, jobs); });
-                        double err = 0;
-                        for (int j = 0; j < n_jobs; j++) {
-                            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], cs.ms[j], k,
-                                                                                    accumulate ? &base[j] : nullptr)));
-                            if (superblock && !accumulate) sb_out.push_back(outs[j]->vec());
-                        }
+                                    [&] { kernel(x16.xq.p, x16.xs.p, rows, k, o.jobs); });
+                        double err = o.max_err(x, rows, ws, k);
+                        if (superblock && !accumulate)
+                            for (int j = 0; j < n_jobs; j++) sb_out.push_back(o.outs[j]->vec());
                         // x as 16-bit integers per 32-value block (2^-16 of its largest value),
                         // f32 sums in another order than f64.
                         check(std::string(superblock ? "super-block matmul " : "block matmul ") + kq_name(dtype) +

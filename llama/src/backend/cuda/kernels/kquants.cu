@@ -233,15 +233,7 @@ __device__ void matmul_kq_impl(const short* xq, const float4* xs, int rows, int 
     matmul_store<NR>(acc, t, jobs.accumulate);
 }
 
-#define MATMUL_KQ_KERNELS(NAME, DTYPE)                                                                \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                             \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                       \
-    }
+#define MATMUL_KQ_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_impl, DTYPE)
 MATMUL_KQ_KERNELS(matmul_q5_0, KQ_Q5_0)
 MATMUL_KQ_KERNELS(matmul_q5_1, KQ_Q5_1)
 MATMUL_KQ_KERNELS(matmul_iq4_nl, KQ_IQ4_NL)
@@ -412,15 +404,7 @@ __device__ void matmul_kq_sb_impl(const short* xq, const float4* xs, int rows, i
     matmul_store<NR>(acc, t, jobs.accumulate);
 }
 
-#define MATMUL_KQ_SB_KERNELS(NAME, DTYPE)                                                             \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_sb_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                          \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_sb_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                    \
-    }
+#define MATMUL_KQ_SB_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_sb_impl, DTYPE)
 MATMUL_KQ_SB_KERNELS(matmul_sb_q4_k, KQ_Q4_K)
 MATMUL_KQ_SB_KERNELS(matmul_sb_q5_k, KQ_Q5_K)
 MATMUL_KQ_SB_KERNELS(matmul_sb_q6_k, KQ_Q6_K)
