@@ -41,7 +41,8 @@
 #            dtype's matmuls and embedding against the reference); then for each GGUF in
 #            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
 #            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
-#            resident pp512/tg128 and streamed (--vram-budget 4GiB, no host tier) decode.
+#            resident pp512/tg128 (default kernels, then GDSLLM_CUDA_PATHS=superblock) and
+#            streamed (--vram-budget 4GiB, no host tier) decode.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -179,13 +180,16 @@ if has kquants; then
     else
       note "$name: verify --against FAILED: $(tail -n 1 "$v.log")"; status=1
     fi
-    r="$WORK_DIR/bench-$name-resident.json"
-    step "gdsllm bench --device cuda $name resident"
-    if "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
-      note "$name resident: pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s"
-    else
-      tail -n 5 "$r.log" >&2; note "$name resident bench FAILED"; status=1
-    fi
+    # The default kernels, then the q4_k/q5_k/q6_k kernels of the `superblock` path.
+    for paths in none superblock; do
+      r="$WORK_DIR/bench-$name-resident-$paths.json"
+      step "gdsllm bench --device cuda $name resident, GDSLLM_CUDA_PATHS=$paths"
+      if GDSLLM_CUDA_PATHS=$paths "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
+        note "$name resident ($paths): pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s, $(jq_py "$r" "'%.0f kernels, %.0f stream calls' % (d['tg']['kernels_per_token'], d['tg']['stream_calls_per_token'])") per token"
+      else
+        tail -n 5 "$r.log" >&2; note "$name resident bench ($paths) FAILED"; status=1
+      fi
+    done
     s="$WORK_DIR/bench-$name-streamed.json"
     step "gdsllm bench --device cuda $name streamed, --vram-budget 4GiB"
     drop_caches
