@@ -231,6 +231,7 @@ x86_kernels!(
 
 #[cfg(test)]
 mod tests {
+    use super::super::kquants::tests::Rng;
     use super::super::kquants::{QuantizedActs, reference_dot};
     use super::*;
 
@@ -278,19 +279,6 @@ mod tests {
                 let _ = (dtype, w, rb, x, out, st);
                 unreachable!("registered only where the CPU has AVX-VNNI")
             }
-        }
-    }
-
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn uniform(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         }
     }
 

@@ -800,19 +800,20 @@ pub(crate) mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    struct Rng(u64);
+    /// xorshift64: the test inputs of this module and of `int8`.
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
             self.0
         }
         /// Uniform in [-0.5, 0.5).
-        fn uniform(&mut self) -> f32 {
+        pub(crate) fn uniform(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         }
     }
