@@ -57,6 +57,9 @@ pub struct OpenOptions {
     /// How blobs reach GPU memory (auto: cuFile where GDS DMA works, else O_DIRECT through a
     /// pinned staging buffer).
     pub io: IoChoice,
+    /// The CPU backend's exact mode: f32 activations for q4_0/q4_1/q8_0 decode rows instead of
+    /// 8-bit ones (slower; see `backend::cpu`).
+    pub cpu_exact: bool,
 }
 
 impl Default for OpenOptions {
@@ -67,6 +70,7 @@ impl Default for OpenOptions {
             sequences: 1,
             kv_budget: None,
             io: IoChoice::Auto,
+            cpu_exact: false,
         }
     }
 }
@@ -200,7 +204,7 @@ fn open_cpu(
         context
     };
     let llama = Llama::new(
-        CpuBackend::new(),
+        CpuBackend::with_exact(options.cpu_exact),
         Arc::new(residency),
         files.metadata.clone(),
         context,

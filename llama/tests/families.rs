@@ -328,7 +328,9 @@ fn random_family_models_match_the_reference_backend() {
                 .metadata()
                 .clone();
             let weights = || llama::InMemoryWeights::read_dir(&dir, &meta).unwrap();
-            let mut cpu = Llama::new(CpuBackend::new(), weights(), meta.clone(), 64, 64).unwrap();
+            // The exact mode: f32 activations, as the reference (the default 8-bit ones are
+            // checked against the float reference in `ops.rs` and `smollm2.rs`).
+            let mut cpu = Llama::new(CpuBackend::exact(), weights(), meta.clone(), 64, 64).unwrap();
             let mut slow =
                 Llama::new(llama::ReferenceBackend, weights(), meta.clone(), 64, 64).unwrap();
             let prompt: Vec<u32> = (0..13).map(|i| 3 + (i * 97) % 500).collect();

@@ -8,20 +8,35 @@ use llama::{
 };
 use residency::ResidencyOptions;
 
-/// Logit tolerance against the f32 reference: the weights are the same quantized values, only
-/// the summation order differs over 30 layers.
+/// Logit tolerance against the f32 reference in the CPU's exact mode: the weights are the same
+/// quantized values, only the summation order differs over 30 layers.
 const LOGIT_TOL: f32 = 0.05;
+
+/// Logit tolerance in the default mode, whose decode rows (and the logits of a prompt's last
+/// row) meet 8-bit activations (|x − x̂| ≤ max|x|/254 per 32 values, as llama.cpp): measured up
+/// to 0.15 here on logits near 30; 0.3 is 1 % of the largest logit.
+const QUANTIZED_LOGIT_TOL: f32 = 0.3;
 
 fn open(context: usize) -> Option<llama::CpuModel> {
     let dir = model_dir()?;
     Some(load_cpu(&dir, ResidencyOptions::default(), context))
 }
 
-/// `dir` through the production path on the CPU.
+/// `dir` through the production path on the CPU, in the exact mode (f32 activations).
 fn load_cpu(dir: &std::path::Path, residency: ResidencyOptions, context: usize) -> llama::CpuModel {
+    load_cpu_mode(dir, residency, context, true)
+}
+
+fn load_cpu_mode(
+    dir: &std::path::Path,
+    residency: ResidencyOptions,
+    context: usize,
+    cpu_exact: bool,
+) -> llama::CpuModel {
     let options = OpenOptions {
         residency,
         context,
+        cpu_exact,
         ..OpenOptions::default()
     };
     llama::open(dir, Device::Cpu, &options)
@@ -38,17 +53,32 @@ fn greedy(n: usize) -> GenerateOptions {
     }
 }
 
-/// Steps that must agree: up to the first where the reference's top-2 gap is below 0.05.
-fn must_match(margins: &[f32]) -> usize {
+/// Steps that must agree: up to the first where the reference's top-2 gap is below `tol`.
+fn must_match(margins: &[f32], tol: f32) -> usize {
     margins
         .iter()
-        .position(|&m| m < 0.05)
+        .position(|&m| m < tol)
         .unwrap_or(margins.len())
 }
 
 #[test]
 fn raw_prompts_match_reference_top5_and_greedy_ids() {
     let Some(mut m) = open(256) else { return };
+    raw_prompts_match_reference(&mut m, LOGIT_TOL);
+}
+
+/// The default mode (8-bit activations for the q4_1/q8_0 decode rows) against the same float
+/// reference, with [`QUANTIZED_LOGIT_TOL`]: the top-5 logits within it, the top 5 in the same
+/// order wherever their reference gaps exceed it, and greedy decoding agreeing up to the first
+/// step whose reference top-2 gap is below it.
+#[test]
+fn raw_prompts_match_reference_with_8_bit_activations() {
+    let Some(dir) = model_dir() else { return };
+    let mut m = load_cpu_mode(&dir, ResidencyOptions::default(), 256, false);
+    raw_prompts_match_reference(&mut m, QUANTIZED_LOGIT_TOL);
+}
+
+fn raw_prompts_match_reference(m: &mut llama::CpuModel, tol: f32) {
     let golden = golden();
     for case in golden["prompts"].as_array().unwrap() {
         let text = case["prompt"].as_str().unwrap();
@@ -77,15 +107,27 @@ fn raw_prompts_match_reference_top5_and_greedy_ids() {
             .fold(0f32, f32::max);
         eprintln!("{text:?}: top5 {top5:?} (reference {want_top5:?})");
         eprintln!(
-            "  logits {got:?}\n  reference {want_logits:?}\n  max diff {max_diff:.5} (tolerance {LOGIT_TOL})"
+            "  logits {got:?}\n  reference {want_logits:?}\n  max diff {max_diff:.5} (tolerance {tol})"
         );
-        assert_eq!(top5, want_top5);
-        assert!(
-            max_diff <= LOGIT_TOL,
-            "max logit diff {max_diff} > {LOGIT_TOL}"
-        );
+        // Neighbours whose reference logits are further apart than twice the tolerance
+        // cannot swap.
+        for (i, pair) in want_top5.windows(2).enumerate() {
+            if want_logits[i] - want_logits[i + 1] > 2.0 * tol {
+                let rank = |id| top5.iter().position(|&t| t == id);
+                let ordered = match (rank(pair[0]), rank(pair[1])) {
+                    (Some(a), Some(b)) => a < b,
+                    (Some(_), None) => true,
+                    (None, _) => false,
+                };
+                assert!(ordered, "top5 {top5:?} vs reference {want_top5:?}");
+            }
+        }
+        if tol <= LOGIT_TOL {
+            assert_eq!(top5, want_top5);
+        }
+        assert!(max_diff <= tol, "max logit diff {max_diff} > {tol}");
 
-        let need = must_match(&floats(&case["margins"]));
+        let need = must_match(&floats(&case["margins"]), tol.max(0.05));
         let agree = g
             .tokens
             .iter()

@@ -1,9 +1,23 @@
 //! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
 //! the vectorised inner loops of `kernels.rs`, f32 activations and accumulation.
+//!
+//! Two modes for the matmul rows dotted straight from the weight blocks (decoding, batches of
+//! fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows):
+//! - default: q4_0, q4_1 and q8_0 weights meet the activations quantized to 8 bits per 32
+//!   values (`int8.rs`, as llama.cpp does): integer dot products, about twice the decode speed,
+//!   at the cost of the activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on
+//!   SmolLM2 the logits move by a few hundredths, see `tests/smollm2.rs`).
+//! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
+//!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
+//!
+//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones
+//! (`kquants.rs`), and prompts of `DECODE_ONCE_MIN_ROWS` or more rows decode each weight row
+//! once to f32.
 
 use rayon::prelude::*;
 use weights_format::DType;
 
+use super::int8;
 use super::kernels::{self, QK};
 use super::kquants::{self, QuantizedActs};
 use super::{
@@ -14,12 +28,34 @@ use super::{
 /// Multi-threaded CPU backend on the global rayon pool.
 #[derive(Debug, Clone, Default)]
 pub struct CpuBackend {
-    _private: (),
+    /// f32 activations for q4_0/q4_1/q8_0 rows (see the module doc).
+    exact: bool,
 }
 
 impl CpuBackend {
+    /// The default mode: 8-bit activations for q4_0/q4_1/q8_0 decode rows.
     pub fn new() -> CpuBackend {
-        CpuBackend { _private: () }
+        CpuBackend { exact: false }
+    }
+
+    /// The exact mode: f32 activations for q4_0/q4_1/q8_0 decode rows.
+    pub fn exact() -> CpuBackend {
+        CpuBackend { exact: true }
+    }
+
+    /// [`CpuBackend::exact`] when `exact`, else [`CpuBackend::new`].
+    pub fn with_exact(exact: bool) -> CpuBackend {
+        CpuBackend { exact }
+    }
+
+    /// Whether q4_0/q4_1/q8_0 decode rows take f32 activations.
+    pub fn is_exact(&self) -> bool {
+        self.exact
+    }
+
+    /// Whether rows of `dtype` dotted from the blocks read 8-bit activations.
+    fn quantizes(&self, dtype: DType) -> bool {
+        kquants::handles(dtype) || (!self.exact && int8::handles(dtype))
     }
 }
 
@@ -73,17 +109,19 @@ fn rmsnorm_rows(
 /// `out = x · Wᵀ` for the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it
 /// (see [`kernels::matmul_rows`]).
 fn matmul_rows_of(
+    cpu: &CpuBackend,
     x: &[f32],
     wide: &[bool],
     w: WeightView<'_>,
     out: &mut [f32],
 ) -> Result<(), BackendError> {
+    let int8 = !cpu.exact;
     let bytes = host(&w)?;
     let rows = wide.len();
     let (m, k) = (w.rows, w.cols);
     let row_bytes = w.row_bytes();
     let x = &x[..rows * k];
-    let needs_sums = matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && wide.contains(&false);
+    let needs_sums = matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && !int8 && wide.contains(&false);
     let mut xsums = Vec::new();
     if needs_sums {
         let mut one = Vec::new();
@@ -93,7 +131,7 @@ fn matmul_rows_of(
         }
     }
     let mut xq = QuantizedActs::default();
-    if kquants::handles(w.dtype) && wide.contains(&false) {
+    if cpu.quantizes(w.dtype) && wide.contains(&false) {
         xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
@@ -102,7 +140,7 @@ fn matmul_rows_of(
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, wide, o);
+        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, int8, wide, o);
     };
     if rows == 1 {
         out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
@@ -166,7 +204,7 @@ impl CpuBackend {
         out: &mut [f32],
     ) -> Result<(), BackendError> {
         let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
-        matmul_rows_of(x, &wide, w, out)
+        matmul_rows_of(self, x, &wide, w, out)
     }
 
     /// Several matmuls of the same input; decoding runs them as one parallel region.
@@ -189,10 +227,10 @@ impl CpuBackend {
         let mut xq = QuantizedActs::default();
         let mut tasks: Vec<(WeightView<'_>, &[u8], usize, &mut [f32])> = Vec::new();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            if xsums.is_empty() && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
+            if xsums.is_empty() && self.exact && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
             }
-            if kquants::handles(w.dtype) {
+            if self.quantizes(w.dtype) {
                 xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
             let bytes = host(w)?;
@@ -201,12 +239,12 @@ impl CpuBackend {
                 tasks.push((*w, bytes, ci * chunk, o));
             }
         }
-        let xq = &xq;
+        let (xq, int8) = (&xq, !self.exact);
         tasks.into_par_iter().for_each(|(w, bytes, first, o)| {
             let rb = w.row_bytes();
             let wb = &bytes[first * rb..(first + o.len()) * rb];
             let x = &x[..w.cols];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, &[false], o);
+            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
         });
         Ok(())
     }
@@ -301,7 +339,7 @@ impl Backend for CpuBackend {
             return self.matmul_many(x, rows, ws, outs);
         }
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_rows_of(x, &wide, *w, out)?;
+            matmul_rows_of(self, x, &wide, *w, out)?;
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use weights_format::DType;
 
+use super::int8;
 use super::kquants::{self, QuantizedActs};
 
 /// Values per quantization block (q8_0, q4_0, q4_1).
@@ -297,13 +298,21 @@ fn matmul_rows_impl<const FMA: bool>(
     x: &[f32],
     xsums: &[f32],
     xq: &QuantizedActs,
+    int8: bool,
     wide: &[bool],
     out_t: &mut [f32],
 ) {
     let n = wide.len();
     let any_wide = wide.contains(&true);
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
-    let narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
+    let mut narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
+    if int8 && int8::handles(dtype) {
+        // All weight rows at once for each activation row, on its 8-bit copy.
+        for &r in &narrow {
+            int8::dot_rows(dtype, w, row_bytes, xq.row(dtype, r), &mut out_t[r..], n);
+        }
+        narrow.clear();
+    }
     // Rows that must round as single rows (the decode rows of a batch) go four at a time
     // through one widening of each quantized block.
     let grouped = matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
@@ -363,7 +372,9 @@ fn matmul_rows_impl<const FMA: bool>(
 /// The two round differently, so the caller picks per row to reproduce a given row count's
 /// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
 /// for rows that are not wide; may be empty otherwise), `xq` the rows quantized for the
-/// k-quant-era dtypes ([`kquants`]; needed by those for rows that are not wide). The output is
+/// k-quant-era dtypes ([`kquants`]; needed by those for rows that are not wide) and, with
+/// `int8`, for q4_0/q4_1/q8_0, whose rows that are not wide then take the integer kernels of
+/// [`int8`] instead of the f32-activation ones of this module. The output is
 /// transposed (weight row major) so that each task of the caller owns a contiguous slice.
 #[allow(clippy::too_many_arguments)]
 #[multiversion(targets(
@@ -380,13 +391,14 @@ pub fn matmul_rows(
     x: &[f32],
     xsums: &[f32],
     xq: &QuantizedActs,
+    int8: bool,
     wide: &[bool],
     out_t: &mut [f32],
 ) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, xq, wide, out_t)
+        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, xq, int8, wide, out_t)
     } else {
-        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, xq, wide, out_t)
+        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, xq, int8, wide, out_t)
     }
 }
 

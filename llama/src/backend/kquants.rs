@@ -134,7 +134,7 @@ pub(crate) fn reference_dot(dtype: DType, row: &[u8], x: &[f32]) -> f64 {
     w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
@@ -441,28 +441,28 @@ pub(crate) mod portable {
 /// vectors), so nothing here is `unsafe`: the intrinsics are safe inside functions compiled
 /// with the features they need.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::*;
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn load256(s: &[u8]) -> __m256i {
+    pub(crate) fn load256(s: &[u8]) -> __m256i {
         let a: [u8; 32] = s[..32].try_into().unwrap();
         bytemuck::cast(a)
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn load256_i8(s: &[i8]) -> __m256i {
+    pub(crate) fn load256_i8(s: &[i8]) -> __m256i {
         let a: [i8; 32] = s[..32].try_into().unwrap();
         bytemuck::cast(a)
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn load128(s: &[u8]) -> __m128i {
+    pub(crate) fn load128(s: &[u8]) -> __m128i {
         let a: [u8; 16] = s[..16].try_into().unwrap();
         bytemuck::cast(a)
     }
@@ -517,7 +517,7 @@ mod avx2 {
     /// The 32 nibbles of 16 bytes, low nibbles first (values 0–15), then high (16–31).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn nibbles_split(qs: &[u8]) -> __m256i {
+    pub(crate) fn nibbles_split(qs: &[u8]) -> __m256i {
         let v = load128(qs);
         let both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
         _mm256_and_si256(both, _mm256_set1_epi8(0xF))
@@ -526,13 +526,13 @@ mod avx2 {
     /// `acc + f · (the eight i32 lanes of v)`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn scale_add(acc: __m256, v: __m256i, f: f32) -> __m256 {
+    pub(crate) fn scale_add(acc: __m256, v: __m256i, f: f32) -> __m256 {
         _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(f), acc)
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn hsum(v: __m256) -> f32 {
+    pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -549,7 +549,7 @@ mod avx2 {
     /// address past the end of the weights is never touched, prefetches do not fault).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn prefetch_ahead(blk: &[u8]) {
+    pub(crate) fn prefetch_ahead(blk: &[u8]) {
         let start = blk.as_ptr().wrapping_add(PREFETCH_AHEAD);
         for line in (0..blk.len()).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line) as *const i8);
@@ -800,19 +800,20 @@ mod avx2 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    struct Rng(u64);
+    /// xorshift64: the test inputs of this module and of `int8`.
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 ^= self.0 << 13;
             self.0 ^= self.0 >> 7;
             self.0 ^= self.0 << 17;
             self.0
         }
         /// Uniform in [-0.5, 0.5).
-        fn uniform(&mut self) -> f32 {
+        pub(crate) fn uniform(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         }
     }

@@ -12,6 +12,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod int8;
 pub(crate) mod kernels;
 pub(crate) mod kquants;
 pub mod reference;
