@@ -9,6 +9,7 @@
 //! weights live (that is `residency`).
 
 mod connections;
+pub mod cors;
 pub mod engine;
 mod error;
 pub mod llama_engine;
