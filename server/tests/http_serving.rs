@@ -144,3 +144,146 @@ async fn a_model_named_system_prompt_replaces_the_default_for_that_name() {
     assert_eq!(rendered[1][1].role, "user");
     ts.shutdown().await;
 }
+
+async fn metrics_text(ts: &TestServer) -> String {
+    client()
+        .get(ts.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// The value of the sample `name` (no labels) in a Prometheus text exposition.
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_carry_the_batch_s_kv_usage_and_prefix_cache_counters() {
+    let engine = Arc::new(FakeEngine::batching(std::time::Duration::ZERO));
+    let config = ServerConfig {
+        max_batch: 4,
+        ..Default::default()
+    };
+    let ts = TestServer::start(config, engine.clone()).await;
+    let text = metrics_text(&ts).await;
+    assert_eq!(sample(&text, "gdsllm_prefix_cache_queries_total"), 0.0);
+    assert_eq!(sample(&text, "gdsllm_kv_cache_usage_perc"), 0.0);
+    let body =
+        json!({"messages": [{"role": "user", "content": "the same words"}], "max_tokens": 2});
+    for _ in 0..2 {
+        let r = client()
+            .post(ts.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let prompt_len = engine.requests.lock()[0].prompt.len() as f64;
+    let text = metrics_text(&ts).await;
+    assert_eq!(
+        sample(&text, "gdsllm_prefix_cache_queries_total"),
+        2.0 * prompt_len
+    );
+    // The fake serves a prompt it has seen whole from its "cache".
+    assert_eq!(sample(&text, "gdsllm_prefix_cache_hits_total"), prompt_len);
+    assert!(
+        text.contains("# TYPE gdsllm_kv_cache_usage_perc gauge"),
+        "{text}"
+    );
+    ts.shutdown().await;
+}
+
+/// A chat with SmolLM2 on the CPU through `open_serving` with prefix caching (ctx 2048).
+fn smollm2_server_engine(prefix_cache_bytes: u64) -> Option<Arc<dyn gdsllm_server::Engine>> {
+    let dir = common::model_dir()?;
+    let options = llama::OpenOptions {
+        context: 2048,
+        sequences: 2,
+        ..llama::OpenOptions::default()
+    };
+    let engine = gdsllm_server::open_serving(
+        &dir,
+        "smol",
+        llama::Device::Cpu,
+        &options,
+        prefix_cache_bytes,
+    );
+    Some(engine.unwrap())
+}
+
+/// A second request with the same long system prompt is served its positions from the
+/// prefix cache (the hit counter moves by whole blocks of them), and its answer is the
+/// greedy answer of a server without the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smollm2_shared_system_prompt_hits_the_prefix_cache_and_answers_the_same() {
+    let Some(cached) = smollm2_server_engine(256 << 20) else {
+        return;
+    };
+    let plain = smollm2_server_engine(0).unwrap();
+    let system = "You are a careful assistant for a library. ".repeat(40);
+    let ask = |question: &str| {
+        json!({
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "temperature": 0,
+            "max_tokens": 6,
+        })
+    };
+    let answer = |ts: &TestServer, body: serde_json::Value| {
+        let url = ts.url("/v1/chat/completions");
+        async move {
+            let r = client().post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let v: serde_json::Value = r.json().await.unwrap();
+            let text = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            (text, v["usage"]["prompt_tokens"].as_u64().unwrap())
+        }
+    };
+    let config = || ServerConfig {
+        max_batch: 2,
+        ..Default::default()
+    };
+    let with_cache = TestServer::start_loading(config()).await;
+    with_cache.server.set_engine(cached);
+    let without = TestServer::start_loading(config()).await;
+    without.server.set_engine(plain);
+
+    let questions = ["Which books are new?", "When do you open?"];
+    let mut answers = Vec::new();
+    for q in questions {
+        answers.push(answer(&with_cache, ask(q)).await);
+    }
+    let text = metrics_text(&with_cache).await;
+    let queried = sample(&text, "gdsllm_prefix_cache_queries_total");
+    let hits = sample(&text, "gdsllm_prefix_cache_hits_total");
+    println!("prefix cache: {hits} of {queried} prompt tokens served");
+    let (first_len, second_len) = (answers[0].1 as f64, answers[1].1 as f64);
+    assert_eq!(queried, first_len + second_len);
+    // The system prompt is ~360 tokens: most of the second prompt came from the cache.
+    assert!(hits >= 256.0 && hits < second_len, "{hits} of {second_len}");
+    assert_eq!(hits % llama::PREFIX_BLOCK as f64, 0.0);
+    assert!(sample(&text, "gdsllm_prefix_cache_bytes") > 0.0);
+
+    // The second answer is the one computed on cached positions.
+    let (plain_text, _) = answer(&without, ask(questions[1])).await;
+    assert_eq!(answers[1].0, plain_text);
+    let text = metrics_text(&without).await;
+    assert_eq!(sample(&text, "gdsllm_prefix_cache_hits_total"), 0.0);
+    with_cache.shutdown().await;
+    without.shutdown().await;
+}

@@ -84,6 +84,14 @@ pub struct Args {
     /// request that would not fit even alone gets a 400).
     #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
     pub kv_budget: KvBudget,
+    /// Memory for recent prompts' KV-cache positions, e.g. 512MiB; 0 turns prefix caching
+    /// off. A request whose prompt starts like a recent one's (a shared system prompt, earlier
+    /// turns of a chat) takes those positions from it instead of computing them, in blocks of
+    /// 16 tokens; the least recently used prompts are dropped first. Held on the model's
+    /// device on top of --kv-budget. /metrics counts gdsllm_prefix_cache_queries_total and
+    /// gdsllm_prefix_cache_hits_total in prompt tokens.
+    #[arg(long, value_name = "BYTES", env = "GDSLLM_PREFIX_CACHE_BYTES", default_value = "512MiB", value_parser = residency::parse_bytes)]
+    pub prefix_cache_bytes: u64,
     /// Context size in tokens per sequence (prompt + reply); 0, or more than the model's
     /// context: the model's full context (with a warning when more).
     /// Longer prompts get a 400 that gives both numbers.
@@ -243,7 +251,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
         residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
     });
-    let (device, options) = args.open.options(context, max_batch, Some(kv_budget))?;
+    // The model reserves device memory for the running sequences and the prefix cache
+    // together; `open_serving` gives the sequences their part.
+    let prefix_cache_bytes = args.prefix_cache_bytes;
+    let (device, options) = args.open.options(
+        context,
+        max_batch,
+        Some(kv_budget.saturating_add(prefix_cache_bytes)),
+    )?;
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -282,7 +297,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let engine = gdsllm_server::open(&dir, model_id, device, &options);
+            let engine =
+                gdsllm_server::open_serving(&dir, model_id, device, &options, prefix_cache_bytes);
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
