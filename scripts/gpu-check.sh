@@ -80,6 +80,17 @@ BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
 source "$SCRIPTS/check-common.sh"
+# The URL a `gdsllm serve` started with its stdout in $1 prints, once its /health answers
+# (at most two minutes).
+server_url() {
+  local url=""
+  for _ in $(seq 1 120); do
+    url=$(head -n1 "$1" 2>/dev/null)
+    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
+    sleep 1
+  done
+  echo "$url"
+}
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
 
 if has tests; then
@@ -285,12 +296,7 @@ if has serve; then
   "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 256 \
       --max-batch "${SERVE_MAX_BATCH:-8}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
   spid=$!
-  url=""
-  for _ in $(seq 1 120); do
-    url=$(head -n1 "$WORK_DIR/serve.out" 2>/dev/null)
-    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
-    sleep 1
-  done
+  url=$(server_url "$WORK_DIR/serve.out")
   if python3 "$SCRIPTS/serve_bench.py" --url "$url" --clients 1 8 32 --seconds "${SERVE_SECONDS:-15}" --max-tokens 16 >"$WORK_DIR/serve-bench.jsonl"; then
     while read -r l; do note "serve 7b ${SERVE_DTYPE:-q4_1} 4GiB: $l"; done <"$WORK_DIR/serve-bench.jsonl"
   else
@@ -308,12 +314,7 @@ if has prefix; then
   "$BIN" serve --device cuda -m "$model" --port 0 -c 2048 --max-batch 4 \
       >"$WORK_DIR/prefix-serve.out" 2>"$WORK_DIR/prefix-serve.log" &
   spid=$!
-  url=""
-  for _ in $(seq 1 120); do
-    url=$(head -n1 "$WORK_DIR/prefix-serve.out" 2>/dev/null)
-    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
-    sleep 1
-  done
+  url=$(server_url "$WORK_DIR/prefix-serve.out")
   if python3 "$SCRIPTS/prefix_ttft.py" --url "$url" --prefix 1000 --requests 4 --vocab 49152 >"$WORK_DIR/prefix-ttft.json"; then
     note "prefix cache smollm2-135m q4_1 cuda: $(cat "$WORK_DIR/prefix-ttft.json")"
   else

@@ -16,6 +16,23 @@ fn client() -> reqwest::Client {
 
 const ORIGIN: &str = "http://localhost:3000";
 
+/// POSTs `body` to `/v1/chat/completions`, with an `Origin` and a key when given.
+async fn chat(
+    ts: &TestServer,
+    body: &serde_json::Value,
+    origin: Option<&str>,
+    key: Option<&str>,
+) -> reqwest::Response {
+    let mut request = client().post(ts.url("/v1/chat/completions")).json(body);
+    if let Some(origin) = origin {
+        request = request.header("Origin", origin);
+    }
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    request.send().await.unwrap()
+}
+
 /// A browser's preflight for a chat request with a key: method OPTIONS, no credentials.
 async fn preflight(ts: &TestServer, origin: &str) -> reqwest::Response {
     client()
@@ -63,22 +80,9 @@ async fn cors_preflight_is_answered_without_a_key_and_requests_carry_the_origin(
 
     // The request itself still needs the key, and its response names the origin.
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
-    let r = client()
-        .post(ts.url("/v1/chat/completions"))
-        .header("Origin", ORIGIN)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = chat(&ts, &body, Some(ORIGIN), None).await;
     assert_eq!(r.status(), 401);
-    let r = client()
-        .post(ts.url("/v1/chat/completions"))
-        .header("Origin", ORIGIN)
-        .bearer_auth("sekret")
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = chat(&ts, &body, Some(ORIGIN), Some("sekret")).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         header(&r, "access-control-allow-origin").as_deref(),
@@ -126,13 +130,7 @@ async fn a_model_named_system_prompt_replaces_the_default_for_that_name() {
     let ts = TestServer::start(config, engine.clone()).await;
     for model in ["fake-model", "helper"] {
         let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
-        let r = client()
-            .post(ts.url("/v1/chat/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(chat(&ts, &body, None, None).await.status(), 200);
     }
     let rendered = engine.rendered.lock().clone();
     let system = |content: &str| ChatMessage {
@@ -180,13 +178,7 @@ async fn metrics_carry_the_batch_s_kv_usage_and_prefix_cache_counters() {
     let body =
         json!({"messages": [{"role": "user", "content": "the same words"}], "max_tokens": 2});
     for _ in 0..2 {
-        let r = client()
-            .post(ts.url("/v1/chat/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        assert_eq!(chat(&ts, &body, None, None).await.status(), 200);
     }
     let prompt_len = engine.requests.lock()[0].prompt.len() as f64;
     let text = metrics_text(&ts).await;
@@ -201,6 +193,18 @@ async fn metrics_carry_the_batch_s_kv_usage_and_prefix_cache_counters() {
         "{text}"
     );
     ts.shutdown().await;
+}
+
+/// A greedy chat answer's text and its prompt's token count.
+async fn answer(ts: &TestServer, body: &serde_json::Value) -> (String, u64) {
+    let r = chat(ts, body, None, None).await;
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    (
+        text.to_string(),
+        v["usage"]["prompt_tokens"].as_u64().unwrap(),
+    )
 }
 
 /// A chat with SmolLM2 on the CPU through `open_serving` with prefix caching (ctx 2048).
@@ -241,19 +245,6 @@ async fn smollm2_shared_system_prompt_hits_the_prefix_cache_and_answers_the_same
             "max_tokens": 6,
         })
     };
-    let answer = |ts: &TestServer, body: serde_json::Value| {
-        let url = ts.url("/v1/chat/completions");
-        async move {
-            let r = client().post(url).json(&body).send().await.unwrap();
-            assert_eq!(r.status(), 200);
-            let v: serde_json::Value = r.json().await.unwrap();
-            let text = v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            (text, v["usage"]["prompt_tokens"].as_u64().unwrap())
-        }
-    };
     let config = || ServerConfig {
         max_batch: 2,
         ..Default::default()
@@ -266,7 +257,7 @@ async fn smollm2_shared_system_prompt_hits_the_prefix_cache_and_answers_the_same
     let questions = ["Which books are new?", "When do you open?"];
     let mut answers = Vec::new();
     for q in questions {
-        answers.push(answer(&with_cache, ask(q)).await);
+        answers.push(answer(&with_cache, &ask(q)).await);
     }
     let text = metrics_text(&with_cache).await;
     let queried = sample(&text, "gdsllm_prefix_cache_queries_total");
@@ -280,7 +271,7 @@ async fn smollm2_shared_system_prompt_hits_the_prefix_cache_and_answers_the_same
     assert!(sample(&text, "gdsllm_prefix_cache_bytes") > 0.0);
 
     // The second answer is the one computed on cached positions.
-    let (plain_text, _) = answer(&without, ask(questions[1])).await;
+    let (plain_text, _) = answer(&without, &ask(questions[1])).await;
     assert_eq!(answers[1].0, plain_text);
     let text = metrics_text(&without).await;
     assert_eq!(sample(&text, "gdsllm_prefix_cache_hits_total"), 0.0);

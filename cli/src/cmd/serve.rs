@@ -175,11 +175,11 @@ fn parse_kv_budget(s: &str) -> Result<KvBudget, residency::ParseBytesError> {
     residency::parse_bytes(s).map(|b| KvBudget(Some(b)))
 }
 
+/// The server's system prompts: the default one and each model's own (name, prompt).
+type SystemPrompts = (Option<String>, Vec<(String, String)>);
+
 /// `--system-prompt-file`: the default prompt (with `--system-prompt`) and the per-model ones.
-fn system_prompts(
-    inline: Option<&str>,
-    files: &[String],
-) -> anyhow::Result<(Option<String>, Vec<(String, String)>)> {
+fn system_prompts(inline: Option<&str>, files: &[String]) -> anyhow::Result<SystemPrompts> {
     let mut default = inline.map(str::to_string);
     let mut per_model: Vec<(String, String)> = Vec::new();
     for spec in files {
