@@ -28,6 +28,11 @@
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
 #   serve    (opt-in) `gdsllm serve --device cuda` on the 7B q4_1 model with 4 GiB, measured with
 #            scripts/serve_bench.py at 1, 8 and 32 clients.
+#   prefix   (opt-in, issue 19) prefix caching on CUDA: batch's cuda_prefix test (greedy tokens
+#            with the cache equal alone; BATCH_TEST_BIN or the newest batch-* binary), then
+#            `gdsllm serve --device cuda` on the SmolLM2-shaped q4_1 model and
+#            scripts/prefix_ttft.py: time to first token of a 1,000-token shared prefix, first
+#            request against the later ones, and the hit counter's move.
 #   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
 #            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
 #            as the local directory, every blob fetched in the first run (streamed through the
@@ -85,6 +90,17 @@ BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
 source "$SCRIPTS/check-common.sh"
+# The URL a `gdsllm serve` started with its stdout in $1 prints, once its /health answers
+# (at most two minutes).
+server_url() {
+  local url=""
+  for _ in $(seq 1 120); do
+    url=$(head -n1 "$1" 2>/dev/null)
+    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
+    sleep 1
+  done
+  echo "$url"
+}
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
 
 if has tests; then
@@ -312,16 +328,29 @@ if has serve; then
   "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 256 \
       --max-batch "${SERVE_MAX_BATCH:-8}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
   spid=$!
-  url=""
-  for _ in $(seq 1 120); do
-    url=$(head -n1 "$WORK_DIR/serve.out" 2>/dev/null)
-    if [ -n "$url" ] && python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1]+'/health')" "$url" 2>/dev/null; then break; fi
-    sleep 1
-  done
+  url=$(server_url "$WORK_DIR/serve.out")
   if python3 "$SCRIPTS/serve_bench.py" --url "$url" --clients 1 8 32 --seconds "${SERVE_SECONDS:-15}" --max-tokens 16 >"$WORK_DIR/serve-bench.jsonl"; then
     while read -r l; do note "serve 7b ${SERVE_DTYPE:-q4_1} 4GiB: $l"; done <"$WORK_DIR/serve-bench.jsonl"
   else
     note "serve bench FAILED"; tail -n 5 "$WORK_DIR/serve.log" >&2; status=1
+  fi
+  kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has prefix; then
+  step "prefix caching on CUDA: batch cuda_prefix test, TTFT of a shared 1000-token prefix"
+  TEST_FILTER=cuda_prefix run_test_bin batch-prefix "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "PrefixCacheStats" "$WORK_DIR/batch-prefix.log" | sed 's/^/  /' >&2
+  model="$WORK_DIR/smollm2-q4_1"
+  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  "$BIN" serve --device cuda -m "$model" --port 0 -c 2048 --max-batch 4 \
+      >"$WORK_DIR/prefix-serve.out" 2>"$WORK_DIR/prefix-serve.log" &
+  spid=$!
+  url=$(server_url "$WORK_DIR/prefix-serve.out")
+  if python3 "$SCRIPTS/prefix_ttft.py" --url "$url" --prefix 1000 --requests 4 --vocab 49152 >"$WORK_DIR/prefix-ttft.json"; then
+    note "prefix cache smollm2-135m q4_1 cuda: $(cat "$WORK_DIR/prefix-ttft.json")"
+  else
+    note "prefix TTFT FAILED"; tail -n 5 "$WORK_DIR/prefix-serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi

@@ -16,6 +16,11 @@
 //! sequence's whole need up front means a running sequence can never run out of cache
 //! mid-generation, so nothing ever has to be preempted or recomputed.
 //!
+//! With [`Batcher::with_prefix_cache`] a sequence whose prompt starts like a recent one's
+//! takes those positions from a [`PrefixCache`] when it is admitted and computes only the
+//! rest; each prompt's positions are offered to the cache when its prefill completes (see
+//! [`crate::prefix_cache`] for the design and why reuse changes no result).
+//!
 //! Sampling stays with the caller: [`Batcher::step`] hands each sequence's logits to a closure
 //! that returns the next token or ends the sequence. [`generate_batch`] is the plain text
 //! generation loop on top of it, choosing tokens with the same per-sequence step
@@ -28,6 +33,7 @@ use crate::LlamaError;
 use crate::backend::Backend;
 use crate::generate::{FinishReason, GenerateOptions, Generation, SeqStep};
 use crate::model::{BatchSeq, KvCache, Llama};
+use crate::prefix_cache::{PREFIX_BLOCK, PrefixCache, PrefixCacheStats, positions_in_wide_chunks};
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightSource;
@@ -131,6 +137,10 @@ pub struct Batcher<B: Backend> {
     /// Sequences that end without a pass (`max_new == 0`), reported by the next step.
     ended: Vec<Finished>,
     kv_used: u64,
+    /// Recent prompts' positions for new sequences to start from (off when `None`).
+    prefix_cache: Option<PrefixCache<B>>,
+    /// The backend's [`Backend::uniform_rows_from`]: what the prefix cache may reuse.
+    uniform_rows: usize,
 }
 
 impl<B: Backend> Batcher<B> {
@@ -169,7 +179,27 @@ impl<B: Backend> Batcher<B> {
             running: Vec::new(),
             ended: Vec::new(),
             kv_used: 0,
+            prefix_cache: None,
+            uniform_rows: model.backend().uniform_rows_from(),
         })
+    }
+
+    /// Keeps recent prompts' KV positions, up to `bytes` of them (on the model's backend, on
+    /// top of the budget of the running sequences), for new sequences with the same prefix;
+    /// 0 keeps none.
+    pub fn with_prefix_cache(mut self, bytes: u64) -> Batcher<B> {
+        self.prefix_cache = (bytes > 0).then(|| PrefixCache::new(bytes));
+        self
+    }
+
+    /// The prefix cache's counters, when it is on.
+    pub fn prefix_cache_stats(&self) -> Option<PrefixCacheStats> {
+        self.prefix_cache.as_ref().map(PrefixCache::stats)
+    }
+
+    /// The budget of the running sequences' KV caches.
+    pub fn kv_budget(&self) -> u64 {
+        self.config.kv_budget
     }
 
     pub fn config(&self) -> &BatchConfig {
@@ -275,6 +305,34 @@ impl<B: Backend> Batcher<B> {
         residency::kv_cache_bytes(&self.kv_config, capacity as u64, self.kv_value_bytes)
     }
 
+    /// Copies the prompt positions of running sequence `i` (just prefilled) that may be reused
+    /// into the prefix cache, unless it holds them already. A failure only costs the entry.
+    fn offer_prefix<W: WeightSource>(&mut self, model: &Llama<B, W>, i: usize) {
+        let Some(cache) = &mut self.prefix_cache else {
+            return;
+        };
+        let r = &self.running[i];
+        let positions =
+            positions_in_wide_chunks(r.prompt.len(), self.solo_chunk, self.uniform_rows)
+                / PREFIX_BLOCK
+                * PREFIX_BLOCK;
+        let bytes =
+            residency::kv_cache_bytes(&self.kv_config, positions as u64, self.kv_value_bytes);
+        if !cache.wants(&r.prompt, positions, bytes) {
+            return;
+        }
+        let copied = model.new_kv_cache(positions).and_then(|mut entry| {
+            Ok(entry
+                .copy_prefix_from(model.backend(), &r.kv, positions)?
+                .then_some(entry))
+        });
+        match copied {
+            Ok(Some(entry)) => cache.store(&r.prompt, entry, bytes),
+            Ok(None) => {}
+            Err(err) => tracing::warn!("sequence {}: not caching its prompt: {err}", r.id),
+        }
+    }
+
     /// Moves waiting sequences in (front first) while they fit `max_batch` and the budget. The
     /// front one blocks those behind it, so a large request is not overtaken forever.
     fn admit<W: WeightSource>(&mut self, model: &Llama<B, W>) -> Result<(), LlamaError> {
@@ -285,13 +343,32 @@ impl<B: Backend> Batcher<B> {
             {
                 break;
             }
-            let kv = model.new_kv_cache(front.capacity)?;
+            let mut kv = model.new_kv_cache(front.capacity)?;
             let w = self.waiting.pop_front().expect("front exists");
+            let fed = match &mut self.prefix_cache {
+                Some(cache) => {
+                    // At least the last prompt token is computed: its logits come next.
+                    let limit = positions_in_wide_chunks(
+                        w.prompt.len(),
+                        self.solo_chunk,
+                        self.uniform_rows,
+                    )
+                    .min(w.prompt.len() - 1);
+                    match cache.fill(model.backend(), &w.prompt, limit, &mut kv) {
+                        Ok(fed) => fed,
+                        Err(err) => {
+                            self.waiting.push_front(w);
+                            return Err(err);
+                        }
+                    }
+                }
+                None => 0,
+            };
             self.kv_used += bytes;
             self.running.push(Running {
                 id: w.id,
                 prompt: w.prompt,
-                fed: 0,
+                fed,
                 pending: None,
                 generated: 0,
                 max_new: w.max_new,
@@ -375,6 +452,8 @@ impl<B: Backend> Batcher<B> {
         let vocab = self.vocab;
         let mut row = 0;
         let mut ended: Vec<(usize, SeqEnd)> = Vec::new();
+        // Sequences whose prompt completed in this pass, offered to the prefix cache.
+        let mut prefilled: Vec<usize> = Vec::new();
         for &(i, take, _) in &plan {
             let r = &mut self.running[i];
             if r.pending.take().is_none() {
@@ -382,6 +461,7 @@ impl<B: Backend> Batcher<B> {
                 if r.fed < r.prompt.len() {
                     continue;
                 }
+                prefilled.push(i);
             }
             let l = &logits[row * vocab..(row + 1) * vocab];
             row += 1;
@@ -403,6 +483,9 @@ impl<B: Backend> Batcher<B> {
             } else {
                 r.pending = Some(token);
             }
+        }
+        for i in prefilled {
+            self.offer_prefix(model, i);
         }
         // Highest index first, so that the earlier indices stay valid.
         for &(i, end) in ended.iter().rev() {

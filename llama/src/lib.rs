@@ -20,6 +20,7 @@ mod error;
 pub mod generate;
 pub mod load;
 pub mod model;
+pub mod prefix_cache;
 pub mod sampling;
 pub mod stop;
 pub mod tokenizer;
@@ -42,6 +43,7 @@ pub use generate::{
 pub use load::CudaModel;
 pub use load::{CpuModel, Device, LoadedModel, OpenOptions, OpenedModel, open};
 pub use model::{BatchSeq, KvCache, Llama};
+pub use prefix_cache::{PREFIX_BLOCK, PrefixCache, PrefixCacheStats};
 pub use sampling::{Sampler, SamplerConfig};
 pub use stop::{StopMatcher, StopOutcome};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -128,9 +128,21 @@ fn run_batched_seeing_logits<B: Backend, W: WeightSource>(
     model: &mut Llama<B, W>,
     config: BatchConfig,
     reqs: &[Req],
-    mut seen: impl FnMut(usize, &[f32]),
+    seen: impl FnMut(usize, &[f32]),
 ) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
-    let mut batcher = Batcher::new(model, config).unwrap();
+    let batcher = Batcher::new(model, config).unwrap();
+    let (out, most, _) = run_on(batcher, model, reqs, seen);
+    (out, most)
+}
+
+/// [`run_batched_seeing_logits`] on a given batcher, returned at the end.
+#[allow(clippy::type_complexity)]
+fn run_on<B: Backend, W: WeightSource>(
+    mut batcher: Batcher<B>,
+    model: &mut Llama<B, W>,
+    reqs: &[Req],
+    mut seen: impl FnMut(usize, &[f32]),
+) -> (Vec<(Vec<u32>, SeqEnd)>, usize, Batcher<B>) {
     let mut ids: HashMap<SeqId, usize> = HashMap::new();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); reqs.len()];
     let mut ends: Vec<Option<SeqEnd>> = vec![None; reqs.len()];
@@ -162,7 +174,7 @@ fn run_batched_seeing_logits<B: Backend, W: WeightSource>(
         .zip(ends)
         .map(|(t, e)| (t, e.unwrap()))
         .collect();
-    (out, most)
+    (out, most, batcher)
 }
 
 fn ragged_requests(vocab: u32) -> Vec<Req> {
@@ -734,4 +746,124 @@ fn smollm2_batch_equals_each_prompt_alone() {
         ..greedy_options(16)
     };
     batch_equals_session(&dir, &prompts, &options, 4);
+}
+
+/// Prefix caching (issue 19): prompts sharing a 48-token prefix, arriving while others run and
+/// after they ended, give exactly their tokens alone, and the cache served the shared
+/// positions (3 whole blocks each time); a prompt shorter than a block is never served.
+fn prefix_cache_changes_no_token<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
+    label: &str,
+) {
+    let vocab = model.config().vocab_size as u32;
+    let shared = prompt(40, 48, vocab);
+    let with = |seed: u32, len: usize| [shared.clone(), prompt(seed, len, vocab)].concat();
+    let reqs = vec![
+        Req {
+            at: 0,
+            prompt: with(1, 10),
+            max_new: 6,
+        },
+        Req {
+            at: 0,
+            prompt: prompt(2, 5, vocab),
+            max_new: 4,
+        },
+        // Joins while the first decodes, after its prompt was cached.
+        Req {
+            at: 12,
+            prompt: with(3, 30),
+            max_new: 7,
+        },
+        // The first prompt again, after both ended.
+        Req {
+            at: 40,
+            prompt: with(1, 10),
+            max_new: 6,
+        },
+    ];
+    let solo: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
+        .collect();
+    let config = BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        ..BatchConfig::for_model(model, 4)
+    };
+    let batcher = Batcher::new(model, config)
+        .unwrap()
+        .with_prefix_cache(64 << 20);
+    let (batched, _, batcher) = run_on(batcher, model, &reqs, |_, _| {});
+    for (i, ((tokens, _), want)) in batched.iter().zip(&solo).enumerate() {
+        assert_eq!(
+            tokens, want,
+            "{label}: sequence {i} differs with the prefix cache"
+        );
+    }
+    let stats = batcher.prefix_cache_stats().unwrap();
+    println!("{label}: {stats:?}");
+    let queried: usize = reqs.iter().map(|r| r.prompt.len()).sum();
+    assert_eq!(stats.queried_tokens, queried as u64, "{label}");
+    assert_eq!(stats.hit_tokens, 2 * 48, "{label}");
+    assert!(stats.bytes <= stats.budget, "{label}: {stats:?}");
+}
+
+#[test]
+fn prefix_cached_greedy_equals_solo() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q8_0, false), (DType::F16, true)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        prefix_cache_changes_no_token(
+            &mut in_memory(&dir, 256, 256),
+            &format!("cpu {dtype} tied={tied}"),
+        );
+    }
+}
+
+/// A budget of one entry keeps the most recently stored prefix and evicts the other.
+#[test]
+fn prefix_cache_evicts_the_least_recently_used_entry_within_its_budget() {
+    let (_tmp, mut model) = synth_in_memory("lru", DType::Q8_0, true);
+    let vocab = model.config().vocab_size as u32;
+    let (a, b) = (prompt(7, 40, vocab), prompt(8, 40, vocab));
+    let one_entry = model.kv_cache_bytes(32);
+    let reqs = |at: usize, p: &Vec<u32>| Req {
+        at,
+        prompt: p.clone(),
+        max_new: 2,
+    };
+    let config = BatchConfig::for_model(&model, 2);
+    let batcher = Batcher::new(&model, config)
+        .unwrap()
+        .with_prefix_cache(one_entry);
+    // a, then b (evicting a), then b again (a hit) and a again (a miss).
+    let order = [reqs(0, &a), reqs(10, &b), reqs(20, &b), reqs(30, &a)];
+    let (_, _, batcher) = run_on(batcher, &mut model, &order, |_, _| {});
+    let stats = batcher.prefix_cache_stats().unwrap();
+    assert_eq!(stats.hit_tokens, 32, "{stats:?}");
+    assert_eq!(stats.entries, 1, "{stats:?}");
+    assert_eq!(stats.bytes, one_entry, "{stats:?}");
+}
+
+/// [`prefix_cached_greedy_equals_solo`] on the GPU: the cached positions are copied between
+/// f16 device caches and the prompts are wider than cuBLAS's row threshold. Opt-in
+/// (`GDSLLM_GPU_TESTS=1 cargo test -p llama --features cuda --test batch prefix`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_prefix_cached_greedy_equals_solo() {
+    use llama::backend::cuda::CudaPaths;
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q8_0, false), (DType::F16, true)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+        prefix_cache_changes_no_token(&mut model, &format!("cuda {dtype} tied={tied}"));
+    }
 }

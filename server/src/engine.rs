@@ -135,6 +135,21 @@ pub struct EngineStats {
     pub passes: u64,
 }
 
+/// How full a batch's KV memory is, and what its prefix cache has served, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheUsage {
+    /// KV-cache bytes the running sequences hold.
+    pub kv_used_bytes: u64,
+    /// The most they may hold together (0: unknown).
+    pub kv_budget_bytes: u64,
+    /// Prompt tokens looked up in the prefix cache, since the batch began.
+    pub prefix_queried_tokens: u64,
+    /// Prompt tokens served from the prefix cache instead of computed.
+    pub prefix_hit_tokens: u64,
+    /// Bytes the prefix cache holds now.
+    pub prefix_bytes: u64,
+}
+
 /// What an engine can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -178,6 +193,11 @@ pub trait EngineBatch {
 
     /// Whether sequence `id` has been admitted.
     fn is_running(&self, id: u64) -> bool;
+
+    /// KV-cache and prefix-cache figures; zeros when the engine keeps none.
+    fn cache_usage(&self) -> CacheUsage {
+        CacheUsage::default()
+    }
 }
 
 /// A loaded model as the server sees it. Every method takes `&self`: the server calls

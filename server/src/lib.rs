@@ -9,6 +9,7 @@
 //! weights live (that is `residency`).
 
 mod connections;
+pub mod cors;
 pub mod engine;
 mod error;
 pub mod llama_engine;
@@ -20,10 +21,10 @@ mod server;
 mod state;
 
 pub use engine::{
-    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
-    GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
+    CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
+    EngineStats, GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
-pub use llama_engine::{LlamaEngine, open};
+pub use llama_engine::{LlamaEngine, open, open_serving};
 pub use server::{Server, load_api_key_file, shutdown_signal};
 pub use state::ServerConfig;

@@ -20,8 +20,8 @@ use llama::{
 use parking_lot::Mutex;
 
 use crate::engine::{
-    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
-    GeneratedToken, GenerationRequest, TokenLogprob,
+    CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
+    EngineStats, GeneratedToken, GenerationRequest, TokenLogprob,
 };
 
 fn engine_error(err: LlamaError) -> EngineError {
@@ -56,6 +56,9 @@ pub struct LlamaEngine<B: Backend, W: WeightSource> {
     /// KV-cache bytes a batch's sequences may hold together; `None`: room for every sequence
     /// of the batch at the full context.
     kv_budget: Option<u64>,
+    /// Bytes of recent prompts' KV positions a batch keeps for new requests with the same
+    /// prefix (`llama::prefix_cache`); 0 keeps none.
+    prefix_cache_bytes: u64,
 }
 
 impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
@@ -76,7 +79,15 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             bos_text: model.bos_token,
             eos_text: model.eos_token,
             kv_budget: None,
+            prefix_cache_bytes: 0,
         }
+    }
+
+    /// Keeps up to `bytes` of recent prompts' KV positions for requests that start the same
+    /// way (on top of the KV budget); 0 keeps none.
+    pub fn with_prefix_cache(mut self, bytes: u64) -> LlamaEngine<B, W> {
+        self.prefix_cache_bytes = bytes;
+        self
     }
 
     /// Caps the KV cache of a batch's sequences together (see [`Engine::batch`]); beyond it,
@@ -96,22 +107,46 @@ pub fn open(
     device: Device,
     options: &OpenOptions,
 ) -> Result<Arc<dyn Engine>, LlamaError> {
+    open_serving(dir, model_id, device, options, 0)
+}
+
+/// [`open`] with a prefix cache of `prefix_cache_bytes`, which `options.kv_budget` (when set)
+/// includes: the model reserves room for both, and the running sequences get the rest.
+pub fn open_serving(
+    dir: &Path,
+    model_id: impl Into<String>,
+    device: Device,
+    options: &OpenOptions,
+    prefix_cache_bytes: u64,
+) -> Result<Arc<dyn Engine>, LlamaError> {
     fn serve<B: Backend + 'static, W: WeightSource + Send + 'static>(
         model_id: String,
         model: LoadedModel<B, W>,
         kv_budget: Option<u64>,
+        prefix_cache_bytes: u64,
     ) -> Arc<dyn Engine> {
-        let engine = LlamaEngine::new(model_id, model);
+        let engine = LlamaEngine::new(model_id, model).with_prefix_cache(prefix_cache_bytes);
         Arc::new(match kv_budget {
             Some(bytes) => engine.with_kv_budget(bytes),
             None => engine,
         })
     }
+    if let Some(total) = options.kv_budget
+        && prefix_cache_bytes >= total
+    {
+        return Err(LlamaError::Config {
+            setting: "prefix cache",
+            message: format!(
+                "{prefix_cache_bytes} bytes leave nothing of the KV budget of {total} bytes"
+            ),
+        });
+    }
+    let kv_budget = options.kv_budget.map(|b| b - prefix_cache_bytes);
     let model_id = model_id.into();
     Ok(match llama::open(dir, device, options)? {
-        OpenedModel::Cpu(m) => serve(model_id, *m, options.kv_budget),
+        OpenedModel::Cpu(m) => serve(model_id, *m, kv_budget, prefix_cache_bytes),
         #[cfg(feature = "cuda")]
-        OpenedModel::Cuda(m) => serve(model_id, *m, options.kv_budget),
+        OpenedModel::Cuda(m) => serve(model_id, *m, kv_budget, prefix_cache_bytes),
     })
 }
 
@@ -285,6 +320,17 @@ impl<B: Backend, W: WeightSource + Send> EngineBatch for LlamaBatch<'_, B, W> {
     fn is_running(&self, id: u64) -> bool {
         self.batcher.is_running(id)
     }
+
+    fn cache_usage(&self) -> CacheUsage {
+        let prefix = self.batcher.prefix_cache_stats().unwrap_or_default();
+        CacheUsage {
+            kv_used_bytes: self.batcher.kv_used(),
+            kv_budget_bytes: self.batcher.kv_budget(),
+            prefix_queried_tokens: prefix.queried_tokens,
+            prefix_hit_tokens: prefix.hit_tokens,
+            prefix_bytes: prefix.bytes,
+        }
+    }
 }
 
 impl<B, W> Engine for LlamaEngine<B, W>
@@ -358,7 +404,9 @@ where
         if let Some(bytes) = self.kv_budget {
             config.kv_budget = bytes;
         }
-        let batcher = Batcher::new(model, config).map_err(engine_error)?;
+        let batcher = Batcher::new(model, config)
+            .map_err(engine_error)?
+            .with_prefix_cache(self.prefix_cache_bytes);
         drop(session);
         Ok(Some(Box::new(LlamaBatch {
             engine: self,

@@ -6,7 +6,7 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
-use crate::engine::EngineStats;
+use crate::engine::{CacheUsage, EngineStats};
 
 pub const REQUESTS: &str = "gdsllm_requests_total";
 pub const CANCELLED: &str = "gdsllm_requests_cancelled_total";
@@ -26,6 +26,13 @@ pub const RESIDENCY_HITS: &str = "gdsllm_residency_hits_total";
 pub const RESIDENCY_MISSES: &str = "gdsllm_residency_misses_total";
 pub const COMPUTE_STALL: &str = "gdsllm_compute_stall_seconds";
 pub const PASSES: &str = "gdsllm_forward_passes_total";
+// The KV-cache and prefix-cache series, named after vLLM's where they map (README's
+// "Metrics"): vllm:gpu_cache_usage_perc (a fraction, 0 to 1), vllm:prefix_cache_queries and
+// vllm:prefix_cache_hits (prompt tokens).
+pub const KV_USAGE: &str = "gdsllm_kv_cache_usage_perc";
+pub const PREFIX_QUERIES: &str = "gdsllm_prefix_cache_queries_total";
+pub const PREFIX_HITS: &str = "gdsllm_prefix_cache_hits_total";
+pub const PREFIX_BYTES: &str = "gdsllm_prefix_cache_bytes";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -104,6 +111,23 @@ impl Metrics {
                 "Seconds compute waited for weights since load"
             );
             describe_counter!(PASSES, "Forward passes over the weights");
+            describe_gauge!(
+                KV_USAGE,
+                "Fraction of the KV-cache budget the running sequences hold (0 to 1)"
+            );
+            describe_counter!(
+                PREFIX_QUERIES,
+                "Prompt tokens looked up in the prefix cache"
+            );
+            describe_counter!(
+                PREFIX_HITS,
+                "Prompt tokens served from the prefix cache instead of computed"
+            );
+            describe_gauge!(PREFIX_BYTES, "Bytes the prefix cache holds");
+            gauge!(KV_USAGE).set(0.0);
+            counter!(PREFIX_QUERIES).absolute(0);
+            counter!(PREFIX_HITS).absolute(0);
+            gauge!(PREFIX_BYTES).set(0.0);
             gauge!(RUNNING).set(0.0);
             gauge!(WAITING).set(0.0);
             counter!(CANCELLED).absolute(0);
@@ -165,6 +189,21 @@ impl Metrics {
 
     pub fn set_running(&self, n: usize) {
         self.with(|| gauge!(RUNNING).set(n as f64));
+    }
+
+    /// The batch's KV-cache fill and prefix-cache totals (since the batch began).
+    pub fn set_cache_usage(&self, usage: &CacheUsage) {
+        let fill = if usage.kv_budget_bytes == 0 {
+            0.0
+        } else {
+            usage.kv_used_bytes as f64 / usage.kv_budget_bytes as f64
+        };
+        self.with(|| {
+            gauge!(KV_USAGE).set(fill);
+            counter!(PREFIX_QUERIES).absolute(usage.prefix_queried_tokens);
+            counter!(PREFIX_HITS).absolute(usage.prefix_hit_tokens);
+            gauge!(PREFIX_BYTES).set(usage.prefix_bytes as f64);
+        });
     }
 
     pub fn set_waiting(&self, n: usize) {

@@ -391,14 +391,14 @@ pub async fn chat_completions(
     let req = params::chat_request(&body)?;
     let model = check_model(&state, &*engine, req.common.model.as_deref())?;
     let mut messages = req.messages;
-    if let Some(system) = &state.config.system_prompt
+    if let Some(system) = state.system_prompt_for(&model, engine.model_id())
         && !messages.iter().any(|m| m.role == "system")
     {
         messages.insert(
             0,
             ChatMessage {
                 role: "system".into(),
-                content: system.clone(),
+                content: system.to_string(),
             },
         );
     }

@@ -493,6 +493,7 @@ impl Worker {
     }
 
     fn update_gauges(&self, batch: &dyn EngineBatch) {
+        self.metrics.set_cache_usage(&batch.cache_usage());
         self.metrics.set_running(batch.running());
         self.metrics
             .set_waiting(self.waiting.load(Ordering::SeqCst) + batch.waiting());

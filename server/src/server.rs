@@ -101,13 +101,19 @@ impl Server {
                 state.clone(),
                 require_api_key,
             ));
-        Router::new()
+        let router = Router::new()
             .route("/health", get(routes::health))
             .route("/metrics", get(routes::metrics))
             .route("/api/ps", get(routes::ps))
             .merge(v1)
             .fallback(routes::fallback)
-            .layer(DefaultBodyLimit::max(state.config.body_limit))
+            .layer(DefaultBodyLimit::max(state.config.body_limit));
+        // Outside the API-key check: a browser's preflight carries no credentials.
+        let router = match &state.config.cors_origins {
+            Some(origins) => router.layer(origins.layer()),
+            None => router,
+        };
+        router
             .layer(middleware::from_fn_with_state(state.clone(), observe))
             .with_state(state)
     }

@@ -22,6 +22,12 @@ pub struct ServerConfig {
     pub aliases: Vec<String>,
     /// Inserted as the first message of a chat that has no system message.
     pub system_prompt: Option<String>,
+    /// Per model (by its id or one of its aliases): the system prompt for chats that name it
+    /// and have no system message, in place of `system_prompt`.
+    pub model_system_prompts: Vec<(String, String)>,
+    /// Browser origins allowed to call the API (CORS); `None`: no CORS headers, and browsers
+    /// on other origins are refused by their own same-origin rule.
+    pub cors_origins: Option<crate::cors::CorsOrigins>,
     /// The most sequences decoded together (continuous batching, when the engine has it;
     /// otherwise sequences run one at a time in arrival order).
     pub max_batch: usize,
@@ -50,6 +56,8 @@ impl Default for ServerConfig {
             api_keys: Vec::new(),
             aliases: Vec::new(),
             system_prompt: None,
+            model_system_prompts: Vec::new(),
+            cors_origins: None,
             max_batch: 1,
             body_limit: 4 << 20,
             shutdown_grace: Duration::from_secs(30),
@@ -91,6 +99,21 @@ impl AppState {
             ))),
             ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
         }
+    }
+
+    /// The system prompt for a chat addressed to `requested` (a name the model answers to) of
+    /// the model `engine_id`: that name's own, else the model id's, else the server's.
+    pub fn system_prompt_for(&self, requested: &str, engine_id: &str) -> Option<&str> {
+        let own = |name: &str| {
+            self.config
+                .model_system_prompts
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, p)| p.as_str())
+        };
+        own(requested)
+            .or_else(|| own(engine_id))
+            .or(self.config.system_prompt.as_deref())
     }
 
     /// Names the model answers to: its id, then the aliases.

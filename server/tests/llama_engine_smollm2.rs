@@ -2,29 +2,18 @@
 //! an independent log-softmax of the model's logits, cancellation, and batched requests
 //! against one-at-a-time ones.
 
+mod common;
+
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
+use common::model_dir;
 use gdsllm_server::{
     CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, SamplingParams,
 };
 use llama::{CpuBackend, InMemoryWeights, Llama};
 use weights_format::{Model, names};
-
-fn model_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
-        return Some(PathBuf::from(dir));
-    }
-    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
-        return None;
-    }
-    panic!(
-        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
-         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
-    );
-}
 
 /// The engine `gdsllm serve` runs on the CPU, for batches of `max_batch` sequences of
 /// `context` positions whose KV caches hold `kv_budget` bytes together (None: room for all).

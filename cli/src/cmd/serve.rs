@@ -56,6 +56,23 @@ pub struct Args {
     /// System message inserted at the start of every chat request that has none.
     #[arg(long, value_name = "TEXT", env = "GDSLLM_SYSTEM_PROMPT")]
     pub system_prompt: Option<String>,
+    /// A system prompt from a file (repeatable): `PATH` is the default for every model (like
+    /// --system-prompt, which it cannot be given with); `NAME=PATH` applies to chats that name
+    /// model NAME (its name or an alias), in place of the default. Inserted only into chats
+    /// that have no system message of their own.
+    #[arg(
+        long = "system-prompt-file",
+        value_name = "[NAME=]PATH",
+        env = "GDSLLM_SYSTEM_PROMPT_FILE",
+        value_delimiter = ','
+    )]
+    pub system_prompt_files: Vec<String>,
+    /// Let browser pages from these origins call the API (CORS): `*` for any, or a
+    /// comma-separated list such as `http://localhost:3000,https://chat.example.com`.
+    /// Preflight requests are answered without an API key; the requests themselves still
+    /// need one when --api-key is set.
+    #[arg(long, value_name = "ORIGINS", env = "GDSLLM_CORS_ORIGINS")]
+    pub cors_origins: Option<String>,
     /// Most sequences decoded together: running requests share each pass over the weights
     /// (continuous batching; new requests join between steps, their prompts prefilled in
     /// chunks alongside the running ones). Requests beyond it wait in arrival order.
@@ -67,6 +84,14 @@ pub struct Args {
     /// request that would not fit even alone gets a 400).
     #[arg(long, value_name = "BYTES|auto", env = "GDSLLM_KV_BUDGET", default_value = "auto", value_parser = parse_kv_budget)]
     pub kv_budget: KvBudget,
+    /// Memory for recent prompts' KV-cache positions, e.g. 512MiB; 0 turns prefix caching
+    /// off. A request whose prompt starts like a recent one's (a shared system prompt, earlier
+    /// turns of a chat) takes those positions from it instead of computing them, in blocks of
+    /// 16 tokens; the least recently used prompts are dropped first. Held on the model's
+    /// device on top of --kv-budget. /metrics counts gdsllm_prefix_cache_queries_total and
+    /// gdsllm_prefix_cache_hits_total in prompt tokens.
+    #[arg(long, value_name = "BYTES", env = "GDSLLM_PREFIX_CACHE_BYTES", default_value = "512MiB", value_parser = residency::parse_bytes)]
+    pub prefix_cache_bytes: u64,
     /// Context size in tokens per sequence (prompt + reply); 0, or more than the model's
     /// context: the model's full context (with a warning when more).
     /// Longer prompts get a 400 that gives both numbers.
@@ -150,16 +175,63 @@ fn parse_kv_budget(s: &str) -> Result<KvBudget, residency::ParseBytesError> {
     residency::parse_bytes(s).map(|b| KvBudget(Some(b)))
 }
 
+/// The server's system prompts: the default one and each model's own (name, prompt).
+type SystemPrompts = (Option<String>, Vec<(String, String)>);
+
+/// `--system-prompt-file`: the default prompt (with `--system-prompt`) and the per-model ones.
+fn system_prompts(inline: Option<&str>, files: &[String]) -> anyhow::Result<SystemPrompts> {
+    let mut default = inline.map(str::to_string);
+    let mut per_model: Vec<(String, String)> = Vec::new();
+    for spec in files {
+        // A `NAME=` prefix only where NAME has no path separator, so that `./a=b.txt` is a path.
+        let (name, path) = match spec.split_once('=') {
+            Some((name, path)) if !name.is_empty() && !name.contains(['/', '\\']) => {
+                (Some(name), path)
+            }
+            _ => (None, spec.as_str()),
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--system-prompt-file {spec}: reading {path}"))?;
+        let text = text.trim_end().to_string();
+        if text.is_empty() {
+            bail!("--system-prompt-file {spec}: {path} is empty");
+        }
+        match name {
+            Some(name) => {
+                if per_model.iter().any(|(n, _)| n == name) {
+                    bail!("--system-prompt-file: model {name} is given twice");
+                }
+                per_model.push((name.to_string(), text));
+            }
+            None if default.is_some() => bail!(
+                "--system-prompt-file {spec}: a default system prompt is already set (by \
+                 --system-prompt or another --system-prompt-file); name the model: NAME={path}"
+            ),
+            None => default = Some(text),
+        }
+    }
+    Ok((default, per_model))
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     let mut api_keys = args.api_keys.clone();
     if let Some(path) = &args.api_key_file {
         api_keys.extend(gdsllm_server::load_api_key_file(path)?);
     }
     api_keys.retain(|k| !k.trim().is_empty());
+    let (system_prompt, model_system_prompts) =
+        system_prompts(args.system_prompt.as_deref(), &args.system_prompt_files)?;
+    let cors_origins = args
+        .cors_origins
+        .as_deref()
+        .map(gdsllm_server::cors::CorsOrigins::parse)
+        .transpose()?;
     let config = ServerConfig {
         api_keys,
         aliases: args.aliases.clone(),
-        system_prompt: args.system_prompt.clone(),
+        system_prompt,
+        model_system_prompts,
+        cors_origins,
         max_batch: args.max_batch as usize,
         body_limit: usize::try_from(args.body_limit).context("--body-limit is too large")?,
         shutdown_grace: Duration::from_secs(args.shutdown_grace),
@@ -179,7 +251,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
         residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
     });
-    let (device, options) = args.open.options(context, max_batch, Some(kv_budget))?;
+    // The model reserves device memory for the running sequences and the prefix cache
+    // together; `open_serving` gives the sequences their part.
+    let prefix_cache_bytes = args.prefix_cache_bytes;
+    let (device, options) = args.open.options(
+        context,
+        max_batch,
+        Some(kv_budget.saturating_add(prefix_cache_bytes)),
+    )?;
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -218,7 +297,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let engine = gdsllm_server::open(&dir, model_id, device, &options);
+            let engine =
+                gdsllm_server::open_serving(&dir, model_id, device, &options, prefix_cache_bytes);
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
@@ -250,4 +330,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::system_prompts;
+
+    #[test]
+    fn system_prompt_files_set_the_default_or_a_model_s_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.txt");
+        let b = dir.path().join("b.txt");
+        std::fs::write(&a, "Default prompt.\n").unwrap();
+        std::fs::write(&b, "Coder prompt.").unwrap();
+        let (a, b) = (a.display().to_string(), b.display().to_string());
+        let (default, per_model) =
+            system_prompts(None, &[a.clone(), format!("coder={b}")]).unwrap();
+        assert_eq!(default.as_deref(), Some("Default prompt."));
+        assert_eq!(per_model, vec![("coder".into(), "Coder prompt.".into())]);
+
+        let err = system_prompts(Some("inline"), std::slice::from_ref(&a)).unwrap_err();
+        assert!(format!("{err:#}").contains("already set"), "{err:#}");
+        let twice = [format!("coder={a}"), format!("coder={b}")];
+        let err = system_prompts(None, &twice).unwrap_err();
+        assert!(format!("{err:#}").contains("given twice"), "{err:#}");
+        let missing = dir.path().join("missing.txt").display().to_string();
+        let err = system_prompts(None, &[missing]).unwrap_err();
+        assert!(format!("{err:#}").contains("reading"), "{err:#}");
+    }
 }

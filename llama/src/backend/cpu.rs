@@ -270,6 +270,20 @@ impl Backend for CpuBackend {
         4
     }
 
+    fn copy_kv(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut Vec<f32>,
+        values: usize,
+    ) -> Result<(), BackendError> {
+        dst[..values].copy_from_slice(&src[..values]);
+        Ok(())
+    }
+
+    fn uniform_rows_from(&self) -> usize {
+        kernels::DECODE_ONCE_MIN_ROWS
+    }
+
     fn upload(&self, values: &[f32]) -> Result<Vec<f32>, BackendError> {
         Ok(values.to_vec())
     }

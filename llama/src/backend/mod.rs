@@ -153,6 +153,22 @@ pub trait Backend: Send + Sync {
     /// Bytes one value of a [`Backend::KvBuf`] takes (4 for f32), for the KV memory budget.
     fn kv_value_bytes(&self) -> usize;
 
+    /// Copies the first `values` values of `src` into the start of `dst` (both at least that
+    /// long): the prefix cache handing cached positions to a new sequence. Not while a pass
+    /// is running.
+    fn copy_kv(
+        &self,
+        src: &Self::KvBuf,
+        dst: &mut Self::KvBuf,
+        values: usize,
+    ) -> Result<(), BackendError>;
+
+    /// The row count from which the matmuls compute every row the same way however many rows
+    /// a sequence's pass has (below it they pick another kernel, which rounds differently;
+    /// see [`RowGroup`]). The prefix cache only reuses positions computed in passes at least
+    /// this wide, for passes at least this wide, so that reusing them changes no result.
+    fn uniform_rows_from(&self) -> usize;
+
     /// A buffer holding `values` (the model's constants, such as the RoPE frequencies).
     fn upload(&self, values: &[f32]) -> Result<Self::Buf, BackendError>;
 

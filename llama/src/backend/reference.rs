@@ -102,6 +102,20 @@ impl Backend for ReferenceBackend {
         4
     }
 
+    fn copy_kv(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut Vec<f32>,
+        values: usize,
+    ) -> Result<(), BackendError> {
+        dst[..values].copy_from_slice(&src[..values]);
+        Ok(())
+    }
+
+    fn uniform_rows_from(&self) -> usize {
+        1
+    }
+
     fn upload(&self, values: &[f32]) -> Result<Vec<f32>, BackendError> {
         Ok(values.to_vec())
     }

@@ -67,6 +67,39 @@ impl<B: Backend> KvCache<B> {
         self.capacity
     }
 
+    /// Whether positions `0 .. positions` lie in slots `0 .. positions` of every layer (no ring
+    /// has wrapped over them), so that they can be copied as one block.
+    fn holds_unwrapped(&self, positions: usize) -> bool {
+        positions <= self.capacity && self.rings.iter().all(|r| positions <= r.slots)
+    }
+
+    /// Makes this cache hold `src`'s first `positions` positions (and nothing after them):
+    /// one copy per layer's keys and values on `backend`. Returns `false`, copying nothing,
+    /// when either cache cannot hold them unwrapped (a ring layer shorter than `positions`),
+    /// `src` has fewer or the caches are of different models.
+    pub fn copy_prefix_from(
+        &mut self,
+        backend: &B,
+        src: &KvCache<B>,
+        positions: usize,
+    ) -> Result<bool, LlamaError> {
+        if positions > src.len
+            || !src.holds_unwrapped(positions)
+            || !self.holds_unwrapped(positions)
+            || src.kv_dim != self.kv_dim
+            || src.layers.len() != self.layers.len()
+        {
+            return Ok(false);
+        }
+        let values = positions * self.kv_dim;
+        for ((k_dst, v_dst), (k_src, v_src)) in self.layers.iter_mut().zip(&src.layers) {
+            backend.copy_kv(k_src, k_dst, values)?;
+            backend.copy_kv(v_src, v_dst, values)?;
+        }
+        self.len = positions;
+        Ok(true)
+    }
+
     /// Forgets positions from `len` on. On a model with sliding-window layers a cache whose
     /// rings have wrapped can only go back a window's length; further back it forgets
     /// everything ([`KvCache::len`] says what was kept).

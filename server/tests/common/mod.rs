@@ -6,10 +6,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdsllm_server::{
-    CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
-    GeneratedToken, GenerationRequest, Server, ServerConfig, TokenLogprob,
+    CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
+    EngineStats, GeneratedToken, GenerationRequest, Server, ServerConfig, TokenLogprob,
 };
 use parking_lot::Mutex;
+
+/// The converted SmolLM2 of `GDSLLM_TEST_MODEL`; `None` (skip) only when
+/// `GDSLLM_SKIP_MODEL_TESTS=1`, a panic otherwise.
+pub fn model_dir() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
+        return Some(std::path::PathBuf::from(dir));
+    }
+    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
+        return None;
+    }
+    panic!(
+        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
+         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
+    );
+}
 
 /// The words the fake model "generates", in order, starting at an offset taken from the prompt.
 pub const SCRIPT: &[&str] = &[
@@ -113,6 +129,10 @@ struct FakeBatch<'a> {
     waiting: Vec<(u64, GenerationRequest)>,
     /// (id, request, words given)
     running: Vec<(u64, GenerationRequest, usize)>,
+    /// What a prefix cache would report: every admitted prompt's tokens are queried, and
+    /// those it shares with an earlier prompt are hits.
+    cache: CacheUsage,
+    seen_prompts: Vec<Vec<u32>>,
 }
 
 impl EngineBatch for FakeBatch<'_> {
@@ -137,6 +157,14 @@ impl EngineBatch for FakeBatch<'_> {
     ) -> Result<Vec<(u64, Result<EngineFinish, EngineError>)>, EngineError> {
         while self.running.len() < self.max_batch && !self.waiting.is_empty() {
             let (id, request) = self.waiting.remove(0);
+            let prompt = &request.prompt;
+            let shared = self
+                .seen_prompts
+                .iter()
+                .map(|p| p.iter().zip(prompt).take_while(|(a, b)| a == b).count());
+            self.cache.prefix_queried_tokens += prompt.len() as u64;
+            self.cache.prefix_hit_tokens += shared.max().unwrap_or(0) as u64;
+            self.seen_prompts.push(prompt.clone());
             self.running.push((id, request, 0));
         }
         {
@@ -190,6 +218,14 @@ impl EngineBatch for FakeBatch<'_> {
 
     fn is_running(&self, id: u64) -> bool {
         self.running.iter().any(|r| r.0 == id)
+    }
+
+    fn cache_usage(&self) -> CacheUsage {
+        CacheUsage {
+            kv_used_bytes: self.running.len() as u64,
+            kv_budget_bytes: self.max_batch as u64,
+            ..self.cache
+        }
     }
 }
 
@@ -295,6 +331,8 @@ impl Engine for FakeEngine {
             next_id: 0,
             waiting: Vec::new(),
             running: Vec::new(),
+            cache: CacheUsage::default(),
+            seen_prompts: Vec::new(),
         })))
     }
 

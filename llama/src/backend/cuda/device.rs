@@ -254,6 +254,20 @@ impl Queue {
             .map_err(|e| self.error(op, e))
     }
 
+    /// The first `values` values of `src` into the start of `dst`, on the stream.
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        dst: &mut CudaSlice<T>,
+        values: usize,
+        op: &'static str,
+    ) -> Result<(), BackendError> {
+        self.issue();
+        self.stream
+            .memcpy_dtod(&src.slice(0..values), &mut dst.slice_mut(0..values))
+            .map_err(|e| self.error(op, e))
+    }
+
     /// The first `out.len()` values of `src`, once everything queued before has run.
     pub fn read<T: DeviceRepr>(
         &self,

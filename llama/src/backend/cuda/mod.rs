@@ -243,6 +243,22 @@ impl Backend for CudaBackend {
         2
     }
 
+    fn copy_kv(
+        &self,
+        src: &CudaKvBuf,
+        dst: &mut CudaKvBuf,
+        values: usize,
+    ) -> Result<(), BackendError> {
+        self.graphs.forbid_while_recording("a KV-cache copy")?;
+        self.queue
+            .copy(&src.0, &mut dst.0, values, "copying cached KV positions")
+    }
+
+    /// cuBLAS takes the prefill matmuls from this many rows on (`matmul::CUBLAS_MIN_ROWS`).
+    fn uniform_rows_from(&self) -> usize {
+        matmul::CUBLAS_MIN_ROWS
+    }
+
     fn upload(&self, values: &[f32]) -> Result<CudaBuf, BackendError> {
         self.graphs
             .forbid_while_recording("a copy from host memory")?;
