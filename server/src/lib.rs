@@ -21,7 +21,7 @@ mod state;
 
 pub use engine::{
     CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,
-    GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
+    GeneratedToken, GenerationRequest, GrammarSpec, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{LlamaEngine, open};
