@@ -139,6 +139,37 @@ fn json_schema_output_is_valid_greedy_and_sampled() {
     println!("greedy: {}", g.text);
     assert_eq!(g.finish_reason, FinishReason::Eos, "{}", g.text);
     check_person(&serde_json::from_str(&g.text).unwrap());
+    // The cost of the mask (printed for BENCHMARKS.md, not asserted): decode speed of the
+    // same prompt free and under a schema whose answer is long.
+    let list = GrammarSpec::JsonSchema(json!({
+        "type": "object",
+        "properties": {"names": {"type": "array", "items": {"type": "string", "maxLength": 40}}},
+        "required": ["names"]
+    }));
+    let list_prompt = chat_prompt(&m, "List twenty first names as JSON.");
+    let free = generate(
+        &mut m,
+        &list_prompt,
+        SamplerConfig::greedy(),
+        None,
+        vec![],
+        64,
+    );
+    let constrained = generate(
+        &mut m,
+        &list_prompt,
+        SamplerConfig::greedy(),
+        Some(&list),
+        vec![],
+        64,
+    );
+    println!(
+        "decode: {:.1} tok/s free ({} tokens), {:.1} tok/s under a JSON schema ({} tokens)",
+        free.generation_tokens_per_second(),
+        free.tokens.len(),
+        constrained.generation_tokens_per_second(),
+        constrained.tokens.len()
+    );
     for seed in 0..3 {
         let sampler = SamplerConfig {
             temperature: 1.0,

@@ -694,15 +694,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A one-message chat request with the fields of `extra` added.
+    fn chat(extra: Value) -> Result<ChatRequest, ApiError> {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        chat_request(&body)
+    }
+
     #[test]
     fn unsupported_fields_are_refused_by_name_and_their_off_values_accepted() {
-        let chat = |extra: Value| {
-            let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            chat_request(&body)
-        };
         for (field, value) in [
             (
                 "tools",
@@ -805,13 +807,6 @@ mod tests {
 
     #[test]
     fn logit_bias_and_output_grammars_are_read_and_bad_ones_named() {
-        let chat = |extra: Value| {
-            let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            chat_request(&body)
-        };
         let r = chat(json!({"logit_bias": {"50": -100, " 7": 2.5}})).unwrap();
         let mut bias = r.common.sampling.logit_bias.clone();
         bias.sort_by_key(|b| b.0);
