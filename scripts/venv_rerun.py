@@ -13,23 +13,30 @@ IN_VENV = "GDSLLM_SCRIPT_IN_VENV"
 
 
 def ensure_importable(module, requirement, venv=None):
-    """Returns when `module` imports; otherwise pip-installs `requirement` into the virtual
-    environment at `venv` (a new temporary directory when None) and replaces this process with
-    the calling script run there (never returns)."""
-    try:
-        __import__(module)
+    """Returns when `module` imports (a name, or a list of names that must all import);
+    otherwise pip-installs `requirement` (one, or a list) into the virtual environment at
+    `venv` (a new temporary directory when None) and replaces this process with the calling
+    script run there (never returns)."""
+    modules = [module] if isinstance(module, str) else list(module)
+    requirements = [requirement] if isinstance(requirement, str) else list(requirement)
+    missing = []
+    for name in modules:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if not missing:
         return
-    except ImportError:
-        pass
+    module = ", ".join(missing)
     if os.environ.get(IN_VENV) == "1":
         sys.exit(f"{module} is still not importable inside the virtual environment")
-    venv = venv or tempfile.mkdtemp(prefix=f"gdsllm-{module}-venv-")
+    venv = venv or tempfile.mkdtemp(prefix=f"gdsllm-{missing[0]}-venv-")
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
         print(f"creating virtual environment {venv}", file=sys.stderr)
         subprocess.check_call([sys.executable, "-m", "venv", venv])
-    print(f"pip install {requirement}", file=sys.stderr)
-    subprocess.check_call([python, "-m", "pip", "install", "--quiet", requirement],
+    print(f"pip install {' '.join(requirements)}", file=sys.stderr)
+    subprocess.check_call([python, "-m", "pip", "install", "--quiet", *requirements],
                           stdout=sys.stderr)
     script = os.path.abspath(sys.argv[0])
     os.execve(python, [python, script, *sys.argv[1:]], dict(os.environ, **{IN_VENV: "1"}))

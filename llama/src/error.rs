@@ -67,6 +67,8 @@ pub enum LlamaError {
     ChatTemplate { path: PathBuf, message: String },
     #[error("the model has no chat template (metadata.json `chat_template` is null)")]
     NoChatTemplate,
+    #[error("grammar: {message}")]
+    Grammar { message: String },
     #[error("sampling setting {setting} = {value}: {message}")]
     Sampling {
         setting: &'static str,

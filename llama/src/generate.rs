@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::LlamaError;
 use crate::backend::Backend;
+use crate::grammar::Constraint;
 use crate::model::Llama;
 use crate::sampling::{Sampler, SamplerConfig};
 use crate::stop::StopMatcher;
@@ -122,10 +123,18 @@ pub struct SeqStep {
     text: String,
     penalties: Penalties,
     counts: HashMap<u32, u32>,
-    /// The penalised logits (only when a penalty is set).
-    penalised: Vec<f32>,
+    /// `(token, bias)` added to the logits; a bias of [`BAN_BIAS`] or below bans the token.
+    logit_bias: Vec<(u32, f32)>,
+    /// The grammar the output must follow.
+    constraint: Option<Constraint>,
+    /// The logits after penalties, biases and the grammar's mask (only when one is set).
+    adjusted: Vec<f32>,
     logprobs: Option<usize>,
 }
+
+/// A logit bias this low bans its token outright (OpenAI's `logit_bias` of -100), rather than
+/// making it merely unlikely.
+pub const BAN_BIAS: f32 = -100.0;
 
 impl SeqStep {
     /// A sequence after `prompt`, sampled by `sampler`, ending at any of the `eos` ids or
@@ -141,7 +150,9 @@ impl SeqStep {
             text: String::new(),
             penalties: Penalties::default(),
             counts: HashMap::new(),
-            penalised: Vec::new(),
+            logit_bias: Vec::new(),
+            constraint: None,
+            adjusted: Vec::new(),
             logprobs: None,
         }
     }
@@ -149,6 +160,20 @@ impl SeqStep {
     /// Applies `penalties` to the logits before sampling.
     pub fn with_penalties(mut self, penalties: Penalties) -> SeqStep {
         self.penalties = penalties;
+        self
+    }
+
+    /// Adds `bias` to the logit of each token before sampling ([`BAN_BIAS`] bans it); ids
+    /// outside the vocabulary are ignored (callers validate them).
+    pub fn with_logit_bias(mut self, bias: Vec<(u32, f32)>) -> SeqStep {
+        self.logit_bias = bias;
+        self
+    }
+
+    /// Samples only tokens `constraint` allows: once the grammar is complete, the mask leaves
+    /// only the end-of-sequence tokens, so the sequence ends with one.
+    pub fn with_constraint(mut self, constraint: Option<Constraint>) -> SeqStep {
+        self.constraint = constraint;
         self
     }
 
@@ -166,21 +191,38 @@ impl SeqStep {
 
     /// Chooses the token after `logits` and turns it into text.
     pub fn next(&mut self, logits: &[f32], tokenizer: &Tokenizer) -> Result<Step, LlamaError> {
-        let logits = if self.penalties.active() {
-            self.penalised.clear();
-            self.penalised.extend_from_slice(logits);
+        let adjust =
+            self.penalties.active() || !self.logit_bias.is_empty() || self.constraint.is_some();
+        let logits = if adjust {
+            self.adjusted.clear();
+            self.adjusted.extend_from_slice(logits);
             for (&id, &n) in &self.counts {
-                if let Some(l) = self.penalised.get_mut(id as usize) {
+                if let Some(l) = self.adjusted.get_mut(id as usize) {
                     *l -= self.penalties.frequency * n as f32 + self.penalties.presence;
                 }
             }
-            &self.penalised[..]
+            for &(id, bias) in &self.logit_bias {
+                if let Some(l) = self.adjusted.get_mut(id as usize) {
+                    *l = if bias <= BAN_BIAS {
+                        f32::NEG_INFINITY
+                    } else {
+                        *l + bias
+                    };
+                }
+            }
+            if let Some(constraint) = &mut self.constraint {
+                constraint.mask(&mut self.adjusted)?;
+            }
+            &self.adjusted[..]
         } else {
             logits
         };
         let token = self.sampler.sample(logits, &self.history);
         self.tokens.push(token);
         self.history.push(token);
+        if let Some(constraint) = &mut self.constraint {
+            constraint.accept(token)?;
+        }
         if self.eos.contains(&token) {
             return Ok(Step {
                 token,

@@ -18,6 +18,7 @@ pub mod chat;
 pub mod config;
 mod error;
 pub mod generate;
+pub mod grammar;
 pub mod load;
 pub mod model;
 pub mod prefix_cache;
@@ -39,6 +40,7 @@ pub use error::LlamaError;
 pub use generate::{
     FinishReason, GenerateOptions, Generation, Logprobs, Penalties, SeqStep, Session, Step,
 };
+pub use grammar::{Constraint, GrammarCompiler, GrammarSpec};
 #[cfg(feature = "cuda")]
 pub use load::CudaModel;
 pub use load::{CpuModel, Device, LoadedModel, OpenOptions, OpenedModel, open};

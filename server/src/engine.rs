@@ -6,6 +6,8 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+pub use llama::GrammarSpec;
+
 /// One chat message after validation (content parts already joined into text).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
@@ -29,6 +31,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// OpenAI semantics: subtracted per occurrence from the logit of generated tokens.
     pub frequency_penalty: f32,
+    /// OpenAI's `logit_bias`: `(token id, bias in [-100, 100])` added to the logits; -100
+    /// bans the token. Ids are checked against [`Engine::vocab_size`] before a request runs.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -41,6 +46,7 @@ impl Default for SamplingParams {
             seed: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -56,6 +62,9 @@ pub struct GenerationRequest {
     /// `Some(k)`: report the chosen token's log-probability and the `k` most likely
     /// alternatives (log-softmax of the model's raw logits) with every token.
     pub logprobs: Option<usize>,
+    /// The grammar the output must follow (structured output), checked with
+    /// [`Engine::check_grammar`] before the request runs.
+    pub grammar: Option<GrammarSpec>,
 }
 
 /// A token with its log-probability.
@@ -208,6 +217,19 @@ pub trait Engine: Send + Sync + 'static {
 
     /// Positions one sequence may hold (prompt + generated).
     fn context_length(&self) -> usize;
+
+    /// Logits per position: every valid token id is below this.
+    fn vocab_size(&self) -> usize;
+
+    /// Whether `grammar` compiles for this model (an invalid JSON schema or Lark grammar is
+    /// an [`EngineError::InvalidInput`] saying why). The default: this engine cannot
+    /// constrain its output at all.
+    fn check_grammar(&self, grammar: &GrammarSpec) -> Result<(), EngineError> {
+        let _ = grammar;
+        Err(EngineError::InvalidInput(
+            "this model cannot constrain its output to a grammar".into(),
+        ))
+    }
 
     /// Token ids of `text`; special-token text (`<|im_start|>`) becomes its special token.
     /// `add_bos` prepends the model's BOS token when the model's config asks for one.

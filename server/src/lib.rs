@@ -22,7 +22,7 @@ mod state;
 
 pub use engine::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
-    EngineStats, GeneratedToken, GenerationRequest, SamplingParams, TokenLogprob,
+    EngineStats, GeneratedToken, GenerationRequest, GrammarSpec, SamplingParams, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{LlamaEngine, open, open_serving};

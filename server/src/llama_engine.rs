@@ -13,9 +13,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use llama::{
-    Backend, BatchConfig, Batcher, ChatTemplate, Device, FinishReason, LlamaError, LoadedModel,
-    Message, OpenOptions, OpenedModel, Penalties, Sampler, SamplerConfig, SeqEnd, SeqStep, Session,
-    Step, Tokenizer, WeightSource,
+    Backend, BatchConfig, Batcher, ChatTemplate, Constraint, Device, FinishReason, GrammarCompiler,
+    GrammarSpec, LlamaError, LoadedModel, Message, OpenOptions, OpenedModel, Penalties, Sampler,
+    SamplerConfig, SeqEnd, SeqStep, Session, Step, Tokenizer, WeightSource,
 };
 use parking_lot::Mutex;
 
@@ -30,6 +30,7 @@ fn engine_error(err: LlamaError) -> EngineError {
         | LlamaError::KvBudget { .. }
         | LlamaError::TokenOutOfRange { .. }
         | LlamaError::Sampling { .. }
+        | LlamaError::Grammar { .. }
         | LlamaError::NoChatTemplate
         | LlamaError::ChatTemplate { .. } => EngineError::InvalidInput(err.to_string()),
         other => EngineError::Failed(other.to_string()),
@@ -50,6 +51,10 @@ pub struct LlamaEngine<B: Backend, W: WeightSource> {
     add_bos: bool,
     eos_ids: Vec<u32>,
     context: usize,
+    vocab: usize,
+    /// Binds grammars to the tokenizer; built on the first request with a grammar (it reads
+    /// every token's bytes), or why it cannot be.
+    grammars: std::sync::OnceLock<Result<GrammarCompiler, String>>,
     /// Weight-streaming counters, read without the session's lock (the worker holds that
     /// while it generates, and `/metrics` must not wait for a sequence to end).
     residency: Option<Arc<residency::Residency>>,
@@ -72,6 +77,8 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             add_bos: config.add_bos_token,
             eos_ids: config.eos_token_ids.clone(),
             context: llama.context(),
+            vocab: config.vocab_size,
+            grammars: std::sync::OnceLock::new(),
             residency: llama.weights().residency_handle(),
             tokenizer: model.session.tokenizer().clone(),
             session: Mutex::new(model.session),
@@ -184,8 +191,25 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
         }
     }
 
-    /// The step that chooses a request's tokens: its sampler, penalties and log-probabilities
-    /// (no stop strings: the scheduler holds those back from the stream).
+    /// A fresh constraint for `grammar`, or why it cannot be (a 400).
+    fn constraint(&self, grammar: &GrammarSpec) -> Result<Constraint, EngineError> {
+        let compiler = self
+            .grammars
+            .get_or_init(|| {
+                GrammarCompiler::new(&self.tokenizer, self.vocab, &self.eos_ids)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| {
+                EngineError::InvalidInput(format!(
+                    "this model's tokenizer cannot be used for structured output: {e}"
+                ))
+            })?;
+        compiler.compile(grammar).map_err(engine_error)
+    }
+
+    /// The step that chooses a request's tokens: its sampler, penalties, logit biases, grammar
+    /// and log-probabilities (no stop strings: the scheduler holds those back from the stream).
     fn seq_step(&self, request: &GenerationRequest) -> Result<SeqStep, EngineError> {
         let s = &request.sampling;
         let seed = s.seed.unwrap_or_else(|| {
@@ -204,11 +228,18 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             seed,
         })
         .map_err(engine_error)?;
+        let constraint = request
+            .grammar
+            .as_ref()
+            .map(|g| self.constraint(g))
+            .transpose()?;
         Ok(SeqStep::new(&request.prompt, sampler, &self.eos_ids, &[])
             .with_penalties(Penalties {
                 presence: s.presence_penalty,
                 frequency: s.frequency_penalty,
             })
+            .with_logit_bias(s.logit_bias.clone())
+            .with_constraint(constraint)
             .with_logprobs(request.logprobs))
     }
 
@@ -344,6 +375,14 @@ where
 
     fn context_length(&self) -> usize {
         self.context
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn check_grammar(&self, grammar: &GrammarSpec) -> Result<(), EngineError> {
+        self.constraint(grammar).map(drop)
     }
 
     fn tokenize(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {

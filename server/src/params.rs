@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::engine::{ChatMessage, SamplingParams};
+use crate::engine::{ChatMessage, GrammarSpec, SamplingParams};
 use crate::error::ApiError;
 
 /// Most alternatives per token a request may ask for (OpenAI's limit).
@@ -20,8 +20,6 @@ pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 /// but null, an empty list or object, or the field's own "off" value, see [`is_off`]) gets a
 /// 400 naming it. Implementing a field means deleting its line here.
 pub const UNSUPPORTED_FIELDS: &[&str] = &[
-    "logit_bias",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -40,10 +38,6 @@ fn is_off(name: &str, value: &Value) -> bool {
         Value::Null => true,
         Value::Array(items) => items.is_empty(),
         Value::Object(map) if map.is_empty() => true,
-        // Plain text is what every answer is.
-        Value::Object(map) if name == "response_format" => {
-            map.len() == 1 && map.get("type").and_then(Value::as_str) == Some("text")
-        }
         Value::String(s) if name == "tool_choice" => s == "none",
         // Only means something together with tools, which are refused on their own.
         Value::Bool(_) if name == "parallel_tool_calls" => true,
@@ -160,6 +154,134 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// Most entries of `logit_bias` (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// `logit_bias`: an object from token ids (as strings, JSON keys) to biases in [-100, 100].
+fn logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
+    const NAME: &str = "logit_bias";
+    let map = match f.get(NAME) {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(v) => return Err(type_error(NAME, "an object of token id -> bias", v)),
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid_param(
+            NAME,
+            format!(
+                "`{NAME}` has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                map.len()
+            ),
+        ));
+    }
+    map.iter()
+        .map(|(key, value)| {
+            let id: u32 = key.trim().parse().map_err(|_| {
+                ApiError::invalid_param(
+                    NAME,
+                    format!("`{NAME}` key {key:?} is not a token id (a non-negative integer)"),
+                )
+            })?;
+            let bias = value.as_f64().ok_or_else(|| {
+                type_error(&format!("{NAME}.{key}"), "a number", value)
+            })?;
+            if !(-100.0..=100.0).contains(&bias) {
+                return Err(ApiError::invalid_param(
+                    NAME,
+                    format!("`{NAME}` of token {id} = {bias} is out of range: it must be between -100 and 100"),
+                ));
+            }
+            Ok((id, bias as f32))
+        })
+        .collect()
+}
+
+/// A grammar a request's output must follow, and the request field that set it (named by the
+/// 400 when it does not compile).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutputGrammar {
+    pub spec: GrammarSpec,
+    pub param: &'static str,
+}
+
+/// `response_format` (OpenAI: `text`, `json_object`, `json_schema`) and llama-server's
+/// `grammar` (here in llguidance's Lark syntax), at most one of them.
+fn output_grammar(f: &Fields<'_>) -> Result<Option<OutputGrammar>, ApiError> {
+    let format = match f.get("response_format") {
+        None => None,
+        Some(Value::Object(map)) => {
+            let kind = match map.get("type") {
+                Some(Value::String(t)) => t.as_str(),
+                Some(v) => return Err(type_error("response_format.type", "a string", v)),
+                None => {
+                    return Err(ApiError::invalid_param(
+                        "response_format.type",
+                        "`response_format.type` is required",
+                    ));
+                }
+            };
+            match kind {
+                "text" => None,
+                "json_object" => Some(GrammarSpec::JsonObject),
+                "json_schema" => {
+                    let schema = match map.get("json_schema") {
+                        Some(Value::Object(js)) => js.get("schema"),
+                        Some(v) => {
+                            return Err(type_error("response_format.json_schema", "an object", v));
+                        }
+                        None => None,
+                    };
+                    match schema {
+                        Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+                            Some(GrammarSpec::JsonSchema(schema.clone()))
+                        }
+                        Some(v) => {
+                            return Err(type_error(
+                                "response_format.json_schema.schema",
+                                "a JSON schema object",
+                                v,
+                            ));
+                        }
+                        None => {
+                            return Err(ApiError::invalid_param(
+                                "response_format.json_schema.schema",
+                                "`response_format.json_schema.schema` is required with type json_schema",
+                            ));
+                        }
+                    }
+                }
+                other => {
+                    return Err(ApiError::invalid_param(
+                        "response_format.type",
+                        format!(
+                            "`response_format.type` = {other:?} is not one of text, json_object, json_schema"
+                        ),
+                    ));
+                }
+            }
+        }
+        Some(v) => return Err(type_error("response_format", "an object", v)),
+    };
+    let grammar = f
+        .string("grammar")?
+        .map(|g| GrammarSpec::Lark(g.to_string()));
+    match (format, grammar) {
+        (Some(_), Some(_)) => Err(ApiError::invalid_param(
+            "grammar",
+            "`grammar` and a JSON `response_format` cannot be used together",
+        )),
+        (Some(spec), None) => Ok(Some(OutputGrammar {
+            spec,
+            param: "response_format",
+        })),
+        (None, Some(spec)) => Ok(Some(OutputGrammar {
+            spec,
+            param: "grammar",
+        })),
+        (None, None) => Ok(None),
+    }
+}
+
 /// Parameters shared by chat and text completions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CommonParams {
@@ -169,6 +291,7 @@ pub struct CommonParams {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    pub grammar: Option<OutputGrammar>,
 }
 
 fn common(f: &Fields<'_>) -> Result<CommonParams, ApiError> {
@@ -253,10 +376,12 @@ fn common(f: &Fields<'_>) -> Result<CommonParams, ApiError> {
             seed,
             presence_penalty,
             frequency_penalty,
+            logit_bias: logit_bias(f)?,
         },
         stop,
         stream,
         include_usage,
+        grammar: output_grammar(f)?,
     })
 }
 
@@ -569,18 +694,18 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// A one-message chat request with the fields of `extra` added.
+    fn chat(extra: Value) -> Result<ChatRequest, ApiError> {
+        let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        chat_request(&body)
+    }
+
     #[test]
     fn unsupported_fields_are_refused_by_name_and_their_off_values_accepted() {
-        let chat = |extra: Value| {
-            let mut body = json!({"messages": [{"role": "user", "content": "x"}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            chat_request(&body)
-        };
         for (field, value) in [
-            ("logit_bias", json!({"50256": -100})),
-            ("response_format", json!({"type": "json_object"})),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),
@@ -604,8 +729,6 @@ mod tests {
             );
         }
         for (field, value) in [
-            ("logit_bias", json!({})),
-            ("logit_bias", Value::Null),
             ("tools", json!([])),
             ("tool_choice", json!("none")),
             ("response_format", json!({"type": "text"})),
@@ -679,6 +802,77 @@ mod tests {
             let err = chat_request(&body).expect_err(&body.to_string());
             assert_eq!(err.param.as_deref(), Some(param), "{body}: {}", err.message);
             assert_eq!(err.status, 400);
+        }
+    }
+
+    #[test]
+    fn logit_bias_and_output_grammars_are_read_and_bad_ones_named() {
+        let r = chat(json!({"logit_bias": {"50": -100, " 7": 2.5}})).unwrap();
+        let mut bias = r.common.sampling.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(7, 2.5), (50, -100.0)]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let r = chat(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": schema, "strict": true}}}))
+        .unwrap();
+        assert_eq!(
+            r.common.grammar,
+            Some(OutputGrammar {
+                spec: GrammarSpec::JsonSchema(schema),
+                param: "response_format"
+            })
+        );
+        let r = chat(json!({"response_format": {"type": "json_object"}})).unwrap();
+        assert_eq!(r.common.grammar.unwrap().spec, GrammarSpec::JsonObject);
+        let r = completion_request(&json!({"prompt": "x", "grammar": "start: \"a\""})).unwrap();
+        assert_eq!(
+            r.common.grammar,
+            Some(OutputGrammar {
+                spec: GrammarSpec::Lark("start: \"a\"".into()),
+                param: "grammar"
+            })
+        );
+        assert_eq!(
+            chat(json!({"response_format": {"type": "text"}}))
+                .unwrap()
+                .common
+                .grammar,
+            None
+        );
+        for (extra, param) in [
+            (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+            (json!({"logit_bias": {"-3": 1}}), "logit_bias"),
+            (json!({"logit_bias": {"3": 101}}), "logit_bias"),
+            (json!({"logit_bias": {"3": -100.5}}), "logit_bias"),
+            (json!({"logit_bias": {"3": "x"}}), "logit_bias.3"),
+            (json!({"logit_bias": [1]}), "logit_bias"),
+            (
+                json!({"response_format": {"type": "yaml"}}),
+                "response_format.type",
+            ),
+            (json!({"response_format": {}}), "response_format.type"),
+            (json!({"response_format": "json"}), "response_format"),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                "response_format.json_schema.schema",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
+                "response_format.json_schema.schema",
+            ),
+            (json!({"grammar": 3}), "grammar"),
+            (
+                json!({"grammar": "start: \"a\"", "response_format": {"type": "json_object"}}),
+                "grammar",
+            ),
+        ] {
+            let err = chat(extra.clone()).expect_err(&extra.to_string());
+            assert_eq!(
+                err.param.as_deref(),
+                Some(param),
+                "{extra}: {}",
+                err.message
+            );
         }
     }
 

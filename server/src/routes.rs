@@ -344,6 +344,31 @@ impl Shape {
     }
 }
 
+/// `logit_bias` ids must be in the vocabulary and a grammar must compile; both are 400s
+/// naming their field.
+fn check_output_controls(engine: &dyn Engine, common: &CommonParams) -> Result<(), ApiError> {
+    let vocab = engine.vocab_size();
+    if let Some(&(id, _)) = common
+        .sampling
+        .logit_bias
+        .iter()
+        .find(|&&(id, _)| id as usize >= vocab)
+    {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!(
+                "`logit_bias` names token {id}, outside this model's vocabulary of {vocab} tokens"
+            ),
+        ));
+    }
+    if let Some(grammar) = &common.grammar {
+        engine.check_grammar(&grammar.spec).map_err(|e| {
+            ApiError::invalid_param(grammar.param, format!("`{}`: {e}", grammar.param))
+        })?;
+    }
+    Ok(())
+}
+
 fn cancelled_error() -> ApiError {
     ApiError::unavailable("the request was cancelled because the server is shutting down")
 }
@@ -374,11 +399,13 @@ fn submit(
         .or(default_max_tokens)
         .unwrap_or(room)
         .min(room);
+    check_output_controls(engine, common)?;
     let request = GenerationRequest {
         prompt,
         max_tokens,
         sampling: common.sampling.clone(),
         logprobs,
+        grammar: common.grammar.as_ref().map(|g| g.spec.clone()),
     };
     scheduler.generate(request, common.stop.clone())
 }

@@ -228,6 +228,7 @@ async fn sampling_parameters_reach_the_engine() {
         "model": "fake-model", "messages": [{"role": "user", "content": "x"}],
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 42,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "max_completion_tokens": 3, "n": 1,
+        "logit_bias": {"4999": -100},
     });
     let (status, r) = post(&ts, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{r}");
@@ -241,6 +242,7 @@ async fn sampling_parameters_reach_the_engine() {
         (s.seed, s.presence_penalty, s.frequency_penalty),
         (Some(42), 0.5, -0.5)
     );
+    assert_eq!(s.logit_bias, vec![(4999, -100.0)]);
     assert_eq!(req.max_tokens, 3);
     assert_eq!(req.logprobs, None);
     ts.shutdown().await;
@@ -1084,11 +1086,14 @@ async fn a_full_queue_answers_429_with_retry_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unimplemented_openai_fields_are_refused_by_name() {
+async fn unimplemented_or_unusable_openai_fields_are_refused_by_name() {
     let ts = TestServer::start(ServerConfig::default(), Arc::new(FakeEngine::new())).await;
     for (field, value) in [
-        ("logit_bias", json!({"100": 5})),
+        // Out of the vocabulary.
+        ("logit_bias", json!({"5000": 5})),
+        // This engine cannot constrain its output.
         ("response_format", json!({"type": "json_object"})),
+        ("grammar", json!("start: \"a\"")),
         (
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use common::model_dir;
 use gdsllm_server::{
-    CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, SamplingParams,
+    CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, GrammarSpec,
+    SamplingParams,
 };
 use llama::{CpuBackend, InMemoryWeights, Llama};
 use weights_format::{Model, names};
@@ -103,6 +104,7 @@ fn logprobs_are_the_log_softmax_of_the_logits_and_cancel_stops() {
         max_tokens: 3,
         sampling: greedy(),
         logprobs: Some(4),
+        grammar: None,
     };
     let mut tokens = Vec::new();
     let finish = engine
@@ -177,6 +179,7 @@ fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
             max_tokens: 10,
             sampling: greedy(),
             logprobs: None,
+            grammar: None,
         })
         .collect();
     requests[1].logprobs = Some(3);
@@ -188,6 +191,14 @@ fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
         ..SamplingParams::default()
     };
     requests[4].max_tokens = 14;
+    // Structured output and logit biases are per sequence: each batched sequence keeps its own.
+    requests[0].grammar = Some(GrammarSpec::JsonObject);
+    requests[2].grammar = Some(GrammarSpec::Lark(r#"start: " yes" | " no""#.into()));
+    requests[3].sampling.logit_bias = vec![(probe.tokenize(" the", false).unwrap()[0], -100.0)];
+    let bad = GrammarSpec::JsonSchema(serde_json::json!({"type": "no-such-type"}));
+    assert!(
+        matches!(probe.check_grammar(&bad), Err(gdsllm_server::EngineError::InvalidInput(m)) if m.contains("no-such-type"))
+    );
     let alone: Vec<(Vec<GeneratedToken>, EngineFinish)> = requests
         .iter()
         .map(|r| {
@@ -225,6 +236,7 @@ fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
     let doomed = batch
         .add(&GenerationRequest {
             max_tokens: 30,
+            grammar: None,
             ..requests[0].clone()
         })
         .unwrap();
@@ -278,5 +290,14 @@ fn batched_requests_equal_generate_and_wait_for_the_kv_budget() {
         assert_eq!(tokens, want, "request {i}");
         assert_eq!(finish.unwrap(), *want_finish, "request {i}");
     }
+    let text = |i: usize| -> String { got[i].iter().map(|t| t.text.as_str()).collect() };
+    assert!(text(0).starts_with('{'), "{:?}", text(0));
+    assert!([" yes", " no"].contains(&text(2).as_str()), "{:?}", text(2));
+    assert_eq!(ends[2], Some(EngineFinish::EndOfSequence));
+    assert!(
+        !got[3]
+            .iter()
+            .any(|t| t.id == requests[3].sampling.logit_bias[0].0)
+    );
     assert_eq!((batch.running(), batch.waiting()), (0, 0));
 }

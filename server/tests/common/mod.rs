@@ -248,6 +248,10 @@ impl Engine for FakeEngine {
         self.context
     }
 
+    fn vocab_size(&self) -> usize {
+        VOCAB as usize
+    }
+
     fn tokenize(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {
         Ok(FakeEngine::tokenize_text(text, add_bos))
     }
