@@ -18,6 +18,7 @@ mod routes;
 pub mod scheduler;
 mod server;
 mod state;
+mod ws;
 
 pub use engine::{
     CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish, EngineStats,

@@ -103,6 +103,8 @@ impl Server {
             ));
         Router::new()
             .route("/health", get(routes::health))
+            // Outside the key layer: a WebSocket client may authenticate in its first message.
+            .route("/v1/ws", get(crate::ws::upgrade))
             .route("/metrics", get(routes::metrics))
             .route("/api/ps", get(routes::ps))
             .merge(v1)
@@ -200,24 +202,40 @@ async fn require_api_key(
     if keys.is_empty() {
         return next.run(request).await;
     }
-    let given = request
-        .headers()
+    match check_bearer(keys, request.headers()) {
+        Some(Ok(())) => next.run(request).await,
+        None => ApiError::unauthorized(
+            "missing API key: send `Authorization: Bearer <key>` (this server was started with --api-key)",
+        )
+        .into_response(),
+        Some(Err(err)) => err.into_response(),
+    }
+}
+
+/// Whether `key` is one of `keys`.
+pub(crate) fn key_allowed(keys: &[String], key: &str) -> bool {
+    keys.iter().any(|k| key_matches(key, k))
+}
+
+/// The `Authorization: Bearer KEY` header checked against `keys`: `None` when there is none.
+pub(crate) fn check_bearer(
+    keys: &[String],
+    headers: &axum::http::HeaderMap,
+) -> Option<Result<(), ApiError>> {
+    let given = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
-        .map(str::trim);
-    match given {
-        None => ApiError::unauthorized(
-            "missing API key: send `Authorization: Bearer <key>` (this server was started with --api-key)",
-        )
-        .into_response(),
-        Some(key) if keys.iter().any(|k| key_matches(key, k)) => next.run(request).await,
+        .map(str::trim)?;
+    Some(if key_allowed(keys, given) {
+        Ok(())
+    } else {
         // The key itself never goes into the message or the log.
-        Some(_) => ApiError::unauthorized("incorrect API key provided").into_response(),
-    }
+        Err(ApiError::unauthorized("incorrect API key provided"))
+    })
 }
 
 /// Counts every request by endpoint and status and logs it (path and status only: headers

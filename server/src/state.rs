@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::engine::Engine;
+use crate::engine::{ChatMessage, Engine};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::scheduler::Scheduler;
@@ -91,6 +91,22 @@ impl AppState {
             ))),
             ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
         }
+    }
+
+    /// `messages` with the server's `--system-prompt` first when they have no system message.
+    pub fn with_system_prompt(&self, mut messages: Vec<ChatMessage>) -> Vec<ChatMessage> {
+        if let Some(system) = &self.config.system_prompt
+            && !messages.iter().any(|m| m.role == "system")
+        {
+            messages.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: system.clone(),
+                },
+            );
+        }
+        messages
     }
 
     /// Names the model answers to: its id, then the aliases.

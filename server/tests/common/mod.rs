@@ -306,7 +306,8 @@ impl Engine for FakeEngine {
             residency_hits: 7,
             residency_misses: 3,
             compute_stall_seconds: 0.25,
-            passes: 11,
+            // Advances with every generated token, so `io_events` has passes to report.
+            passes: 11 + self.events.lock().iter().filter(|e| **e == "token").count() as u64,
         }
     }
 }
