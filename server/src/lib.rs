@@ -11,6 +11,7 @@
 mod connections;
 pub mod engine;
 mod error;
+pub mod grpc;
 pub mod llama_engine;
 pub mod metrics;
 pub mod params;

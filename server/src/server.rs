@@ -114,6 +114,12 @@ impl Server {
             .with_state(state)
     }
 
+    /// Serves gRPC (KServe v2 health/metadata/ModelInfer and `gdsllm.v1.Generation`) on
+    /// `listener` beside [`Server::serve`]'s HTTP, until that begins shutting down.
+    pub async fn serve_grpc(&self, listener: tokio::net::TcpListener) -> Result<(), ServerError> {
+        crate::grpc::serve(self.state.clone(), listener).await
+    }
+
     /// Serves on `listener` until `shutdown` resolves; then refuses new work, lets in-flight
     /// requests finish for `shutdown_grace`, cancels what is left, and stops the worker.
     pub async fn serve(
@@ -202,7 +208,11 @@ async fn require_api_key(
     if keys.is_empty() {
         return next.run(request).await;
     }
-    match check_bearer(keys, request.headers()) {
+    let header = request
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    match check_bearer(keys, header) {
         Some(Ok(())) => next.run(request).await,
         None => ApiError::unauthorized(
             "missing API key: send `Authorization: Bearer <key>` (this server was started with --api-key)",
@@ -217,14 +227,10 @@ pub(crate) fn key_allowed(keys: &[String], key: &str) -> bool {
     keys.iter().any(|k| key_matches(key, k))
 }
 
-/// The `Authorization: Bearer KEY` header checked against `keys`: `None` when there is none.
-pub(crate) fn check_bearer(
-    keys: &[String],
-    headers: &axum::http::HeaderMap,
-) -> Option<Result<(), ApiError>> {
-    let given = headers
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+/// An `Authorization: Bearer KEY` header value (HTTP, or gRPC's `authorization` metadata)
+/// checked against `keys`: `None` when there is none.
+pub(crate) fn check_bearer(keys: &[String], header: Option<&str>) -> Option<Result<(), ApiError>> {
+    let given = header
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))

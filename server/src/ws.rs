@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::http::header::AUTHORIZATION;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::{SinkExt, StreamExt};
@@ -362,7 +363,8 @@ pub(crate) async fn upgrade(
     let authed = if keys.is_empty() {
         true
     } else {
-        match check_bearer(keys, &headers) {
+        let header = headers.get(AUTHORIZATION).and_then(|v| v.to_str().ok());
+        match check_bearer(keys, header) {
             Some(Ok(())) => true,
             Some(Err(err)) => return err.into_response(),
             None => false,
@@ -557,7 +559,7 @@ impl Connection {
             );
             return self.send(response(&id, Err(err))).await;
         }
-        let queued = self.queue_generation(&Value::Object(params), chat);
+        let queued = queue_generation(&self.state, &Value::Object(params), chat);
         let (handle, model, prompt_tokens) = match queued {
             Ok(q) => q,
             Err(err) => return self.send(response(&id, Err(RpcError::from(&err)))).await,
@@ -574,42 +576,6 @@ impl Connection {
             let _entry = entry;
             stream_generation(out, id, handle, model, prompt_tokens).await;
         });
-    }
-
-    fn queue_generation(
-        &self,
-        body: &Value,
-        chat: bool,
-    ) -> Result<(SequenceHandle, String, usize), ApiError> {
-        let (engine, scheduler) = self.state.ready()?;
-        let (common, prompt, param, default_max, logprobs) = if chat {
-            let req = params::chat_request(body)?;
-            let messages = self.state.with_system_prompt(req.messages);
-            let text = engine.render_chat(&messages)?;
-            // The template writes the BOS text itself when the model uses one.
-            let prompt = engine.tokenize(&text, false)?;
-            (req.common, prompt, "messages", None, req.logprobs)
-        } else {
-            let req = params::completion_request(body)?;
-            let prompt = match req.prompt {
-                PromptInput::Text(t) => engine.tokenize(&t, true)?,
-                PromptInput::Tokens(ids) => ids,
-            };
-            let default_max = Some(params::COMPLETIONS_DEFAULT_MAX_TOKENS);
-            (req.common, prompt, "prompt", default_max, req.logprobs)
-        };
-        let model = routes::check_model(&self.state, &*engine, common.model.as_deref())?;
-        let prompt_tokens = prompt.len();
-        let handle = routes::submit(
-            &*engine,
-            &scheduler,
-            prompt,
-            param,
-            &common,
-            default_max,
-            logprobs,
-        )?;
-        Ok((handle, model, prompt_tokens))
     }
 
     async fn start_embedding(&mut self, id: Value, mut params: Map<String, Value>) {
@@ -693,6 +659,45 @@ impl Drop for Connection {
             sub.abort();
         }
     }
+}
+
+/// Checks a `generate`/`chat` body (`chat`: a `/v1/chat/completions` body, else a
+/// `/v1/completions` one) exactly as REST does and queues it: (its events, the model name to
+/// answer with, prompt tokens).
+pub(crate) fn queue_generation(
+    state: &AppState,
+    body: &Value,
+    chat: bool,
+) -> Result<(SequenceHandle, String, usize), ApiError> {
+    let (engine, scheduler) = state.ready()?;
+    let (common, prompt, param, default_max, logprobs) = if chat {
+        let req = params::chat_request(body)?;
+        let messages = state.with_system_prompt(req.messages);
+        let text = engine.render_chat(&messages)?;
+        // The template writes the BOS text itself when the model uses one.
+        let prompt = engine.tokenize(&text, false)?;
+        (req.common, prompt, "messages", None, req.logprobs)
+    } else {
+        let req = params::completion_request(body)?;
+        let prompt = match req.prompt {
+            PromptInput::Text(t) => engine.tokenize(&t, true)?,
+            PromptInput::Tokens(ids) => ids,
+        };
+        let default_max = Some(params::COMPLETIONS_DEFAULT_MAX_TOKENS);
+        (req.common, prompt, "prompt", default_max, req.logprobs)
+    };
+    let model = routes::check_model(state, &*engine, common.model.as_deref())?;
+    let prompt_tokens = prompt.len();
+    let handle = routes::submit(
+        &*engine,
+        &scheduler,
+        prompt,
+        param,
+        &common,
+        default_max,
+        logprobs,
+    )?;
+    Ok((handle, model, prompt_tokens))
 }
 
 /// Forwards a sequence's tokens as `token` notifications, then answers the call. Stops
