@@ -229,6 +229,52 @@ impl GdsBuffer {
         Ok(host)
     }
 
+    /// Shows `range` of the buffer to `visit` in order, `staging.piece_bytes()` at a time, from
+    /// page-locked memory: piece i+1 is copied back over PCIe while `visit` reads piece i, so a
+    /// checksum of device-resident bytes runs at the slower of the copy and the hash instead of
+    /// their sum (and without allocating pageable memory per piece, as `copy_to_host` does).
+    pub fn visit_on_host(
+        &self,
+        range: std::ops::Range<usize>,
+        staging: &mut HostStaging,
+        mut visit: impl FnMut(&[u8]),
+    ) -> Result<(), GdsError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(GdsError::RangeOutsideBuffer {
+                start: range.start,
+                end: range.end,
+                buffer_len: self.len,
+            });
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.wait_pending()?;
+        self.gpu.bind()?;
+        let piece = staging.piece_bytes();
+        let pieces: Vec<std::ops::Range<usize>> = range
+            .clone()
+            .step_by(piece)
+            .map(|start| start..(start + piece).min(range.end))
+            .collect();
+        let mut copied: [Option<CudaEvent>; 2] = [None, None];
+        copied[0] = Some(staging.copy_back(&self.gpu, 0, self.ptr, &pieces[0])?);
+        for i in 0..pieces.len() {
+            if let Some(next) = pieces.get(i + 1) {
+                // The other buffer held piece i-1, which `visit` has finished with.
+                copied[(i + 1) % 2] =
+                    Some(staging.copy_back(&self.gpu, (i + 1) % 2, self.ptr, next)?);
+            }
+            if let Some(event) = copied[i % 2].take() {
+                event
+                    .synchronize()
+                    .map_err(GdsError::cuda("cuEventSynchronize"))?;
+            }
+            visit(&staging.bufs[i % 2].as_slice()[..pieces[i].len()]);
+        }
+        Ok(())
+    }
+
     /// Copies `bytes` into the buffer at `offset` and returns once they are in device memory
     /// (after pending reads into the buffer land). From pinned memory ([`PinnedHostBuf`]) the
     /// copy runs at full PCIe speed; from pageable memory the driver stages it.
@@ -327,6 +373,75 @@ impl std::fmt::Debug for PinnedHostBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedHostBuf")
             .field("len", &self.inner.len)
+            .finish()
+    }
+}
+
+/// Two page-locked buffers and a stream for [`GdsBuffer::visit_on_host`]: kept by a caller
+/// that reads device memory back often (the residency cache's checksums), so the pinned
+/// allocation is paid once.
+pub struct HostStaging {
+    bufs: [PinnedBuf; 2],
+    stream: Arc<CudaStream>,
+}
+
+impl HostStaging {
+    /// Two pieces of `piece_bytes` (rounded up to 4096) of page-locked memory.
+    pub fn alloc(gpu: &Gpu, piece_bytes: usize) -> Result<HostStaging, GdsError> {
+        let len = piece_bytes
+            .max(1)
+            .next_multiple_of(crate::aligned::IO_ALIGN);
+        Ok(HostStaging {
+            bufs: [PinnedBuf::alloc(gpu, len)?, PinnedBuf::alloc(gpu, len)?],
+            stream: gpu.new_stream()?,
+        })
+    }
+
+    /// Starts copying `part` of the device allocation at `base` into buffer `which` on the
+    /// staging stream; the returned event completes when the bytes are there.
+    fn copy_back(
+        &mut self,
+        gpu: &Gpu,
+        which: usize,
+        base: sys::CUdeviceptr,
+        part: &std::ops::Range<usize>,
+    ) -> Result<CudaEvent, GdsError> {
+        let dst = &mut self.bufs[which].as_mut_slice()[..part.len()];
+        // SAFETY: the caller (`GdsBuffer::visit_on_host`) checked that `part` lies inside the
+        // live allocation at `base`; `dst` is page-locked memory owned by `self`, borrowed
+        // mutably by the caller for the whole visit, and read only after the event recorded
+        // below has completed.
+        unsafe {
+            result::memcpy_dtoh_async(dst, base + part.start as u64, self.stream.cu_stream())
+        }
+        .map_err(GdsError::cuda("cuMemcpyDtoHAsync"))?;
+        let event = gpu.new_event()?;
+        event
+            .record(&self.stream)
+            .map_err(GdsError::cuda("cuEventRecord"))?;
+        Ok(event)
+    }
+
+    /// The bytes copied back per step.
+    pub fn piece_bytes(&self) -> usize {
+        self.bufs[0].len
+    }
+}
+
+impl Drop for HostStaging {
+    fn drop(&mut self) {
+        // A visit that failed half way may leave a copy into the buffers in flight: let it
+        // land before the page-locked memory is freed.
+        if let Err(err) = self.stream.synchronize() {
+            tracing::warn!("staging stream synchronize failed before freeing its buffers: {err}");
+        }
+    }
+}
+
+impl std::fmt::Debug for HostStaging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostStaging")
+            .field("piece_bytes", &self.piece_bytes())
             .finish()
     }
 }

@@ -48,7 +48,7 @@ pub use device_ptr::DevicePtr;
 pub use driver::{Driver, DriverProperties, LiveRegistrations, UdevCheck, UdevStatus};
 pub use error::GdsError;
 pub use file::GdsFile;
-pub use gpu::{GdsBuffer, Gpu, PinnedHostBuf, cuda_driver_present};
+pub use gpu::{GdsBuffer, Gpu, HostStaging, PinnedHostBuf, cuda_driver_present};
 pub use host::{DirectFile, HostIoError, ParallelRead, ReadRecord};
 pub use io_path::{
     Capabilities, DEVICE_READ_ALIGN, DeviceRead, DeviceReader, IO_ENV, IoChoice, IoPath, IoStats,

@@ -368,3 +368,42 @@ fn read_many_fills_every_destination() {
         );
     }
 }
+
+/// `visit_on_host` shows every byte of a range once, in order, equal to `copy_to_host`'s, for
+/// ranges shorter than, equal to and longer than a piece, and unaligned ones.
+#[test]
+fn visit_on_host_shows_the_device_bytes_in_order() {
+    let Some(gpu) = gpu_or_skip("visit_on_host_shows_the_device_bytes_in_order") else {
+        return;
+    };
+    let len = (9 << 20) + 1234;
+    let mut state = 7u64;
+    let bytes: Vec<u8> = (0..len).map(|_| xorshift(&mut state) as u8).collect();
+    let buffer = GdsBuffer::alloc(&gpu, len).unwrap();
+    buffer.copy_from_host(0, &bytes).unwrap();
+    let mut staging = gds_io::HostStaging::alloc(&gpu, 1 << 20).unwrap();
+    assert_eq!(staging.piece_bytes(), 1 << 20);
+    for range in [
+        0..len,
+        0..(1 << 20),
+        4097..(3 << 20) + 5,
+        len - 10..len,
+        5..5,
+    ] {
+        let mut seen = Vec::with_capacity(range.len());
+        let mut pieces = 0;
+        buffer
+            .visit_on_host(range.clone(), &mut staging, |piece| {
+                pieces += 1;
+                seen.extend_from_slice(piece);
+            })
+            .unwrap();
+        assert!(seen == bytes[range.clone()], "range {range:?} differs");
+        assert_eq!(pieces, range.len().div_ceil(1 << 20), "range {range:?}");
+        eprintln!("visit_on_host {range:?}: {pieces} pieces, bytes equal");
+    }
+    let err = buffer
+        .visit_on_host(len - 1..len + 1, &mut staging, |_| {})
+        .unwrap_err();
+    assert!(matches!(err, GdsError::RangeOutsideBuffer { .. }), "{err}");
+}

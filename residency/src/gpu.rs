@@ -20,7 +20,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use gds_io::{DeviceIo, DeviceRead, GdsBuffer, GdsFile, IoChoice, IoPath, IoTotals, PinnedHostBuf};
+use gds_io::{
+    DeviceIo, DeviceRead, GdsBuffer, GdsFile, HostStaging, IoChoice, IoPath, IoTotals,
+    PinnedHostBuf,
+};
 use parking_lot::Mutex;
 use weights_format::Metadata;
 
@@ -52,7 +55,14 @@ struct GpuFiles {
     /// `Some` when disk reads go through the host path and this pinned buffer (see the module
     /// documentation); grown to the largest blob read.
     staging: Option<Mutex<Option<PinnedHostBuf>>>,
+    /// Page-locked pieces for reading device memory back to hash it (blobs read straight into
+    /// device memory, checked on their first read); allocated on first use.
+    readback: Mutex<Option<HostStaging>>,
 }
+
+/// Device bytes are read back for checksums in pieces of this size: two in flight overlap the
+/// PCIe copy of one with the hashing of the other.
+const READBACK_PIECE: usize = 16 << 20;
 
 /// Device memory of one GPU within a budget, reading the blobs of one model.
 pub struct GpuMemory {
@@ -112,6 +122,7 @@ impl GpuMemory {
                 io,
                 files,
                 staging: staged.then(|| Mutex::new(None)),
+                readback: Mutex::new(None),
             }),
             budget,
             usage: Usage::default(),
@@ -211,19 +222,17 @@ struct GpuBuffer {
     _reservation: Reservation,
 }
 
-impl DeviceBuffer for GpuBuffer {
-    fn capacity(&self) -> u64 {
-        self.buf.len() as u64
-    }
-
-    /// Reads the blob: through the pinned staging buffer from `source` (the model's files on
-    /// the host path), or straight from the model's file this memory opened with `gds-io`.
-    fn fill_from_source(
+impl GpuBuffer {
+    /// Reads blob `blob` (`len` bytes) into the buffer. With `hash`, on the host path, also
+    /// returns the XXH3-64 of the bytes (hashed in the staging buffer) and the time it took;
+    /// `None` where the bytes never passed through host memory.
+    fn read_blob(
         &mut self,
         source: &dyn BlobSource,
         blob: usize,
         len: u64,
-    ) -> Result<Completion, ResidencyError> {
+        hash: bool,
+    ) -> Result<Option<(u64, std::time::Duration)>, ResidencyError> {
         let files = &self.files;
         if let Some(staging) = &files.staging {
             let aligned = gds_io::aligned::align_up(len) as usize;
@@ -236,10 +245,15 @@ impl DeviceBuffer for GpuBuffer {
             }
             let host = staging.as_mut().expect("allocated above");
             source.read_blob(blob, &mut host[..aligned])?;
+            let bytes = &host[..len as usize];
+            let hashed = hash.then(|| {
+                let started = std::time::Instant::now();
+                (xxhash_rust::xxh3::xxh3_64(bytes), started.elapsed())
+            });
             self.buf
-                .copy_from_host(0, &host[..len as usize])
+                .copy_from_host(0, bytes)
                 .map_err(|e| io_error(&source.blob_name(blob), e))?;
-            return Ok(Completion::done());
+            return Ok(hashed);
         }
         let file = files.files.get(blob).ok_or(ResidencyError::UnknownBlob {
             blob,
@@ -257,9 +271,45 @@ impl DeviceBuffer for GpuBuffer {
             io_path = %files.io.kind(),
             "blob read into device memory"
         );
+        Ok(None)
+    }
+}
+
+impl DeviceBuffer for GpuBuffer {
+    fn capacity(&self) -> u64 {
+        self.buf.len() as u64
+    }
+
+    /// Reads the blob: through the pinned staging buffer from `source` (the model's files on
+    /// the host path), or straight from the model's file this memory opened with `gds-io`.
+    fn fill_from_source(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<Completion, ResidencyError> {
+        self.read_blob(source, blob, len, false)?;
         Ok(Completion::done())
     }
 
+    /// On the host path the bytes are hashed in the pinned staging buffer before they are
+    /// copied to the device (what lands is what was checked: the copy itself is covered by
+    /// PCIe's link-level CRC); on the direct paths they are read back in pinned pieces.
+    fn fill_and_hash(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<(u64, std::time::Duration), ResidencyError> {
+        match self.read_blob(source, blob, len, true)? {
+            Some(hashed) => Ok(hashed),
+            None => {
+                let started = std::time::Instant::now();
+                let digest = self.xxh3(len)?;
+                Ok((digest, started.elapsed()))
+            }
+        }
+    }
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
         self.buf
             .copy_from_host(0, bytes)
@@ -272,19 +322,18 @@ impl DeviceBuffer for GpuBuffer {
     }
 
     fn xxh3(&self, len: u64) -> Result<u64, ResidencyError> {
-        const PIECE: usize = 64 << 20;
         let len = (len as usize).min(self.buf.len());
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-        let mut offset = 0;
-        while offset < len {
-            let end = (offset + PIECE).min(len);
-            let piece = self
-                .buf
-                .copy_to_host(offset..end)
-                .map_err(|e| io_error("(checksum of a device buffer)", e))?;
-            hasher.update(&piece);
-            offset = end;
+        let mut readback = self.files.readback.lock();
+        if readback.is_none() {
+            let staging = HostStaging::alloc(self.files.io.gpu(), READBACK_PIECE)
+                .map_err(|e| io_error("(pinned read-back buffers)", e))?;
+            *readback = Some(staging);
         }
+        let staging = readback.as_mut().expect("allocated above");
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.buf
+            .visit_on_host(0..len, staging, |piece| hasher.update(piece))
+            .map_err(|e| io_error("(checksum of a device buffer)", e))?;
         Ok(hasher.digest())
     }
 }

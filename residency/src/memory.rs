@@ -150,6 +150,21 @@ pub trait DeviceBuffer: Send + Sync {
             })?;
         Ok(xxhash_rust::xxh3::xxh3_64(bytes))
     }
+
+    /// [`fill_from_source`](Self::fill_from_source) of blob `blob`, then its XXH3-64 (of the
+    /// first `len` bytes) and the time spent hashing. Buffers whose bytes pass through host
+    /// memory on their way in override this to hash them there rather than read them back.
+    fn fill_and_hash(
+        &mut self,
+        source: &dyn BlobSource,
+        blob: usize,
+        len: u64,
+    ) -> Result<(u64, std::time::Duration), ResidencyError> {
+        self.fill_from_source(source, blob, len)?.wait();
+        let started = std::time::Instant::now();
+        let digest = self.xxh3(len)?;
+        Ok((digest, started.elapsed()))
+    }
 }
 
 /// Host memory standing in for device memory on the CPU backend.

@@ -459,14 +459,20 @@ impl Shared {
         // A blob read from disk is hashed where its bytes lie before compute may use them, the
         // first time only (`BlobChecksums`). The host tier holds only checked bytes.
         let from_disk = |buffer: &mut Box<dyn DeviceBuffer>| -> Result<(), ResidencyError> {
-            buffer
-                .fill_from_source(self.source.as_ref(), blob, len)?
-                .wait();
-            if let Some(expected) = self.unchecked(blob) {
-                let actual = self.timed_hash(blob, || buffer.xxh3(len))?;
-                self.check(blob, expected, actual)?;
+            match self.unchecked(blob) {
+                Some(expected) => {
+                    let (actual, hashing) =
+                        buffer.fill_and_hash(self.source.as_ref(), blob, len)?;
+                    self.count_hash(blob, hashing);
+                    self.check(blob, expected, actual)
+                }
+                None => {
+                    buffer
+                        .fill_from_source(self.source.as_ref(), blob, len)?
+                        .wait();
+                    Ok(())
+                }
             }
-            Ok(())
         };
         match job.from {
             ReadFrom::HostTier => {
@@ -524,11 +530,16 @@ impl Shared {
     ) -> Result<u64, ResidencyError> {
         let started = std::time::Instant::now();
         let digest = hash()?;
+        self.count_hash(blob, started.elapsed());
+        Ok(digest)
+    }
+
+    /// Counts blob `blob`'s bytes as hashed, in `elapsed`.
+    fn count_hash(&self, blob: usize, elapsed: std::time::Duration) {
         self.checksum_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
         self.checksum_bytes
             .fetch_add(self.source.blob_len(blob), Ordering::Relaxed);
-        Ok(digest)
     }
 
     /// Records a successful check, or fails with an error naming the blob.
