@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{FakeEngine, TestServer};
+use common::{FakeEngine, TestServer, wait_for_metric};
 use futures::{SinkExt, StreamExt};
 use gdsllm_server::ServerConfig;
 use serde_json::{Value, json};
@@ -78,31 +78,6 @@ async fn rest(ts: &TestServer, path: &str, body: &Value) -> Value {
         .json()
         .await
         .unwrap()
-}
-
-fn metric(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-/// Polls `/metrics` until `name` is `want` (5 s at most); returns the last value.
-async fn metric_becomes(ts: &TestServer, name: &str, want: f64) -> f64 {
-    let mut last = f64::NAN;
-    for _ in 0..200 {
-        let text = reqwest::get(ts.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        last = metric(&text, name).unwrap_or(f64::NAN);
-        if last == want {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    last
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,16 +282,16 @@ async fn a_client_that_disconnects_frees_its_sequence() {
     .await;
     assert_eq!(next(&mut ws).await["method"], "token");
     assert_eq!(
-        metric_becomes(&ts, "gdsllm_requests_running", 1.0).await,
+        wait_for_metric(&ts, "gdsllm_requests_running", 1.0).await,
         1.0
     );
     drop(ws);
     assert_eq!(
-        metric_becomes(&ts, "gdsllm_requests_cancelled_total", 1.0).await,
+        wait_for_metric(&ts, "gdsllm_requests_cancelled_total", 1.0).await,
         1.0
     );
     assert_eq!(
-        metric_becomes(&ts, "gdsllm_requests_running", 0.0).await,
+        wait_for_metric(&ts, "gdsllm_requests_running", 0.0).await,
         0.0
     );
     let produced = engine.produced.lock().clone();
