@@ -17,6 +17,12 @@
 #            kernel path: windowed layers keep their own kernels); then transformers' own class of
 #            every family (Qwen2, Qwen3, Gemma3, Phi3, Llama 3.1 rope) with random weights, as
 #            the hf stage does, f16 and bf16.
+#   gemma3   (opt-in, issue 16) the real Gemma 3 270M Q4_K_M file against llama.cpp's greedy
+#            tokens and logits and the exact math of the file (llama/tests/real_gemma3.rs, CUDA
+#            and CPU). The file (253 MB) does not travel in one call: pass it as GEMMA3_GGUF, or
+#            as GEMMA3_GGUF_PARTS, the pieces of `split -b 50M` in order, joined here; either
+#            way its SHA-256 is checked (scripts/fetch_gemma3_q4km.py, which reuses a file with
+#            the right hash and cannot fetch anything on that machine).
 #   smollm2  `gdsllm bench` cuda vs cpu on synthetic SmolLM2-shaped q4_1 and f16 models.
 #   batch    (opt-in) `gdsllm bench --batch` on the 7B f16 model streamed with 4 GiB, and the
 #            batched-equals-solo test on CUDA when BATCH_TEST_BIN is set.
@@ -35,7 +41,8 @@
 #            dtype's matmuls and embedding against the reference); then for each GGUF in
 #            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
 #            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
-#            resident pp512/tg128 and streamed (--vram-budget 4GiB, no host tier) decode.
+#            resident pp512/tg128 (default kernels, then GDSLLM_CUDA_PATHS=superblock) and
+#            streamed (--vram-budget 4GiB, no host tier) decode.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -51,6 +58,9 @@
 #   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
 #                    (and the batch stage); default for families: newest target/release/deps/batch-*
 #   KQ_TEST_BIN      cuda_kquants test binary, likewise
+#   GEMMA3_TEST_BIN  real_gemma3 test binary (`... --features cuda --test real_gemma3 --no-run`)
+#   GEMMA3_GGUF      the Gemma 3 270M Q4_K_M file, for the gemma3 stage
+#   GEMMA3_GGUF_PARTS its `split` pieces instead (space-separated paths, in order)
 #   KQUANT_GGUFS     GGUF files for the kquants stage (space-separated paths)
 #   STAGES           e.g. "tests hf" (default "tests hf smollm2 7b"; families is opt-in)
 #   HF_CASES         e.g. "small:float16 llama-7b:float16" (default: small and 7B, f16 and bf16)
@@ -119,6 +129,25 @@ if has families; then
   for case in $FAMILY_HF_CASES; do hf_case "${case%%:*}" "${case##*:}"; done
 fi
 
+if has gemma3; then
+  step "the real Gemma 3 270M Q4_K_M file against llama.cpp (CUDA and CPU)"
+  gemma_dir="$WORK_DIR/gemma3"
+  mkdir -p "$gemma_dir"
+  if [ -n "${GEMMA3_GGUF_PARTS:-}" ]; then
+    # shellcheck disable=SC2086 # a list of paths
+    cat $GEMMA3_GGUF_PARTS > "$gemma_dir/gemma-3-270m-q4_k_m.gguf"
+  elif [ -n "${GEMMA3_GGUF:-}" ]; then
+    cp "$GEMMA3_GGUF" "$gemma_dir/gemma-3-270m-q4_k_m.gguf"
+  fi
+  if gemma_file=$(python3 "$SCRIPTS/fetch_gemma3_q4km.py" "$gemma_dir"); then
+    run_test_bin real_gemma3 "${GEMMA3_TEST_BIN:-$(newest real_gemma3)}" GDSLLM_GPU_TESTS=1 \
+      GDSLLM_TEST_GEMMA3_GGUF="$gemma_file" >/dev/null
+    grep -E "decided|max \|ours" "$WORK_DIR/real_gemma3.log" | while read -r l; do note "  $l"; done
+  else
+    note "gemma3: no Gemma 3 270M Q4_K_M file with the right SHA-256 (set GEMMA3_GGUF or GEMMA3_GGUF_PARTS)"; status=1
+  fi
+fi
+
 if has smollm2; then
   for dtype in q4_1 f16; do
     model="$WORK_DIR/smollm2-$dtype"
@@ -151,13 +180,16 @@ if has kquants; then
     else
       note "$name: verify --against FAILED: $(tail -n 1 "$v.log")"; status=1
     fi
-    r="$WORK_DIR/bench-$name-resident.json"
-    step "gdsllm bench --device cuda $name resident"
-    if "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
-      note "$name resident: pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s"
-    else
-      tail -n 5 "$r.log" >&2; note "$name resident bench FAILED"; status=1
-    fi
+    # The default kernels, then the q4_k/q5_k/q6_k kernels of the `superblock` path.
+    for paths in none superblock; do
+      r="$WORK_DIR/bench-$name-resident-$paths.json"
+      step "gdsllm bench --device cuda $name resident, GDSLLM_CUDA_PATHS=$paths"
+      if GDSLLM_CUDA_PATHS=$paths "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
+        note "$name resident ($paths): pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s, $(jq_py "$r" "'%.0f kernels, %.0f stream calls' % (d['tg']['kernels_per_token'], d['tg']['stream_calls_per_token'])") per token"
+      else
+        tail -n 5 "$r.log" >&2; note "$name resident bench ($paths) FAILED"; status=1
+      fi
+    done
     s="$WORK_DIR/bench-$name-streamed.json"
     step "gdsllm bench --device cuda $name streamed, --vram-budget 4GiB"
     drop_caches

@@ -19,8 +19,9 @@ The model is built on the GPU in the requested dtype (f16/bf16: what gets saved 
 the reference runs the SAME rounded weights in float32 without TF32, so it is the exact math of
 the weights we load.
 
-Usage: hf_reference.py OUT_DIR --shape SHAPE --dtype float16|bfloat16 [--steps 32]
-(SHAPE: small, llama-7b, or a family of FAMILIES.)
+Usage: hf_reference.py OUT_DIR --shape SHAPE --dtype float16|bfloat16 [--steps 32] [--device cpu]
+(SHAPE: small, llama-7b, or a family of FAMILIES; --device cpu checks the script, or our CPU
+backend, on a machine without a GPU.)
 Writes OUT_DIR/hf/ (the Hugging Face directory) and OUT_DIR/reference.json.
 """
 import argparse
@@ -99,6 +100,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cuda",
+                    help="torch device the model is built and run on (cpu: a check without a GPU)")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -106,7 +109,7 @@ def main():
     cfg, model_class, vocab_size, perturb = build(a.shape)
     torch.manual_seed(a.seed)
     t = time.time()
-    with torch.device("cuda"):
+    with torch.device(a.device):
         model = model_class(cfg)
     if perturb:
         with torch.no_grad():
@@ -120,7 +123,13 @@ def main():
     # float16) on the H200. The reference keeps the float32 values that the config defines,
     # for every floating buffer (Gemma's embedding scale, √hidden_size, is one too: we compute
     # it in f32, as llama.cpp does).
-    rope_f32 = {n: b.detach().clone() for n, b in model.named_buffers() if b.is_floating_point()}
+    # Every name, duplicates included: transformers 5.x (up to at least 5.17) re-registers a
+    # longrope model's `inv_freq` as the very tensor `original_inv_freq` on each forward pass,
+    # and `named_buffers()` lists a tensor held under two names only once, so the second name
+    # disappeared after the first pass (the KeyError 'model.rotary_emb.original_inv_freq' of
+    # Phi-3). Newer versions copy in place; older ones keep it a plain attribute.
+    rope_f32 = {n: b.detach().clone()
+                for n, b in model.named_buffers(remove_duplicate=False) if b.is_floating_point()}
     model = model.to(dtype).eval()
     hf = os.path.join(a.out, "hf")
     os.makedirs(hf, exist_ok=True)
@@ -135,11 +144,11 @@ def main():
 
     ref = model.float()
     gen = torch.Generator().manual_seed(a.seed + 1)
-    prompt = torch.randint(3, vocab_size, (1, a.prompt_len), generator=gen).cuda()
+    prompt = torch.randint(3, vocab_size, (1, a.prompt_len), generator=gen).to(a.device)
     with torch.no_grad():
         # What the rounded frequencies would have done to the reference, for the record.
         rounded = ref(input_ids=prompt).logits[0, -1].float()
-        buffers = dict(ref.named_buffers())
+        buffers = dict(ref.named_buffers(remove_duplicate=False))
         for n, b in rope_f32.items():
             buffers[n].copy_(b)
         out = ref(input_ids=prompt, use_cache=True)

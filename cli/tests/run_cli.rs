@@ -169,6 +169,9 @@ fn bench_json_reports_pp_tg_and_load() {
     assert!(v["pp"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);
     assert!(v["load"]["bytes"].as_u64().unwrap() > 0);
+    // Launch counts are the CUDA backend's; the CPU run has none.
+    assert!(v["tg"]["kernels_per_token"].is_null(), "{}", v["tg"]);
+    assert!(v["tg"]["stream_calls_per_token"].is_null(), "{}", v["tg"]);
 }
 
 #[test]

@@ -17,6 +17,9 @@ use std::sync::OnceLock;
 
 use weights_format::DType;
 
+mod split;
+pub use split::{SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT, SplitName, split_name};
+
 /// The first four bytes of every GGUF file.
 pub const GGUF_MAGIC: [u8; 4] = *b"GGUF";
 /// Alignment of the data section when `general.alignment` is absent.
@@ -96,6 +99,8 @@ pub enum GgufError {
     },
     #[error("{path}: no tensor named {tensor}")]
     MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: split GGUF: {reason}")]
+    Split { path: PathBuf, reason: String },
 }
 
 /// The type tag of a metadata value (GGUF `gguf_metadata_value_type`, 0–12).
@@ -334,6 +339,9 @@ pub struct GgufTensorInfo {
     pub file_offset: u64,
     /// Byte length of the data.
     pub length: u64,
+    /// The part of a split GGUF whose file holds the data (0: the first, or the only file;
+    /// see [`GgufFile::part_paths`]); `file_offset` is within that part.
+    pub part: usize,
 }
 
 /// An opened GGUF file: its parsed header and a handle for positioned reads of tensor data.
@@ -353,6 +361,9 @@ pub struct GgufFile {
     /// out of `tensors` (their sizes are unknown, so they are not bounds-checked either) and
     /// reported all at once by [`GgufFile::check_tensor_types`].
     unsupported: Vec<(String, u32)>,
+    /// The other parts of a split GGUF opened with [`GgufFile::open_model`], in order (the
+    /// second part first); empty for a single file.
+    other_parts: Vec<(PathBuf, File)>,
 }
 
 /// A metadata value as kept in memory.
@@ -935,6 +946,7 @@ impl GgufFile {
                 shape,
                 file_offset: start,
                 length,
+                part: 0,
             });
         }
 
@@ -970,6 +982,7 @@ impl GgufFile {
             tensors,
             tensor_index,
             unsupported,
+            other_parts: Vec::new(),
         })
     }
 
@@ -1180,10 +1193,16 @@ impl GgufFile {
     /// positioned read.
     pub fn read_tensor(&self, info: &GgufTensorInfo, buf: &mut Vec<u8>) -> Result<(), GgufError> {
         buf.resize(info.length as usize, 0);
-        self.file
-            .read_exact_at(buf, info.file_offset)
+        let (path, file) = match info.part.checked_sub(1) {
+            None => (&self.path, &self.file),
+            Some(i) => {
+                let (path, file) = &self.other_parts[i];
+                (path, file)
+            }
+        };
+        file.read_exact_at(buf, info.file_offset)
             .map_err(|source| GgufError::Io {
-                path: self.path.clone(),
+                path: path.clone(),
                 error: source,
             })
     }

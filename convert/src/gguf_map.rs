@@ -313,10 +313,11 @@ fn read_f32_vector(gguf: &GgufFile, name: &str) -> Result<Option<Vec<f32>>, Conv
     ))
 }
 
-/// Opens a GGUF file as a conversion source.
+/// Opens a GGUF file as a conversion source: a single file, or the first part of a split
+/// GGUF with its other parts ([`GgufFile::open_model`]).
 pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
     let started = std::time::Instant::now();
-    let gguf = GgufFile::open(path)?;
+    let gguf = GgufFile::open_model(path)?;
     tracing::debug!(
         "gguf header parsed in {:.1} ms",
         started.elapsed().as_secs_f64() * 1e3
@@ -345,7 +346,13 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
     let mut source = Map::new();
     source.insert("format".into(), Value::String("gguf".into()));
     if let Some(file_name) = path.file_name().and_then(|n| n.to_str()) {
-        source.insert("file".into(), Value::String(file_name.into()));
+        // A split GGUF is named as the file its parts merge into, so that both convert to
+        // the same bytes.
+        let file_name = match crate::gguf::split_name(file_name).filter(|_| gguf.is_split()) {
+            Some(split) => split.merged(),
+            None => file_name.to_string(),
+        };
+        source.insert("file".into(), Value::String(file_name));
     }
     if let Some(name) = gguf.opt_str("general.name")? {
         source.insert("name".into(), Value::String(name.into()));
@@ -354,17 +361,24 @@ pub fn open_gguf(path: &Path) -> Result<SourceModel, ConvertError> {
         "converter".into(),
         Value::String(concat!("gdsllm-convert ", env!("CARGO_PKG_VERSION")).into()),
     );
-    let file = File::open(path).map_err(|e| GgufError::Io {
-        path: path.to_path_buf(),
-        error: e,
-    })?;
+    let files = gguf
+        .part_paths()
+        .map(|part| {
+            File::open(part)
+                .map(|file| (part.to_path_buf(), file))
+                .map_err(|e| GgufError::Io {
+                    path: part.to_path_buf(),
+                    error: e,
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(SourceModel {
         config,
         tokenizer: TokenizerSource::Gguf(Box::new(gguf)),
         chat_template,
         source,
         blobs,
-        files: vec![(path.to_path_buf(), file)],
+        files,
     })
 }
 
@@ -396,7 +410,7 @@ fn plan_gguf_tensor(
         source_name: gguf_name,
         dtype: info.dtype,
         shape: info.shape.clone(),
-        file: 0,
+        file: info.part,
         offset: info.file_offset,
         length: info.length,
         transform,

@@ -103,6 +103,32 @@ impl GgufBuilder {
     pub fn write_to(&self, path: &std::path::Path) -> std::io::Result<()> {
         std::fs::File::create(path)?.write_all(&self.to_bytes())
     }
+
+    /// The file split into `parts` parts the way llama.cpp's `gguf-split --split-max-tensors`
+    /// splits it: the tensors in order, as evenly as they go; the first part with all the
+    /// metadata and the `split.*` keys, the others with the `split.*` keys only. Write part
+    /// `i` (from 0) as `NAME-{i+1:05}-of-{parts:05}.gguf`.
+    pub fn split(&self, parts: usize) -> Vec<GgufBuilder> {
+        use crate::gguf::{SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT};
+        let per_part = self.tensors.len().div_ceil(parts.max(1)).max(1);
+        let mut chunks = self.tensors.chunks(per_part);
+        (0..parts)
+            .map(|i| {
+                let mut part = GgufBuilder::new();
+                if i == 0 {
+                    part.metadata = self.metadata.clone();
+                }
+                part.set_kv(SPLIT_NO, GgufValue::U16(i as u16))
+                    .set_kv(SPLIT_COUNT, GgufValue::U16(parts as u16))
+                    .set_kv(
+                        SPLIT_TENSORS_COUNT,
+                        GgufValue::I32(self.tensors.len() as i32),
+                    );
+                part.tensors = chunks.next().unwrap_or_default().to_vec();
+                part
+            })
+            .collect()
+    }
 }
 
 fn write_string(out: &mut Vec<u8>, s: &str) {

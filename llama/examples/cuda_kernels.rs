@@ -1,7 +1,8 @@
 //! Kernel timings of issue 23 on the GPU, old path against new in one process: the matmuls of
 //! one 7B-shaped layer (Q/K/V, O with the residual add, gate/up, down) for 1 to 64 rows per dtype
-//! (the eight-row kernel against the tensor-core kernels), prompt attention (tiled f32 kernel
-//! against flash attention), and a batch's attention steps (per sequence against one launch).
+//! (the eight-row kernel against the tensor-core kernels; for q4_k/q5_k/q6_k the block kernels
+//! against the `superblock` ones), prompt attention (tiled f32 kernel against flash attention),
+//! and a batch's attention steps (per sequence against one launch).
 //! Each figure is the best of a few timed runs of several calls, beside the bandwidth or
 //! arithmetic it achieves and the device-to-device copy rate measured in the same process.
 //!
@@ -166,6 +167,10 @@ fn main() -> Result<(), Error> {
             DType::Q8_0,
             DType::Q4_0,
             DType::Q4_1,
+            // New: the `superblock` kernels below 16 rows (no tensor-core kernels for these).
+            DType::Q4K,
+            DType::Q5K,
+            DType::Q6K,
         ]
     };
 

@@ -12,10 +12,12 @@
 mod support;
 
 use gdsllm_convert::testing::random_blocks;
+use llama::backend::RowGroup;
+use llama::backend::cuda::CudaPaths;
 use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use support::cuda::{alloc, check_matmul, down, gpu, on_device, view};
+use support::cuda::{alloc, check_matmul, down, gpu, gpu_new_and_old, on_device, up, view};
 use support::max_rel_diff;
 use weights_format::DType;
 
@@ -65,5 +67,55 @@ fn kquant_embedding_rows_are_the_decoded_rows() {
         let d = max_rel_diff(&got, &want);
         println!("embed_rows {dtype}: max rel diff {d:.2e} (tol 1e-6)");
         assert!(d <= 1e-6, "embed_rows {dtype}: {d}");
+    }
+}
+
+/// The `superblock` path's q4_k, q5_k and q6_k kernels (16 lanes per super-block) against the
+/// reference at the decode row counts (odd super-block counts leave half-warps idle; partial
+/// tiles of 4 weight rows), and a decode batch's rows the same bits as each row alone.
+#[test]
+fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
+    let Some((be, _old)) = gpu_new_and_old(CudaPaths {
+        superblock: true,
+        ..CudaPaths::default()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(23);
+    for dtype in [DType::Q4K, DType::Q5K, DType::Q6K] {
+        for (m, k) in [(67, 256), (130, 2048), (9, 5120), (258, 11008)] {
+            let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
+            for rows in [1, 3, 8, 9] {
+                check_matmul(&be, dtype, m, k, &w, rows, &mut rng);
+            }
+            let rows = 9;
+            let dev = on_device(&be, &w);
+            let wd = view(&dev, dtype, m, k);
+            let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut batch = alloc(&be, rows * m);
+            be.matmul_batch(
+                &up(&be, &x),
+                &vec![RowGroup::solo(1); rows],
+                &[wd],
+                &mut [&mut batch],
+            )
+            .unwrap();
+            let batch = down(&be, &batch, rows * m);
+            let mut differing = 0;
+            for r in 0..rows {
+                let mut alone = alloc(&be, m);
+                let xr = up(&be, &x[r * k..(r + 1) * k]);
+                be.matmul_batch(&xr, &[RowGroup::solo(1)], &[wd], &mut [&mut alone])
+                    .unwrap();
+                let alone = down(&be, &alone, m);
+                differing += (0..m)
+                    .filter(|&i| alone[i].to_bits() != batch[r * m + i].to_bits())
+                    .count();
+            }
+            println!(
+                "superblock {dtype} [{m}x{k}] rows={rows}: {differing} values differ from the rows alone"
+            );
+            assert_eq!(differing, 0, "superblock {dtype} [{m}x{k}]");
+        }
     }
 }

@@ -1036,6 +1036,42 @@ fn streamed_small_untied_f16_gives_the_resident_tokens() {
     streamed_matches_resident(&dir, "small f16 untied");
 }
 
+/// The launch counts (`CudaBackend::launch_counts`) of decode steps: a step replayed from the
+/// CUDA graph runs as many kernels as the same step op by op (the graph holds the whole pass),
+/// with far fewer calls on the stream (the position write, the replay, the logits read).
+#[test]
+fn replayed_decode_steps_run_every_kernel_with_few_stream_calls() {
+    let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
+        return;
+    };
+    let mut llama = open_uploaded(&dir, 0, 64).unwrap();
+    llama.forward(&[1, 2, 3, 4]).unwrap();
+    // Step 1 runs op by op, step 2 is recorded and launched, the rest are replays.
+    let mut per_step = Vec::new();
+    for step in 0..6u32 {
+        let before = llama.backend().launch_counts();
+        llama.forward(&[10 + step]).unwrap();
+        let after = llama.backend().launch_counts();
+        per_step.push((
+            after.kernels - before.kernels,
+            after.stream_calls - before.stream_calls,
+        ));
+    }
+    println!(
+        "(kernels, stream calls) per decode step: {per_step:?}; {} steps replayed",
+        llama.backend().step_replays()
+    );
+    let (eager_kernels, eager_calls) = per_step[0];
+    assert!(eager_kernels > 0, "the op-by-op step ran kernels");
+    for &(kernels, calls) in &per_step[2..] {
+        assert_eq!(kernels, eager_kernels, "a replay runs the pass's kernels");
+        assert!(
+            calls < eager_calls / 4,
+            "a replay makes {calls} stream calls, the op-by-op step {eager_calls}"
+        );
+    }
+}
+
 /// The ops of the families beyond llama (biases, per-head norms, post-norms, the tanh-GeLU gate,
 /// the embedding scale, the logit soft-cap) on CUDA against the reference backend.
 #[test]

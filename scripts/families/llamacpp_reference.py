@@ -9,7 +9,8 @@ bytes CI converts.
 usage: python3 llamacpp_reference.py INPUTS_DIR MODELS_DIR OUT.json
        python3 llamacpp_reference.py --real-only INPUTS_DIR OUT.json
 The second form recomputes only the real models' entry (`real_models`: the Gemma 3 270M
-Q4_K_M file of fetch_inputs.py) of an existing OUT.json.
+Q4_K_M file of fetch_inputs.py) of an existing OUT.json; gemma3_exact_reference.py then adds
+the exact logits of its steps again.
 """
 import json
 import sys

@@ -11,7 +11,8 @@ use gdsllm_fetch::FetchError;
 pub const ACCEPTED_FORMS: &str = "a model name in the store (see `gdsllm list`), a known \
     model (smollm2), hf.co/OWNER/REPO[:QUANT] or OWNER/REPO[:QUANT] (Hugging Face), \
     https://HOST/path/file.gguf, https://HOST/path/MODEL/ (a GdsLLM model directory served \
-    over HTTP), a .gguf file, or a model directory";
+    over HTTP), a .gguf file (a split one by its first part, NAME-00001-of-0000N.gguf), or a \
+    model directory";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -61,14 +62,12 @@ pub enum StoreError {
         tag: String,
         available: String,
     },
-    #[error(
-        "{repo}: {file} is split into {parts} parts; split GGUFs cannot be converted yet (merge \
-         them with llama.cpp's `llama-gguf-split --merge`, then `gdsllm pull FILE.gguf`)"
-    )]
+    #[error("{origin}: split GGUF {file}: {reason}")]
     SplitGguf {
-        repo: String,
+        /// The repository or URL.
+        origin: String,
         file: String,
-        parts: usize,
+        reason: String,
     },
     #[error("{url}: {file}: {reason}")]
     HfDownload {

@@ -4,9 +4,13 @@
 //!
 //! A GGUF repository gives the file of the quant asked for (`OWNER/REPO:Q4_K_M`, the default);
 //! a safetensors repository gives config.json, the weights and the tokenizer files, and its
-//! tag, if any, is the storage type to convert to. Every file is checked after download: its
-//! length against the repository's file list, its bytes against the ETag (the sha256 of a
-//! Git LFS file, the git object id of any other), and removed from the cache when they differ.
+//! tag, if any, is the storage type to convert to. A quant split into parts (llama.cpp's
+//! gguf-split) gives every part, converted as one model. hf-hub resolves each file (its
+//! commit, ETag and size) and names its place in the cache; the bytes come through
+//! `gdsllm-fetch`, like those of a URL pull: resumed where an earlier run stopped, and a full
+//! disk is an error that leaves no partial file. Every file is checked: its length against
+//! the repository's file list, its bytes against the ETag (the sha256 of a Git LFS file, the
+//! git object id of any other), and removed from the cache when they differ.
 
 use std::path::{Path, PathBuf};
 
@@ -15,12 +19,15 @@ use hf_hub::{Cache, Repo};
 use serde_json::Value;
 
 use gdsllm_convert::TargetDType;
+use gdsllm_fetch::{Client, ClientOptions, DownloadOptions, ExpectedSize};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, io};
 use crate::index::Record;
 use crate::layout::Store;
 use crate::names::{name_with_tag, quant_of_file_name, split_part};
-use crate::pull::{PullOptions, PullProgress, Pulled, convert_into_store, stored_from};
+use crate::pull::{
+    PartsProgress, PullOptions, PullProgress, Pulled, convert_into_store, stored_from,
+};
 
 /// The quant pulled when the user names none (llama.cpp's `-hf` default too).
 pub const DEFAULT_QUANT: &str = "Q4_K_M";
@@ -74,15 +81,30 @@ fn api(cache: &Cache, options: &PullOptions) -> Result<Api, StoreError> {
     if let Some(endpoint) = endpoint {
         builder = builder.with_endpoint(endpoint.trim_end_matches('/').to_string());
     }
-    if let Some(token) = std::env::var("HF_TOKEN")
-        .ok()
-        .filter(|t| !t.trim().is_empty())
-    {
-        builder = builder.with_token(Some(token.trim().to_string()));
-    }
+    builder = builder.with_token(hf_token(cache));
     builder.build().map_err(|e| StoreError::HfRepo {
         repo: "(client)".into(),
         reason: e.to_string(),
+    })
+}
+
+/// The token sent to the hub: `HF_TOKEN`, else the one saved beside the cache (hf-hub's
+/// rule).
+fn hf_token(cache: &Cache) -> Option<String> {
+    std::env::var("HF_TOKEN")
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .or_else(|| cache.token())
+}
+
+/// The client that downloads the files' bytes (hf-hub finds where they are, and where they go
+/// in its cache): resumable, retried, checked, and able to tell a full disk.
+fn fetch_client(cache: &Cache, options: &PullOptions) -> Client {
+    Client::new(ClientOptions {
+        retries: options.retries,
+        bearer_token: hf_token(cache),
+        ..ClientOptions::default()
     })
 }
 
@@ -231,20 +253,19 @@ pub(crate) fn pull_repo(
                     .join(", "),
             });
         };
-        if group.len() > 1 || split_part(&group[0].name).1.is_some() {
-            return Err(StoreError::SplitGguf {
-                repo: repo_id.to_string(),
-                file: group[0].name.clone(),
-                parts: group.len(),
-            });
-        }
+        check_parts(repo_id, group)?;
         let source = format!("hf.co/{repo_id}:{}", quant.to_ascii_uppercase());
         if let Some(pulled) = up_to_date(store, &source, &revision, options)? {
             return Ok(pulled);
         }
-        let file = &group[0];
-        let (path, sha256, fetched) =
-            download_checked(&api, &cache, &repo, repo_id, file, progress)?;
+        let label = match group.len() {
+            1 => group[0].name.clone(),
+            n => format!("{} ({n} parts)", group[0].name),
+        };
+        let downloaded = download_all(
+            &api, &cache, &repo, repo_id, group, &label, options, progress,
+        )?;
+        let (path, sha256) = downloaded.first.expect("a quant has a file");
         let name = options.name.clone().unwrap_or_else(|| {
             name_with_tag(
                 short
@@ -254,10 +275,12 @@ pub(crate) fn pull_repo(
                 Some(quant),
             )
         });
-        let record = Record::now(&source, Some(sha256), Some(revision), None);
+        // A split GGUF has no one sha256; its parts were each checked.
+        let sha256 = (group.len() == 1).then_some(sha256);
+        let record = Record::now(&source, sha256, Some(revision), None);
         return Ok(Pulled {
             gguf: Some(path.clone()),
-            fetched_bytes: fetched,
+            fetched_bytes: downloaded.fetched,
             ..convert_into_store(store, &path, &name, record, TargetDType::Keep, progress)?
         });
     }
@@ -291,19 +314,20 @@ pub(crate) fn pull_repo(
     if let Some(pulled) = up_to_date(store, &source, &revision, options)? {
         return Ok(pulled);
     }
-    let wanted: Vec<&RepoFile> = files
+    let wanted: Vec<RepoFile> = files
         .iter()
         .filter(|f| HF_SIDE_FILES.contains(&f.name.as_str()))
         .chain(weights)
+        .cloned()
         .collect();
-    let mut snapshot = None;
-    let mut fetched = 0;
-    for file in wanted {
-        let (path, _, bytes) = download_checked(&api, &cache, &repo, repo_id, file, progress)?;
-        fetched += bytes;
-        snapshot = path.parent().map(Path::to_path_buf);
-    }
-    let snapshot = snapshot.expect("config.json was downloaded");
+    let downloaded = download_all(
+        &api, &cache, &repo, repo_id, &wanted, repo_id, options, progress,
+    )?;
+    let fetched = downloaded.fetched;
+    let snapshot = downloaded
+        .first
+        .and_then(|(path, _)| path.parent().map(Path::to_path_buf))
+        .expect("config.json was downloaded");
     let name = options
         .name
         .clone()
@@ -330,29 +354,102 @@ fn up_to_date(
         .map(|(name, dir, record)| Pulled::stored(name, dir, record)))
 }
 
-/// Feeds hf-hub's progress into ours.
-struct HfProgress<'a>(&'a dyn PullProgress);
+/// A quant's files are one GGUF, or every part of one split GGUF (and nothing else).
+fn check_parts(repo_id: &str, group: &[RepoFile]) -> Result<(), StoreError> {
+    let first = &group[0].name;
+    let (dir, base) = match first.rsplit_once('/') {
+        Some((dir, base)) => (format!("{dir}/"), base),
+        None => (String::new(), first.as_str()),
+    };
+    let error = |reason: String| StoreError::SplitGguf {
+        origin: repo_id.to_string(),
+        file: first.clone(),
+        reason,
+    };
+    let names = || {
+        group
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some(split) = gdsllm_convert::gguf::split_name(base) else {
+        if group.len() == 1 {
+            return Ok(());
+        }
+        return Err(error(format!(
+            "the quant has {} files that are not the parts of one split: {}",
+            group.len(),
+            names()
+        )));
+    };
+    for number in 1..=split.count {
+        let part = format!("{dir}{}", split.part(number));
+        if !group.iter().any(|f| f.name == part) {
+            return Err(error(format!(
+                "part {number} of {}, {part}, is not in the repository",
+                split.count
+            )));
+        }
+    }
+    if group.len() != split.count as usize {
+        return Err(error(format!(
+            "the quant's files are the parts of more than one split: {}",
+            names()
+        )));
+    }
+    Ok(())
+}
 
-impl hf_hub::api::Progress for HfProgress<'_> {
-    fn init(&mut self, size: usize, _filename: &str) {
-        gdsllm_fetch::Progress::start(self.0, size as u64, 0);
+/// What [`download_all`] got.
+struct Downloaded {
+    /// The first file's path in the snapshot, and its sha256.
+    first: Option<(PathBuf, String)>,
+    /// Bytes that crossed the network.
+    fetched: u64,
+}
+
+/// Downloads `files` (or finds them in the cache) with one progress bar named `label`.
+#[allow(clippy::too_many_arguments)]
+fn download_all(
+    api: &Api,
+    cache: &Cache,
+    repo: &ApiRepo,
+    repo_id: &str,
+    files: &[RepoFile],
+    label: &str,
+    options: &PullOptions,
+    progress: &dyn PullProgress,
+) -> Result<Downloaded, StoreError> {
+    let client = fetch_client(cache, options);
+    let total = files.iter().filter_map(|f| f.size).sum();
+    let bar = PartsProgress::new(progress, label, total);
+    let mut downloaded = Downloaded {
+        first: None,
+        fetched: 0,
+    };
+    for file in files {
+        let (path, sha256, fetched) =
+            download_checked(api, cache, repo, repo_id, &client, file, options, &bar)?;
+        bar.done_with(file.size.unwrap_or(0));
+        downloaded.fetched += fetched;
+        downloaded.first.get_or_insert((path, sha256));
     }
-    fn update(&mut self, size: usize) {
-        gdsllm_fetch::Progress::advance(self.0, size as u64);
-    }
-    fn finish(&mut self) {
-        gdsllm_fetch::Progress::finish(self.0);
-    }
+    bar.finish();
+    Ok(downloaded)
 }
 
 /// Downloads `file` into the Hugging Face cache (or finds it there) and checks it; returns
 /// its path in the snapshot, its sha256 and the bytes fetched.
+#[allow(clippy::too_many_arguments)]
 fn download_checked(
     api: &Api,
     cache: &Cache,
     repo: &ApiRepo,
     repo_id: &str,
+    client: &Client,
     file: &RepoFile,
+    options: &PullOptions,
     progress: &dyn PullProgress,
 ) -> Result<(PathBuf, String, u64), StoreError> {
     let url = repo.url(&file.name);
@@ -373,53 +470,50 @@ fn download_checked(
     let cache_repo = cache.repo(Repo::model(repo_id.to_string()));
     let pointer = cache_repo.pointer_path(meta.commit_hash()).join(&file.name);
     let blob = cache_repo.blob_path(meta.etag());
-    let mut fetched = 0;
-    let cached = std::fs::metadata(&pointer).is_ok_and(|m| m.len() == size);
-    if cached {
-        tracing::info!("{}: in the Hugging Face cache already", file.name);
-    } else {
-        progress.phase(&file.name);
-        let partial = std::fs::metadata(blob.with_extension("part")).map_or(0, |m| m.len());
-        repo.download_with_progress(&file.name, HfProgress(progress))
-            .map_err(|e| download_error(&url, &file.name, e))?;
-        fetched = size.saturating_sub(partial);
-    }
+    let etag = meta.etag().trim_matches('"').to_ascii_lowercase();
+    // What the bytes must hash to, and who says so.
+    let (expected, algorithm, according_to) =
+        match (gdsllm_fetch::sha256_hex(&etag), &file.lfs_sha256) {
+            (Some(hex), _) => (hex, "sha256", "the ETag (Git LFS sha256)"),
+            (None, Some(lfs)) => (
+                lfs.to_ascii_lowercase(),
+                "sha256",
+                "the file list (Git LFS sha256)",
+            ),
+            (None, None) => (etag, "git object id", "the ETag (git object id)"),
+        };
+    let according_to = format!("{according_to} of {url}");
     let remove = || {
         for path in [&blob, &pointer] {
             let _ = std::fs::remove_file(path);
         }
     };
-    let actual_size = std::fs::metadata(&pointer).map_or(0, |m| m.len());
-    if actual_size != size {
-        remove();
-        return Err(StoreError::HfDownload {
-            url,
-            file: file.name.clone(),
-            reason: format!(
-                "{actual_size} bytes arrived, {size} were expected (a server that ignores \
-                 Range requests appends the whole file to a partial one); the download was \
-                 removed, run the same command again"
-            ),
-        });
-    }
-    let sha256 = gdsllm_fetch::sha256_file(&pointer)?;
-    let etag = meta.etag().trim_matches('"').to_ascii_lowercase();
-    let (expected, algorithm, actual, according_to) =
-        match (gdsllm_fetch::sha256_hex(&etag), &file.lfs_sha256) {
-            (Some(hex), _) => (hex, "sha256", sha256.clone(), "the ETag (Git LFS sha256)"),
-            (None, Some(lfs)) => (
-                lfs.to_ascii_lowercase(),
-                "sha256",
-                sha256.clone(),
-                "the file list (Git LFS sha256)",
-            ),
-            (None, None) => (
-                etag,
-                "git object id",
-                git_blob_id(&pointer)?,
-                "the ETag (git object id)",
-            ),
+    let mut fetched = 0;
+    let sha256 = if std::fs::metadata(&pointer).is_ok_and(|m| m.len() == size) {
+        tracing::info!("{}: in the Hugging Face cache already", file.name);
+        gdsllm_fetch::sha256_file(&pointer)?
+    } else {
+        let download_options = DownloadOptions {
+            sha256: (algorithm == "sha256").then(|| (expected.clone(), according_to.clone())),
+            size: Some(ExpectedSize {
+                bytes: size,
+                according_to: "the repository's file list",
+            }),
+            write_limit: options.write_limit,
         };
+        let done = gdsllm_fetch::download(client, &url, &blob, &download_options, progress)?;
+        fetched = done.fetched;
+        link_pointer(&pointer, &blob, &file.name)?;
+        cache_repo.create_ref(meta.commit_hash()).map_err(|e| {
+            let repo_dir = blob.parent().and_then(Path::parent).unwrap_or(&blob);
+            StoreError::io(&repo_dir.join("refs"), e)
+        })?;
+        done.sha256
+    };
+    let actual = match algorithm {
+        "sha256" => sha256.clone(),
+        _ => git_blob_id(&pointer)?,
+    };
     if expected != actual {
         remove();
         return Err(StoreError::Checksum {
@@ -427,10 +521,27 @@ fn download_checked(
             algorithm,
             expected,
             actual,
-            according_to: format!("{according_to} of {url}"),
+            according_to,
         });
     }
     Ok((pointer, sha256, fetched))
+}
+
+/// Points the snapshot's `file_name` at its blob, as hf-hub does: a relative symbolic link.
+fn link_pointer(pointer: &Path, blob: &Path, file_name: &str) -> Result<(), StoreError> {
+    let parent = pointer.parent().expect("a snapshot file has a directory");
+    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    match std::fs::remove_file(pointer) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(StoreError::io(pointer, e)),
+    }
+    // snapshots/COMMIT/[DIR/]FILE → ../../[../]blobs/ETAG
+    let up = "../".repeat(file_name.split('/').count() + 1);
+    let target = PathBuf::from(up)
+        .join("blobs")
+        .join(blob.file_name().expect("a blob has a name"));
+    std::os::unix::fs::symlink(&target, pointer).map_err(io(pointer))
 }
 
 /// Git's object id of a file (the ETag of a file kept in git rather than LFS).

@@ -1,4 +1,5 @@
-//! `gdsllm pull https://HOST/path/file.gguf`: a GGUF from any HTTP(S) server, downloaded into
+//! `gdsllm pull https://HOST/path/file.gguf`: a GGUF from any HTTP(S) server (or every part of
+//! a split one, from the URL of its first part), downloaded into
 //! `downloads/` with range requests (resuming a partial download of an earlier run), its
 //! length and sha256 checked (the user's `--sha256`, else one the server gives in its
 //! headers), then converted into the store. The download is removed once converted unless it
@@ -11,7 +12,9 @@ use crate::error::{StoreError, io};
 use crate::index::Record;
 use crate::layout::Store;
 use crate::names::name_for_gguf;
-use crate::pull::{PullOptions, PullProgress, Pulled, convert_into_store, stored_from};
+use crate::pull::{
+    PartsProgress, PullOptions, PullProgress, Pulled, convert_into_store, stored_from,
+};
 
 /// The file name a URL's download gets: its last path segment.
 fn file_name_of(url: &str) -> Result<String, StoreError> {
@@ -23,6 +26,46 @@ fn file_name_of(url: &str) -> Result<String, StoreError> {
         });
     }
     Ok(name.to_string())
+}
+
+/// The files to download for `url`: (URL, file name) of the file, or of every part of a split
+/// GGUF when `url` names its first part (`NAME-00001-of-0000N.gguf`; the others are its
+/// siblings on the server).
+fn files_of(url: &str, options: &PullOptions) -> Result<Vec<(String, String)>, StoreError> {
+    let file_name = file_name_of(url)?;
+    let Some(split) = gdsllm_convert::gguf::split_name(&file_name) else {
+        return Ok(vec![(url.to_string(), file_name)]);
+    };
+    let error = |reason: String| StoreError::SplitGguf {
+        origin: url.to_string(),
+        file: file_name.clone(),
+        reason,
+    };
+    if split.number != 1 {
+        return Err(error(format!(
+            "this is part {} of {}; pull the first part, {}",
+            split.number,
+            split.count,
+            split.part(1)
+        )));
+    }
+    if split.count > 1 && options.sha256.is_some() {
+        return Err(error(format!(
+            "--sha256 names one file, and this GGUF is split into {} parts (each part is checked \
+             against the sha256 the server gives, if any)",
+            split.count
+        )));
+    }
+    // `https://HOST/DIR/NAME-00001-of-00003.gguf?QUERY` → the same DIR and QUERY for each part.
+    let path_end = url.find(['?', '#']).unwrap_or(url.len());
+    let dir = &url[..path_end - file_name.len()];
+    let query = &url[path_end..];
+    Ok((1..=split.count)
+        .map(|number| {
+            let name = split.part(number);
+            (format!("{dir}{name}{query}"), name)
+        })
+        .collect())
 }
 
 pub(crate) fn pull_url(
@@ -37,10 +80,10 @@ pub(crate) fn pull_url(
         tracing::info!("{url} is in the store as {name} already (--force pulls it again)");
         return Ok(Pulled::stored(name, dir, record));
     }
-    let file_name = file_name_of(url)?;
+    let files = files_of(url, options)?;
+    let file_name = files[0].1.clone();
     let downloads = store.downloads_dir();
     std::fs::create_dir_all(&downloads).map_err(io(&downloads))?;
-    let dest = downloads.join(&file_name);
     let client = Client::new(ClientOptions {
         retries: options.retries,
         ..ClientOptions::default()
@@ -53,36 +96,66 @@ pub(crate) fn pull_url(
         size: None,
         write_limit: options.write_limit,
     };
-    progress.phase(&file_name);
-    let downloaded = gdsllm_fetch::download(&client, url, &dest, &download_options, progress)?;
-    match &downloaded.sha256_checked_against {
-        Some(who) => tracing::info!("{file_name}: sha256 {} matches {who}", downloaded.sha256),
-        None => tracing::warn!(
-            "{file_name}: the server gives no sha256 to check against (pass --sha256 HEX); its \
-             length was checked, and its sha256 is {}",
-            downloaded.sha256
-        ),
+    let label = match files.len() {
+        1 => file_name.clone(),
+        n => format!("{file_name} ({n} parts)"),
+    };
+    let bar = PartsProgress::new(progress, &label, 0);
+    let mut downloaded: Vec<gdsllm_fetch::Downloaded> = Vec::with_capacity(files.len());
+    let mut fetched = 0;
+    for (part_url, part_name) in &files {
+        let dest = downloads.join(part_name);
+        let part = match gdsllm_fetch::download(&client, part_url, &dest, &download_options, &bar) {
+            Ok(part) => part,
+            Err(err) => {
+                // The parts before are complete, but a pull that failed holds nothing.
+                for earlier in &downloaded {
+                    std::fs::remove_file(&earlier.path).map_err(io(&earlier.path))?;
+                }
+                bar.finish();
+                return Err(err.into());
+            }
+        };
+        match &part.sha256_checked_against {
+            Some(who) => tracing::info!("{part_name}: sha256 {} matches {who}", part.sha256),
+            None => tracing::warn!(
+                "{part_name}: the server gives no sha256 to check against (pass --sha256 HEX); \
+                 its length was checked, and its sha256 is {}",
+                part.sha256
+            ),
+        }
+        bar.done_with(part.size);
+        fetched += part.fetched;
+        downloaded.push(part);
     }
+    bar.finish();
     let name = options
         .name
         .clone()
         .unwrap_or_else(|| name_for_gguf(&file_name));
-    let record = Record::now(
-        url,
-        Some(downloaded.sha256.clone()),
-        downloaded.etag.clone(),
-        None,
+    let first = &downloaded[0];
+    // A split GGUF has no one sha256; its parts were each checked.
+    let sha256 = (downloaded.len() == 1).then(|| first.sha256.clone());
+    let record = Record::now(url, sha256, first.etag.clone(), None);
+    let converted = convert_into_store(
+        store,
+        &first.path,
+        &name,
+        record,
+        TargetDType::Keep,
+        progress,
     );
-    let converted = convert_into_store(store, &dest, &name, record, TargetDType::Keep, progress);
     let kept = options.keep_download && converted.is_ok();
     if !kept {
         // Converted, or not convertible: either way the bytes are not needed again (a
         // download that is not a valid GGUF would fail the same way next time).
-        std::fs::remove_file(&dest).map_err(io(&dest))?;
+        for part in &downloaded {
+            std::fs::remove_file(&part.path).map_err(io(&part.path))?;
+        }
     }
     Ok(Pulled {
-        gguf: kept.then_some(dest),
-        fetched_bytes: downloaded.fetched,
+        gguf: kept.then(|| first.path.clone()),
+        fetched_bytes: fetched,
         ..converted?
     })
 }

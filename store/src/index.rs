@@ -83,41 +83,48 @@ pub struct FileStamp {
 }
 
 impl FileStamp {
-    /// The stamp of a file, or of a directory's files together (a Hugging Face directory).
+    /// The stamp of a file, of a split GGUF's parts together (given its first part), or of a
+    /// directory's files together (a Hugging Face directory).
     pub fn of(path: &Path) -> Result<FileStamp, StoreError> {
         let meta = std::fs::metadata(path).map_err(io(path))?;
-        let stamp = |m: &std::fs::Metadata| {
-            let modified = m
-                .modified()
-                .ok()
-                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                .map_or(0, |d| d.as_nanos());
-            (m.len(), modified)
+        let files: Vec<std::path::PathBuf> = if meta.is_dir() {
+            std::fs::read_dir(path)
+                .map_err(io(path))?
+                .map(|entry| entry.map(|e| e.path()).map_err(io(path)))
+                .collect::<Result<_, _>>()?
+        } else {
+            split_parts(path).unwrap_or_else(|| vec![path.to_path_buf()])
         };
-        if !meta.is_dir() {
-            let (bytes, modified_unix_ns) = stamp(&meta);
-            return Ok(FileStamp {
-                bytes,
-                modified_unix_ns,
-            });
-        }
         let mut total = FileStamp {
             bytes: 0,
             modified_unix_ns: 0,
         };
-        for entry in std::fs::read_dir(path).map_err(io(path))? {
-            let entry = entry.map_err(io(path))?;
+        for file in files {
             // Through symlinks: a Hugging Face snapshot is made of them.
-            if let Ok(m) = std::fs::metadata(entry.path())
+            if let Ok(m) = std::fs::metadata(&file)
                 && m.is_file()
             {
-                let (bytes, modified) = stamp(&m);
-                total.bytes += bytes;
+                let modified = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos());
+                total.bytes += m.len();
                 total.modified_unix_ns = total.modified_unix_ns.max(modified);
             }
         }
         Ok(total)
     }
+}
+
+/// Every part of the split GGUF whose first part is `path` (`NAME-00001-of-0000N.gguf`, N > 1).
+fn split_parts(path: &Path) -> Option<Vec<std::path::PathBuf>> {
+    let split = gdsllm_convert::gguf::split_name(path.file_name()?.to_str()?)?;
+    (split.number == 1 && split.count > 1).then(|| {
+        (1..=split.count)
+            .map(|number| path.with_file_name(split.part(number)))
+            .collect()
+    })
 }
 
 impl Index {

@@ -87,18 +87,8 @@ fn is_quant_token(token: &str) -> bool {
 
 /// `name-00001-of-00003.gguf` → (`name.gguf`, Some((1, 3))); other names unchanged.
 pub fn split_part(file_name: &str) -> (String, Option<(u32, u32)>) {
-    let Some(stem) = file_name.strip_suffix(".gguf") else {
-        return (file_name.to_string(), None);
-    };
-    let part = stem.rsplit_once("-of-").and_then(|(head, total)| {
-        let (base, index) = head.rsplit_once('-')?;
-        let is_num = |s: &str| s.len() == 5 && s.chars().all(|c| c.is_ascii_digit());
-        (is_num(index) && is_num(total))
-            .then(|| Some((base, index.parse().ok()?, total.parse().ok()?)))
-            .flatten()
-    });
-    match part {
-        Some((base, index, total)) => (format!("{base}.gguf"), Some((index, total))),
+    match gdsllm_convert::gguf::split_name(file_name) {
+        Some(split) => (split.merged(), Some((split.number, split.count))),
         None => (file_name.to_string(), None),
     }
 }

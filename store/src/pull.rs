@@ -29,6 +29,51 @@ impl gdsllm_convert::Progress for Quiet {}
 impl gdsllm_fetch::Progress for Quiet {}
 impl PullProgress for Quiet {}
 
+/// One bar over the files of a split GGUF: each file's bytes count after those of the files
+/// downloaded before it, out of the bytes of them all.
+pub(crate) struct PartsProgress<'a> {
+    inner: &'a dyn PullProgress,
+    total: u64,
+    before: std::sync::atomic::AtomicU64,
+}
+
+impl<'a> PartsProgress<'a> {
+    /// A bar over `total` bytes, named `what`.
+    pub(crate) fn new(inner: &'a dyn PullProgress, what: &str, total: u64) -> PartsProgress<'a> {
+        inner.phase(what);
+        PartsProgress {
+            inner,
+            total,
+            before: 0.into(),
+        }
+    }
+
+    /// The next file begins, after `bytes` more of the total.
+    pub(crate) fn done_with(&self, bytes: u64) {
+        self.before
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Every file is downloaded.
+    pub(crate) fn finish(&self) {
+        gdsllm_fetch::Progress::finish(self.inner);
+    }
+}
+
+impl gdsllm_fetch::Progress for PartsProgress<'_> {
+    fn start(&self, _total: u64, done: u64) {
+        let before = self.before.load(std::sync::atomic::Ordering::Relaxed);
+        gdsllm_fetch::Progress::start(self.inner, self.total, before + done);
+    }
+    fn advance(&self, bytes: u64) {
+        gdsllm_fetch::Progress::advance(self.inner, bytes);
+    }
+    // Each file's end is not the end of the bar.
+    fn finish(&self) {}
+}
+impl gdsllm_convert::Progress for PartsProgress<'_> {}
+impl PullProgress for PartsProgress<'_> {}
+
 /// Options of [`pull`].
 #[derive(Debug, Clone)]
 pub struct PullOptions {

@@ -81,6 +81,17 @@ impl Hub {
             Err(err) => err.to_string(),
         }
     }
+    /// A hub with one repository, o/Tiny-GGUF, holding one tiny GGUF (made from `seed`),
+    /// Tiny-Q8_0.gguf; returns its bytes.
+    fn with_tiny_repo(seed: u64) -> (Hub, Arc<Vec<u8>>) {
+        let hub = Hub::new();
+        let bytes = tiny_gguf_bytes(seed);
+        hub.server.add_hf_repo(
+            "o/Tiny-GGUF",
+            vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
+        );
+        (hub, bytes)
+    }
     fn models(&self) -> Vec<String> {
         std::fs::read_dir(self.store().models_dir())
             .map(|d| {
@@ -189,12 +200,7 @@ fn a_hugging_face_gguf_repo_pulls_the_quant_asked_for_identical_to_the_local_con
 
 #[test]
 fn an_interrupted_hugging_face_pull_resumes_and_fetches_less_than_the_file() {
-    let hub = Hub::new();
-    let bytes = tiny_gguf_bytes(2);
-    hub.server.add_hf_repo(
-        "o/Tiny-GGUF",
-        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
-    );
+    let (hub, bytes) = Hub::with_tiny_repo(2);
     let path = "o/Tiny-GGUF/resolve/main/Tiny-Q8_0.gguf";
     let store = hub.store();
     hub.server
@@ -227,12 +233,7 @@ fn an_interrupted_hugging_face_pull_resumes_and_fetches_less_than_the_file() {
 
 #[test]
 fn hugging_face_faults_are_clear_errors_that_leave_nothing_in_the_store() {
-    let hub = Hub::new();
-    let bytes = tiny_gguf_bytes(3);
-    hub.server.add_hf_repo(
-        "o/Tiny-GGUF",
-        vec![("Tiny-Q8_0.gguf".into(), Content::Bytes(bytes.clone()))],
-    );
+    let (hub, _) = Hub::with_tiny_repo(3);
     let path = "o/Tiny-GGUF/resolve/main/Tiny-Q8_0.gguf";
     let store = hub.store();
     let cases: [(Fault, &str); 3] = [
@@ -545,4 +546,236 @@ fn a_length_that_lies_or_a_hub_that_ignores_ranges_on_resume_leaves_nothing_half
         &dir,
         &converted_locally(&local_gguf, &hub.home.path().join("local")),
     );
+}
+
+/// A tiny model's GGUF, whole and split into `parts` parts the way gguf-split splits it.
+fn tiny_split(seed: u64, parts: usize) -> (Arc<Vec<u8>>, Vec<Arc<Vec<u8>>>) {
+    let whole = TinyLlama::new(seed, true).gguf(weights_format::DType::Q8_0);
+    let split = whole
+        .split(parts)
+        .iter()
+        .map(|part| Arc::new(part.to_bytes()))
+        .collect();
+    (Arc::new(whole.to_bytes()), split)
+}
+
+fn part_name(number: usize, count: usize) -> String {
+    format!("Tiny-Q8_0-{number:05}-of-{count:05}.gguf")
+}
+
+/// What a pull reported: the bars it named, their starts (total, done) and the bytes advanced.
+#[derive(Default)]
+struct Recorded {
+    phases: std::sync::Mutex<Vec<String>>,
+    starts: std::sync::Mutex<Vec<(u64, u64)>>,
+    advanced: std::sync::atomic::AtomicU64,
+}
+impl gdsllm_fetch::Progress for Recorded {
+    fn start(&self, total: u64, done: u64) {
+        self.starts.lock().unwrap().push((total, done));
+    }
+    fn advance(&self, bytes: u64) {
+        self.advanced
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+impl gdsllm_convert::Progress for Recorded {}
+impl gdsllm_store::PullProgress for Recorded {
+    fn phase(&self, what: &str) {
+        self.phases.lock().unwrap().push(what.to_string());
+    }
+}
+
+/// Files left in the store's models/ and downloads/.
+fn leftovers(store: &Store) -> Vec<String> {
+    let mut names = Vec::new();
+    for dir in [store.models_dir(), store.downloads_dir()] {
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            names.extend(entries.map(|e| e.unwrap().file_name().into_string().unwrap()));
+        }
+    }
+    names
+}
+
+#[test]
+fn a_split_gguf_pulls_from_a_hub_and_by_url_identical_to_the_merged_file() {
+    const PARTS: usize = 3;
+    let hub = Hub::new();
+    let (whole, parts) = tiny_split(8, PARTS);
+    let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+    let merged = hub.home.path().join("Tiny-Q8_0.gguf");
+    std::fs::write(&merged, whole.as_slice()).unwrap();
+    let local = converted_locally(&merged, &hub.home.path().join("local"));
+
+    // From the hub: every part of the quant (in a directory of its own, as many repositories
+    // keep them), one bar over all of them, converted as one model.
+    let mut files: Vec<(String, Content)> = parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            (
+                format!("Q8_0/{}", part_name(i + 1, PARTS)),
+                Content::Bytes(p.clone()),
+            )
+        })
+        .collect();
+    files.push(("Tiny-Q4_1.gguf".into(), Content::Bytes(tiny_gguf_bytes(9))));
+    hub.server.add_hf_repo("o/Tiny-GGUF", files);
+    let store = hub.store();
+    let recorded = Recorded::default();
+    let pulled = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &recorded).unwrap();
+    assert_eq!(pulled.name, "tiny:q8_0");
+    assert_eq!(pulled.fetched_bytes, total);
+    assert_eq!(pulled.sha256, None);
+    assert_same_model(&pulled.dir, &local);
+    let phases = recorded.phases.lock().unwrap().clone();
+    assert_eq!(
+        phases[0],
+        format!("Q8_0/{} ({PARTS} parts)", part_name(1, PARTS)),
+        "{phases:?}"
+    );
+    let starts = recorded.starts.lock().unwrap().clone();
+    assert!(
+        starts.len() == PARTS && starts.iter().all(|&(t, _)| t == total),
+        "{starts:?}"
+    );
+    assert_eq!(
+        starts.last().unwrap().1,
+        total - parts[PARTS - 1].len() as u64
+    );
+    assert_eq!(
+        recorded.advanced.load(std::sync::atomic::Ordering::Relaxed),
+        total
+    );
+    let again = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet).unwrap();
+    assert!(again.up_to_date);
+
+    // By URL: the first part's URL brings its siblings; the downloads are gone afterwards.
+    for (i, part) in parts.iter().enumerate() {
+        hub.server.add_file_with_digest(
+            &format!("f/{}", part_name(i + 1, PARTS)),
+            Content::Bytes(part.clone()),
+        );
+    }
+    let url = format!("{}/f/{}", hub.server.url(), part_name(1, PARTS));
+    let store = Store::at(hub.home.path().join("store-by-url"));
+    let pulled = pull(&store, &url, &hub.options(), &Quiet).unwrap();
+    assert_eq!(pulled.fetched_bytes, total);
+    // Named like the file the parts merge into.
+    assert_eq!(pulled.name, "tiny:q8_0");
+    assert_same_model(&pulled.dir, &local);
+    let downloads: Vec<_> = std::fs::read_dir(store.downloads_dir()).unwrap().collect();
+    assert!(downloads.is_empty(), "{downloads:?}");
+}
+
+#[test]
+fn a_split_gguf_with_a_part_missing_or_not_the_first_leaves_nothing_in_the_store() {
+    const PARTS: usize = 3;
+    let hub = Hub::new();
+    let (_, parts) = tiny_split(10, PARTS);
+    let store = hub.store();
+
+    // A hub repository without part 2.
+    hub.server.add_hf_repo(
+        "o/Tiny-GGUF",
+        [0, 2]
+            .iter()
+            .map(|&i| (part_name(i + 1, PARTS), Content::Bytes(parts[i].clone())))
+            .collect(),
+    );
+    let err = hub.pull_error(&store, "hf.co/o/Tiny-GGUF:Q8_0");
+    assert!(
+        err.contains("part 2 of 3") && err.contains(&part_name(2, PARTS)),
+        "{err}"
+    );
+    assert!(leftovers(&store).is_empty(), "{:?}", leftovers(&store));
+
+    // By URL: part 3 is not on the server (HTTP 404, naming it); the parts downloaded before
+    // are removed.
+    for (i, part) in parts.iter().take(2).enumerate() {
+        hub.server.add_file_with_digest(
+            &format!("f/{}", part_name(i + 1, PARTS)),
+            Content::Bytes(part.clone()),
+        );
+    }
+    let url = format!("{}/f/{}", hub.server.url(), part_name(1, PARTS));
+    let err = hub.pull_error(&store, &url);
+    assert!(
+        err.contains(&part_name(3, PARTS)) && err.contains("HTTP 404"),
+        "{err}"
+    );
+    assert!(leftovers(&store).is_empty(), "{:?}", leftovers(&store));
+    assert!(store.index().unwrap().models.is_empty());
+
+    // The URL of a part other than the first.
+    let err = hub.pull_error(
+        &store,
+        &format!("{}/f/{}", hub.server.url(), part_name(2, PARTS)),
+    );
+    assert!(
+        err.contains("part 2 of 3")
+            && err.contains(&format!("pull the first part, {}", part_name(1, PARTS))),
+        "{err}"
+    );
+    // --sha256 cannot name the parts.
+    let with_sha = PullOptions {
+        sha256: Some("ab".repeat(32)),
+        ..hub.options()
+    };
+    let err = pull(&store, &url, &with_sha, &Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--sha256 names one file"), "{err}");
+    assert!(leftovers(&store).is_empty(), "{:?}", leftovers(&store));
+}
+
+/// Partial downloads left anywhere under `dir`.
+fn partial_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            found.extend(partial_files(&path));
+        } else if path.to_string_lossy().contains(".partial") {
+            found.push(path);
+        }
+    }
+    found
+}
+
+#[test]
+fn a_full_disk_during_a_hugging_face_pull_is_a_clear_error_and_leaves_nothing_half_written() {
+    let (hub, bytes) = Hub::with_tiny_repo(11);
+    let store = hub.store();
+    let full = PullOptions {
+        write_limit: Some(bytes.len() as u64 / 2),
+        ..hub.options()
+    };
+    let err = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &full, &Quiet).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::Fetch(gdsllm_fetch::FetchError::DiskFull { .. })
+        ),
+        "{err}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("no space left") && message.contains("partial download was removed"),
+        "{message}"
+    );
+    assert!(leftovers(&store).is_empty(), "{:?}", leftovers(&store));
+    assert!(store.index().unwrap().models.is_empty());
+    let cache = hub.home.path().join("hf");
+    assert!(
+        partial_files(&cache).is_empty(),
+        "{:?}",
+        partial_files(&cache)
+    );
+    // With room again, the same pull works.
+    let pulled = pull(&store, "hf.co/o/Tiny-GGUF:Q8_0", &hub.options(), &Quiet).unwrap();
+    assert_eq!(pulled.fetched_bytes, bytes.len() as u64);
 }

@@ -177,3 +177,71 @@ fn a_known_model_with_its_gguf_downloaded_converts_and_is_idempotent() {
     assert_eq!(found.dir, pulled.dir);
     assert_eq!(store.index().unwrap().dir_of("smollm2"), Some("smollm2"));
 }
+
+#[test]
+fn a_split_gguf_given_to_m_by_its_first_part_converts_as_one_model() {
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::at(home.path().join("store"));
+    let whole = TinyLlama::new(3, true).gguf(weights_format::DType::F32);
+    let merged = home.path().join("Tiny-Llama.Q8_0.gguf");
+    whole.write_to(&merged).unwrap();
+    for (i, part) in whole.split(2).iter().enumerate() {
+        part.write_to(
+            &home
+                .path()
+                .join(format!("Tiny-Llama.Q8_0-{:05}-of-00002.gguf", i + 1)),
+        )
+        .unwrap();
+    }
+    let first = home.path().join("Tiny-Llama.Q8_0-00001-of-00002.gguf");
+    let resolved = resolve(&store, first.to_str(), &PullOptions::default(), &Quiet).unwrap();
+    let Resolution::Added { name, .. } = &resolved.how else {
+        panic!("{:?}", resolved.how);
+    };
+    // Named like the file the parts merge into, and converted to the same bytes.
+    assert_eq!(name, "tiny-llama:q8_0");
+    let expected = home.path().join("merged");
+    gdsllm_convert::convert(
+        &merged,
+        &expected,
+        &Default::default(),
+        &gdsllm_convert::NoProgress,
+    )
+    .unwrap();
+    assert!(
+        gdsllm_convert::testing::dir_files(&resolved.dir)
+            == gdsllm_convert::testing::dir_files(&expected)
+    );
+    // Reused while no part changes; converted again once one does.
+    let again = resolve(&store, first.to_str(), &PullOptions::default(), &Quiet).unwrap();
+    assert!(
+        matches!(again.how, Resolution::Reused { .. }),
+        "{:?}",
+        again.how
+    );
+    let second = home.path().join("Tiny-Llama.Q8_0-00002-of-00002.gguf");
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+    std::fs::File::options()
+        .write(true)
+        .open(&second)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let changed = resolve(&store, first.to_str(), &PullOptions::default(), &Quiet).unwrap();
+    assert!(
+        !matches!(changed.how, Resolution::Reused { .. }),
+        "{:?}",
+        changed.how
+    );
+    // Without its second part: an error naming it, and nothing new in the store.
+    std::fs::remove_file(home.path().join("Tiny-Llama.Q8_0-00002-of-00002.gguf")).unwrap();
+    let other = Store::at(home.path().join("other"));
+    let err = resolve(&other, first.to_str(), &PullOptions::default(), &Quiet)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("Tiny-Llama.Q8_0-00002-of-00002.gguf") && err.contains("missing"),
+        "{err}"
+    );
+    assert!(other.list().unwrap().is_empty());
+}

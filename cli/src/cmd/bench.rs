@@ -1,5 +1,6 @@
 //! `gdsllm bench`: prompt processing and generation speed, like llama-bench's pp and tg.
 
+use llama::backend::cuda::LaunchCounts;
 use llama::batch::DEFAULT_PREFILL_CHUNK;
 use llama::{Backend, Llama, OpenedModel, WeightSource};
 use serde_json::json;
@@ -77,7 +78,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 });
                 return print_batches(&args, &rows, head);
             }
-            bench(llama, &args, open_s, &model.io, json!(null))
+            bench(llama, &args, open_s, &model.io, json!(null), |_| None)
         }
         OpenedModel::Cuda(mut model) => {
             let open_s = model.load_seconds;
@@ -103,7 +104,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 });
                 return print_batches(&args, &rows, head);
             }
-            bench(llama, &args, open_s, &model.io, references)
+            bench(llama, &args, open_s, &model.io, references, |be| {
+                Some(be.launch_counts())
+            })
         }
     }
 }
@@ -138,6 +141,7 @@ fn bench<B: Backend, W: WeightSource>(
     open_s: f64,
     io_backend: &str,
     references: serde_json::Value,
+    launch_counts: fn(&B) -> Option<LaunchCounts>,
 ) -> anyhow::Result<()> {
     let vocab = llama.config().vocab_size as u32;
     // Ordinary text-like ids; what they are does not change the work done.
@@ -159,6 +163,8 @@ fn bench<B: Backend, W: WeightSource>(
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     let mut tg_bytes = 0u64;
+    // Kernels and stream calls over the timed decode steps (CUDA): the fixed cost per token.
+    let mut tg_launches: Option<LaunchCounts> = None;
     for _ in 0..reps {
         llama.truncate(0);
         let t = std::time::Instant::now();
@@ -166,6 +172,7 @@ fn bench<B: Backend, W: WeightSource>(
         pp.push(args.n_prompt as f64 / t.elapsed().as_secs_f64());
 
         let before = streamed_bytes(llama);
+        let counts_before = launch_counts(llama.backend());
         let mut next = 300u32;
         let t = std::time::Instant::now();
         for _ in 0..args.n_gen {
@@ -178,9 +185,17 @@ fn bench<B: Backend, W: WeightSource>(
         }
         tg.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
         tg_bytes += streamed_bytes(llama) - before;
+        if let (Some(a), Some(b)) = (counts_before, launch_counts(llama.backend())) {
+            let sum = tg_launches.get_or_insert_default();
+            sum.kernels += b.kernels - a.kernels;
+            sum.stream_calls += b.stream_calls - a.stream_calls;
+        }
         llama.truncate(0);
     }
-    let bytes_per_token = tg_bytes as f64 / (reps * args.n_gen).max(1) as f64;
+    let tokens = (reps * args.n_gen).max(1) as f64;
+    let bytes_per_token = tg_bytes as f64 / tokens;
+    let per_token =
+        tg_launches.map(|c| (c.kernels as f64 / tokens, c.stream_calls as f64 / tokens));
     let weight_bytes = weight_bytes_per_token(llama);
     let stats = llama.weights().residency_stats();
     let device = llama.backend().name();
@@ -196,6 +211,8 @@ fn bench<B: Backend, W: WeightSource>(
             "tg": {
                 "tokens": args.n_gen, "tok_per_s": tg, "mean": mean(&tg), "best": best(&tg),
                 "bytes_per_token": bytes_per_token, "weight_bytes_per_token": weight_bytes,
+                "kernels_per_token": per_token.map(|p| p.0),
+                "stream_calls_per_token": per_token.map(|p| p.1),
             },
             "references": references,
             "residency": stats,
@@ -213,6 +230,11 @@ fn bench<B: Backend, W: WeightSource>(
             weight_bytes as f64 / 1e6,
             rayon_threads()
         );
+        if let Some((kernels, calls)) = per_token {
+            println!(
+                "per generated token: {kernels:.1} kernels run, {calls:.1} calls on the stream"
+            );
+        }
         if !references.is_null() {
             println!("references: {references}");
         }

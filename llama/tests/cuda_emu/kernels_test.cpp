@@ -204,6 +204,35 @@ struct X16Buf {
     }
 };
 
+// The outputs and `MatmulJobs` of one launch over weights `wd` of `ms[j]` rows each (sharing x
+// of `rows` rows); with `accumulate` each output starts as random values (`base`) that the
+// kernel adds to.
+struct JobOutputs {
+    std::vector<std::vector<float>> base;
+    std::vector<std::unique_ptr<Buf<float>>> outs;
+    MatmulJobs jobs{};
+    JobOutputs(const std::vector<std::unique_ptr<Buf<uint8_t>>>& wd, const std::vector<int>& ms, int rows,
+               int accumulate) {
+        jobs.n_jobs = (int)ms.size();
+        jobs.accumulate = accumulate;
+        for (int j = 0; j < jobs.n_jobs; j++) {
+            base.push_back(random_vec((size_t)rows * ms[j]));
+            outs.emplace_back(accumulate ? new Buf<float>(base.back()) : new Buf<float>((size_t)rows * ms[j]));
+            jobs.w[j] = wd[j]->p;
+            jobs.out[j] = outs[j]->p;
+            jobs.m[j] = ms[j];
+        }
+    }
+    // The largest relative error of any output against the f64 reference.
+    double max_err(const std::vector<float>& x, int rows, const std::vector<Weights>& ws, int k) const {
+        double err = 0;
+        for (int j = 0; j < jobs.n_jobs; j++)
+            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], jobs.m[j], k,
+                                                                    jobs.accumulate ? &base[j] : nullptr)));
+        return err;
+    }
+};
+
 void test_existing_matmul() {
     int shapes[][2] = {{77, 96}, {33, 576}};
     for (int dtype = 0; dtype < 6; dtype++)
@@ -281,7 +310,7 @@ void test_mma_matmul() {
     std::vector<int> row_counts = {2, 3, 8, 9, 17, 33, 64, 70};
     for (int dtype = F16; dtype <= Q4_1; dtype++)
         for (auto& cs : cases) {
-            int k = cs.k, n_jobs = (int)cs.ms.size();
+            int k = cs.k;
             std::vector<Weights> ws;
             std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
             for (int m : cs.ms) {
@@ -296,24 +325,9 @@ void test_mma_matmul() {
                 for (int split : {1, 3}) {
                     if (split > k / 32) continue;
                     for (int accumulate : {0, 1}) {
-                        std::vector<std::vector<float>> base;
-                        std::vector<std::unique_ptr<Buf<float>>> outs;
-                        MatmulJobs jobs{};
-                        jobs.n_jobs = n_jobs;
-                        jobs.accumulate = accumulate;
-                        for (int j = 0; j < n_jobs; j++) {
-                            base.push_back(random_vec((size_t)rows * cs.ms[j]));
-                            outs.emplace_back(accumulate ? new Buf<float>(base.back())
-                                                         : new Buf<float>((size_t)rows * cs.ms[j]));
-                            jobs.w[j] = wd[j]->p;
-                            jobs.out[j] = outs[j]->p;
-                            jobs.m[j] = cs.ms[j];
-                        }
-                        run_mma(dtype, xd, &x16, rows, k, jobs, split);
-                        double err = 0;
-                        for (int j = 0; j < n_jobs; j++)
-                            err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], cs.ms[j], k,
-                                                                                    accumulate ? &base[j] : nullptr)));
+                        JobOutputs o(wd, cs.ms, rows, accumulate);
+                        run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
+                        double err = o.max_err(x, rows, ws, k);
                         std::string ms;
                         for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
                         // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts
@@ -591,6 +605,143 @@ void test_flash_attention() {
     }
 }
 
+// ---- k-quant matvecs: the 32-value-block kernels and the super-block lane kernels ----------
+
+enum { KQ4 = 10, KQ5 = 11, KQ6 = 12 };
+const char* kq_name(int d) { return d == KQ4 ? "q4_k" : d == KQ5 ? "q5_k" : "q6_k"; }
+int kq_bytes(int d) { return d == KQ4 ? 144 : d == KQ5 ? 176 : 210; }
+
+// Random super-blocks of q4_k / q5_k / q6_k and their values as weights-format/FORMAT.md
+// defines them (written from that text, not from the kernels).
+Weights random_kq_weights(int dtype, int m, int k) {
+    Weights w;
+    int bb = kq_bytes(dtype), n_sb = k / 256;
+    w.bytes.resize((size_t)m * n_sb * bb);
+    w.values.resize((size_t)m * k);
+    for (auto& b : w.bytes) b = (uint8_t)(rng() & 0xFF);
+    auto get16 = [&](size_t at) { return (uint16_t)(w.bytes[at] | (w.bytes[at + 1] << 8)); };
+    auto put16 = [&](size_t at, uint16_t h) { w.bytes[at] = h & 0xFF; w.bytes[at + 1] = h >> 8; };
+    for (int i = 0; i < m; i++)
+        for (int sb = 0; sb < n_sb; sb++) {
+            size_t at = ((size_t)i * n_sb + sb) * bb;
+            const uint8_t* blk = &w.bytes[at];
+            double* out = &w.values[(size_t)i * k + (size_t)sb * 256];
+            if (dtype == KQ6) {
+                put16(at + 208, emu_f2h(uniform(0.0005f, 0.002f) * (uniform(0, 1) < 0.5f ? -1 : 1)));
+                double d = emu_h2f(get16(at + 208));
+                for (int e = 0; e < 256; e++) {
+                    int n = e / 128, kk = (e % 128) / 32, l = e % 32;
+                    int ql = blk[64 * n + 32 * (kk & 1) + l];
+                    int low = kk < 2 ? (ql & 0xF) : (ql >> 4);
+                    int high = (blk[128 + 32 * n + l] >> (2 * kk)) & 3;
+                    int sc = (int8_t)blk[192 + 8 * n + 2 * kk + l / 16];
+                    out[e] = d * sc * ((low | (high << 4)) - 32);
+                }
+            } else {
+                put16(at, emu_f2h(uniform(0.0005f, 0.002f) * (uniform(0, 1) < 0.5f ? -1 : 1)));
+                put16(at + 2, emu_f2h(uniform(0.0005f, 0.004f)));
+                double d = emu_h2f(get16(at)), dmin = emu_h2f(get16(at + 2));
+                const uint8_t* scales = blk + 4;
+                const uint8_t* qs = blk + (dtype == KQ5 ? 48 : 16);
+                for (int e = 0; e < 256; e++) {
+                    int cc = e / 64, l = e % 64, s = 2 * cc + l / 32;
+                    int sc = s < 4 ? scales[s] & 63 : (scales[s + 4] & 0xF) | ((scales[s - 4] >> 6) << 4);
+                    int mn = s < 4 ? scales[s + 4] & 63 : (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4);
+                    int byte = qs[32 * cc + l % 32];
+                    int level = l < 32 ? (byte & 0xF) : (byte >> 4);
+                    if (dtype == KQ5 && ((blk[16 + l % 32] >> s) & 1)) level += 16;
+                    out[e] = d * sc * level - dmin * mn;
+                }
+            }
+        }
+    return w;
+}
+
+using KqKernel = void (*)(const short*, const float4*, int, int, MatmulJobs);
+KqKernel kq_kernel(int dtype, bool superblock, bool one_row) {
+    static const KqKernel table[3][2][2] = {
+        {{matmul_q4_k_r1, matmul_q4_k_r8}, {matmul_sb_q4_k_r1, matmul_sb_q4_k_r8}},
+        {{matmul_q5_k_r1, matmul_q5_k_r8}, {matmul_sb_q5_k_r1, matmul_sb_q5_k_r8}},
+        {{matmul_q6_k_r1, matmul_q6_k_r8}, {matmul_sb_q6_k_r1, matmul_sb_q6_k_r8}}};
+    return table[dtype - KQ4][superblock][one_row ? 0 : 1];
+}
+
+// Both kernels of q4_k, q5_k and q6_k against the f64 reference of the format, one and several
+// rows, several weights per launch (Q/K/V), += and ragged shapes (a tile's last weight rows, an
+// odd number of super-blocks so that half-warps idle); and the super-block kernel's rows equal
+// to its one-row results bit for bit (a row's result must not depend on its batch).
+void test_kq_matmul() {
+    struct Case {
+        std::vector<int> ms;
+        int k;
+    };
+    std::vector<Case> cases = {{{5}, 256}, {{77}, 768}, {{9, 4, 13}, 2304}};
+    for (int dtype : {KQ4, KQ5, KQ6})
+        for (auto& cs : cases) {
+            int k = cs.k, n_jobs = (int)cs.ms.size();
+            std::vector<Weights> ws;
+            std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
+            for (int m : cs.ms) {
+                ws.push_back(random_kq_weights(dtype, m, k));
+                wd.emplace_back(new Buf<uint8_t>(ws.back().bytes));
+            }
+            std::string ms;
+            for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
+            for (int rows : {1, 3, 9}) {
+                auto x = random_vec((size_t)rows * k);
+                Buf<float> xd(x);
+                X16Buf x16(xd, (size_t)rows * k);
+                int n_blocks = 0;
+                for (int m : cs.ms) n_blocks += (m + MM_WROWS - 1) / MM_WROWS;
+                std::vector<std::vector<float>> sb_out;
+                for (int superblock : {0, 1})
+                    for (int accumulate : {0, 1}) {
+                        JobOutputs o(wd, cs.ms, rows, accumulate);
+                        int per_block = rows == 1 ? 1 : MM_ROWS;
+                        KqKernel kernel = kq_kernel(dtype, superblock, rows == 1);
+                        emu::launch(grid3(n_blocks, (rows + per_block - 1) / per_block), MM_WARPS * 32,
+                                    [&] { kernel(x16.xq.p, x16.xs.p, rows, k, o.jobs); });
+                        double err = o.max_err(x, rows, ws, k);
+                        if (superblock && !accumulate)
+                            for (int j = 0; j < n_jobs; j++) sb_out.push_back(o.outs[j]->vec());
+                        // x as 16-bit integers per 32-value block (2^-16 of its largest value),
+                        // f32 sums in another order than f64.
+                        check(std::string(superblock ? "super-block matmul " : "block matmul ") + kq_name(dtype) +
+                                  " [" + ms + "]x" + std::to_string(k) + " rows=" + std::to_string(rows) +
+                                  (accumulate ? " +=" : ""),
+                              err, 1e-4);
+                    }
+                // Each row alone through the one-row kernel: the same bits as in the batch.
+                if (rows > 1) {
+                    size_t mismatches = 0;
+                    for (int r = 0; r < rows; r++) {
+                        Buf<float> x1(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
+                        X16Buf x16r(x1, (size_t)k);
+                        for (int j = 0; j < n_jobs; j++) {
+                            Buf<float> out1((size_t)cs.ms[j]);
+                            MatmulJobs jobs{};
+                            jobs.n_jobs = 1;
+                            jobs.w[0] = wd[j]->p;
+                            jobs.out[0] = out1.p;
+                            jobs.m[0] = cs.ms[j];
+                            KqKernel kernel = kq_kernel(dtype, true, true);
+                            emu::launch(grid3((cs.ms[j] + MM_WROWS - 1) / MM_WROWS), MM_WARPS * 32,
+                                        [&] { kernel(x16r.xq.p, x16r.xs.p, 1, k, jobs); });
+                            for (int i = 0; i < cs.ms[j]; i++)
+                                mismatches += out1.p[i] != sb_out[j][(size_t)r * cs.ms[j] + i];
+                        }
+                    }
+                    printf("%-70s %zu value(s) differ from the one-row kernel %s\n",
+                           (std::string("super-block matmul ") + kq_name(dtype) + " [" + ms + "]x" +
+                            std::to_string(k) + " rows=" + std::to_string(rows) + " row by row")
+                               .c_str(),
+                           mismatches, mismatches ? "FAILED" : "ok");
+                    if (mismatches) failures++;
+                }
+            }
+        }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -601,6 +752,7 @@ int main(int argc, char** argv) {
     test_mma_rows_independent();
     test_seq_kernels();
     test_flash_attention();
+    test_kq_matmul();
     if (failures) {
         printf("%d check(s) FAILED\n", failures);
         return 1;

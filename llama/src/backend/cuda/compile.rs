@@ -225,6 +225,15 @@ mod tests {
             mma += 1;
         }
         assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
+        // The `superblock` path's k-quant matmuls: `_r1` and `_r8` stamped out by one macro each.
+        let mut superblock = 0;
+        for part in loader.split("sb(\"").skip(1) {
+            let dtype = part.split('"').next().unwrap();
+            let stamp = format!("MATMUL_KQ_SB_KERNELS(matmul_sb_{dtype}, ");
+            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+            superblock += 1;
+        }
+        assert_eq!(superblock, 3, "q4_k, q5_k, q6_k");
     }
 
     /// Compiling needs libnvrtc only, no GPU: this catches a kernel source that does not
@@ -258,6 +267,7 @@ mod tests {
             let text = ptx.to_src();
             for entry in [
                 "matmul_q4_1_r1",
+                "matmul_sb_q6_k_r8",
                 "matmul_mma_q4_1_n8",
                 "matmul_mma_bf16_n1",
                 "attention_flash_hd128",

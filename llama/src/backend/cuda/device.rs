@@ -100,6 +100,11 @@ pub(super) struct Queue {
     /// "NVIDIA H100 80GB HBM3 (0)", for errors.
     device: String,
     issued: AtomicU64,
+    /// Kernels (launches and GEMMs) that ran or are queued to run, those of each graph replay
+    /// included ([`Queue::kernels_run`]).
+    kernels_run: AtomicU64,
+    /// Kernels queued since the current recording began (they run when it is replayed).
+    kernels_recorded: AtomicU64,
     /// cuBLAS on the same stream, when libcublas loads.
     blas: Option<cudarc::cublas::CudaBlas>,
     /// GPU time per op, when asked for (see [`super::profile`]).
@@ -134,6 +139,8 @@ impl Queue {
             stream,
             device,
             issued: AtomicU64::new(0),
+            kernels_run: AtomicU64::new(0),
+            kernels_recorded: AtomicU64::new(0),
             blas,
             profile: Profile::from_env(),
             capturing: AtomicBool::new(false),
@@ -157,6 +164,21 @@ impl Queue {
 
     fn issue(&self) {
         self.issued.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Kernel launches and GEMMs run so far, counting each replay of a recording as the
+    /// kernels recorded in it (a GEMM counts as one, whatever cuBLAS launches for it).
+    pub fn kernels_run(&self) -> u64 {
+        self.kernels_run.load(Ordering::Relaxed)
+    }
+
+    /// Counts one kernel (or GEMM): run now, or part of the recording under way.
+    fn count_kernel(&self) {
+        if self.capturing.load(Ordering::Relaxed) {
+            self.kernels_recorded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.kernels_run.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The error of `op` failing with `source`.
@@ -276,6 +298,7 @@ impl Queue {
         };
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
         self.issue();
+        self.count_kernel();
         // SAFETY: the handle runs on this queue's stream; the caller vouches for the pointers.
         let r = self.timed("cublasGemmEx", || unsafe {
             cudarc::cublas::result::gemm_ex(
@@ -310,6 +333,7 @@ impl Queue {
     /// Starts recording what is queued into a graph instead of running it. Thread-local: the
     /// residency reader's driver calls on other threads stay legal.
     pub fn begin_capture(&self) -> Result<(), DriverError> {
+        self.kernels_recorded.store(0, Ordering::Relaxed);
         self.capturing.store(true, Ordering::Relaxed);
         let r = self
             .stream
@@ -320,16 +344,18 @@ impl Queue {
         r
     }
 
-    /// Ends the recording: the graph of what was queued since [`Queue::begin_capture`].
-    pub fn end_capture(&self) -> Result<Option<CudaGraph>, DriverError> {
+    /// Ends the recording: the graph of what was queued since [`Queue::begin_capture`], and
+    /// how many kernels (launches and GEMMs) were queued into it.
+    pub fn end_capture(&self) -> Result<(Option<CudaGraph>, u64), DriverError> {
         let r = self.stream.end_capture(CUgraphInstantiate_flags(0));
         self.capturing.store(false, Ordering::Relaxed);
-        r
+        r.map(|graph| (graph, self.kernels_recorded.load(Ordering::Relaxed)))
     }
 
-    /// Queues a recorded graph.
-    pub fn launch_graph(&self, graph: &CudaGraph) -> Result<(), BackendError> {
+    /// Queues a recorded graph of `kernels` kernels (as [`Queue::end_capture`] counted them).
+    pub fn launch_graph(&self, graph: &CudaGraph, kernels: u64) -> Result<(), BackendError> {
         self.issue();
+        self.kernels_run.fetch_add(kernels, Ordering::Relaxed);
         self.timed("graph replay", || graph.launch())
             .map_err(|e| self.error("cuGraphLaunch", e))
     }
@@ -445,6 +471,7 @@ impl<'a> Launch<'a> {
     /// live device allocation large enough for what the kernel reads and writes with `cfg`.
     pub unsafe fn run(mut self, cfg: LaunchConfig) -> Result<(), BackendError> {
         self.queue.issue();
+        self.queue.count_kernel();
         let (queue, op, args) = (self.queue, self.op, &mut self.args);
         // SAFETY: the caller vouches for the arguments and the grid.
         queue
@@ -488,6 +515,9 @@ pub(super) struct Kernels {
     /// rows per block (`matmul_mma.cu`). Only the six dtype codes before the k-quants have them;
     /// a dtype past the table keeps the one-row kernels (`CudaBackend::mma_kernels`).
     pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
+    /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
+    /// row and `MM_ROWS` rows per block, as `matmul`.
+    pub matmul_superblock: [[CudaFunction; 2]; 3],
 }
 
 impl Kernels {
@@ -507,6 +537,13 @@ impl Kernels {
                 f(&format!("matmul_mma_{dtype}_n2"))?,
                 f(&format!("matmul_mma_{dtype}_n4"))?,
                 f(&format!("matmul_mma_{dtype}_n8"))?,
+            ])
+        };
+        // `MATMUL_KQ_SB_KERNELS(matmul_sb_<dtype>, ..)` stamps out `_r1` and `_r8`.
+        let sb = |dtype: &str| -> Result<[CudaFunction; 2], LlamaError> {
+            Ok([
+                f(&format!("matmul_sb_{dtype}_r1"))?,
+                f(&format!("matmul_sb_{dtype}_r8"))?,
             ])
         };
         Ok(Kernels {
@@ -552,6 +589,7 @@ impl Kernels {
                 Some(mma("q4_0")?),
                 Some(mma("q4_1")?),
             ],
+            matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],
         })
     }
 }

@@ -37,6 +37,8 @@ enum Mode {
 struct StepGraph {
     graph: CudaGraph,
     generation: u64,
+    /// The kernels (launches and GEMMs) recorded in it.
+    kernels: u64,
 }
 
 // SAFETY: the graph is a pair of driver handles with no thread affinity; the backend only
@@ -186,11 +188,15 @@ impl Graphs {
                     });
                 }
                 match captured {
-                    Ok(Some(graph)) => {
-                        st.graph = Some(StepGraph { graph, generation });
+                    Ok((Some(graph), kernels)) => {
+                        st.graph = Some(StepGraph {
+                            graph,
+                            generation,
+                            kernels,
+                        });
                         self.launch(queue, &st)
                     }
-                    Ok(None) => Err(self.fail(&mut st, "the recording is empty".into())),
+                    Ok((None, _)) => Err(self.fail(&mut st, "the recording is empty".into())),
                     Err(e) => Err(self.fail(&mut st, format!("recording the pass: {e}"))),
                 }
             }
@@ -201,7 +207,7 @@ impl Graphs {
         let graph = st.graph.as_ref().ok_or(BackendError::PassNotRun {
             reason: "no recording to replay".into(),
         })?;
-        queue.launch_graph(&graph.graph)?;
+        queue.launch_graph(&graph.graph, graph.kernels)?;
         self.replays.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

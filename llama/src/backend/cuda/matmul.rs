@@ -307,7 +307,12 @@ impl CudaBackend {
             MatmulInput::F32(xp) => (xp, None),
             MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
         };
-        let kernel = &self.kernels.matmul[dtype_code(w.dtype) as usize][variant];
+        let kernel = match (self.paths.superblock, w.dtype) {
+            (true, DType::Q4K) => &self.kernels.matmul_superblock[0][variant],
+            (true, DType::Q5K) => &self.kernels.matmul_superblock[1][variant],
+            (true, DType::Q6K) => &self.kernels.matmul_superblock[2][variant],
+            _ => &self.kernels.matmul[dtype_code(w.dtype) as usize][variant],
+        };
         let op = if variant == 0 {
             "matmul kernel, 1 row"
         } else {
@@ -328,7 +333,8 @@ impl CudaBackend {
         // in whole blocks of the shared dtype (checked when the model resolved its tensors) in
         // device memory, and its output rows·m values; the grid covers ceil(m / MM_WROWS)
         // blocks per job and the rows in groups of the variant's rows per block, as the kernel
-        // expects.
+        // expects (the `superblock` kernels take q4_k/q5_k/q6_k only, whose rows are whole
+        // 256-value super-blocks).
         unsafe { b.run(cfg) }
     }
 

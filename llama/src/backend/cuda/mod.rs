@@ -37,6 +37,15 @@ use crate::backend::{
 pub use compile::kernel_cache_dir;
 pub use matmul::CUBLAS_MIN_ROWS;
 pub use paths::{CudaPaths, PATHS_ENV};
+
+/// Counts of the work a [`CudaBackend`] has done on the device ([`CudaBackend::launch_counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaunchCounts {
+    /// Kernel launches and cuBLAS GEMMs run, those of graph replays included.
+    pub kernels: u64,
+    /// Calls the host made on the stream: each launch, copy, allocation, GEMM and graph replay.
+    pub stream_calls: u64,
+}
 pub use profile::PROFILE_ENV;
 pub use weights::{CudaBlobGuard, CudaWeights, DeviceBlob, DeviceWeights};
 
@@ -166,6 +175,17 @@ impl CudaBackend {
     /// Passes replayed from a recorded CUDA graph so far (see [`graph`]).
     pub fn step_replays(&self) -> u64 {
         self.graphs.replays()
+    }
+
+    /// Work on the device so far: kernels run (a graph replay counts as the kernels recorded in
+    /// it) and calls the host made on the stream (launches, copies, allocations, GEMMs, graph
+    /// replays). Their growth over decode steps is the fixed cost per token that graph
+    /// replay and fused kernels cut (`gdsllm bench` prints it per generated token).
+    pub fn launch_counts(&self) -> LaunchCounts {
+        LaunchCounts {
+            kernels: self.queue.kernels_run(),
+            stream_calls: self.queue.issued(),
+        }
     }
 
     /// Inputs of quantized matmuls converted by a `quantize_x16` launch of their own so far

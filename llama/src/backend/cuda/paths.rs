@@ -24,11 +24,15 @@ pub struct CudaPaths {
     /// Prompt attention (more than one query row) on tensor cores, flash-attention style (off:
     /// the tiled f32 kernel); not for a sliding-window layer (the tiled kernel knows windows).
     pub flash: bool,
+    /// q4_k, q5_k and q6_k matmuls below a prompt's rows (decoding) with 16 lanes per
+    /// super-block reading its quant bytes as consecutive words (`matmul_sb_*` of
+    /// `kquants.cu`; off: one lane per 32-value block, `matmul_kq_impl`).
+    pub superblock: bool,
 }
 
 impl CudaPaths {
     /// The names `parse` takes, each with what it turns on.
-    pub const NAMES: [&'static str; 3] = ["mma", "seqs", "flash"];
+    pub const NAMES: [&'static str; 4] = ["mma", "seqs", "flash", "superblock"];
 
     /// Every new path.
     pub fn all() -> CudaPaths {
@@ -36,6 +40,7 @@ impl CudaPaths {
             mma: true,
             seqs: true,
             flash: true,
+            superblock: true,
         }
     }
 
@@ -49,6 +54,7 @@ impl CudaPaths {
                 "mma" => paths.mma = true,
                 "seqs" => paths.seqs = true,
                 "flash" => paths.flash = true,
+                "superblock" => paths.superblock = true,
                 other => {
                     return Err(LlamaError::Config {
                         setting: PATHS_ENV,
@@ -78,7 +84,7 @@ impl CudaPaths {
 
 impl std::fmt::Display for CudaPaths {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let on: Vec<&str> = [self.mma, self.seqs, self.flash]
+        let on: Vec<&str> = [self.mma, self.seqs, self.flash, self.superblock]
             .iter()
             .zip(CudaPaths::NAMES)
             .filter(|(on, _)| **on)
@@ -104,14 +110,15 @@ mod tests {
             CudaPaths::parse(" mma , flash").unwrap(),
             CudaPaths {
                 mma: true,
-                seqs: false,
-                flash: true
+                flash: true,
+                ..CudaPaths::default()
             }
         );
+        assert!(CudaPaths::parse("superblock").unwrap().superblock);
         assert_eq!(CudaPaths::parse("all,none").unwrap(), CudaPaths::default());
         let e = CudaPaths::parse("mma,fast").unwrap_err().to_string();
         assert!(e.contains("unknown kernel path `fast`"), "{e}");
-        assert_eq!(CudaPaths::all().to_string(), "mma,seqs,flash");
+        assert_eq!(CudaPaths::all().to_string(), "mma,seqs,flash,superblock");
         assert_eq!(CudaPaths::default().to_string(), "none");
     }
 }

@@ -233,15 +233,7 @@ __device__ void matmul_kq_impl(const short* xq, const float4* xs, int rows, int 
     matmul_store<NR>(acc, t, jobs.accumulate);
 }
 
-#define MATMUL_KQ_KERNELS(NAME, DTYPE)                                                                \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                             \
-    }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_kq_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                       \
-    }
+#define MATMUL_KQ_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_impl, DTYPE)
 MATMUL_KQ_KERNELS(matmul_q5_0, KQ_Q5_0)
 MATMUL_KQ_KERNELS(matmul_q5_1, KQ_Q5_1)
 MATMUL_KQ_KERNELS(matmul_iq4_nl, KQ_IQ4_NL)
@@ -251,6 +243,171 @@ MATMUL_KQ_KERNELS(matmul_q4_k, KQ_Q4_K)
 MATMUL_KQ_KERNELS(matmul_q5_k, KQ_Q5_K)
 MATMUL_KQ_KERNELS(matmul_q6_k, KQ_Q6_K)
 MATMUL_KQ_KERNELS(matmul_iq4_xs, KQ_IQ4_XS)
+
+// ---- q4_k, q5_k and q6_k with 16 lanes per super-block (path `superblock`) ------------------
+// `matmul_kq_impl` gives each lane one 32-value block, so the eight lanes of a super-block each
+// decode its scales again, and each reads its own 16-32 quant bytes: the words one load
+// instruction fetches across the warp lie 32 bytes apart (q6_k's, not 4-aligned, as two 16-bit
+// halves). Here 16 lanes share a super-block (a warp takes two) and lane l reads words c and
+// c + 4 (c = l % 4) of the 32-byte chunk q = l / 4 of its quant bytes, so one load instruction
+// of a half-warp covers a whole 64-byte span of words and the two loads read the 128 quant bytes
+// once, side by side. A chunk's low and high nibbles are two sub-blocks (q4_k, q5_k: 2q and
+// 2q + 1; q6_k: 4n + m and 4n + m + 2 with n = q / 2, m = q % 2) at the same positions, so each
+// lane's 16 values are positions 4c..4c+3 and 16+4c..16+4c+3 of two sub-blocks: it reads two
+// 8-byte pieces of two activation blocks and the scales of two sub-blocks (the 4 lanes of a
+// chunk read the same scale bytes, one broadcast). Same tiles, activations (`quantize_x16_lanes`,
+// exact 16×8-bit dot products with `dp2a`) and store as the kernels above; the offsets
+// (−dmin·mn) multiply the activation block's exact Σx once, by the chunk's lane c = 0.
+
+// A lane's raw words of one super-block, loaded before any arithmetic so that the loads of every
+// weight row are in flight together: the two quant words (q6_k: of ql), q5_k's and q6_k's two
+// high-bit words, and the scales (q4_k, q5_k: d and dmin, and the three pairs of scale bytes the
+// two sub-blocks' 6-bit scales and mins are made of; q6_k: the four i8 scales of the lane's
+// halves, and d).
+struct KqLaneRaw {
+    u32 q[2], h[2], s[3], d;
+};
+
+// A 16-bit word at a 2-aligned address, and a 32-bit one from two of them (q6_k's 210-byte
+// super-blocks keep only 2-alignment; every offset read here is even).
+__device__ __forceinline__ u32 kq_u16_at(const u8* p) { return *(const u16*)p; }
+__device__ __forceinline__ u32 kq_u32_at2(const u8* p) { return kq_u16_at(p) | (kq_u16_at(p + 2) << 16); }
+
+template <int DTYPE>
+__device__ __forceinline__ void kq_lane_load(const u8* blk, int q, int c, KqLaneRaw& r) {
+    if constexpr (DTYPE == KQ_Q6_K) {
+        r.q[0] = kq_u32_at2(blk + 32 * q + 4 * c);
+        r.q[1] = kq_u32_at2(blk + 32 * q + 16 + 4 * c);
+        const u8* qh = blk + 128 + 32 * (q / 2);
+        r.h[0] = kq_u32_at2(qh + 4 * c);
+        r.h[1] = kq_u32_at2(qh + 16 + 4 * c);
+        // scales[8n + 2k + half] for k = m (low nibbles) and k = m + 2 (high nibbles).
+        const u8* sc = blk + 192 + 8 * (q / 2) + 2 * (q % 2);
+        r.s[0] = kq_u16_at(sc);
+        r.s[1] = kq_u16_at(sc + 4);
+        r.d = kq_u16_at(blk + 208);
+    } else {
+        constexpr bool five = DTYPE == KQ_Q5_K;
+        const u8* qs = blk + (five ? 48 : 16) + 32 * q;
+        r.q[0] = kq_u32<true>(qs + 4 * c);
+        r.q[1] = kq_u32<true>(qs + 16 + 4 * c);
+        if constexpr (five) {
+            r.h[0] = kq_u32<true>(blk + 16 + 4 * c);
+            r.h[1] = kq_u32<true>(blk + 32 + 4 * c);
+        }
+        // The scale bytes of sub-blocks 2q and 2q + 1 (see `kq_scale_min_k4`): scales[2q..],
+        // scales[2q+4..] and, for q >= 2, scales[2q-4..], as pairs.
+        const u8* sc = blk + 4;
+        r.s[0] = kq_u16_at(sc + 2 * q);
+        r.s[1] = kq_u16_at(sc + 2 * q + 4);
+        r.s[2] = kq_u16_at(sc + (q >= 2 ? 2 * q - 4 : 2 * q));
+        r.d = kq_u32<true>(blk);
+    }
+}
+
+// Σ level·xq over 4 positions of each half of a sub-block: `lv` holds the levels of positions
+// 4c..4c+3 (lv[0]) and 16+4c..16+4c+3 (lv[1]), `xa` the activation pairs of the same positions.
+__device__ __forceinline__ int kq_lane_dot_half(u32 lv, const uint2& x) {
+    return __dp2a_hi((int)x.y, (int)lv, __dp2a_lo((int)x.x, (int)lv, 0));
+}
+
+// acc + this lane's 16 weights of one row times their activations: `xa`/`xb` the activation
+// pairs of sub-blocks ja/jb at positions 4c.. (index 0) and 16+4c.. (index 1), `sa`/`sb` their
+// blocks' (d, Σx, Σq).
+template <int DTYPE>
+__device__ __forceinline__ float kq_lane_acc(const KqLaneRaw& r, int q, int c, const uint2 (&xa)[2],
+                                             const uint2 (&xb)[2], float4 sa, float4 sb, float acc) {
+    if constexpr (DTYPE == KQ_Q6_K) {
+        const int m = q % 2;
+        float d = h2f((u16)r.d);
+        int dot[2][2];  // [sub-block a/b][half]
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 ql = r.q[h], qh = r.h[h];
+            u32 a = (ql & 0x0F0F0F0Fu) | (((qh >> (2 * m)) & 0x03030303u) << 4);
+            u32 b = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (2 * m + 4)) & 0x03030303u) << 4);
+            dot[0][h] = kq_lane_dot_half(__vsub4(a, 0x20202020u), xa[h]);
+            dot[1][h] = kq_lane_dot_half(__vsub4(b, 0x20202020u), xb[h]);
+        }
+        float sa0 = (float)(signed char)(r.s[0] & 0xFF), sa1 = (float)(signed char)(r.s[0] >> 8);
+        float sb0 = (float)(signed char)(r.s[1] & 0xFF), sb1 = (float)(signed char)(r.s[1] >> 8);
+        float part = sa.x * fmaf(sa0, (float)dot[0][0], sa1 * (float)dot[0][1]);
+        part = fmaf(sb.x, fmaf(sb0, (float)dot[1][0], sb1 * (float)dot[1][1]), part);
+        return fmaf(d, part, acc);
+    } else {
+        constexpr bool five = DTYPE == KQ_Q5_K;
+        const int ja = 2 * q, jb = 2 * q + 1;
+        int dot_a = 0, dot_b = 0;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 a = r.q[h] & 0x0F0F0F0Fu, b = (r.q[h] >> 4) & 0x0F0F0F0Fu;
+            if constexpr (five) {
+                a |= ((r.h[h] >> ja) & 0x01010101u) << 4;
+                b |= ((r.h[h] >> jb) & 0x01010101u) << 4;
+            }
+            dot_a += kq_lane_dot_half(a, xa[h]);
+            dot_b += kq_lane_dot_half(b, xb[h]);
+        }
+        // The 6-bit scales and mins of sub-blocks ja (low byte) and jb (high byte), both bytes at
+        // once: `kq_scale_min_k4` for j = 2q and 2q + 1.
+        u32 scs, mns;
+        if (q < 2) {
+            scs = r.s[0] & 0x3F3Fu;
+            mns = r.s[1] & 0x3F3Fu;
+        } else {
+            scs = (r.s[1] & 0x0F0Fu) | ((r.s[2] >> 2) & 0x3030u);
+            mns = ((r.s[1] >> 4) & 0x0F0Fu) | ((r.s[0] >> 2) & 0x3030u);
+        }
+        int sc_a = (int)(scs & 0xFF), sc_b = (int)(scs >> 8);
+        int mn_a = (int)(mns & 0xFF), mn_b = (int)(mns >> 8);
+        float d = h2f((u16)(r.d & 0xFFFF)), dmin = h2f((u16)(r.d >> 16));
+        float part = sa.x * (float)(sc_a * dot_a);
+        part = fmaf(sb.x, (float)(sc_b * dot_b), part);
+        acc = fmaf(d, part, acc);
+        if (c == 0) acc = fmaf(-dmin, fmaf((float)mn_a, sa.y, (float)mn_b * sb.y), acc);
+        return acc;
+    }
+}
+
+template <int DTYPE, int NR>
+__device__ void matmul_kq_sb_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
+    MatmulTile t;
+    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    const int nw = t.nw, nr = t.nr, r0 = t.r0;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q = (lane % 16) / 4, c = lane % 4;
+    // The chunk's two sub-blocks: low nibbles ja, high nibbles jb.
+    const int ja = DTYPE == KQ_Q6_K ? 4 * (q / 2) + q % 2 : 2 * q;
+    const int jb = DTYPE == KQ_Q6_K ? ja + 2 : ja + 1;
+    float acc[NR][MM_WROWS] = {};
+    constexpr int bytes = kq_block_bytes<DTYPE>();
+    const int n_sb = k / 256, n_blocks = k / 32;
+    const u64 row_bytes = (u64)n_sb * bytes;
+    const u8* w0 = t.w + (u64)t.i0 * row_bytes;
+    for (int s = 2 * warp + lane / 16; s < n_sb; s += 2 * MM_WARPS) {
+        KqLaneRaw raw[MM_WROWS];
+#pragma unroll
+        for (int j = 0; j < MM_WROWS; j++)
+            kq_lane_load<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)s * bytes, q, c, raw[j]);
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r >= nr) continue;
+            const u64 xb = (u64)(r0 + r) * n_blocks + 8 * (u64)s;
+            const uint2* pa = (const uint2*)(xq + (xb + ja) * 32);
+            const uint2* pb = (const uint2*)(xq + (xb + jb) * 32);
+            const uint2 xa[2] = {pa[c], pa[4 + c]}, xbv[2] = {pb[c], pb[4 + c]};
+            const float4 sa = xs[xb + ja], sb = xs[xb + jb];
+#pragma unroll
+            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = kq_lane_acc<DTYPE>(raw[j], q, c, xa, xbv, sa, sb, acc[r][j]);
+        }
+    }
+    matmul_store<NR>(acc, t, jobs.accumulate);
+}
+
+#define MATMUL_KQ_SB_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_sb_impl, DTYPE)
+MATMUL_KQ_SB_KERNELS(matmul_sb_q4_k, KQ_Q4_K)
+MATMUL_KQ_SB_KERNELS(matmul_sb_q5_k, KQ_Q5_K)
+MATMUL_KQ_SB_KERNELS(matmul_sb_q6_k, KQ_Q6_K)
 
 // Block `b` of a weight of dtype code `dtype` (uniform across the grid).
 __device__ __forceinline__ void kq_block_any(const u8* w, int dtype, u64 b, KqBlock& q) {

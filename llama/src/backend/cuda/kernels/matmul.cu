@@ -287,15 +287,17 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
         NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, 1>(x, rows, k, jobs); } \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs); }
-#define MATMUL_Q_KERNELS(NAME, DTYPE)                                                                 \
+// The kernels of an implementation `IMPL<DTYPE, NR>` over the 16-bit activations.
+#define MATMUL_X16_KERNELS(NAME, IMPL, DTYPE)                                                         \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_q_impl<DTYPE, 1>(xq, xs, rows, k, jobs);                                              \
+        IMPL<DTYPE, 1>(xq, xs, rows, k, jobs);                                                       \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        matmul_q_impl<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                        \
+        IMPL<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                                 \
     }
+#define MATMUL_Q_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_q_impl, DTYPE)
 MATMUL_KERNELS(matmul_f32, 0)
 MATMUL_KERNELS(matmul_f16, 1)
 MATMUL_KERNELS(matmul_bf16, 2)
