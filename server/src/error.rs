@@ -157,6 +157,8 @@ pub enum ServerError {
     },
     #[error("serving HTTP: {0}")]
     Serve(std::io::Error),
+    #[error("serving gRPC: {0}")]
+    Grpc(String),
     #[error("API key file {path}: {source}")]
     KeyFile {
         path: std::path::PathBuf,

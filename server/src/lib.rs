@@ -12,6 +12,7 @@ mod connections;
 pub mod cors;
 pub mod engine;
 mod error;
+pub mod grpc;
 pub mod llama_engine;
 pub mod metrics;
 pub mod params;
@@ -19,6 +20,7 @@ mod routes;
 pub mod scheduler;
 mod server;
 mod state;
+mod ws;
 
 pub use engine::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,

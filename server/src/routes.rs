@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use serde_json::{Value, json};
 
-use crate::engine::{ChatMessage, Engine, GeneratedToken, GenerationRequest, TokenLogprob};
+use crate::engine::{Engine, GeneratedToken, GenerationRequest, TokenLogprob};
 use crate::error::ApiError;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
@@ -138,7 +138,7 @@ pub async fn fallback(method: Method, uri: Uri) -> ApiError {
     ApiError::not_found(format!("no endpoint {method} {}", uri.path()))
 }
 
-fn model_object(id: &str, created: u64) -> Value {
+pub(crate) fn model_object(id: &str, created: u64) -> Value {
     json!({"id": id, "object": "model", "created": created, "owned_by": "gdsllm"})
 }
 
@@ -163,7 +163,7 @@ pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -
 }
 
 /// The name to answer with: the requested one when it is ours, the model id when none given.
-fn check_model(
+pub(crate) fn check_model(
     state: &AppState,
     engine: &dyn Engine,
     requested: Option<&str>,
@@ -374,7 +374,7 @@ fn cancelled_error() -> ApiError {
 }
 
 /// Checks the prompt against the context and queues it.
-fn submit(
+pub(crate) fn submit(
     engine: &dyn Engine,
     scheduler: &crate::scheduler::Scheduler,
     prompt: Vec<u32>,
@@ -417,18 +417,7 @@ pub async fn chat_completions(
     let (engine, scheduler) = state.ready()?;
     let req = params::chat_request(&body)?;
     let model = check_model(&state, &*engine, req.common.model.as_deref())?;
-    let mut messages = req.messages;
-    if let Some(system) = state.system_prompt_for(&model, engine.model_id())
-        && !messages.iter().any(|m| m.role == "system")
-    {
-        messages.insert(
-            0,
-            ChatMessage {
-                role: "system".into(),
-                content: system.to_string(),
-            },
-        );
-    }
+    let messages = state.with_system_prompt(&model, engine.model_id(), req.messages);
     let text = engine.render_chat(&messages)?;
     // The template writes the BOS text itself when the model uses one.
     let prompt = engine.tokenize(&text, false)?;
@@ -629,13 +618,14 @@ fn stream_response(shape: Shape, handle: SequenceHandle) -> Response {
         .into_response()
 }
 
-pub async fn embeddings(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> AppResult {
-    let (engine, scheduler) = state.ready()?;
-    let req = params::embeddings_request(&body)?;
-    let model = check_model(&state, &*engine, req.model.as_deref())?;
+/// Token ids of each embeddings input, each checked to be non-empty and to fit the context.
+pub(crate) fn embedding_tokens(
+    engine: &dyn Engine,
+    inputs: Vec<PromptInput>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
     let context = engine.context_length();
-    let mut inputs = Vec::with_capacity(req.inputs.len());
-    for (i, input) in req.inputs.into_iter().enumerate() {
+    let mut tokenized = Vec::with_capacity(inputs.len());
+    for (i, input) in inputs.into_iter().enumerate() {
         let tokens = match input {
             PromptInput::Text(t) => engine.tokenize(&t, true)?,
             PromptInput::Tokens(ids) => ids,
@@ -658,8 +648,16 @@ pub async fn embeddings(State(state): State<Arc<AppState>>, JsonBody(body): Json
                 code: Some("context_length_exceeded"),
             });
         }
-        inputs.push(tokens);
+        tokenized.push(tokens);
     }
+    Ok(tokenized)
+}
+
+pub async fn embeddings(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> AppResult {
+    let (engine, scheduler) = state.ready()?;
+    let req = params::embeddings_request(&body)?;
+    let model = check_model(&state, &*engine, req.model.as_deref())?;
+    let inputs = embedding_tokens(&*engine, req.inputs)?;
     let prompt_tokens: usize = inputs.iter().map(Vec::len).sum();
     let vectors = scheduler.embed(inputs).await?;
     let data: Vec<Value> = vectors

@@ -119,6 +119,14 @@ pub struct SequenceHandle {
     cancel: CancelToken,
 }
 
+impl SequenceHandle {
+    /// A token that cancels this sequence from elsewhere (a transport's `cancel` call); the
+    /// sequence then ends with [`FinishReason::Cancelled`] as its last event.
+    pub fn canceller(&self) -> CancelToken {
+        self.cancel.clone()
+    }
+}
+
 impl Drop for SequenceHandle {
     fn drop(&mut self) {
         self.cancel.cancel();

@@ -103,6 +103,8 @@ impl Server {
             ));
         let router = Router::new()
             .route("/health", get(routes::health))
+            // Outside the key layer: a WebSocket client may authenticate in its first message.
+            .route("/v1/ws", get(crate::ws::upgrade))
             .route("/metrics", get(routes::metrics))
             .route("/api/ps", get(routes::ps))
             .merge(v1)
@@ -116,6 +118,12 @@ impl Server {
         router
             .layer(middleware::from_fn_with_state(state.clone(), observe))
             .with_state(state)
+    }
+
+    /// Serves gRPC (KServe v2 health/metadata/ModelInfer and `gdsllm.v1.Generation`) on
+    /// `listener` beside [`Server::serve`]'s HTTP, until that begins shutting down.
+    pub async fn serve_grpc(&self, listener: tokio::net::TcpListener) -> Result<(), ServerError> {
+        crate::grpc::serve(self.state.clone(), listener).await
     }
 
     /// Serves on `listener` until `shutdown` resolves; then refuses new work, lets in-flight
@@ -206,24 +214,40 @@ async fn require_api_key(
     if keys.is_empty() {
         return next.run(request).await;
     }
-    let given = request
+    let header = request
         .headers()
         .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .map(str::trim);
-    match given {
+        .and_then(|v| v.to_str().ok());
+    match check_bearer(keys, header) {
+        Some(Ok(())) => next.run(request).await,
         None => ApiError::unauthorized(
             "missing API key: send `Authorization: Bearer <key>` (this server was started with --api-key)",
         )
         .into_response(),
-        Some(key) if keys.iter().any(|k| key_matches(key, k)) => next.run(request).await,
-        // The key itself never goes into the message or the log.
-        Some(_) => ApiError::unauthorized("incorrect API key provided").into_response(),
+        Some(Err(err)) => err.into_response(),
     }
+}
+
+/// Whether `key` is one of `keys`.
+pub(crate) fn key_allowed(keys: &[String], key: &str) -> bool {
+    keys.iter().any(|k| key_matches(key, k))
+}
+
+/// An `Authorization: Bearer KEY` header value (HTTP, or gRPC's `authorization` metadata)
+/// checked against `keys`: `None` when there is none.
+pub(crate) fn check_bearer(keys: &[String], header: Option<&str>) -> Option<Result<(), ApiError>> {
+    let given = header
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim)?;
+    Some(if key_allowed(keys, given) {
+        Ok(())
+    } else {
+        // The key itself never goes into the message or the log.
+        Err(ApiError::unauthorized("incorrect API key provided"))
+    })
 }
 
 /// Counts every request by endpoint and status and logs it (path and status only: headers

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::engine::Engine;
+use crate::engine::{ChatMessage, Engine};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::scheduler::Scheduler;
@@ -114,6 +114,28 @@ impl AppState {
         own(requested)
             .or_else(|| own(engine_id))
             .or(self.config.system_prompt.as_deref())
+    }
+
+    /// `messages` with the system prompt for `requested` of model `engine_id`
+    /// ([`system_prompt_for`](Self::system_prompt_for)) first when they have no system message.
+    pub fn with_system_prompt(
+        &self,
+        requested: &str,
+        engine_id: &str,
+        mut messages: Vec<ChatMessage>,
+    ) -> Vec<ChatMessage> {
+        if let Some(system) = self.system_prompt_for(requested, engine_id)
+            && !messages.iter().any(|m| m.role == "system")
+        {
+            messages.insert(
+                0,
+                ChatMessage {
+                    role: "system".into(),
+                    content: system.to_string(),
+                },
+            );
+        }
+        messages
     }
 
     /// Names the model answers to: its id, then the aliases.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::{FakeEngine, TestServer, sse_data};
+use common::{FakeEngine, TestServer, metric, sse_data, wait_for_metric};
 use gdsllm_server::{ChatMessage, ServerConfig};
 use serde_json::{Value, json};
 
@@ -678,12 +678,6 @@ async fn api_key_file_reads_keys_and_rejects_empty() {
     assert!(err.contains("missing"), "{err}");
 }
 
-fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(name_and_labels) && l[name_and_labels.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_tokens_and_engine_stats() {
     metrics_count(FakeEngine::new()).await;
@@ -733,26 +727,6 @@ async fn metrics_count(engine: FakeEngine) {
         assert_eq!(metric(&text, name), Some(want), "{name}\n{text}");
     }
     ts.shutdown().await;
-}
-
-async fn wait_for_metric(ts: &TestServer, name: &str, want: f64) -> f64 {
-    let mut last = f64::NAN;
-    for _ in 0..200 {
-        let text = client()
-            .get(ts.url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        last = metric(&text, name).unwrap_or(f64::NAN);
-        if last == want {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    last
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

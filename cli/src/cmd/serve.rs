@@ -12,7 +12,8 @@ use weights_format::Model;
 use crate::device_args::OpenArgs;
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-/// /v1/embeddings, /v1/models, plus /health and /metrics (Prometheus). The server listens at
+/// /v1/embeddings, /v1/models, /v1/ws (JSON-RPC 2.0 over a WebSocket, token by token), plus
+/// /health and /metrics (Prometheus); gRPC with --grpc-port. The server listens at
 /// once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
 /// the bound address (`http://HOST:PORT`, or a JSON object with --json); logs go to stderr.
 /// SIGINT/SIGTERM stop accepting requests and let in-flight ones finish (see
@@ -149,6 +150,12 @@ pub struct Args {
         default_value_t = 30
     )]
     pub shutdown_grace: u64,
+    /// Also serve gRPC on this port (same host): the KServe v2 / Open Inference Protocol
+    /// health, metadata and ModelInfer (embeddings) RPCs and the streaming
+    /// gdsllm.v1.Generation/Generate (server/proto/). Off by default; 0 picks a free port, and
+    /// the second line on stdout says which (`grpc://HOST:PORT`).
+    #[arg(long, value_name = "PORT", env = "GDSLLM_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
     /// Print the bound address as JSON: {"address": "HOST:PORT", "url": "http://HOST:PORT"}.
     #[arg(long)]
     pub json: bool,
@@ -275,13 +282,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding {addr}"))?;
         let bound: SocketAddr = listener.local_addr()?;
+        let grpc_listener = match args.grpc_port {
+            Some(port) => {
+                let addr = format!("{}:{port}", args.host);
+                let listener = tokio::net::TcpListener::bind(&addr)
+                    .await
+                    .with_context(|| format!("binding {addr} (--grpc-port)"))?;
+                Some(listener)
+            }
+            None => None,
+        };
+        let grpc_bound = grpc_listener.as_ref().map(|l| l.local_addr()).transpose()?;
         if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"address": bound.to_string(), "url": format!("http://{bound}")})
-            );
+            let mut line =
+                serde_json::json!({"address": bound.to_string(), "url": format!("http://{bound}")});
+            if let Some(g) = grpc_bound {
+                line["grpc_address"] = serde_json::json!(g.to_string());
+            }
+            println!("{line}");
         } else {
             println!("http://{bound}");
+            if let Some(g) = grpc_bound {
+                println!("grpc://{g}");
+            }
         }
         tracing::info!(
             address = %bound,
@@ -324,6 +347,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 }
             }
         };
+        if let Some(listener) = grpc_listener {
+            tracing::info!(address = ?grpc_bound, "serving gRPC");
+            let grpc = server.clone();
+            tokio::spawn(async move {
+                if let Err(err) = grpc.serve_grpc(listener).await {
+                    tracing::error!("{err}");
+                }
+            });
+        }
         server.serve(listener, stop).await.context("serving")?;
         if let Some(message) = failure.lock().expect("not poisoned").take() {
             bail!("loading the model failed: {message}");

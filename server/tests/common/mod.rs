@@ -348,7 +348,8 @@ impl Engine for FakeEngine {
             residency_hits: 7,
             residency_misses: 3,
             compute_stall_seconds: 0.25,
-            passes: 11,
+            // Advances with every generated token, so `io_events` has passes to report.
+            passes: 11 + self.events.lock().iter().filter(|e| **e == "token").count() as u64,
         }
     }
 }
@@ -416,4 +417,30 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(|s| s.trim().to_string())
         .collect()
+}
+
+/// The value of metric `name_and_labels` in a `/metrics` text.
+pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_and_labels) && l[name_and_labels.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// Polls `/metrics` until `name` is `want` (5 s at most); returns the last value seen.
+pub async fn wait_for_metric(ts: &TestServer, name: &str, want: f64) -> f64 {
+    let mut last = f64::NAN;
+    for _ in 0..200 {
+        let text = reqwest::get(ts.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        last = metric(&text, name).unwrap_or(f64::NAN);
+        if last == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    last
 }
