@@ -1055,7 +1055,11 @@ fn replayed_decode_steps_run_every_kernel_with_few_stream_calls() {
     let Some((_tmp, dir)) = gpu_test_model(smollm2_shape(), DType::Q4_1, "smollm2-135m") else {
         return;
     };
-    let mut llama = open_uploaded(&dir, 0, 64).unwrap();
+    // The production path with every weight resident: only then do a pass's weight addresses
+    // stay put, which recording needs (the upload-once test path does not promise it).
+    let (mut llama, _) = open_cuda(&dir, residency::ResidencyOptions::default(), 64)
+        .session
+        .into_parts();
     llama.forward(&[1, 2, 3, 4]).unwrap();
     // Step 1 runs op by op, step 2 is recorded and launched, the rest are replays.
     let mut per_step = Vec::new();
@@ -1071,6 +1075,10 @@ fn replayed_decode_steps_run_every_kernel_with_few_stream_calls() {
     println!(
         "(kernels, stream calls) per decode step: {per_step:?}; {} steps replayed",
         llama.backend().step_replays()
+    );
+    assert!(
+        llama.backend().step_replays() >= 4,
+        "steps 2..6 were recorded or replayed"
     );
     let (eager_kernels, eager_calls) = per_step[0];
     assert!(eager_kernels > 0, "the op-by-op step ran kernels");

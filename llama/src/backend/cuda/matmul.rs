@@ -307,10 +307,16 @@ impl CudaBackend {
             MatmulInput::F32(xp) => (xp, None),
             MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
         };
-        let kernel = match (self.paths.superblock, w.dtype) {
-            (true, DType::Q4K) => &self.kernels.matmul_superblock[0][variant],
-            (true, DType::Q5K) => &self.kernels.matmul_superblock[1][variant],
+        // One-row q6_k decoding takes the super-block kernel on every path: on the H100 it
+        // lifted a random 7B Q6_K's tg128 from 0.63× to 0.99× llama.cpp (BENCHMARKS.md), while
+        // for q4_k and q5_k, and several rows, it was slower (they stay behind `superblock`).
+        let kernel = match (self.paths.superblock || variant == 0, w.dtype) {
             (true, DType::Q6K) => &self.kernels.matmul_superblock[2][variant],
+            _ if !self.paths.superblock => {
+                &self.kernels.matmul[dtype_code(w.dtype) as usize][variant]
+            }
+            (_, DType::Q4K) => &self.kernels.matmul_superblock[0][variant],
+            (_, DType::Q5K) => &self.kernels.matmul_superblock[1][variant],
             _ => &self.kernels.matmul[dtype_code(w.dtype) as usize][variant],
         };
         let op = if variant == 0 {

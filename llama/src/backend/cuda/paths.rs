@@ -26,7 +26,8 @@ pub struct CudaPaths {
     pub flash: bool,
     /// q4_k, q5_k and q6_k matmuls below a prompt's rows (decoding) with 16 lanes per
     /// super-block reading its quant bytes as consecutive words (`matmul_sb_*` of
-    /// `kquants.cu`; off: one lane per 32-value block, `matmul_kq_impl`).
+    /// `kquants.cu`; off: one lane per 32-value block, `matmul_kq_impl`). One-row q6_k matmuls
+    /// take the super-block kernel whether this is on or not (the GPU run showed it faster).
     pub superblock: bool,
 }
 
