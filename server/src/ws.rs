@@ -185,16 +185,20 @@ pub struct RpcRequest {
     pub params: Map<String, Value>,
 }
 
-/// Parses one text frame; an error comes with the id to answer it under (null when the
-/// request's own id could not be read).
-pub fn parse_request(text: &str) -> Result<RpcRequest, (Value, RpcError)> {
+/// A request that cannot be answered, with the id to answer it under (null when the request's
+/// own id could not be read); boxed, as it is the rare path.
+pub type ParseFailure = Box<(Value, RpcError)>;
+
+/// Parses one text frame.
+pub fn parse_request(text: &str) -> Result<RpcRequest, ParseFailure> {
     let value: Value = serde_json::from_str(text).map_err(|e| {
-        (
+        Box::new((
             Value::Null,
             RpcError::new(codes::PARSE_ERROR, format!("the message is not JSON: {e}")),
-        )
+        ))
     })?;
-    let invalid = |id: Value, message: &str| (id, RpcError::new(codes::INVALID_REQUEST, message));
+    let invalid =
+        |id: Value, message: &str| Box::new((id, RpcError::new(codes::INVALID_REQUEST, message)));
     let obj = match value {
         Value::Object(obj) => obj,
         Value::Array(_) => {
@@ -231,13 +235,13 @@ pub fn parse_request(text: &str) -> Result<RpcRequest, (Value, RpcError)> {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(p)) => p.clone(),
         Some(Value::Array(_)) => {
-            return Err((
+            return Err(Box::new((
                 answer_id,
                 RpcError::new(
                     codes::INVALID_PARAMS,
                     "params must be an object (by name), not an array",
                 ),
-            ));
+            )));
         }
         Some(_) => return Err(invalid(answer_id, "`params` must be an object")),
     };
@@ -464,7 +468,10 @@ impl Connection {
     async fn on_text(&mut self, text: &str) {
         let request = match parse_request(text) {
             Ok(r) => r,
-            Err((id, err)) => return self.send(response(&id, Err(err))).await,
+            Err(failure) => {
+                let (id, err) = *failure;
+                return self.send(response(&id, Err(err))).await;
+            }
         };
         let Some(id) = request.id.clone() else {
             // Notifications get no answer; `cancel` is the one that makes sense without one.
@@ -854,7 +861,7 @@ mod tests {
     use super::*;
 
     fn err_of(text: &str) -> (Value, i64) {
-        let (id, err) = parse_request(text).unwrap_err();
+        let (id, err) = *parse_request(text).unwrap_err();
         (id, err.code)
     }
 
