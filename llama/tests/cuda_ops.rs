@@ -827,8 +827,10 @@ fn compare_model(dir: &std::path::Path, cpu_dir: &std::path::Path, label: &str) 
         .clone();
     let context = 128;
     let cpu_weights = InMemoryWeights::read_dir(cpu_dir, &meta).unwrap();
+    // The CPU's exact mode (f32 activations) is the reference: its default 8-bit activations
+    // round differently from the CUDA kernels' 16-bit ones, by more than this tolerance.
     let mut cpu = Llama::new(
-        CpuBackend::new(),
+        CpuBackend::exact(),
         cpu_weights,
         meta.clone(),
         context,
