@@ -4,38 +4,11 @@
 
 mod serve_common;
 
-use std::process::Command;
-
 #[test]
 fn official_openai_python_client_works_unchanged() {
-    let Some(dir) = serve_common::model_dir() else {
-        return;
-    };
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/openai_client_check.py");
-    let venv = tempfile::tempdir().unwrap();
-    let venv_path = std::env::var_os("GDSLLM_OPENAI_VENV")
-        .unwrap_or_else(|| venv.path().as_os_str().to_owned());
-    let out = Command::new("python3")
-        .arg(&script)
-        .args(["--gdsllm", env!("CARGO_BIN_EXE_gdsllm"), "--model"])
-        .arg(&dir)
-        .arg("--venv")
-        .arg(venv_path)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "running python3 {}: {e} (python3 with venv and pip is needed)",
-                script.display()
-            )
-        });
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "{} failed:\n{stdout}\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
+    serve_common::run_python_client_check(
+        "openai_client_check.py",
+        "GDSLLM_OPENAI_VENV",
+        "all openai client checks passed",
     );
-    assert!(stdout.contains("all openai client checks passed"));
 }

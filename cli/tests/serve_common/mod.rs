@@ -33,6 +33,44 @@ pub fn gdsllm() -> Command {
     c
 }
 
+/// Runs `python3 scripts/SCRIPT --gdsllm <this build's gdsllm> --model DIR --venv V` and
+/// expects it to succeed and print `marker`. The script pip-installs its Python packages into
+/// the virtual environment V (a temporary directory, or `$venv_env` to reuse one) when they
+/// are missing. Skips (returns) when model tests are skipped.
+pub fn run_python_client_check(script: &str, venv_env: &str, marker: &str) {
+    let Some(dir) = model_dir() else {
+        return;
+    };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(script);
+    let venv = tempfile::tempdir().unwrap();
+    let venv_path =
+        std::env::var_os(venv_env).unwrap_or_else(|| venv.path().as_os_str().to_owned());
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["--gdsllm", env!("CARGO_BIN_EXE_gdsllm"), "--model"])
+        .arg(&dir)
+        .arg("--venv")
+        .arg(venv_path)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "running python3 {}: {e} (python3 with venv and pip is needed)",
+                script.display()
+            )
+        });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "{} failed:\n{stdout}\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains(marker), "{marker:?} not printed");
+}
+
 /// A running `gdsllm serve`; killed when dropped.
 pub struct Served {
     pub child: Child,
