@@ -56,11 +56,14 @@ pub struct CpuRate {
 }
 
 /// The GPU's figures: weight bytes per second (10^9) its matmuls consume from device memory
-/// at 1 and at 32 rows, pinned host→device copies, and the time of one handoff between CPU and
+/// at 1 and at 32 rows (one figure for every dtype: the GPU's matmuls are far from the
+/// planner's bottleneck, which is what reaches them), pinned host→device copies, and the time of one handoff between CPU and
 /// GPU (an activation read back and a share's output copied up, synchronised).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuRates {
     pub name: String,
+    /// The dtype of the weight the matmul figures were measured on.
+    pub dtype: DType,
     pub gbps_1: f64,
     pub gbps_32: f64,
     pub h2d_gbps: f64,
@@ -232,6 +235,19 @@ pub fn units(meta: &Metadata, layout: &ModelLayout) -> Vec<Unit> {
         });
     }
     units
+}
+
+/// The dtypes of the units' matmul weights, the one with the most bytes first.
+pub fn dtypes_by_bytes(units: &[Unit]) -> Vec<DType> {
+    let mut bytes: Vec<(DType, u64)> = Vec::new();
+    for &(dtype, b) in units.iter().flat_map(|u| &u.matmul_bytes) {
+        match bytes.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, total)) => *total += b,
+            None => bytes.push((dtype, b)),
+        }
+    }
+    bytes.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+    bytes.into_iter().map(|(d, _)| d).collect()
 }
 
 /// One unit's place in one kind of pass.
@@ -558,6 +574,7 @@ mod tests {
             }],
             gpu: Some(GpuRates {
                 name: "test".into(),
+                dtype: DType::F16,
                 gbps_1: 2000.0,
                 gbps_32: 1800.0,
                 h2d_gbps: 55.0,

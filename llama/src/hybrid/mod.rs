@@ -46,6 +46,8 @@
 //! with the CPU backend on both sides (`tests/hybrid.rs`): logits against a single backend's,
 //! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
 
+pub mod calibrate;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
