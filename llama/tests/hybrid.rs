@@ -7,10 +7,14 @@
 //! 1e-6 of their scale (in practice bit for bit). The reference backend as primary with the
 //! CPU backend as helper mixes two kernels' roundings: 1e-3 of the scale.
 
+mod support;
+
 use std::path::Path;
 
 use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
 use llama::hybrid::{SplitBackend, SplitCounts, SplitTarget, helper_rows};
+use support::max_rel_diff;
+
 use llama::{Backend, BatchSeq, CpuBackend, InMemoryWeights, Llama, ReferenceBackend};
 use weights_format::{DType, Metadata, Model};
 
@@ -97,16 +101,6 @@ fn add(a: SplitCounts, b: SplitCounts) -> SplitCounts {
         primary_bytes: a.primary_bytes + b.primary_bytes,
         splits: a.splits + b.splits,
     }
-}
-
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-        / scale
 }
 
 /// A prompt of 9 tokens, then 4 decode steps of one token, on a single backend and on the

@@ -125,53 +125,28 @@ fn write_columns_host(
     Ok(())
 }
 
-impl SplitTarget for CpuBackend {
-    fn write_columns(
-        &self,
-        src: &Vec<f32>,
-        rows: usize,
-        src_cols: usize,
-        dst: &mut Vec<f32>,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
-    ) -> Result<(), BackendError> {
-        write_columns_host(
-            "cpu write_columns",
-            src,
-            rows,
-            src_cols,
-            dst,
-            dst_cols,
-            col0,
-            into,
-        )
-    }
+/// [`SplitTarget`] for a backend whose buffers are host vectors.
+macro_rules! host_split_target {
+    ($backend:ty, $op:literal) => {
+        impl SplitTarget for $backend {
+            fn write_columns(
+                &self,
+                src: &Vec<f32>,
+                rows: usize,
+                src_cols: usize,
+                dst: &mut Vec<f32>,
+                dst_cols: usize,
+                col0: usize,
+                into: NormInto,
+            ) -> Result<(), BackendError> {
+                write_columns_host($op, src, rows, src_cols, dst, dst_cols, col0, into)
+            }
+        }
+    };
 }
 
-impl SplitTarget for ReferenceBackend {
-    fn write_columns(
-        &self,
-        src: &Vec<f32>,
-        rows: usize,
-        src_cols: usize,
-        dst: &mut Vec<f32>,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
-    ) -> Result<(), BackendError> {
-        write_columns_host(
-            "reference write_columns",
-            src,
-            rows,
-            src_cols,
-            dst,
-            dst_cols,
-            col0,
-            into,
-        )
-    }
-}
+host_split_target!(CpuBackend, "cpu write_columns");
+host_split_target!(ReferenceBackend, "reference write_columns");
 
 /// The share of each blob's matmul rows the helper computes, for a pass of `rows` rows:
 /// `fraction(blob, rows)` in `0 ..= 1` (0: the primary computes all of it).
