@@ -784,6 +784,36 @@ void test_kq_dequant() {
     }
 }
 
+// The same for q8_0, q4_0 and q4_1 (dtype codes 3, 4, 5): `dequant_blocks_f16` against the bits of
+// `dequant_f16`, random blocks with finite f16 scales and offsets.
+void test_block_dequant() {
+    const int block_bytes[3] = {34, 18, 20};
+    for (int dtype = 3; dtype <= 5; dtype++) {
+        int bb = block_bytes[dtype - 3];
+        u64 n_blocks = 7 * 24;
+        std::vector<uint8_t> bytes(n_blocks * bb);
+        for (auto& b : bytes) b = (uint8_t)(rng() & 0xFF);
+        for (u64 i = 0; i < n_blocks; i++) {
+            uint16_t d = emu_f2h(uniform(-0.01f, 0.01f)), m = emu_f2h(uniform(-0.05f, 0.05f));
+            bytes[i * bb] = d & 0xFF;
+            bytes[i * bb + 1] = d >> 8;
+            if (dtype == 5) {
+                bytes[i * bb + 2] = m & 0xFF;
+                bytes[i * bb + 3] = m >> 8;
+            }
+        }
+        Buf<uint8_t> wd(bytes);
+        Buf<uint16_t> per_block(n_blocks * 32), per8(n_blocks * 32);
+        emu::launch(grid3((unsigned)((n_blocks + 255) / 256)), 256,
+                    [&] { dequant_blocks_f16(wd.p, dtype, n_blocks, per_block.p); });
+        emu::launch(grid3((unsigned)((n_blocks * 4 + 255) / 256)), 256,
+                    [&] { dequant_f16(wd.p, dtype, n_blocks, per8.p); });
+        bool same = std::memcmp(per_block.p, per8.p, sizeof(uint16_t) * n_blocks * 32) == 0;
+        printf("dequant_blocks_f16 dtype %d: the bits of dequant_f16: %s\n", dtype, same ? "yes" : "NO");
+        if (!same) failures++;
+    }
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++)
         if (std::string(argv[i]) == "--quick") quick = true;
@@ -794,6 +824,7 @@ int main(int argc, char** argv) {
     test_flash_attention();
     test_kq_matmul();
     test_kq_dequant();
+    test_block_dequant();
     if (failures) {
         printf("%d check(s) FAILED\n", failures);
         return 1;
