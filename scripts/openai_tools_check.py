@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Checks tool calling through the official `openai` Python package against `gdsllm serve`.
 
-The model (SmolLM2 in CI) is served from a copy of its directory whose files link to the
-original, with the chat template replaced by a tools-capable ChatML template in the Hermes
+The model (SmolLM2 in CI) is served from a copy of its directory (hard links), with the chat template replaced by a tools-capable ChatML template in the Hermes
 `<tool_call>` format (written below; SmolLM2's own template takes no tools). Through
 `openai.OpenAI(base_url=...)`:
 - a named `tool_choice` and `required` (the grammar forces the call): `finish_reason`
@@ -25,6 +24,7 @@ Usage: scripts/openai_tools_check.py --gdsllm target/release/gdsllm --model DIR
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,10 +114,15 @@ QUESTION = [{"role": "user", "content": "What is the weather like in Paris today
 
 
 def tools_model_dir(model, into):
-    """`into` holding links to every file of `model` and the tools template."""
+    """`into` holding every file of `model` (hard links where the filesystem allows, copies
+    otherwise: a model refuses symlinks out of its directory) and the tools template."""
     for name in os.listdir(model):
         if name != "chat_template.jinja":
-            os.symlink(os.path.join(os.path.abspath(model), name), os.path.join(into, name))
+            source, target = os.path.join(model, name), os.path.join(into, name)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copyfile(source, target)
     with open(os.path.join(into, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(TOOLS_TEMPLATE)
     return into
