@@ -21,17 +21,12 @@ Usage: scripts/openai_tools_check.py --gdsllm target/release/gdsllm --model DIR
        (DIR defaults to $GDSLLM_TEST_MODEL; --venv as scripts/openai_client_check.py)
 """
 
-import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 
-from openai_client_check import KEY, check, start_server
-from venv_rerun import ensure_importable
+from openai_client_check import KEY, check, check_args, serve_and_check
 
 # ChatML with tools in the Hermes format: the offered functions as JSON in the system turn,
 # calls as <tool_call> blocks, results as <tool_response> blocks in a user turn.
@@ -232,33 +227,9 @@ def run_checks(base):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gdsllm", default="target/release/gdsllm", help="the gdsllm binary")
-    parser.add_argument("--model", default=os.environ.get("GDSLLM_TEST_MODEL"),
-                        help="model directory (default: $GDSLLM_TEST_MODEL)")
-    parser.add_argument("--venv", help="virtual environment to create/use when openai is missing")
-    args = parser.parse_args()
-    if not args.model:
-        sys.exit("no model: pass --model DIR or set GDSLLM_TEST_MODEL (see `gdsllm pull smollm2`)")
-    ensure_importable(["openai", "jsonschema"], ["openai", "jsonschema"], args.venv)
+    args = check_args()
     with tempfile.TemporaryDirectory(prefix="gdsllm-tools-") as tmp:
-        model = tools_model_dir(args.model, tmp)
-        proc, base = start_server(argparse.Namespace(gdsllm=args.gdsllm, model=model))
-        try:
-            run_checks(base)
-        except Exception:
-            proc.kill()
-            print(proc.stderr.read(), file=sys.stderr)
-            raise
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            sys.exit("the server did not exit within 60 s of SIGTERM")
-        if code != 0:
-            sys.exit(f"the server exited with {code} after SIGTERM\n{proc.stderr.read()}")
-    print("ok: SIGTERM -> clean exit")
+        serve_and_check(args.gdsllm, tools_model_dir(args.model, tmp), run_checks)
     print("all openai tool checks passed")
 
 

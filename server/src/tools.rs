@@ -185,10 +185,17 @@ fn valid_function_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-fn function_of<'a>(tool: &'a Value) -> &'a Map<String, Value> {
-    tool["function"]
-        .as_object()
-        .expect("tools are validated to have a function object")
+/// A tool's function object (every tool of a [`ToolsRequest`] has one).
+fn function_of(tool: &Value) -> Option<&Map<String, Value>> {
+    tool.get("function")?.as_object()
+}
+
+/// A function object's name.
+fn name_of(function: &Map<String, Value>) -> &str {
+    function
+        .get("name")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
 }
 
 impl ToolsRequest {
@@ -209,10 +216,7 @@ impl ToolsRequest {
         for (i, tool) in tools.iter().enumerate() {
             check_tool(i, tool)?;
         }
-        let names: Vec<&str> = tools
-            .iter()
-            .map(|t| function_of(t)["name"].as_str().unwrap_or_default())
-            .collect();
+        let names: Vec<&str> = tools.iter().filter_map(function_of).map(name_of).collect();
         if let Some((i, name)) = names
             .iter()
             .enumerate()
@@ -292,18 +296,18 @@ impl ToolsRequest {
     pub fn grammar(&self, format: ToolFormat) -> Option<GrammarSpec> {
         let forced: Vec<&Map<String, Value>> = match &self.choice {
             ToolChoice::Auto | ToolChoice::None => return None,
-            ToolChoice::Required => self.tools.iter().map(function_of).collect(),
+            ToolChoice::Required => self.tools.iter().filter_map(function_of).collect(),
             ToolChoice::Named(name) => self
                 .tools
                 .iter()
-                .map(function_of)
-                .filter(|f| f["name"] == name.as_str())
+                .filter_map(function_of)
+                .filter(|f| name_of(f) == name)
                 .collect(),
         };
         let mut rules = Vec::new();
         let mut calls = Vec::new();
         for (i, function) in forced.iter().enumerate() {
-            let name = function["name"].as_str().unwrap_or_default();
+            let name = name_of(function);
             let mut schema = function
                 .get("parameters")
                 .cloned()

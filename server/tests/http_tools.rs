@@ -222,26 +222,16 @@ async fn malformed_calls_are_content_and_parallel_false_keeps_the_first_call() {
         }
     }
 
-    let two = format!("{CALL_REPLY}\n{CALL_REPLY}");
-    *engine.reply.lock() = two;
-    let (_, body) = post(&ts, &request(json!({}))).await;
-    let body: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(
+    *engine.reply.lock() = format!("{CALL_REPLY}\n{CALL_REPLY}");
+    let calls = async |extra: Value| {
+        let (_, body) = post(&ts, &request(extra)).await;
+        let body: Value = serde_json::from_str(&body).unwrap();
         body["choices"][0]["message"]["tool_calls"]
             .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
-    let (_, body) = post(&ts, &request(json!({"parallel_tool_calls": false}))).await;
-    let body: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(
-        body["choices"][0]["message"]["tool_calls"]
-            .as_array()
-            .unwrap()
-            .len(),
-        1
-    );
+            .map_or(0, Vec::len)
+    };
+    assert_eq!(calls(json!({})).await, 2);
+    assert_eq!(calls(json!({"parallel_tool_calls": false})).await, 1);
     ts.shutdown().await;
 }
 
