@@ -712,6 +712,10 @@ impl ToolStream {
             }
             _ => self.content(&held, &mut out),
         }
+        // A reply without calls keeps its trailing whitespace, as the whole reply does.
+        if self.calls == 0 && !self.held_space.is_empty() {
+            out.push(StreamPiece::Content(std::mem::take(&mut self.held_space)));
+        }
         self.mode = StreamMode::Text;
         out
     }
@@ -826,6 +830,22 @@ mod tests {
         let r = parse_both(ToolFormat::Hermes, text);
         assert_eq!(r.content.as_deref(), Some("<tool_call>{oops}</tool_call>"));
         assert_eq!(r.calls, vec![call("call_1", "a", "{}")]);
+
+        // Without calls the streamed text is the reply, whitespace and all.
+        let mut stream = ToolStream::new(ToolFormat::Hermes);
+        let mut pieces = Vec::new();
+        for piece in ["Hello", " ", "world", " \n", " "] {
+            pieces.extend(stream.push(piece, &mut ids()));
+        }
+        pieces.extend(stream.finish(&mut ids()));
+        let text: String = pieces
+            .iter()
+            .map(|p| match p {
+                StreamPiece::Content(t) => t.as_str(),
+                StreamPiece::Call { .. } => panic!("no call was made"),
+            })
+            .collect();
+        assert_eq!(text, "Hello world \n ");
 
         // A text that only mentions `<tool` and never calls.
         let r = parse_both(ToolFormat::Hermes, "Use <tool or <tool_ca to mean a tag.");
