@@ -48,6 +48,12 @@
 #            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
 #            resident pp512/tg128 (default kernels, then GDSLLM_CUDA_PATHS=superblock) and
 #            streamed (--vram-budget 4GiB, no host tier) decode.
+#   placement (opt-in, issue 24) the placement planner against what runs today: on the 7B f16
+#            and q4_1 models with --vram-budget 4GiB and the pinned host tier, `gdsllm plan
+#            --calibrate` (measures the GPU's figures: exercises llama::hybrid::calibrate on
+#            CUDA) with --placement gpu and auto, then `gdsllm bench` decode batch 1/8/32 and
+#            pp512; prints predicted (gpu) against achieved with the ratio (target within 25%),
+#            and what the auto placement predicts for the split (not wired to CUDA yet).
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -386,6 +392,47 @@ if has remote; then
     fi
   done
   kill "$hpid" 2>/dev/null; wait "$hpid" 2>/dev/null
+fi
+
+if has placement; then
+  for dtype in ${DTYPES_7B:-f16 q4_1}; do
+    model="$WORK_DIR/llama7b-$dtype"
+    [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "$dtype" "$model" >&2 || { note "7b $dtype: synth FAILED"; status=1; continue; }
+    tier=(--vram-budget 4GiB --host-cache 24GiB)
+    for mode in gpu auto; do
+      p="$WORK_DIR/plan-7b-$dtype-$mode.json"
+      step "gdsllm plan --placement $mode on 7b $dtype, ${tier[*]}"
+      calibrate=(); [ "$mode" = gpu ] && calibrate=(--calibrate)
+      "$BIN" plan -m "$model" "${tier[@]}" --context 128 --placement "$mode" "${calibrate[@]}" --json >"$p" 2>"$p.log" \
+        || { tail -n 5 "$p.log" >&2; note "7b $dtype plan --placement $mode FAILED"; status=1; }
+    done
+    b="$WORK_DIR/bench-placement-7b-$dtype-batch.json"
+    step "gdsllm bench --batch 1,8,32 on 7b $dtype, ${tier[*]}"
+    "$BIN" bench --device cuda -m "$model" "${tier[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json >"$b" 2>"$b.log" \
+      || { tail -n 5 "$b.log" >&2; note "7b $dtype placement batch bench FAILED"; status=1; }
+    r="$WORK_DIR/bench-placement-7b-$dtype-pp.json"
+    step "gdsllm bench -p 512 on 7b $dtype, ${tier[*]}"
+    "$BIN" bench --device cuda -m "$model" "${tier[@]}" -p 512 -n 4 -r 1 --json >"$r" 2>"$r.log" \
+      || { tail -n 5 "$r.log" >&2; note "7b $dtype placement pp bench FAILED"; status=1; }
+    python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 5 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+import json, sys
+w, dtype = sys.argv[1], sys.argv[2]
+plan = {m: json.load(open(f"{w}/plan-7b-{dtype}-{m}.json")) for m in ("gpu", "auto")}
+batch = {r["batch"]: r["mean"] for r in json.load(open(f"{w}/bench-placement-7b-{dtype}-batch.json"))["batch"]}
+pp = json.load(open(f"{w}/bench-placement-7b-{dtype}-pp.json"))["pp"]["best"]
+g = plan["gpu"]["calibration"]["gpu"]
+print(f"7b {dtype} calibration: GPU {g['name']} matmul {g['gbps_1']:.0f}/{g['gbps_32']:.0f} GB/s (1/32 rows), pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
+      + ", ".join(f"{c['dtype']} {c['gbps_1']:.1f}/{c['gbps_8']:.1f} GB/s" for c in plan["gpu"]["calibration"]["cpu"]))
+def predicted(mode, kind, n):
+    for p in plan[mode]["placement"]["passes"]:
+        if p["pass"]["kind"] == kind and p["pass"].get("batch", p["pass"].get("rows")) == n:
+            return p["tokens_per_s"]
+for kind, n, achieved in [("decode", 1, batch.get(1)), ("decode", 8, batch.get(8)), ("decode", 32, batch.get(32)), ("prefill", 512, pp)]:
+    pg, pa = predicted("gpu", kind, n), predicted("auto", kind, n)
+    ratio = f"{pg / achieved:.2f}x" if achieved else "n/a"
+    print(f"7b {dtype} host tier 4GiB {kind} {n}: predicted (gpu) {pg:.2f} tok/s, achieved {achieved or float('nan'):.2f} -> predicted/achieved {ratio} (target 0.75-1.25); auto placement predicts {pa:.2f}")
+PY
+  done
 fi
 
 if has checksums; then

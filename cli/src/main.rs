@@ -4,10 +4,12 @@
 //! Results go to stdout (text, or one JSON object with `--json`); logs go to stderr through
 //! `tracing`, filtered by `RUST_LOG` (default `info`).
 
+mod calibration;
 mod cmd;
 mod device_args;
 mod model_arg;
 mod output;
+mod placement_args;
 mod progress;
 mod residency_args;
 mod running;

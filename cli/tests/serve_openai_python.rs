@@ -1,6 +1,6 @@
 //! The official `openai` Python package against `gdsllm serve` on the real model, through
-//! scripts/openai_client_check.py (which pip-installs `openai` into a virtual environment
-//! when it is missing; set GDSLLM_OPENAI_VENV to reuse one).
+//! scripts/openai_client_check.py and scripts/openai_tools_check.py (which pip-install `openai`
+//! into a virtual environment when it is missing; set GDSLLM_OPENAI_VENV to reuse one).
 
 mod serve_common;
 
@@ -10,5 +10,14 @@ fn official_openai_python_client_works_unchanged() {
         "openai_client_check.py",
         "GDSLLM_OPENAI_VENV",
         "all openai client checks passed",
+    );
+}
+
+#[test]
+fn official_openai_python_client_calls_tools() {
+    serve_common::run_python_client_check(
+        "openai_tools_check.py",
+        "GDSLLM_OPENAI_VENV",
+        "all openai tool checks passed",
     );
 }

@@ -19,6 +19,7 @@ pub mod config;
 mod error;
 pub mod generate;
 pub mod grammar;
+pub mod hybrid;
 pub mod load;
 pub mod model;
 pub mod prefix_cache;

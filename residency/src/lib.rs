@@ -22,6 +22,7 @@ pub mod gpu;
 pub mod memory;
 pub mod network;
 mod options;
+pub mod placement;
 pub mod plan;
 mod runtime;
 pub mod sim;
@@ -40,6 +41,10 @@ pub use network::{NetworkSource, Origin, init_cache};
 pub use options::{
     AUTO_RAM_SHARE, BlobChecksums, Budget, HostCache, ParseBytesError, Policy, ResidencyOptions,
     human_bytes, mem_available, parse_bytes,
+};
+pub use placement::{
+    CALIBRATION_VERSION, Calibration, CpuRate, GpuRates, PassKind, PassPlacement, PlacementMode,
+    PlacementPlan, Tier, Unit, UnitPlacement, plan_placement, units,
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,

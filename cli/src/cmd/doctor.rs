@@ -278,7 +278,9 @@ fn measure_io_paths(
     Ok(reports)
 }
 
-fn write_probe(path: &Path, len: usize) -> anyhow::Result<()> {
+/// Writes a `len`-byte file of a fixed pattern at `path` (the read probes of `doctor` and of
+/// the calibration).
+pub(crate) fn write_probe(path: &Path, len: usize) -> anyhow::Result<()> {
     use std::io::Write;
     let mut out = std::fs::File::create(path)
         .with_context(|| format!("cannot create probe file {}", path.display()))?;

@@ -1,10 +1,21 @@
 //! `gdsllm plan -m MODEL --vram-budget X`: what stays resident, what streams, and what a token
-//! costs from each tier.
+//! costs from each tier; then where each layer's matmuls run in each kind of pass (the
+//! placement, issue 24) and the tokens/s this machine's measured figures predict.
 
 use anyhow::Context;
 use weights_format::Model;
 
+use crate::placement_args::PlacementArgs;
 use crate::residency_args::ResidencyArgs;
+
+/// The passes `plan` shows the placement of: decode steps of 1, 8 and 32 sequences, and a
+/// prefill chunk of 512 rows.
+const PASSES: [residency::PassKind; 4] = [
+    residency::PassKind::Decode { batch: 1 },
+    residency::PassKind::Decode { batch: 8 },
+    residency::PassKind::Decode { batch: 32 },
+    residency::PassKind::Prefill { rows: 512 },
+];
 
 /// Print the residency plan for a model and a memory budget: the resident set, the streamed
 /// blobs and the staging ring, the host tier, bytes per token from each tier, and the predicted
@@ -17,6 +28,18 @@ pub struct Args {
     pub model: String,
     #[command(flatten)]
     pub residency: ResidencyArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+    /// Measure this machine's figures for the placement again (the disk's reads, the CPU's
+    /// matmuls for each dtype of the model, the GPU's matmuls, copies and handoffs) and keep
+    /// them in $GDSLLM_HOME/calibration.json. Without it the stored figures are used, and only
+    /// those missing are measured.
+    #[arg(long)]
+    pub calibrate: bool,
+    /// Size of the calibration's probes in MiB (the CPU's probe weight and the disk's probe
+    /// file; the GPU's weight is twice that).
+    #[arg(long, value_name = "MIB", default_value_t = crate::calibration::DEFAULT_PROBE_MIB, hide = true)]
+    pub probe_mib: usize,
     /// Disk read speed for the prediction, in GB/s (10^9 bytes/s). DESIGN.md measured
     /// 2.6–3.0 GB/s O_DIRECT on the lent machines.
     #[arg(long, value_name = "GB/S", default_value_t = 3.0)]
@@ -35,12 +58,14 @@ pub struct Args {
     #[arg(long, value_name = "BYTES", default_value = "0", value_parser = residency::parse_bytes)]
     pub margin: u64,
     /// Print one JSON object on stdout: {model, plan, reserved_bytes, disk_gbps, host_gbps,
-    /// compute_ms, predicted_tokens_per_s (null when not I/O or compute bound)}.
+    /// compute_ms, predicted_tokens_per_s (null when not I/O or compute bound), calibration,
+    /// placement: {mode, device, passes: [{pass, units, seconds, tokens_per_s}]}}.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    args.placement.apply_threads()?;
     let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let config = model.config();
@@ -59,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )
     })?;
     let tps = plan.predict_tokens_per_s(args.disk_gbps, args.host_gbps, args.compute_ms / 1e3);
+    let placement = placement(&args, model.metadata(), &layout, &plan)?;
     if args.json {
         let json = serde_json::json!({
             "model": dir,
@@ -69,6 +95,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "host_gbps": args.host_gbps,
             "compute_ms": args.compute_ms,
             "predicted_tokens_per_s": if tps.is_finite() { Some(tps) } else { None },
+            "calibration": placement.0,
+            "placement": placement.1,
         });
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
@@ -94,6 +122,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 "predicted: not bound by I/O (everything resident) nor by the given compute time"
             );
         }
+        print!("{}", placement.1);
+        println!(
+            "(from this machine's figures in {}; --calibrate measures them again)",
+            crate::calibration::path(&crate::calibration::home()).display()
+        );
     }
     Ok(())
+}
+
+/// The placement of the model on this machine (on the GPU when one is usable, else the CPU),
+/// from the stored calibration, measuring what it lacks.
+fn placement(
+    args: &Args,
+    meta: &weights_format::Metadata,
+    layout: &residency::ModelLayout,
+    plan: &residency::Plan,
+) -> anyhow::Result<(residency::Calibration, residency::PlacementPlan)> {
+    let gpu = match llama::backend::cuda::cuda_usable() {
+        Ok(()) => Some(llama::CudaBackend::new(0).context("opening the GPU to calibrate")?),
+        Err(err) => {
+            tracing::info!("placing for the CPU: {err}");
+            None
+        }
+    };
+    let units = residency::units(meta, layout);
+    let cal = crate::calibration::ensure(
+        &crate::calibration::home(),
+        &residency::placement::dtypes_by_bytes(&units),
+        gpu.as_ref(),
+        args.calibrate,
+        args.probe_mib,
+    )?;
+    let placed = residency::plan_placement(
+        &units,
+        gpu.as_ref().map(|_| plan),
+        &cal,
+        args.placement.mode(),
+        &PASSES,
+    )?;
+    Ok((cal, placed))
 }

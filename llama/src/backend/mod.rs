@@ -193,6 +193,14 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// The ops that follow, up to the next call or the end of the pass, read the weights of
+    /// blob `blob` (an index into the model's `metadata.blobs`): each layer's in turn, then the
+    /// output blob's for the LM head. A backend that places blobs differently (the hybrid
+    /// split, [`crate::hybrid`]) decides here; the others need not know.
+    fn weights_from_blob(&self, blob: usize) {
+        let _ = blob;
+    }
+
     /// `out[r, :] = table[ids[r], :]` for `table: [vocab, dim]`.
     fn embed_rows(
         &self,

@@ -494,6 +494,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             graph.scale_embeddings()?;
             for (l, layer) in table.layers.iter().enumerate() {
                 let guard = weights.acquire(layer.blob)?;
+                be.weights_from_blob(layer.blob);
                 let w = Layer {
                     table: layer,
                     bytes: guard.bytes(),
@@ -502,6 +503,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             }
             let out = &table.output;
             let output_guard = weights.acquire(out.blob)?;
+            be.weights_from_blob(out.blob);
             if n_logits > 0 {
                 let output_norm = out.output_norm.view(output_guard.bytes(), &out.file)?; // [dim]
                 let head = match (&out.output, &embed_guard) {

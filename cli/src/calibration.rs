@@ -1,0 +1,123 @@
+//! The machine's figures for the placement planner (`residency::placement`), measured once and
+//! kept in `$GDSLLM_HOME/calibration.json`: the disk's O_DIRECT reads, the CPU's matmul speed
+//! per weight dtype at this many threads, and on a GPU its matmuls, pinned host→device copies
+//! and the handoff between the two. A dtype not measured yet is measured when a model needs
+//! it; `--calibrate` measures everything again; a file of another version or another thread
+//! count is measured again.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use residency::{CALIBRATION_VERSION, Calibration};
+use weights_format::DType;
+
+/// MiB of the probes by default: the CPU's probe weight (far above any CPU cache) and the
+/// disk's probe file (written, read with O_DIRECT, removed); the GPU's weight is twice that
+/// (far above its L2).
+pub const DEFAULT_PROBE_MIB: usize = 256;
+
+/// The store's home: `$GDSLLM_HOME`, or the default one.
+pub fn home() -> PathBuf {
+    std::env::var_os("GDSLLM_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(crate::cmd::doctor::default_home)
+}
+
+pub fn path(home: &Path) -> PathBuf {
+    home.join("calibration.json")
+}
+
+/// The stored calibration, if there is a readable one of this version for `threads` threads.
+fn load(home: &Path, threads: usize) -> Option<Calibration> {
+    let path = path(home);
+    let text = std::fs::read_to_string(&path).ok()?;
+    match serde_json::from_str::<Calibration>(&text) {
+        Ok(c) if c.version == CALIBRATION_VERSION && c.cpu_threads == threads => Some(c),
+        Ok(c) => {
+            tracing::info!(
+                "{}: measured for version {} with {} threads; measuring again",
+                path.display(),
+                c.version,
+                c.cpu_threads
+            );
+            None
+        }
+        Err(err) => {
+            tracing::warn!("{}: {err}; measuring again", path.display());
+            None
+        }
+    }
+}
+
+fn save(home: &Path, cal: &Calibration) -> anyhow::Result<()> {
+    std::fs::create_dir_all(home).with_context(|| format!("cannot create {}", home.display()))?;
+    let path = path(home);
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(cal)?)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+/// O_DIRECT read speed of a probe file written in `home`, GB/s.
+fn measure_disk_gbps(home: &Path, len: usize) -> anyhow::Result<f64> {
+    std::fs::create_dir_all(home).with_context(|| format!("cannot create {}", home.display()))?;
+    let probe = home.join(format!(
+        ".gdsllm-calibrate-probe-{}.bin",
+        std::process::id()
+    ));
+    crate::cmd::doctor::write_probe(&probe, len)?;
+    let read = (|| -> anyhow::Result<f64> {
+        let file = gds_io::DirectFile::open(&probe)?;
+        let (_, record) = file.read_range_parallel(0, len as u64, Default::default())?;
+        Ok(record.gbps())
+    })();
+    let _ = std::fs::remove_file(&probe);
+    read.with_context(|| format!("reading the probe file {}", probe.display()))
+}
+
+/// The calibration for planning a model of `dtypes` on this machine (`gpu`: the GPU to
+/// measure when the stored figures have none), measuring what is missing (everything when
+/// `refresh`) and storing the result.
+pub fn ensure(
+    home: &Path,
+    dtypes: &[DType],
+    gpu: Option<&llama::CudaBackend>,
+    refresh: bool,
+    probe_mib: usize,
+) -> anyhow::Result<Calibration> {
+    let probe = probe_mib.max(1) << 20;
+    let threads = rayon::current_num_threads();
+    let stored = if refresh { None } else { load(home, threads) };
+    let mut changed = stored.is_none();
+    let mut cal = match stored {
+        Some(cal) => cal,
+        None => {
+            tracing::info!("calibrating: disk reads ({} MiB probe)", probe >> 20);
+            Calibration {
+                version: CALIBRATION_VERSION,
+                disk_gbps: measure_disk_gbps(home, probe)?,
+                cpu_threads: threads,
+                cpu: Vec::new(),
+                gpu: None,
+            }
+        }
+    };
+    for dtype in cal.missing_dtypes(dtypes) {
+        tracing::info!("calibrating: the CPU's {dtype:?} matmuls on {threads} threads");
+        cal.cpu
+            .push(llama::hybrid::calibrate::measure_cpu(dtype, probe)?);
+        changed = true;
+    }
+    if let (Some(be), None) = (gpu, &cal.gpu) {
+        let dtype = dtypes.first().copied().unwrap_or(DType::F16);
+        tracing::info!("calibrating: the GPU's {dtype:?} matmuls, host→device copies, handoffs");
+        cal.gpu = Some(llama::hybrid::calibrate::measure_gpu(be, dtype, 2 * probe)?);
+        changed = true;
+    }
+    if changed {
+        save(home, &cal)?;
+        tracing::info!("calibration kept in {}", path(home).display());
+    }
+    Ok(cal)
+}

@@ -1,0 +1,600 @@
+//! Hybrid execution: two backends compute one matmul at the same time, each a share of its
+//! output rows, so that the bandwidths of two paths to the weights add up.
+//!
+//! # Why rows of each matmul, and not whole layers
+//!
+//! Measured on the lent H100 VM (issue 24): a batch-1 decode of the f16 7B with 4 GiB of GPU
+//! memory moves ~10.9 GB of non-resident weights per token. Pinned host→device copies bring
+//! 55 GB/s, so streaming all of it takes 10.9 / 55 = 0.198 s (5.0 tok/s, what GdsLLM reached:
+//! 4.97). The CPU reads RAM at ~77 GB/s, so computing all of it there takes 0.142 s (7.0 tok/s;
+//! llama.cpp's `-ngl 8` made 7.9 with a few more layers on the GPU). A whole-layer split (as
+//! `-ngl` does) cannot beat the faster of the two: layers run one after the other, so while
+//! the CPU computes its layers the PCIe link idles, and the other way round. Splitting **each
+//! matmul's output rows** instead makes both paths work on every layer at once: the CPU
+//! computes rows `[0, k)` straight from the host tier's RAM while the GPU computes rows
+//! `[k, n)` from what streams in, and the time is `10.9 GB / (77 + 55) GB/s = 0.083 s`
+//! (12 tok/s, the CPU taking `77 / 132 = 58 %` of the rows). Rows of a weight are contiguous
+//! bytes of its blob in every dtype (a row is a whole number of blocks), so each side's share
+//! is one byte range: the GPU streams only its share.
+//!
+//! # The grain, and what it costs
+//!
+//! A layer has four matmul calls (Q/K/V together, the attention output, gate/up together,
+//! down); each split one hands the activation rows to the helper (a device→host read of
+//! `rows · dim` f32, 16 KiB for a 7B's decode row) and brings its output columns back (at most
+//! `rows · ffn` f32, 44 KiB). That is 4 synchronisations per non-resident layer: 120 per token
+//! for the 7B's 30, each ~20–30 µs on PCIe, ~3 ms per token, 4 % of the 83 ms above. A coarser
+//! grain (the CPU taking whole heads through attention, and a slice of the FFN through `down`)
+//! would halve them, but the output projection and `down` would then be split by *columns*
+//! (their inputs), which are not contiguous bytes of the blob: the GPU would stream strided
+//! pieces. Rows of every matmul keep each share a single range, for 4 % of the time.
+//!
+//! At batch `B` a pass over the weights serves `B` rows on the GPU for the same bytes, while
+//! the CPU's cost grows with the rows (at 32 rows it is compute-bound): the planner
+//! (`residency::placement`) gives the CPU a smaller share as the batch grows, and none to a
+//! prefill chunk.
+//!
+//! # Where everything else runs
+//!
+//! Everything but the split matmuls (norms, RoPE, attention, the activations) runs on the
+//! primary backend, and so does every layer's KV cache: attention reads the cache, not the
+//! weights, so there is nothing to gain by splitting it at batch 1, and keeping it whole
+//! keeps one sync per matmul call. (A model whose attention runs on the CPU would keep its KV
+//! in RAM; this split does not do that.)
+//!
+//! [`SplitBackend`] is generic over its two [`Backend`]s, so the whole arrangement is tested
+//! with the CPU backend on both sides (`tests/hybrid.rs`): logits against a single backend's,
+//! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
+
+pub mod calibrate;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::backend::{
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, NormInto,
+    PassInfo, ReferenceBackend, RowGroup,
+};
+use crate::backend::{CpuBackend, WeightView};
+
+/// Output rows of a split are a multiple of this, so each side's share stays aligned to the
+/// row tiles of the matmul kernels.
+pub const ROW_GRAIN: usize = 32;
+
+/// The rows `[0, k)` of an `n`-row weight the helper computes for a share `fraction` of them:
+/// `fraction · n` rounded to the nearest [`ROW_GRAIN`], within `0 ..= n` (all of them when the
+/// rounding reaches `n`).
+pub fn helper_rows(n: usize, fraction: f64) -> usize {
+    if fraction.is_nan() || fraction <= 0.0 {
+        return 0;
+    }
+    let grains = (fraction.min(1.0) * n as f64 / ROW_GRAIN as f64).round() as usize;
+    (grains * ROW_GRAIN).min(n)
+}
+
+/// A backend that can place a block of values into some columns of a wider buffer: what
+/// brings a share's output rows (which are columns of the activations) home.
+pub trait SplitTarget: Backend {
+    /// `dst[r, col0 .. col0+src_cols] = src[r, :]` (or `+=` with [`NormInto::Add`]) for
+    /// `r < rows`, `src: [rows, src_cols]`, `dst: [rows, dst_cols]`.
+    #[allow(clippy::too_many_arguments)]
+    fn write_columns(
+        &self,
+        src: &Self::Buf,
+        rows: usize,
+        src_cols: usize,
+        dst: &mut Self::Buf,
+        dst_cols: usize,
+        col0: usize,
+        into: NormInto,
+    ) -> Result<(), BackendError>;
+}
+
+/// [`SplitTarget::write_columns`] over host buffers.
+#[allow(clippy::too_many_arguments)]
+fn write_columns_host(
+    op: &'static str,
+    src: &[f32],
+    rows: usize,
+    src_cols: usize,
+    dst: &mut [f32],
+    dst_cols: usize,
+    col0: usize,
+    into: NormInto,
+) -> Result<(), BackendError> {
+    if col0 + src_cols > dst_cols || src.len() < rows * src_cols || dst.len() < rows * dst_cols {
+        return Err(BackendError::Unsupported {
+            op,
+            message: format!(
+                "columns {col0}..{} of {rows} rows of {dst_cols} from {src_cols} (buffers of {} \
+                 and {} values)",
+                col0 + src_cols,
+                src.len(),
+                dst.len()
+            ),
+        });
+    }
+    for r in 0..rows {
+        let from = &src[r * src_cols..(r + 1) * src_cols];
+        let to = &mut dst[r * dst_cols + col0..r * dst_cols + col0 + src_cols];
+        match into {
+            NormInto::Write => to.copy_from_slice(from),
+            NormInto::Add => to.iter_mut().zip(from).for_each(|(a, b)| *a += b),
+        }
+    }
+    Ok(())
+}
+
+/// [`SplitTarget`] for a backend whose buffers are host vectors.
+macro_rules! host_split_target {
+    ($backend:ty, $op:literal) => {
+        impl SplitTarget for $backend {
+            fn write_columns(
+                &self,
+                src: &Vec<f32>,
+                rows: usize,
+                src_cols: usize,
+                dst: &mut Vec<f32>,
+                dst_cols: usize,
+                col0: usize,
+                into: NormInto,
+            ) -> Result<(), BackendError> {
+                write_columns_host($op, src, rows, src_cols, dst, dst_cols, col0, into)
+            }
+        }
+    };
+}
+
+host_split_target!(CpuBackend, "cpu write_columns");
+host_split_target!(ReferenceBackend, "reference write_columns");
+
+/// The share of each blob's matmul rows the helper computes, for a pass of `rows` rows:
+/// `fraction(blob, rows)` in `0 ..= 1` (0: the primary computes all of it).
+pub type ShareFn = dyn Fn(usize, usize) -> f64 + Send + Sync;
+
+/// What each side of a [`SplitBackend`] computed: output rows (summed over the weights of
+/// every matmul call, not multiplied by the activation rows) and the weight bytes it read.
+#[derive(Debug, Default)]
+pub struct SplitStats {
+    helper_rows: AtomicU64,
+    helper_bytes: AtomicU64,
+    primary_rows: AtomicU64,
+    primary_bytes: AtomicU64,
+    /// Matmul calls that were split (each one synchronisation of the two sides).
+    splits: AtomicU64,
+}
+
+/// A copy of [`SplitStats`] at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitCounts {
+    pub helper_rows: u64,
+    pub helper_bytes: u64,
+    pub primary_rows: u64,
+    pub primary_bytes: u64,
+    pub splits: u64,
+}
+
+impl SplitStats {
+    pub fn counts(&self) -> SplitCounts {
+        SplitCounts {
+            helper_rows: self.helper_rows.load(Ordering::Relaxed),
+            helper_bytes: self.helper_bytes.load(Ordering::Relaxed),
+            primary_rows: self.primary_rows.load(Ordering::Relaxed),
+            primary_bytes: self.primary_bytes.load(Ordering::Relaxed),
+            splits: self.splits.load(Ordering::Relaxed),
+        }
+    }
+
+    fn count(&self, helper: bool, rows: usize, bytes: usize) {
+        let (r, b) = if helper {
+            (&self.helper_rows, &self.helper_bytes)
+        } else {
+            (&self.primary_rows, &self.primary_bytes)
+        };
+        r.fetch_add(rows as u64, Ordering::Relaxed);
+        b.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// Two backends as one: every op on `primary`, except the matmuls of the blobs the share
+/// function gives the helper a share of, whose output rows `[0, k)` the `helper` computes
+/// (from the same weight bytes, which it must be able to read: host memory for the CPU
+/// backend) while the primary computes rows `[k, n)`. The model tells which blob its ops read
+/// through [`Backend::weights_from_blob`].
+pub struct SplitBackend<P: SplitTarget, H: Backend> {
+    primary: P,
+    helper: H,
+    share: Box<ShareFn>,
+    /// The blob whose weights the ops read now (`usize::MAX`: none announced).
+    blob: AtomicUsize,
+    stats: Arc<SplitStats>,
+}
+
+impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
+    /// `share(blob, rows)`: the fraction of blob `blob`'s matmul rows the helper computes in a
+    /// pass of `rows` rows.
+    pub fn new(primary: P, helper: H, share: Box<ShareFn>) -> SplitBackend<P, H> {
+        SplitBackend {
+            primary,
+            helper,
+            share,
+            blob: AtomicUsize::new(usize::MAX),
+            stats: Arc::new(SplitStats::default()),
+        }
+    }
+
+    pub fn primary(&self) -> &P {
+        &self.primary
+    }
+
+    pub fn helper(&self) -> &H {
+        &self.helper
+    }
+
+    /// What each side computed so far (shared: it can be read while the model runs).
+    pub fn stats(&self) -> Arc<SplitStats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// The helper's fraction for the current blob and a pass of `rows` rows.
+    fn fraction(&self, rows: usize) -> f64 {
+        match self.blob.load(Ordering::Relaxed) {
+            usize::MAX => 0.0,
+            blob => (self.share)(blob, rows),
+        }
+    }
+
+    /// `outs[i] (+)= x · ws[i]ᵀ` with each weight's rows `[0, k_i)` on the helper and the rest
+    /// on the primary, each side's product brought into its columns of `outs[i]`.
+    fn split_matmul(
+        &self,
+        x: &P::Buf,
+        groups: &[RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut P::Buf],
+        into: NormInto,
+        ks: &[usize],
+    ) -> Result<(), BackendError> {
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        let cols = ws[0].cols;
+        // The helper's input first: reading it back waits for the ops before, not for the
+        // primary's share queued next.
+        let mut x_host = vec![0.0; rows * cols];
+        self.primary.read(x, &mut x_host)?;
+
+        // The primary's share: rows [k, n) of each weight that has any, into buffers of
+        // their own, queued before the helper starts so that both run at once.
+        let mut primary_parts = Vec::new();
+        for (i, (w, &k)) in ws.iter().zip(ks).enumerate() {
+            if k < w.rows {
+                let part = rows_of(w, k, w.rows)?;
+                let buf = self.primary.alloc(rows * part.rows)?;
+                primary_parts.push((i, k, part, buf));
+            }
+        }
+        if !primary_parts.is_empty() {
+            let views: Vec<WeightView<'_>> = primary_parts.iter().map(|p| p.2).collect();
+            let mut bufs: Vec<&mut P::Buf> = primary_parts.iter_mut().map(|p| &mut p.3).collect();
+            self.primary.matmul_batch(x, groups, &views, &mut bufs)?;
+            for p in &primary_parts {
+                self.stats
+                    .count(false, p.2.rows, p.2.rows * p.2.row_bytes());
+            }
+        }
+
+        // The helper's share: rows [0, k) of each weight that has any.
+        let mut helper_parts = Vec::new();
+        for (i, (w, &k)) in ws.iter().zip(ks).enumerate() {
+            if k > 0 {
+                let part = rows_of(w, 0, k)?;
+                let buf = self.helper.alloc(rows * k)?;
+                helper_parts.push((i, part, buf));
+            }
+        }
+        let x_helper = self.helper.upload(&x_host)?;
+        {
+            let views: Vec<WeightView<'_>> = helper_parts.iter().map(|p| p.1).collect();
+            let mut bufs: Vec<&mut H::Buf> = helper_parts.iter_mut().map(|p| &mut p.2).collect();
+            self.helper
+                .matmul_batch(&x_helper, groups, &views, &mut bufs)?;
+        }
+        for p in &helper_parts {
+            self.stats.count(true, p.1.rows, p.1.rows * p.1.row_bytes());
+        }
+
+        // The halves meet in each output's columns.
+        for (i, k, part, buf) in &primary_parts {
+            let n = ws[*i].rows;
+            self.primary
+                .write_columns(buf, rows, part.rows, outs[*i], n, *k, into)?;
+        }
+        for (i, part, buf) in &helper_parts {
+            let mut host = vec![0.0; rows * part.rows];
+            self.helper.read(buf, &mut host)?;
+            let up = self.primary.upload(&host)?;
+            self.primary
+                .write_columns(&up, rows, part.rows, outs[*i], ws[*i].rows, 0, into)?;
+        }
+        self.stats.splits.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The helper's rows of each weight for a pass of `groups`.
+    fn helper_rows_of(&self, groups: &[RowGroup], ws: &[WeightView<'_>]) -> Vec<usize> {
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        let fraction = self.fraction(rows);
+        ws.iter().map(|w| helper_rows(w.rows, fraction)).collect()
+    }
+
+    fn count_primary(&self, ws: &[WeightView<'_>]) {
+        for w in ws {
+            self.stats.count(false, w.rows, w.rows * w.row_bytes());
+        }
+    }
+}
+
+/// Rows `r0 .. r1` of `w`: a contiguous byte range of it in any dtype.
+fn rows_of<'a>(w: &WeightView<'a>, r0: usize, r1: usize) -> Result<WeightView<'a>, BackendError> {
+    let row_bytes = w.row_bytes();
+    let bytes = w
+        .bytes
+        .slice(r0 * row_bytes, (r1 - r0) * row_bytes)
+        .ok_or_else(|| BackendError::Unsupported {
+            op: "split matmul",
+            message: format!(
+                "rows {r0}..{r1} of a [{}, {}] {:?} weight of {} bytes",
+                w.rows,
+                w.cols,
+                w.dtype,
+                w.bytes.len()
+            ),
+        })?;
+    Ok(WeightView {
+        dtype: w.dtype,
+        rows: r1 - r0,
+        cols: w.cols,
+        bytes,
+    })
+}
+
+impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
+    type Buf = P::Buf;
+    type KvBuf = P::KvBuf;
+
+    fn name(&self) -> &'static str {
+        "split"
+    }
+
+    fn alloc(&self, len: usize) -> Result<P::Buf, BackendError> {
+        self.primary.alloc(len)
+    }
+
+    fn alloc_kv(&self, len: usize) -> Result<P::KvBuf, BackendError> {
+        self.primary.alloc_kv(len)
+    }
+
+    fn kv_value_bytes(&self) -> usize {
+        self.primary.kv_value_bytes()
+    }
+
+    fn copy_kv(
+        &self,
+        src: &P::KvBuf,
+        dst: &mut P::KvBuf,
+        values: usize,
+    ) -> Result<(), BackendError> {
+        self.primary.copy_kv(src, dst, values)
+    }
+
+    fn uniform_rows_from(&self) -> usize {
+        self.primary
+            .uniform_rows_from()
+            .max(self.helper.uniform_rows_from())
+    }
+
+    fn upload(&self, values: &[f32]) -> Result<P::Buf, BackendError> {
+        self.primary.upload(values)
+    }
+
+    fn read(&self, buf: &P::Buf, out: &mut [f32]) -> Result<(), BackendError> {
+        self.primary.read(buf, out)
+    }
+
+    fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
+        self.blob.store(usize::MAX, Ordering::Relaxed);
+        // Host work between the primary's ops cannot be recorded and replayed.
+        self.primary.begin_pass(&PassInfo {
+            weights_stable: false,
+            ..*pass
+        })
+    }
+
+    fn end_pass(&self, ran: bool) -> Result<(), BackendError> {
+        self.blob.store(usize::MAX, Ordering::Relaxed);
+        self.primary.end_pass(ran)
+    }
+
+    fn weights_from_blob(&self, blob: usize) {
+        self.blob.store(blob, Ordering::Relaxed);
+    }
+
+    fn embed_rows(
+        &self,
+        table: WeightView<'_>,
+        ids: &[u32],
+        out: &mut P::Buf,
+    ) -> Result<(), BackendError> {
+        self.primary.embed_rows(table, ids, out)
+    }
+
+    fn embed_host_rows(&self, rows: WeightView<'_>, out: &mut P::Buf) -> Result<(), BackendError> {
+        self.primary.embed_host_rows(rows, out)
+    }
+
+    fn rmsnorm(
+        &self,
+        x: &P::Buf,
+        rows: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+        out: &mut P::Buf,
+        into: NormInto,
+    ) -> Result<(), BackendError> {
+        self.primary.rmsnorm(x, rows, weight, eps, out, into)
+    }
+
+    fn matmul_batch(
+        &self,
+        x: &P::Buf,
+        groups: &[RowGroup],
+        ws: &[WeightView<'_>],
+        outs: &mut [&mut P::Buf],
+    ) -> Result<(), BackendError> {
+        let ks = self.helper_rows_of(groups, ws);
+        if ws.is_empty() || ks.iter().all(|&k| k == 0) {
+            self.count_primary(ws);
+            return self.primary.matmul_batch(x, groups, ws, outs);
+        }
+        self.split_matmul(x, groups, ws, outs, NormInto::Write, &ks)
+    }
+
+    fn matmul_add_batch(
+        &self,
+        x: &P::Buf,
+        groups: &[RowGroup],
+        w: WeightView<'_>,
+        scratch: &mut P::Buf,
+        out: &mut P::Buf,
+    ) -> Result<(), BackendError> {
+        let ks = self.helper_rows_of(groups, &[w]);
+        if ks[0] == 0 {
+            self.count_primary(&[w]);
+            return self.primary.matmul_add_batch(x, groups, w, scratch, out);
+        }
+        self.split_matmul(x, groups, &[w], &mut [out], NormInto::Add, &ks)
+    }
+
+    fn rope_store_kv(
+        &self,
+        q: &mut P::Buf,
+        k: &mut P::Buf,
+        v: &P::Buf,
+        row0: usize,
+        rows: usize,
+        pos0: usize,
+        shape: AttentionShape,
+        inv_freq: &P::Buf,
+        k_cache: &mut P::KvBuf,
+        v_cache: &mut P::KvBuf,
+    ) -> Result<(), BackendError> {
+        self.primary
+            .rope_store_kv(q, k, v, row0, rows, pos0, shape, inv_freq, k_cache, v_cache)
+    }
+
+    fn rope_store_kv_batch(
+        &self,
+        q: &mut P::Buf,
+        k: &mut P::Buf,
+        v: &P::Buf,
+        seqs: &mut [KvStoreSeq<'_, P::KvBuf>],
+        shape: AttentionShape,
+        inv_freq: &P::Buf,
+    ) -> Result<(), BackendError> {
+        self.primary
+            .rope_store_kv_batch(q, k, v, seqs, shape, inv_freq)
+    }
+
+    fn attention_batch(
+        &self,
+        q: &P::Buf,
+        seqs: &[AttentionSeq<'_, P::KvBuf>],
+        shape: AttentionShape,
+        params: AttentionParams,
+        out: &mut P::Buf,
+    ) -> Result<(), BackendError> {
+        self.primary.attention_batch(q, seqs, shape, params, out)
+    }
+
+    fn swiglu(&self, gate: &mut P::Buf, up: &P::Buf, len: usize) -> Result<(), BackendError> {
+        self.primary.swiglu(gate, up, len)
+    }
+
+    fn geglu(&self, gate: &mut P::Buf, up: &P::Buf, len: usize) -> Result<(), BackendError> {
+        self.primary.geglu(gate, up, len)
+    }
+
+    fn add_bias(
+        &self,
+        x: &mut P::Buf,
+        rows: usize,
+        bias: WeightView<'_>,
+    ) -> Result<(), BackendError> {
+        self.primary.add_bias(x, rows, bias)
+    }
+
+    fn rmsnorm_pieces(
+        &self,
+        x: &mut P::Buf,
+        pieces: usize,
+        weight: WeightView<'_>,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        self.primary.rmsnorm_pieces(x, pieces, weight, eps)
+    }
+
+    fn scale(&self, x: &mut P::Buf, len: usize, factor: f32) -> Result<(), BackendError> {
+        self.primary.scale(x, len, factor)
+    }
+
+    fn softcap(&self, x: &mut P::Buf, len: usize, cap: f32) -> Result<(), BackendError> {
+        self.primary.softcap(x, len, cap)
+    }
+
+    fn copy_rows(
+        &self,
+        src: &P::Buf,
+        src_row: usize,
+        dst: &mut P::Buf,
+        dst_row: usize,
+        rows: usize,
+        row_len: usize,
+    ) -> Result<(), BackendError> {
+        self.primary
+            .copy_rows(src, src_row, dst, dst_row, rows, row_len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn helper_rows_round_to_the_grain_within_the_weight() {
+        assert_eq!(helper_rows(4096, 0.0), 0);
+        assert_eq!(helper_rows(4096, -1.0), 0);
+        assert_eq!(helper_rows(4096, f64::NAN), 0);
+        assert_eq!(helper_rows(4096, 0.58), 2368); // 74 grains of 32
+        assert_eq!(helper_rows(4096, 1.0), 4096);
+        assert_eq!(helper_rows(4096, 7.0), 4096);
+        assert_eq!(helper_rows(100, 0.99), 96);
+        assert_eq!(helper_rows(20, 0.9), 20);
+        assert_eq!(helper_rows(20, 0.2), 0);
+    }
+
+    #[test]
+    fn write_columns_writes_and_adds_into_its_columns_only() {
+        let be = CpuBackend::new();
+        let src = vec![1.0, 2.0, 3.0, 4.0]; // [2, 2]
+        let mut dst = vec![10.0; 8]; // [2, 4]
+        be.write_columns(&src, 2, 2, &mut dst, 4, 1, NormInto::Write)
+            .unwrap();
+        assert_eq!(dst, [10.0, 1.0, 2.0, 10.0, 10.0, 3.0, 4.0, 10.0]);
+        be.write_columns(&src, 2, 2, &mut dst, 4, 2, NormInto::Add)
+            .unwrap();
+        assert_eq!(dst, [10.0, 1.0, 3.0, 12.0, 10.0, 3.0, 7.0, 14.0]);
+        let err = be
+            .write_columns(&src, 2, 2, &mut dst, 4, 3, NormInto::Write)
+            .unwrap_err();
+        assert!(err.to_string().contains("columns 3..5"), "{err}");
+    }
+}

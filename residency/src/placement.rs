@@ -1,0 +1,751 @@
+//! The placement planner (issue 24): beside [`crate::plan`]'s answer to "which blobs stay in
+//! device memory", where each layer's matmuls run in each kind of pass — on the GPU from
+//! resident memory, on the GPU from weights streamed from the host tier or the disk, or on the
+//! CPU from RAM — and what share of their output rows the CPU takes (`llama::hybrid` splits
+//! each matmul's rows that way; its module doc says why rows and not whole layers).
+//!
+//! # The arithmetic
+//!
+//! Everything is in seconds per weight byte, from figures measured on this machine
+//! ([`Calibration`]: `gdsllm plan --calibrate`), for a pass of `R` rows:
+//!
+//! - the CPU: `C(R)`, per dtype, through its measured times at 1 and 8 rows (linear in `R`:
+//!   at 1 row it is bound by RAM bandwidth, and each further row adds the compute of one more
+//!   matvec over the same bytes);
+//! - the GPU's compute: `g(R)`, through its measured times at 1 and 32 rows;
+//! - the GPU's copy of a streamed byte: `1 / H2D` from the host tier, `1 / disk` from the disk;
+//!   the ring overlaps it with compute, so the GPU path costs `G = max(copy, g(R))`.
+//!
+//! The CPU and the GPU compute one blob's matmuls at the same time, the CPU rows `[0, k)`, so a
+//! share `f` of the blob's `B` bytes takes `max(f·B·C, (1−f)·B·G)`, least when both sides take
+//! as long: `f = G / (C + G)`, the time `B·C·G / (C + G)` plus one handoff per split matmul
+//! call (4 per layer, 1 for the LM head). The planner splits a blob only when that beats the
+//! GPU alone (`B·G`). On the lent H100 with the f16 7B at batch 1 (`C = 1/77 GB/s`,
+//! `G = 1/55 GB/s` from the host tier) that is `f = 0.58` and 12 tok/s instead of 5. At batch
+//! 32 `G` stays (one pass over the weights serves every row) while `C` grows about tenfold
+//! (llama.cpp's `-ngl 8` there went from 7.9 tok/s at batch 1 to 17.3 at batch 32: 32 rows
+//! cost its CPU 15 times one), so the CPU's share falls to about an eighth, and a prefill chunk
+//! of 512 rows gives it none.
+//!
+//! A blob streamed from the disk is not in RAM, so the CPU would read its share from the same
+//! disk: no gain, no split. A resident blob is read by the GPU at device-memory speed, far
+//! above RAM's, so the rule above gives the CPU nothing there either. Without a GPU the CPU
+//! computes everything.
+//!
+//! This module is pure arithmetic: measuring the figures is the command's job (`gdsllm plan
+//! --calibrate`), splitting the matmuls `llama::hybrid`'s.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use weights_format::{DType, Metadata};
+
+use crate::error::ResidencyError;
+use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
+
+/// Version of the [`Calibration`] file; a file of another version is measured again.
+pub const CALIBRATION_VERSION: u32 = 1;
+
+/// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
+/// row and of 8 rows.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CpuRate {
+    pub dtype: DType,
+    pub gbps_1: f64,
+    pub gbps_8: f64,
+}
+
+/// The GPU's figures: weight bytes per second (10^9) its matmuls consume from device memory
+/// at 1 and at 32 rows (one figure for every dtype: the GPU's matmuls are far from the
+/// planner's bottleneck, which is what reaches them), pinned host→device copies, and the time of one handoff between CPU and
+/// GPU (an activation read back and a share's output copied up, synchronised).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuRates {
+    pub name: String,
+    /// The dtype of the weight the matmul figures were measured on.
+    pub dtype: DType,
+    pub gbps_1: f64,
+    pub gbps_32: f64,
+    pub h2d_gbps: f64,
+    pub handoff_us: f64,
+}
+
+/// What the planner knows of this machine, measured once and kept under `$GDSLLM_HOME`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub version: u32,
+    /// O_DIRECT reads from the model store.
+    pub disk_gbps: f64,
+    /// The threads the CPU figures were measured with.
+    pub cpu_threads: usize,
+    pub cpu: Vec<CpuRate>,
+    /// `None` on a machine without a usable GPU.
+    pub gpu: Option<GpuRates>,
+}
+
+impl Calibration {
+    pub fn cpu_rate(&self, dtype: DType) -> Option<&CpuRate> {
+        self.cpu.iter().find(|r| r.dtype == dtype)
+    }
+
+    /// The dtypes of `dtypes` that have no CPU figure yet.
+    pub fn missing_dtypes(&self, dtypes: &[DType]) -> Vec<DType> {
+        dtypes
+            .iter()
+            .copied()
+            .filter(|d| self.cpu_rate(*d).is_none())
+            .collect()
+    }
+}
+
+/// Which paths the planner may use: `Auto` splits where it pays, `Gpu` keeps today's
+/// all-GPU placement (for comparisons).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlacementMode {
+    Auto,
+    Gpu,
+}
+
+/// A kind of pass: a decode step of `batch` sequences (one row each), or a prefill chunk of
+/// `rows` rows of one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum PassKind {
+    Decode { batch: usize },
+    Prefill { rows: usize },
+}
+
+impl PassKind {
+    /// Rows each layer's matmuls take.
+    pub fn layer_rows(self) -> usize {
+        match self {
+            PassKind::Decode { batch } => batch,
+            PassKind::Prefill { rows } => rows,
+        }
+    }
+
+    /// Rows of the LM head (each sequence's last position).
+    pub fn head_rows(self) -> usize {
+        match self {
+            PassKind::Decode { batch } => batch,
+            PassKind::Prefill { .. } => 1,
+        }
+    }
+}
+
+impl fmt::Display for PassKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PassKind::Decode { batch } => write!(f, "decode batch {batch}"),
+            PassKind::Prefill { rows } => write!(f, "prefill {rows}"),
+        }
+    }
+}
+
+/// Where a unit's weights are read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// In device memory.
+    Resident,
+    /// Pinned host memory (RAM the CPU can read), copied up each pass.
+    Host,
+    /// Read from the disk each pass.
+    Disk,
+    /// No GPU: in RAM, computed by the CPU.
+    Ram,
+}
+
+/// The matmul weights of one unit of a pass (a layer, or the LM head).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Unit {
+    pub name: String,
+    /// The blob whose share `llama::hybrid` applies to this unit's matmuls (the output blob
+    /// for the LM head, even when its weight is the tied embedding).
+    pub share_blob: usize,
+    /// The blob the weights are in (whose residency placement is the tier).
+    pub weight_blob: usize,
+    /// Matmul weight bytes per dtype.
+    pub matmul_bytes: Vec<(DType, u64)>,
+    /// Matmul calls of the unit (each split one is one handoff).
+    pub calls: u32,
+}
+
+impl Unit {
+    pub fn bytes(&self) -> u64 {
+        self.matmul_bytes.iter().map(|(_, b)| b).sum()
+    }
+}
+
+/// The units of a pass, in order: every layer, then the LM head.
+pub fn units(meta: &Metadata, layout: &ModelLayout) -> Vec<Unit> {
+    let matmuls = |blob: usize, only: Option<&str>| -> Vec<(DType, u64)> {
+        let mut by_dtype: Vec<(DType, u64)> = Vec::new();
+        for t in meta.blobs[blob]
+            .tensors
+            .iter()
+            .filter(|t| t.shape.len() == 2)
+        {
+            if only.is_some_and(|name| t.name != name) {
+                continue;
+            }
+            match by_dtype.iter_mut().find(|(d, _)| *d == t.dtype) {
+                Some((_, b)) => *b += t.length,
+                None => by_dtype.push((t.dtype, t.length)),
+            }
+        }
+        by_dtype
+    };
+    let mut units = Vec::new();
+    let (mut embed, mut output) = (None, None);
+    for b in &layout.blobs {
+        match b.kind {
+            BlobKind::Layer(l) => units.push((
+                l,
+                Unit {
+                    name: b.file.trim_end_matches(".bin").to_string(),
+                    share_blob: b.index,
+                    weight_blob: b.index,
+                    matmul_bytes: matmuls(b.index, None),
+                    calls: 4,
+                },
+            )),
+            BlobKind::Embed => embed = Some(b.index),
+            BlobKind::Output => output = Some(b.index),
+        }
+    }
+    units.sort_by_key(|(l, _)| *l);
+    let mut units: Vec<Unit> = units.into_iter().map(|(_, u)| u).collect();
+    if let (Some(embed), Some(output)) = (embed, output) {
+        let (weight_blob, bytes) = if layout.tied_embeddings {
+            (
+                embed,
+                matmuls(embed, Some(weights_format::names::TOKEN_EMBD)),
+            )
+        } else {
+            (output, matmuls(output, None))
+        };
+        units.push(Unit {
+            name: "head".into(),
+            share_blob: output,
+            weight_blob,
+            matmul_bytes: bytes,
+            calls: 1,
+        });
+    }
+    units
+}
+
+/// The dtypes of the units' matmul weights, the one with the most bytes first.
+pub fn dtypes_by_bytes(units: &[Unit]) -> Vec<DType> {
+    let mut bytes: Vec<(DType, u64)> = Vec::new();
+    for &(dtype, b) in units.iter().flat_map(|u| &u.matmul_bytes) {
+        match bytes.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, total)) => *total += b,
+            None => bytes.push((dtype, b)),
+        }
+    }
+    bytes.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+    bytes.into_iter().map(|(d, _)| d).collect()
+}
+
+/// One unit's place in one kind of pass.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UnitPlacement {
+    pub name: String,
+    pub share_blob: usize,
+    pub tier: Tier,
+    /// The share of its matmul rows the CPU computes (0: all on the GPU; 1: all on the CPU).
+    pub cpu_share: f64,
+    /// Bytes the GPU reads of it per pass (streamed ones come over PCIe or from the disk).
+    pub gpu_bytes: u64,
+    /// Bytes the CPU reads of it per pass.
+    pub cpu_bytes: u64,
+    /// Predicted time of the unit in the pass.
+    pub seconds: f64,
+}
+
+/// The placement of every unit for one kind of pass, and what it predicts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PassPlacement {
+    pub pass: PassKind,
+    pub units: Vec<UnitPlacement>,
+    pub seconds: f64,
+    /// Tokens per second: rows of the pass over its time.
+    pub tokens_per_s: f64,
+}
+
+impl PassPlacement {
+    /// The CPU's share of `blob`'s rows in this pass (0 for a blob of no unit).
+    pub fn cpu_share(&self, blob: usize) -> f64 {
+        self.units
+            .iter()
+            .find(|u| u.share_blob == blob)
+            .map_or(0.0, |u| u.cpu_share)
+    }
+
+    pub fn split_units(&self) -> usize {
+        self.units
+            .iter()
+            .filter(|u| u.cpu_share > 0.0 && u.cpu_share < 1.0)
+            .count()
+    }
+}
+
+/// The placements of a model on this machine for several kinds of pass.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlacementPlan {
+    pub mode: PlacementMode,
+    /// `"cuda"` (GPU with the CPU helping where it pays) or `"cpu"` (no GPU).
+    pub device: &'static str,
+    pub passes: Vec<PassPlacement>,
+}
+
+impl PlacementPlan {
+    /// The placement for `pass`, when it was planned.
+    pub fn pass(&self, pass: PassKind) -> Option<&PassPlacement> {
+        self.passes.iter().find(|p| p.pass == pass)
+    }
+}
+
+/// Seconds per byte of a rate in 10^9 bytes/s.
+fn per_byte(gbps: f64) -> f64 {
+    1.0 / (gbps * 1e9)
+}
+
+/// Seconds per byte at `rows` rows, linear through `(r0, t0)` and `(r1, t1)`, never below
+/// the cost of one row.
+fn at_rows(rows: usize, (r0, t0): (f64, f64), (r1, t1): (f64, f64)) -> f64 {
+    let slope = ((t1 - t0) / (r1 - r0)).max(0.0);
+    t0 + slope * (rows as f64 - r0).max(0.0)
+}
+
+fn check_rate(what: &str, gbps: f64) -> Result<(), ResidencyError> {
+    if gbps.is_finite() && gbps > 0.0 {
+        Ok(())
+    } else {
+        Err(ResidencyError::InvalidOption {
+            setting: "calibration",
+            reason: format!("{what} is {gbps} GB/s; measure again with --calibrate"),
+        })
+    }
+}
+
+/// Plans `units` of a model whose residency plan is `plan` (`None`: no GPU, the CPU computes
+/// everything) on a machine of `cal`, for each of `passes`. A dtype without a CPU figure, or a
+/// GPU plan on a calibration without GPU figures, is an error naming what to measure.
+pub fn plan_placement(
+    units: &[Unit],
+    plan: Option<&Plan>,
+    cal: &Calibration,
+    mode: PlacementMode,
+    passes: &[PassKind],
+) -> Result<PlacementPlan, ResidencyError> {
+    check_rate("the disk", cal.disk_gbps)?;
+    for unit in units {
+        for (dtype, _) in &unit.matmul_bytes {
+            let rate = cal
+                .cpu_rate(*dtype)
+                .ok_or_else(|| ResidencyError::InvalidOption {
+                    setting: "calibration",
+                    reason: format!(
+                        "no CPU figure for {dtype:?} weights; measure with --calibrate"
+                    ),
+                })?;
+            check_rate(&format!("the CPU's {dtype:?} matmul at 1 row"), rate.gbps_1)?;
+            check_rate(
+                &format!("the CPU's {dtype:?} matmul at 8 rows"),
+                rate.gbps_8,
+            )?;
+        }
+    }
+    let gpu = match plan {
+        Some(_) => {
+            let gpu = cal
+                .gpu
+                .as_ref()
+                .ok_or_else(|| ResidencyError::InvalidOption {
+                    setting: "calibration",
+                    reason: "no GPU figures (the calibration ran without a GPU); measure again \
+                         with --calibrate on this machine"
+                        .into(),
+                })?;
+            check_rate("the GPU's matmul at 1 row", gpu.gbps_1)?;
+            check_rate("the GPU's matmul at 32 rows", gpu.gbps_32)?;
+            check_rate("host→device copies", gpu.h2d_gbps)?;
+            Some(gpu)
+        }
+        None => None,
+    };
+    let passes = passes
+        .iter()
+        .map(|&pass| {
+            let placed: Vec<UnitPlacement> = units
+                .iter()
+                .map(|u| place_unit(u, plan, cal, gpu, mode, pass))
+                .collect();
+            let seconds: f64 = placed.iter().map(|u| u.seconds).sum();
+            let rows = match pass {
+                PassKind::Decode { batch } => batch,
+                PassKind::Prefill { rows } => rows,
+            };
+            PassPlacement {
+                pass,
+                units: placed,
+                seconds,
+                tokens_per_s: if seconds > 0.0 {
+                    rows as f64 / seconds
+                } else {
+                    f64::INFINITY
+                },
+            }
+        })
+        .collect();
+    Ok(PlacementPlan {
+        mode,
+        device: if plan.is_some() { "cuda" } else { "cpu" },
+        passes,
+    })
+}
+
+/// The CPU's seconds per byte of `unit` at `rows` rows (its dtypes weighted by their bytes).
+fn cpu_per_byte(unit: &Unit, cal: &Calibration, rows: usize) -> f64 {
+    let total = unit.bytes().max(1) as f64;
+    unit.matmul_bytes
+        .iter()
+        .map(|(dtype, bytes)| {
+            // Checked by plan_placement.
+            let r = cal.cpu_rate(*dtype).copied().unwrap_or(CpuRate {
+                dtype: *dtype,
+                gbps_1: f64::MIN_POSITIVE,
+                gbps_8: f64::MIN_POSITIVE,
+            });
+            let t = at_rows(rows, (1.0, per_byte(r.gbps_1)), (8.0, per_byte(r.gbps_8)));
+            t * *bytes as f64 / total
+        })
+        .sum()
+}
+
+fn place_unit(
+    unit: &Unit,
+    plan: Option<&Plan>,
+    cal: &Calibration,
+    gpu: Option<&GpuRates>,
+    mode: PlacementMode,
+    pass: PassKind,
+) -> UnitPlacement {
+    let rows = if unit.name == "head" {
+        pass.head_rows()
+    } else {
+        pass.layer_rows()
+    };
+    let bytes = unit.bytes();
+    let c = cpu_per_byte(unit, cal, rows);
+    let placed = |tier, cpu_share: f64, seconds| UnitPlacement {
+        name: unit.name.clone(),
+        share_blob: unit.share_blob,
+        tier,
+        cpu_share,
+        cpu_bytes: (bytes as f64 * cpu_share).round() as u64,
+        gpu_bytes: bytes - (bytes as f64 * cpu_share).round() as u64,
+        seconds,
+    };
+    let (Some(plan), Some(gpu)) = (plan, gpu) else {
+        return placed(Tier::Ram, 1.0, bytes as f64 * c);
+    };
+    let tier = match plan.placement(unit.weight_blob) {
+        Placement::Resident => Tier::Resident,
+        Placement::HostCached => Tier::Host,
+        Placement::Streamed | Placement::OnDemand => Tier::Disk,
+    };
+    let copy = match tier {
+        Tier::Resident | Tier::Ram => 0.0,
+        Tier::Host => per_byte(gpu.h2d_gbps),
+        Tier::Disk => per_byte(cal.disk_gbps),
+    };
+    let compute = at_rows(
+        rows,
+        (1.0, per_byte(gpu.gbps_1)),
+        (32.0, per_byte(gpu.gbps_32)),
+    );
+    let g = copy.max(compute);
+    let gpu_alone = bytes as f64 * g;
+    if mode == PlacementMode::Gpu || tier == Tier::Disk || bytes == 0 {
+        return placed(tier, 0.0, gpu_alone);
+    }
+    let share = g / (c + g);
+    let split = bytes as f64 * c * share + unit.calls as f64 * gpu.handoff_us * 1e-6;
+    if split < gpu_alone {
+        placed(tier, share, split)
+    } else {
+        placed(tier, 0.0, gpu_alone)
+    }
+}
+
+impl fmt::Display for PlacementPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "placement {:?} on {}:", self.mode, self.device)?;
+        for p in &self.passes {
+            let cpu: u64 = p.units.iter().map(|u| u.cpu_bytes).sum();
+            let gpu: u64 = p.units.iter().map(|u| u.gpu_bytes).sum();
+            writeln!(
+                f,
+                "  {:<17} {:>9.2} tok/s  CPU {:>10} GPU {:>10} per pass, {} of {} units split",
+                p.pass.to_string(),
+                p.tokens_per_s,
+                crate::human_bytes(cpu),
+                crate::human_bytes(gpu),
+                p.split_units(),
+                p.units.len()
+            )?;
+            // One line per run of units placed alike.
+            let mut i = 0;
+            while i < p.units.len() {
+                let u = &p.units[i];
+                let mut j = i + 1;
+                while j < p.units.len()
+                    && p.units[j].tier == u.tier
+                    && (p.units[j].cpu_share - u.cpu_share).abs() < 0.005
+                {
+                    j += 1;
+                }
+                let names = if j - i == 1 {
+                    u.name.clone()
+                } else {
+                    format!("{} .. {}", u.name, p.units[j - 1].name)
+                };
+                writeln!(
+                    f,
+                    "    {names:<24} {:<8} CPU share {:>5.1}%",
+                    format!("{:?}", u.tier).to_lowercase(),
+                    u.cpu_share * 100.0
+                )?;
+                i = j;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Policy;
+    use crate::plan::PlanInputs;
+
+    const GB: f64 = 1e9;
+
+    /// The f16 7B of issue 24: 32 layers of 404 MiB (matmuls), a 250 MiB head.
+    fn units_7b(dtype: DType) -> (ModelLayout, Vec<Unit>) {
+        let layer = 202_375_168u64 * 2; // 4096·(3·4096 + 4096) + 3·4096·11008, f16
+        let head = 32000 * 4096 * 2;
+        let layout = ModelLayout::synthetic(head, &[layer; 32], head, false);
+        let mut units: Vec<Unit> = (0..32)
+            .map(|l| Unit {
+                name: format!("layer_{l:03}"),
+                share_blob: l + 1,
+                weight_blob: l + 1,
+                matmul_bytes: vec![(dtype, layer)],
+                calls: 4,
+            })
+            .collect();
+        units.push(Unit {
+            name: "head".into(),
+            share_blob: 33,
+            weight_blob: 33,
+            matmul_bytes: vec![(dtype, head)],
+            calls: 1,
+        });
+        (layout, units)
+    }
+
+    /// The lent H100's figures (issue 24, DESIGN.md): RAM 77 GB/s for the CPU's f16 matvec,
+    /// PCIe 55 GB/s, ~3 GB/s disk, the GPU's matmuls ~2 TB/s.
+    fn h100() -> Calibration {
+        Calibration {
+            version: CALIBRATION_VERSION,
+            disk_gbps: 3.0,
+            cpu_threads: 16,
+            cpu: vec![CpuRate {
+                dtype: DType::F16,
+                gbps_1: 77.0,
+                gbps_8: 77.0 / 3.0,
+            }],
+            gpu: Some(GpuRates {
+                name: "test".into(),
+                dtype: DType::F16,
+                gbps_1: 2000.0,
+                gbps_32: 1800.0,
+                h2d_gbps: 55.0,
+                handoff_us: 25.0,
+            }),
+        }
+    }
+
+    fn plan_4gib(layout: &ModelLayout, host_tier: bool) -> Plan {
+        let total = layout.total_bytes();
+        Plan::compute(
+            layout,
+            &PlanInputs {
+                device_budget: 4 << 30,
+                reserved_bytes: 1 << 30,
+                host_budget: if host_tier { total } else { 0 },
+                ring_slots: 2,
+                resident_layers: None,
+                policy: Policy::Planned,
+            },
+        )
+        .unwrap()
+    }
+
+    const PASSES: [PassKind; 4] = [
+        PassKind::Decode { batch: 1 },
+        PassKind::Decode { batch: 8 },
+        PassKind::Decode { batch: 32 },
+        PassKind::Prefill { rows: 512 },
+    ];
+
+    #[test]
+    fn the_cpu_takes_the_share_that_makes_both_sides_take_as_long() {
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let cal = h100();
+        let p = plan_placement(&units, Some(&plan), &cal, PlacementMode::Auto, &PASSES).unwrap();
+        let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
+        let streamed: Vec<&UnitPlacement> = decode
+            .units
+            .iter()
+            .filter(|u| u.tier == Tier::Host)
+            .collect();
+        assert!(streamed.len() >= 25, "{p}");
+        for u in &streamed {
+            // 77 / (77 + 55) of the rows on the CPU.
+            assert!((u.cpu_share - 77.0 / 132.0).abs() < 1e-9, "{}", u.cpu_share);
+            let cpu_s = u.cpu_bytes as f64 / (77.0 * GB);
+            let gpu_s = u.gpu_bytes as f64 / (55.0 * GB);
+            assert!((cpu_s - gpu_s).abs() / gpu_s < 1e-6, "{cpu_s} vs {gpu_s}");
+        }
+        for u in decode.units.iter().filter(|u| u.tier == Tier::Resident) {
+            assert_eq!(
+                u.cpu_share, 0.0,
+                "{}: a resident layer stays on the GPU",
+                u.name
+            );
+        }
+        // The bandwidths add: faster than either path alone, as the module doc says.
+        let gpu_only =
+            plan_placement(&units, Some(&plan), &cal, PlacementMode::Gpu, &PASSES).unwrap();
+        let alone = gpu_only.pass(PassKind::Decode { batch: 1 }).unwrap();
+        let cpu = plan_placement(&units, None, &cal, PlacementMode::Auto, &PASSES).unwrap();
+        let cpu_alone = cpu.pass(PassKind::Decode { batch: 1 }).unwrap();
+        println!("{p}{gpu_only}{cpu}");
+        assert!(alone.units.iter().all(|u| u.cpu_share == 0.0));
+        assert!(
+            cpu_alone
+                .units
+                .iter()
+                .all(|u| u.cpu_share == 1.0 && u.tier == Tier::Ram)
+        );
+        assert!(decode.tokens_per_s > 1.5 * alone.tokens_per_s);
+        assert!(decode.tokens_per_s > 1.5 * cpu_alone.tokens_per_s);
+        // 10–13 tok/s: the module doc's 12, less what the resident layers leave to stream.
+        assert!(
+            (10.0..14.0).contains(&decode.tokens_per_s),
+            "{}",
+            decode.tokens_per_s
+        );
+    }
+
+    #[test]
+    fn more_rows_give_the_cpu_less() {
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let p = plan_placement(&units, Some(&plan), &h100(), PlacementMode::Auto, &PASSES).unwrap();
+        let share = |pass| p.pass(pass).unwrap().cpu_share(5);
+        let (b1, b8, b32) = (
+            share(PassKind::Decode { batch: 1 }),
+            share(PassKind::Decode { batch: 8 }),
+            share(PassKind::Decode { batch: 32 }),
+        );
+        println!("layer_004's CPU share: batch 1 {b1:.3}, 8 {b8:.3}, 32 {b32:.3}");
+        assert!(b1 > b8 && b8 > b32, "{b1} {b8} {b32}");
+        assert!(b32 < 0.2, "{b32}");
+        // A prefill chunk: 512 rows of compute per byte on the CPU, none of it pays.
+        let prefill = p.pass(PassKind::Prefill { rows: 512 }).unwrap();
+        assert_eq!(prefill.split_units(), 0, "{p}");
+        // The head of a prefill chunk computes one row, like a decode step of 1.
+        let head = prefill.units.last().unwrap();
+        assert_eq!(head.name, "head");
+        let decode_head = p
+            .pass(PassKind::Decode { batch: 1 })
+            .unwrap()
+            .units
+            .last()
+            .unwrap();
+        assert_eq!(head.cpu_share, decode_head.cpu_share);
+        assert_eq!(head.seconds, decode_head.seconds);
+    }
+
+    #[test]
+    fn disk_streamed_blobs_are_not_split() {
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, false);
+        let p = plan_placement(&units, Some(&plan), &h100(), PlacementMode::Auto, &PASSES).unwrap();
+        let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
+        assert!(decode.units.iter().any(|u| u.tier == Tier::Disk));
+        for u in &decode.units {
+            assert_eq!(u.cpu_share, 0.0, "{}", u.name);
+        }
+    }
+
+    #[test]
+    fn a_split_that_cannot_pay_for_its_handoffs_is_not_made() {
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let mut cal = h100();
+        // A handoff as slow as copying the whole layer.
+        cal.gpu.as_mut().unwrap().handoff_us = 10_000.0;
+        let p = plan_placement(&units, Some(&plan), &cal, PlacementMode::Auto, &PASSES).unwrap();
+        assert_eq!(
+            p.pass(PassKind::Decode { batch: 1 }).unwrap().split_units(),
+            0
+        );
+    }
+
+    #[test]
+    fn missing_or_broken_figures_are_errors_that_say_what_to_measure() {
+        let (layout, units) = units_7b(DType::Q4_1);
+        let plan = plan_4gib(&layout, true);
+        let err = plan_placement(&units, Some(&plan), &h100(), PlacementMode::Auto, &PASSES)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Q4_1") && err.contains("--calibrate"), "{err}");
+        let (_, units) = units_7b(DType::F16);
+        let mut cal = h100();
+        cal.gpu = None;
+        let err = plan_placement(&units, Some(&plan), &cal, PlacementMode::Auto, &PASSES)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no GPU figures"), "{err}");
+        // Without a GPU those are not needed.
+        plan_placement(&units, None, &cal, PlacementMode::Auto, &PASSES).unwrap();
+        cal.cpu[0].gbps_1 = 0.0;
+        let err = plan_placement(&units, None, &cal, PlacementMode::Auto, &PASSES)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("F16") && err.contains("1 row"), "{err}");
+    }
+
+    #[test]
+    fn calibration_round_trips_through_json() {
+        let cal = h100();
+        let json = serde_json::to_string(&cal).unwrap();
+        let back: Calibration = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, cal);
+        assert_eq!(
+            cal.missing_dtypes(&[DType::F16, DType::Q4_1]),
+            [DType::Q4_1]
+        );
+    }
+}
