@@ -53,6 +53,43 @@ impl CpuBackend {
         self.exact
     }
 
+    /// Makes the calling thread worker 0 of rayon's global pool (`threads` workers in all, else
+    /// rayon's default: `RAYON_NUM_THREADS` or one per core). Call it once, early, on the thread
+    /// that will run the model's passes, before anything else uses rayon.
+    ///
+    /// Why: a parallel region started from a thread outside the pool is queued to the pool and
+    /// the caller sleeps until a worker has finished it, so each of a decode step's ~150 matmul
+    /// and attention regions paid a wake-up of a worker and one of the caller (a tenth of a
+    /// one-thread decode step in `perf`, more with more threads). From a worker the region runs
+    /// at once, the caller taking its share while idle workers steal the rest.
+    ///
+    /// Returns whether the pool was set up here (false when rayon's global pool already existed:
+    /// passes then run as before, only slower).
+    pub fn adopt_current_thread(threads: Option<usize>) -> bool {
+        let mut builder = rayon::ThreadPoolBuilder::new().use_current_thread();
+        if let Some(n) = threads {
+            builder = builder.num_threads(n.max(1));
+        }
+        match builder.build_global() {
+            Ok(()) => true,
+            Err(err) => {
+                tracing::debug!("the CPU backend keeps rayon's existing global pool: {err}");
+                false
+            }
+        }
+    }
+
+    /// The threads the CPU backend's parallel regions run on (rayon's global pool).
+    pub fn threads() -> usize {
+        rayon::current_num_threads()
+    }
+
+    /// Whether every row of a matmul of `dtype` (a prompt's too) takes 8-bit activations and
+    /// `int8::gemm8`.
+    fn gemm8(&self, dtype: DType) -> bool {
+        !self.exact && int8::handles(dtype) && int8::has_gemm8()
+    }
+
     /// Whether rows of `dtype` dotted from the blocks read 8-bit activations.
     fn quantizes(&self, dtype: DType) -> bool {
         kquants::handles(dtype) || (!self.exact && int8::handles(dtype))
@@ -66,7 +103,8 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let by_balance = out_rows.div_ceil(4 * threads);
     let by_work = MIN_WORK_PER_TASK.div_ceil(work_per_row.max(1));
-    by_balance.max(by_work).max(1)
+    // Whole groups of eight rows, as `int8::gemm8` takes them.
+    by_balance.max(by_work).max(1).next_multiple_of(8)
 }
 
 fn silu(x: f32) -> f32 {
@@ -131,7 +169,7 @@ fn matmul_rows_of(
         }
     }
     let mut xq = QuantizedActs::default();
-    if cpu.quantizes(w.dtype) && wide.contains(&false) {
+    if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype)) {
         xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);

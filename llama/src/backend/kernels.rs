@@ -303,6 +303,30 @@ fn matmul_rows_impl<const FMA: bool>(
     out_t: &mut [f32],
 ) {
     let n = wide.len();
+    if int8 && int8::handles(dtype) && int8::has_gemm8() && wide.contains(&true) {
+        // A prompt's rows on their 8-bit copies, eight weight rows at a time; the weight rows
+        // left over and the decode rows one by one, below.
+        let wide_rows: Vec<usize> = (0..n).filter(|&r| wide[r]).collect();
+        let acts: Vec<_> = wide_rows.iter().map(|&r| xq.row(dtype, r)).collect();
+        let out = int8::Columns {
+            out_t: &mut *out_t,
+            stride: n,
+            columns: &wide_rows,
+        };
+        let done = int8::gemm8(dtype, w, row_bytes, &acts, out);
+        for r in 0..n {
+            let (from, rest) = if wide[r] {
+                (done, &w[done * row_bytes..])
+            } else {
+                (0, w)
+            };
+            if !rest.is_empty() {
+                let x = xq.row(dtype, r);
+                int8::dot_rows(dtype, rest, row_bytes, x, &mut out_t[from * n + r..], n);
+            }
+        }
+        return;
+    }
     let any_wide = wide.contains(&true);
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
     let mut narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
