@@ -107,6 +107,26 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
     by_balance.max(by_work).max(1).next_multiple_of(8)
 }
 
+/// Values of element-wise work below which an op stays on the calling thread: a decode step's
+/// norms and activations (a few thousand values) cost less than waking other threads, a
+/// prompt's (hundreds of thousands) were serial work that left 16 threads waiting.
+const PARALLEL_MIN_VALUES: usize = 32 * 1024;
+
+/// `f(chunk of a, matching chunk of b)` over `a` and `b` (as long as `a`), in parallel when
+/// long enough. Chunks are whole multiples of `unit` values.
+fn zip_chunks(a: &mut [f32], b: &[f32], unit: usize, f: impl Fn(&mut [f32], &[f32]) + Sync) {
+    let unit = unit.max(1);
+    if a.len() < PARALLEL_MIN_VALUES {
+        f(a, &b[..a.len()]);
+        return;
+    }
+    let chunk = (PARALLEL_MIN_VALUES / 4).div_ceil(unit) * unit;
+    let len = a.len();
+    a.par_chunks_mut(chunk)
+        .zip(b[..len].par_chunks(chunk))
+        .for_each(|(a, b)| f(a, b));
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -126,21 +146,20 @@ fn rmsnorm_rows(
     weight: WeightView<'_>,
     eps: f32,
     out: &mut [f32],
-    store: impl Fn(f32, &mut f32),
+    store: impl Fn(f32, &mut f32) + Sync,
 ) -> Result<(), BackendError> {
     let dim = weight.cols;
     let mut w = vec![0f32; dim];
     kernels::dequantize_row(weight.dtype, host(&weight)?, &mut w);
-    for (xr, or) in x[..rows * dim]
-        .chunks_exact(dim)
-        .zip(out[..rows * dim].chunks_exact_mut(dim))
-    {
-        let ss = kernels::dot(xr, xr);
-        let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
-        for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
-            store(xv * scale * wv, o);
+    zip_chunks(&mut out[..rows * dim], &x[..rows * dim], dim, |out, x| {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let ss = kernels::dot(xr, xr);
+            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+            for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
+                store(xv * scale * wv, o);
+            }
         }
-    }
+    });
     Ok(())
 }
 
@@ -189,11 +208,14 @@ fn matmul_rows_of(
             .par_chunks_mut(chunk * rows)
             .enumerate()
             .for_each(task);
-        for (i, col) in out_t.chunks_exact(rows).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                out[r * m + i] = *v;
-            }
-        }
+        out[..rows * m]
+            .par_chunks_mut(m)
+            .enumerate()
+            .for_each(|(r, o)| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = out_t[i * rows + r];
+                }
+            });
     }
     Ok(())
 }
@@ -209,8 +231,18 @@ fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
     host_bytes(w, "cpu")
 }
 
-/// Rotary embedding of whole rows of `width` values, the first at position `pos0`.
+/// Rotary embedding of whole rows of `width` values, the first at position `pos0` (rows in
+/// parallel when there are many: a prompt's sines and cosines).
 fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq: &[f32]) {
+    if x.len() >= PARALLEL_MIN_VALUES && x.len() >= 2 * width {
+        let rows_per_task = (PARALLEL_MIN_VALUES / 4).div_ceil(width);
+        x.par_chunks_mut(rows_per_task * width)
+            .enumerate()
+            .for_each(|(t, part)| {
+                rope_rows(part, width, head_dim, pos0 + t * rows_per_task, inv_freq)
+            });
+        return;
+    }
     let half = head_dim / 2;
     let mut cos = vec![0f32; half];
     let mut sin = vec![0f32; half];
@@ -506,16 +538,20 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
-            *g = silu(*g) * u;
-        }
+        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = silu(*g) * u;
+            }
+        });
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
-            *g = gelu_tanh(*g) * u;
-        }
+        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = gelu_tanh(*g) * u;
+            }
+        });
         Ok(())
     }
 
