@@ -1,18 +1,23 @@
 //! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
-//! the vectorised inner loops of `kernels.rs`, f32 activations and accumulation.
+//! the vectorised inner loops of `kernels.rs`, `int8.rs` and `kquants.rs`, f32 accumulation.
 //!
-//! Two modes for the matmul rows dotted straight from the weight blocks (decoding, batches of
-//! fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows):
+//! Two modes for the matmul rows:
 //! - default: q4_0, q4_1 and q8_0 weights meet the activations quantized to 8 bits per 32
-//!   values (`int8.rs`, as llama.cpp does): integer dot products, about twice the decode speed,
-//!   at the cost of the activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on
-//!   SmolLM2 the logits move by a few hundredths, see `tests/smollm2.rs`).
+//!   values (`int8.rs`, as llama.cpp does): integer dot products, at the cost of the
+//!   activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on SmolLM2 the logits move
+//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). Decode rows (batches of
+//!   fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) go row by row (`int8::dot_rows`); a
+//!   prompt's rows, on CPUs with AVX2, eight weight rows at a time (`int8::gemm8`).
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
-//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones
-//! (`kquants.rs`), and prompts of `DECODE_ONCE_MIN_ROWS` or more rows decode each weight row
-//! once to f32.
+//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones for
+//! decode rows (`kquants.rs`), and the prompts that `int8::gemm8` does not take decode each
+//! weight row once to f32.
+//!
+//! Threads: the thread running the passes should be one of the pool's workers
+//! ([`CpuBackend::adopt_current_thread`]); element-wise work (norms, RoPE, activations, the
+//! quantizing of activations) is split over the threads only when it is a prompt's size.
 
 use rayon::prelude::*;
 use weights_format::DType;
@@ -60,16 +65,28 @@ impl CpuBackend {
     /// Why: a parallel region started from a thread outside the pool is queued to the pool and
     /// the caller sleeps until a worker has finished it, so each of a decode step's ~150 matmul
     /// and attention regions paid a wake-up of a worker and one of the caller (a tenth of a
-    /// one-thread decode step in `perf`, more with more threads). From a worker the region runs
-    /// at once, the caller taking its share while idle workers steal the rest.
+    /// decode step in `perf` with a pool of one worker; the caller's own core sat idle too).
+    /// From a worker the region runs at once, the caller taking its share while idle workers
+    /// steal the rest.
     ///
-    /// Returns whether the pool was set up here (false when rayon's global pool already existed:
-    /// passes then run as before, only slower).
+    /// Returns whether the pool was set up here: not for a single thread (that thread would
+    /// be the pool's only worker, and a parallel region another thread started would wait
+    /// until this one next entered rayon), nor when rayon's global pool already existed
+    /// (passes then run as before, only slower).
     pub fn adopt_current_thread(threads: Option<usize>) -> bool {
-        let mut builder = rayon::ThreadPoolBuilder::new().use_current_thread();
-        if let Some(n) = threads {
-            builder = builder.num_threads(n.max(1));
+        let from_env = || {
+            let n: usize = std::env::var("RAYON_NUM_THREADS").ok()?.parse().ok()?;
+            (n > 0).then_some(n)
+        };
+        let n = threads
+            .or_else(from_env)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        if n < 2 {
+            return false;
         }
+        let builder = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .use_current_thread();
         match builder.build_global() {
             Ok(()) => true,
             Err(err) => {

@@ -392,7 +392,8 @@ fn matmul_rows_impl<const FMA: bool>(
 /// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
 /// `row_bytes` long, `cols` values) and the `n = wide.len()` activation rows of `x`. A row with
 /// `wide[r]` is dotted with the weight row decoded once to f32 (the kernel for
-/// [`DECODE_ONCE_MIN_ROWS`] or more rows); the others straight from the blocks (fewer rows).
+/// [`DECODE_ONCE_MIN_ROWS`] or more rows), or with `int8` and AVX2 for q4_0/q4_1/q8_0 goes
+/// through `int8::gemm8`; the others straight from the blocks (fewer rows).
 /// The two round differently, so the caller picks per row to reproduce a given row count's
 /// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
 /// for rows that are not wide; may be empty otherwise), `xq` the rows quantized for the

@@ -99,7 +99,11 @@ fn quantize_into(
     bsums: &mut [i16],
 ) {
     let per_block = (block / 32, block / 16);
-    for (b, (chunk, qb)) in x.chunks_exact(block).zip(q.chunks_exact_mut(block)).enumerate() {
+    for (b, (chunk, qb)) in x
+        .chunks_exact(block)
+        .zip(q.chunks_exact_mut(block))
+        .enumerate()
+    {
         let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
         let id = if scale > 0.0 { 1.0 / scale } else { 0.0 };
