@@ -324,7 +324,7 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
     );
 }
 
-/// The same on the CUDA backend (weights resident). With the default kernel paths every row of
+/// The same on the CUDA backend (weights resident). With no new kernel path (`CudaPaths::none`) every row of
 /// a batch is computed as alone, bit for bit; with the new ones (issue 23: tensor-core batched
 /// matmuls, one launch for a batch's attention steps, flash attention for prompts) the logits
 /// stay within 1e-3 relative L2 of alone and the greedy tokens agree wherever the margin is
@@ -346,7 +346,7 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     ] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+        let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
         let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
         ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
         drop(model);
@@ -364,7 +364,7 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     let dir = tmp.path().join("q4km");
     let config = gdsllm_convert::testing::small_kquant_config(3);
     gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
     let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
     ragged_batch_equals_solo(&mut model, "cuda q4_k_m mix");
     drop(model);
@@ -397,7 +397,7 @@ fn cuda_windowed_family_batched_equals_solo() {
         .unwrap();
     let dir = tmp.path().join("gemma3");
     support::families::write(&dir, &config, DType::Q4_1);
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+    let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
     let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
     ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
     drop(model);
@@ -862,7 +862,7 @@ fn cuda_prefix_cached_greedy_equals_solo() {
     for (dtype, tied) in [(DType::Q8_0, false), (DType::F16, true)] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::default()).unwrap();
+        let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
         let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
         prefix_cache_changes_no_token(&mut model, &format!("cuda {dtype} tied={tied}"));
     }

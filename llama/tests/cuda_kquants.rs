@@ -77,7 +77,7 @@ fn kquant_embedding_rows_are_the_decoded_rows() {
 fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
     let Some((be, _old)) = gpu_new_and_old(CudaPaths {
         superblock: true,
-        ..CudaPaths::default()
+        ..CudaPaths::none()
     }) else {
         return;
     };

@@ -497,7 +497,7 @@ fn decode_rows(rows: usize) -> Vec<RowGroup> {
 fn mma_matmul_matches_reference_and_the_row_alone() {
     let Some((be, old)) = gpu_new_and_old(CudaPaths {
         mma: true,
-        ..CudaPaths::default()
+        ..CudaPaths::none()
     }) else {
         return;
     };
@@ -608,7 +608,7 @@ fn mma_matmul_matches_reference_and_the_row_alone() {
 fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
     let Some((new, old)) = gpu_new_and_old(CudaPaths {
         seqs: true,
-        ..CudaPaths::default()
+        ..CudaPaths::none()
     }) else {
         return;
     };
@@ -711,7 +711,7 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
 fn flash_attention_matches_reference() {
     let Some((be, old)) = gpu_new_and_old(CudaPaths {
         flash: true,
-        ..CudaPaths::default()
+        ..CudaPaths::none()
     }) else {
         return;
     };

@@ -417,6 +417,9 @@ void test_seq_kernels() {
         }
     std::vector<float> q_results[2], k_results[2], att_results[2];
     std::vector<std::vector<uint16_t>> cache_results[2];
+    // The one-row decode kernel merges each head in its last chunk (tickets back to 0 after) and
+    // quantizes it: the bits of quantize_x16 on its output.
+    bool tickets_reset = true, quantized_same = true;
     for (int variant = 0; variant < 2; variant++) {
         Buf<float> q(q0), k(k0), v(v0);
         std::vector<std::unique_ptr<Buf<uint16_t>>> caches;
@@ -458,14 +461,24 @@ void test_seq_kernels() {
                 if (specs[z].rows != 1) continue;
                 int n_splits = (specs[z].pos0 + split_len) / split_len;
                 Buf<float> part((size_t)n_heads * n_splits * (2 + hd));
+                Buf<int> tickets(n_heads);
+                for (int h = 0; h < n_heads; h++) tickets.p[h] = 0;
+                // The merged head also quantized for the output projection (hd is 64 or 128).
+                Buf<short> xq(q_w);
+                Buf<float4> xs(q_w / 32);
+                float* out_row = out.p + (size_t)table.row0[z] * q_w;
                 emu::launch(grid3(n_heads, n_splits), 256, [&] {
                     attention_decode(q.p + (size_t)table.row0[z] * q_w, table.k_cache[z], table.v_cache[z],
                                      specs[z].pos0, nullptr, n_heads, n_kv, hd, scale, specs[z].capacity, /*window=*/0,
-                                     split_len, part.p);
+                                     split_len, part.p, out_row, tickets.p, xq.p, xs.p);
                 });
-                emu::launch(grid3(n_heads), 256, [&] {
-                    attention_combine(part.p, n_splits, hd, out.p + (size_t)table.row0[z] * q_w);
-                });
+                for (int h = 0; h < n_heads; h++) tickets_reset &= tickets.p[h] == 0;
+                Buf<short> xq_alone(q_w);
+                Buf<float4> xs_alone(q_w / 32);
+                emu::launch(grid3((q_w / 4 + 255) / 256), 256,
+                            [&] { quantize_x16(out_row, (u64)q_w, xq_alone.p, xs_alone.p); });
+                quantized_same &= std::memcmp(xq.p, xq_alone.p, sizeof(short) * q_w) == 0 &&
+                                  std::memcmp(xs.p, xs_alone.p, sizeof(float4) * (q_w / 32)) == 0;
             }
         } else {
             // Only the one-row sequences, as the host passes them.
@@ -506,9 +519,12 @@ void test_seq_kernels() {
     bool att_ok = same(att_results[0], att_results[1]);
     bool finite = true;
     for (float x : att_results[1]) finite &= std::isfinite(x);
-    printf("attention_decode_seqs + combine: the bits of the per-sequence kernels: %s (all finite: %s)\n",
+    printf("attention_decode_seqs + combine: the bits of the one-row kernel per sequence: %s (all finite: %s)\n",
            att_ok ? "yes" : "NO", finite ? "yes" : "NO");
     if (!att_ok || !finite) failures++;
+    printf("attention_decode: tickets back to 0: %s; its quantized output the bits of quantize_x16's: %s\n",
+           tickets_reset ? "yes" : "NO", quantized_same ? "yes" : "NO");
+    if (!tickets_reset || !quantized_same) failures++;
     // And against an f64 reference, for the one-row sequences.
     std::vector<double> want;
     int row0 = 0;

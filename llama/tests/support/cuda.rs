@@ -28,7 +28,7 @@ pub fn gpu_new_and_old(paths: CudaPaths) -> Option<(CudaBackend, CudaBackend)> {
         Ok(be) => be,
         Err(e) => panic!("GDSLLM_GPU_TESTS=1 but CUDA is not usable: {e}"),
     };
-    Some((open(paths), open(CudaPaths::default())))
+    Some((open(paths), open(CudaPaths::none())))
 }
 
 pub fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {

@@ -339,7 +339,10 @@ impl CudaBackend {
                 slots: s.k_cache.0.len() / kv_dim,
             };
             if s.rows == 1 {
-                self.attention_decode(qp, cache, s.pos0, shape, params, op)?;
+                // Alone, its output is the whole input of the output projection, which the
+                // kernel can hand over quantized.
+                let whole_output = seqs.len() == 1;
+                self.attention_decode(qp, cache, s.pos0, shape, params, op, whole_output)?;
             } else if let Some(kernel) = flash {
                 self.attention_flash(
                     kernel,
@@ -447,10 +450,14 @@ impl CudaBackend {
     }
 
     /// One query row: the positions it sees in chunks of [`ATT_SPLIT`] over (head, chunk)
-    /// blocks, then the chunks merged (see `attention_decode` in attention.cu). While a pass
-    /// is recorded the grid covers the whole cache (`slots` positions, at least what the row
-    /// sees) and the kernels read the position from the pass parameters; the chunks past it
-    /// come out empty and the merge skips them.
+    /// blocks, the last chunk of each head to finish merging the head's chunks (see
+    /// `attention_decode` in attention.cu). While a pass is recorded the grid covers the whole
+    /// cache (`slots` positions, at least what the row sees) and the kernel reads the position
+    /// from the pass parameters; the chunks past it come out empty and the merge skips them.
+    /// With `quantize_out` (the output is all the next matmul reads) the kernel also writes
+    /// the output in the quantized matmuls' 16-bit form and [`super::scratch::X16`] remembers
+    /// it, so the output projection needs no `quantize_x16` launch.
+    #[allow(clippy::too_many_arguments)]
     fn attention_decode(
         &self,
         qp: u64,
@@ -459,6 +466,7 @@ impl CudaBackend {
         shape: AttentionShape,
         params: AttentionParams,
         op: u64,
+        quantize_out: bool,
     ) -> Result<(), BackendError> {
         let Cache { kp, vp, slots } = cache;
         let pos_dev = self.graphs.pos_param(&self.queue);
@@ -472,6 +480,15 @@ impl CudaBackend {
         let pp = self
             .attention_scratch
             .room(&self.queue, &self.graphs, partials)?;
+        let tickets = self
+            .attention_tickets
+            .room(&self.queue, &self.graphs, shape.n_heads)?;
+        let width = shape.n_heads * shape.head_dim;
+        let (xq, xs) = if quantize_out && shape.head_dim.is_multiple_of(32) {
+            self.x16.fused_target(&self.queue, &self.graphs, width)?
+        } else {
+            (0, 0)
+        };
         let (p0, nh, nkv, hd, split, slots_i, window) = (
             pos0 as i32,
             shape.n_heads as i32,
@@ -498,20 +515,20 @@ impl CudaBackend {
             .arg(&slots_i)
             .arg(&window)
             .arg(&split)
-            .arg(&pp);
+            .arg(&pp)
+            .arg(&op)
+            .arg(&tickets)
+            .arg(&xq)
+            .arg(&xs);
         let cfg = blocks((shape.n_heads as u32, n_splits as u32), ROW_THREADS);
-        // SAFETY: q holds n_heads·head_dim values, the caches `slots` positions of
+        // SAFETY: q and out hold n_heads·head_dim values, the caches `slots` positions of
         // n_kv_heads·head_dim (the kernel reads the slots of the positions the row sees), the
-        // partials n_heads·n_splits·(2+head_dim) (sized above for the slots); ATT_SPLIT <= the
-        // kernel's tile of 1024.
+        // partials n_heads·n_splits·(2+head_dim) (sized above for the slots), the tickets
+        // n_heads zeros (each merging block restores its 0); ATT_SPLIT <= the kernel's tile of
+        // 1024; xq/xs, unless 0, room for n_heads·head_dim quantized values (head_dim a
+        // multiple of 32, so each head is whole blocks of them).
         unsafe { b.run(cfg) }?;
-        let n_splits_i = n_splits as i32;
-        let mut b = self
-            .queue
-            .kernel(&self.kernels.attention_combine, "attention_combine kernel");
-        b.arg(&pp).arg(&n_splits_i).arg(&hd).arg(&op);
-        let cfg = blocks((shape.n_heads as u32, 1), ROW_THREADS);
-        // SAFETY: reads the partials written above, writes n_heads·head_dim values of out.
-        unsafe { b.run(cfg) }
+        self.x16.remember(&self.queue, op, width, (xq, xs));
+        Ok(())
     }
 }

@@ -513,7 +513,6 @@ pub(super) struct Kernels {
     pub softcap: CudaFunction,
     pub attention: CudaFunction,
     pub attention_decode: CudaFunction,
-    pub attention_combine: CudaFunction,
     pub attention_decode_seqs: CudaFunction,
     /// Prompt attention on tensor cores for head_dim 64 and 128.
     pub attention_flash: [CudaFunction; 2],
@@ -577,7 +576,6 @@ impl Kernels {
             softcap: f("softcap")?,
             attention: f("attention")?,
             attention_decode: f("attention_decode")?,
-            attention_combine: f("attention_combine")?,
             attention_decode_seqs: f("attention_decode_seqs")?,
             attention_flash: [f("attention_flash_hd64")?, f("attention_flash_hd128")?],
             attention_combine_seqs: f("attention_combine_seqs")?,

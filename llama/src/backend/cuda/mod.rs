@@ -88,6 +88,9 @@ pub struct CudaBackend {
     /// The same for the decode attention of a batch's sequences in one launch (apart, so that
     /// a batch never drops the recorded pass of a single sequence).
     seq_attention_scratch: Scratch<f32>,
+    /// One ticket per head for the split decode attention: the last chunk of a head to finish
+    /// merges the head (zeroed when allocated; the merging block sets its ticket back to 0).
+    attention_tickets: Scratch<i32>,
     /// The new kernel paths this backend uses (see [`CudaPaths`]).
     paths: CudaPaths,
     /// What the device has: streaming multiprocessors (to size grids) and whether it has the
@@ -148,6 +151,7 @@ impl CudaBackend {
             x16: X16::new(),
             attention_scratch: Scratch::new("allocating attention partials"),
             seq_attention_scratch: Scratch::new("allocating batched attention partials"),
+            attention_tickets: Scratch::new("allocating attention tickets"),
             paths,
             sms,
             tensor_cores,

@@ -163,10 +163,17 @@ __device__ __forceinline__ void attention_decode_chunk(const float* qh, const u1
     }
 }
 
+// One query row's attention, chunk `split` of head h, into `part` [n_heads, n_splits, 2 +
+// head_dim]; the last chunk of head h to finish (a ticket per head in `tickets`, which it sets
+// back to 0 for the next launch or graph replay) merges the head's chunks into `out` (what a
+// launch of `attention_combine` used to do: one launch fewer per layer and token) and, when `xq`
+// is given (head_dim a multiple of 32), writes the head's values in the 16-bit form of
+// `quantize_x16_lanes` for the output projection that reads them next (one `quantize_x16`
+// launch fewer).
 extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
                                             int pos0, const int* pos_dev, int n_heads, int n_kv_heads,
                                             int head_dim, float scale, int slots, int window, int split_len,
-                                            float* part) {
+                                            float* part, float* out, int* tickets, short* xq, float4* xs) {
     int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     int kvh = h / (n_heads / n_kv_heads);
     int len = start_pos(pos0, pos_dev) + 1;
@@ -175,6 +182,46 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
     float* dst = part + ((u64)h * n_splits + split) * (2 + head_dim);
     attention_decode_chunk(q + (u64)h * head_dim, k_cache, v_cache, slots, t0, n, n_kv_heads * head_dim, kvh,
                            head_dim, scale, dst);
+    __shared__ int merge;
+    __shared__ float merged[256];  // ROW_THREADS (attention.rs) threads, head_dim <= 256
+    // This block's partial is visible device-wide before its ticket is.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int done = atomicAdd(tickets + h, 1);
+        merge = done == n_splits - 1;
+        if (merge) tickets[h] = 0;
+    }
+    __syncthreads();
+    if (!merge) return;  // the whole block
+    __threadfence();
+    const float* base = part + (u64)h * n_splits * (2 + head_dim);
+    int tid = threadIdx.x;
+    float mx = NEG_INF;
+    // L2 loads (`__ldcg`): the other chunks were written by other blocks during this launch.
+    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, __ldcg(base + (u64)s * (2 + head_dim)));
+    float denom = 0.f, num = 0.f;
+    for (int s = 0; s < n_splits; s++) {
+        const float* c = base + (u64)s * (2 + head_dim);
+        float m = __ldcg(c);
+        if (m == NEG_INF) continue;
+        float w = expf(m - mx);
+        denom += w * __ldcg(c + 1);
+        if (tid < head_dim) num += w * __ldcg(c + 2 + tid);
+    }
+    float o = tid < head_dim ? num / denom : 0.f;
+    if (tid < head_dim) out[(u64)h * head_dim + tid] = o;
+    if (!xq) return;
+    merged[tid] = o;
+    __syncthreads();
+    // Whole warps call quantize_x16_lanes (it shuffles); lane c holds values 4c..4c+3 of the head.
+    int c = tid, n4 = head_dim / 4;
+    if (c < (n4 + 31) / 32 * 32) {
+        bool live = c < n4;
+        float4 v = live ? make_float4(merged[4 * c], merged[4 * c + 1], merged[4 * c + 2], merged[4 * c + 3])
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        quantize_x16_lanes(v, live, ((u64)h * head_dim) / 32 + c / 8, xq, xs);
+    }
 }
 
 // `attention_decode` for the one-row sequences of `seqs` (grid.z), each against its own caches
@@ -214,13 +261,6 @@ __device__ __forceinline__ void attention_combine_head(const float* base, int n_
         if (tid < head_dim) num += w * c[2 + tid];
     }
     if (tid < head_dim) out[tid] = num / denom;
-}
-
-// The chunks of `attention_decode` merged, one block per head.
-extern "C" __global__ void attention_combine(const float* part, int n_splits, int head_dim,
-                                             float* out) {
-    int h = blockIdx.x;
-    attention_combine_head(part + (u64)h * n_splits * (2 + head_dim), n_splits, head_dim, out + (u64)h * head_dim);
 }
 
 // The chunks of `attention_decode_seqs` merged, block (h, z) for head h of sequence z: the

@@ -7,16 +7,17 @@
 // normalized rows are also written for the quantized matmuls that read them next.
 #define RMS_THREADS 1024
 #define RMS_VEC 4
-// Values 4c..4c+3 of row r of rmsnorm's output from those of its input `t`.
-__device__ __forceinline__ void rmsnorm_store(float4 t, int c, int n4, int r, float scale, const u8* weight,
-                                              int dtype, float* orow, short* xq, float4* xs) {
+// Weights 4c..4c+3 of rmsnorm (zeros past the row's n4 float4s).
+__device__ __forceinline__ float4 rmsnorm_weight4(const u8* weight, int dtype, int c, int n4) {
+    if (c >= n4) return make_float4(0.f, 0.f, 0.f, 0.f);
+    return dtype == 0 ? ((const float4*)weight)[c]
+                      : make_float4(load_elem(weight, dtype, 4 * c), load_elem(weight, dtype, 4 * c + 1),
+                                    load_elem(weight, dtype, 4 * c + 2), load_elem(weight, dtype, 4 * c + 3));
+}
+// Values 4c..4c+3 of row r of rmsnorm's output from those of its input `t` and weights `w`.
+__device__ __forceinline__ void rmsnorm_store(float4 t, float4 w, int c, int n4, int r, float scale, float* orow,
+                                              short* xq, float4* xs) {
     bool live = c < n4;
-    float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (live) {
-        w = dtype == 0 ? ((const float4*)weight)[c]
-                       : make_float4(load_elem(weight, dtype, 4 * c), load_elem(weight, dtype, 4 * c + 1),
-                                     load_elem(weight, dtype, 4 * c + 2), load_elem(weight, dtype, 4 * c + 3));
-    }
     float4 o = make_float4(t.x * scale * w.x, t.y * scale * w.y, t.z * scale * w.z, t.w * scale * w.w);
     if (live) ((float4*)orow)[c] = o;
     if (xq) quantize_x16_lanes(o, live, ((u64)r * n4 + c) / 8, xq, xs);
@@ -47,12 +48,15 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
     float* orow = out + (u64)r * dim;
     bool vec = dim % 4 == 0;
     int n4 = vec ? dim / 4 : 0;
-    float4 v[RMS_VEC];
+    // The weights are loaded with x, before the reduction, so that their latency (they are
+    // rarely still in L2 when a whole model streams through it per token) overlaps x's.
+    float4 v[RMS_VEC], w[RMS_VEC];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < RMS_VEC; i++) {
         int c = threadIdx.x + i * RMS_THREADS;
         v[i] = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        w[i] = rmsnorm_weight4(weight, dtype, c, n4);
         ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
     }
     for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4; c += RMS_THREADS) {
@@ -67,11 +71,11 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
 #pragma unroll
     for (int i = 0; i < RMS_VEC; i++) {
         int c = threadIdx.x + i * RMS_THREADS;
-        if (c < n4_warps) rmsnorm_store(v[i], c, n4, r, scale, weight, dtype, orow, xq, xs);
+        if (c < n4_warps) rmsnorm_store(v[i], w[i], c, n4, r, scale, orow, xq, xs);
     }
     for (int c = threadIdx.x + RMS_VEC * RMS_THREADS; c < n4_warps; c += RMS_THREADS) {
         float4 t = c < n4 ? ((const float4*)xr)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        rmsnorm_store(t, c, n4, r, scale, weight, dtype, orow, xq, xs);
+        rmsnorm_store(t, rmsnorm_weight4(weight, dtype, c, n4), c, n4, r, scale, orow, xq, xs);
     }
     for (int j = 4 * n4 + threadIdx.x; j < dim; j += RMS_THREADS)
         orow[j] = xr[j] * scale * load_elem(weight, dtype, j);
