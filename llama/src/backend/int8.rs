@@ -185,6 +185,49 @@ pub(crate) mod portable {
     }
 }
 
+/// Lane `r` of output `j` is 32-bit word `j` of the 16 bytes at `rows[r][at..]` (eight rows).
+/// A macro, as is `f16_lanes!`, so that it expands inside the caller's `target_feature`
+/// function: as functions (which cannot be `inline(always)` with target features) they stayed
+/// out of line and handed their vectors back through the stack.
+macro_rules! transpose_words {
+    ($rows:expr, $at:expr) => {{
+        let (rows, at): (&[&[u8]; 8], usize) = ($rows, $at);
+        let y0 = _mm256_set_m128i(load128(&rows[4][at..]), load128(&rows[0][at..]));
+        let y1 = _mm256_set_m128i(load128(&rows[5][at..]), load128(&rows[1][at..]));
+        let y2 = _mm256_set_m128i(load128(&rows[6][at..]), load128(&rows[2][at..]));
+        let y3 = _mm256_set_m128i(load128(&rows[7][at..]), load128(&rows[3][at..]));
+        let t0 = _mm256_unpacklo_epi32(y0, y1);
+        let t1 = _mm256_unpackhi_epi32(y0, y1);
+        let t2 = _mm256_unpacklo_epi32(y2, y3);
+        let t3 = _mm256_unpackhi_epi32(y2, y3);
+        [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ]
+    }};
+}
+
+/// The f16 at `rows[r][at..]` of the eight rows, as f32 lanes (a macro: see
+/// `transpose_words!`).
+macro_rules! f16_lanes {
+    ($rows:expr, $at:expr) => {{
+        let (rows, at): (&[&[u8]; 8], usize) = ($rows, $at);
+        let h = |r: usize| i16::from_le_bytes([rows[r][at], rows[r][at + 1]]);
+        _mm256_cvtph_ps(_mm_setr_epi16(
+            h(0),
+            h(1),
+            h(2),
+            h(3),
+            h(4),
+            h(5),
+            h(6),
+            h(7),
+        ))
+    }};
+}
+
 /// The x86 kernels for one instruction set, `mul_sum_add(acc, u, s)` being `acc` plus the eight
 /// i32 sums of four products `u8 · i8` each.
 macro_rules! x86_kernels {
@@ -314,28 +357,6 @@ macro_rules! x86_kernels {
                 m: __m256,
             }
 
-            /// Lane `r` of output `j` is 32-bit word `j` of the 16 bytes at `rows[r][at..]`.
-            /// (No closures here or below: they would not inherit the target features, and
-            /// their calls stayed out of line, a third of the decode time.)
-            #[target_feature(enable = $features)]
-            #[inline]
-            fn transpose_words(rows: &[&[u8]; 8], at: usize) -> [__m256i; 4] {
-                let y0 = _mm256_set_m128i(load128(&rows[4][at..]), load128(&rows[0][at..]));
-                let y1 = _mm256_set_m128i(load128(&rows[5][at..]), load128(&rows[1][at..]));
-                let y2 = _mm256_set_m128i(load128(&rows[6][at..]), load128(&rows[2][at..]));
-                let y3 = _mm256_set_m128i(load128(&rows[7][at..]), load128(&rows[3][at..]));
-                let t0 = _mm256_unpacklo_epi32(y0, y1);
-                let t1 = _mm256_unpackhi_epi32(y0, y1);
-                let t2 = _mm256_unpacklo_epi32(y2, y3);
-                let t3 = _mm256_unpackhi_epi32(y2, y3);
-                [
-                    _mm256_unpacklo_epi64(t0, t2),
-                    _mm256_unpackhi_epi64(t0, t2),
-                    _mm256_unpacklo_epi64(t1, t3),
-                    _mm256_unpackhi_epi64(t1, t3),
-                ]
-            }
-
             /// Prefetches the cache line at byte `at` of each row of the next group of eight
             /// (the rows of a matrix lie one after the other, so the next group starts eight
             /// rows on): eight streams at once are more than the hardware prefetcher follows
@@ -350,23 +371,14 @@ macro_rules! x86_kernels {
                 }
             }
 
-            /// The f16 at `rows[r][at..]` of the eight rows, as f32 lanes.
-            #[target_feature(enable = $features)]
-            #[inline]
-            fn f16_lanes(rows: &[&[u8]; 8], at: usize) -> __m256 {
-                let h = |r: usize| i16::from_le_bytes([rows[r][at], rows[r][at + 1]]);
-                let v = _mm_setr_epi16(h(0), h(1), h(2), h(3), h(4), h(5), h(6), h(7));
-                _mm256_cvtph_ps(v)
-            }
-
             #[target_feature(enable = $features)]
             #[inline]
             fn block8(dtype: DType, rows: &[&[u8]; 8], b: usize) -> Block8 {
                 let at = b * dtype.block_bytes();
-                let d = f16_lanes(rows, at);
+                let d = f16_lanes!(rows, at);
                 if dtype == DType::Q8_0 {
-                    let lo = transpose_words(rows, at + 2);
-                    let hi = transpose_words(rows, at + 18);
+                    let lo = transpose_words!(rows, at + 2);
+                    let hi = transpose_words!(rows, at + 18);
                     return Block8 {
                         v: [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]],
                         d,
@@ -374,11 +386,11 @@ macro_rules! x86_kernels {
                     };
                 }
                 let (qs, m) = if dtype == DType::Q4_1 {
-                    (4, f16_lanes(rows, at + 2))
+                    (4, f16_lanes!(rows, at + 2))
                 } else {
                     (2, _mm256_mul_ps(d, _mm256_set1_ps(-8.0)))
                 };
-                let t = transpose_words(rows, at + qs);
+                let t = transpose_words!(rows, at + qs);
                 let low4 = _mm256_set1_epi8(0xF);
                 let (t0, t1, t2, t3) = (t[0], t[1], t[2], t[3]);
                 Block8 {
