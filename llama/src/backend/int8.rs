@@ -632,6 +632,42 @@ mod tests {
         }
     }
 
+    /// `rows` random weight rows of `cols` values of `dtype` and `n` activation rows whose
+    /// magnitudes vary by block (one block in three 16× the others).
+    fn random_case(
+        rng: &mut Rng,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let blocks = rows * cols / dtype.block_len();
+        let w = gdsllm_convert::testing::random_blocks(dtype, blocks, rng.next());
+        let x = (0..n * cols)
+            .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
+            .collect();
+        (w, x)
+    }
+
+    /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
+    /// `x`: the f64 dot product, how far an 8-bit-activation kernel may be from it
+    /// (`Σ_blocks max|x_b|/254 · Σ|w_b|`, plus f32 rounding: 1e-5 of `Σ|w·x|`), and `Σ|w·x|`.
+    fn bound_of(dtype: DType, wr: &[u8], x: &[f32]) -> (f64, f64, f64) {
+        let mut dense = vec![0f32; x.len()];
+        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
+        let magnitude: f64 = dense.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
+        let rounding: f64 = dense
+            .chunks_exact(32)
+            .zip(x.chunks_exact(32))
+            .map(|(wb, xb)| {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+            })
+            .sum();
+        let bound = rounding * 1.001 + 1e-5 * magnitude;
+        (reference_dot(dtype, wr, x), bound, magnitude)
+    }
+
     /// The `gemm8` of every instruction set this CPU runs, by name.
     #[allow(clippy::type_complexity)]
     fn gemm8_variants() -> Vec<(
@@ -705,16 +741,9 @@ mod tests {
             variants.iter().map(|v| v.0).collect::<Vec<_>>()
         );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            let w = gdsllm_convert::testing::random_blocks(
-                dtype,
-                rows * cols / dtype.block_len(),
-                rng.next(),
-            );
-            let row_bytes = w.len() / rows;
             let n_acts = 9;
-            let x: Vec<f32> = (0..n_acts * cols)
-                .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
-                .collect();
+            let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+            let row_bytes = w.len() / rows;
             let mut xq = QuantizedActs::default();
             xq.prepare(&x, cols, dtype);
             let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
@@ -755,24 +784,8 @@ mod tests {
                     let mut by_row = vec![0f32; rows];
                     portable::dot_rows(dtype, &w, row_bytes, acts[c], &mut by_row, 1);
                     for (i, wr) in w.chunks_exact(row_bytes).take(rows / 8 * 8).enumerate() {
-                        let mut dense = vec![0f32; cols];
-                        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-                        let magnitude: f64 = dense
-                            .iter()
-                            .zip(xc)
-                            .map(|(a, b)| (a * b).abs() as f64)
-                            .sum();
-                        let rounding: f64 = dense
-                            .chunks_exact(32)
-                            .zip(xc.chunks_exact(32))
-                            .map(|(wb, xb)| {
-                                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-                            })
-                            .sum();
-                        let bound = rounding * 1.001 + 1e-5 * magnitude;
+                        let (reference, bound, magnitude) = bound_of(dtype, wr, xc);
                         let got = alone[c][i] as f64;
-                        let reference = reference_dot(dtype, wr, xc);
                         assert!(
                             (got - reference).abs() <= bound,
                             "{dtype} {name} row {i} act {c}: {got} reference {reference} bound {bound}"
@@ -807,14 +820,7 @@ mod tests {
             variants.iter().map(|v| v.0).collect::<Vec<_>>()
         );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            let w = gdsllm_convert::testing::random_blocks(
-                dtype,
-                rows * cols / dtype.block_len(),
-                rng.next(),
-            );
-            let x: Vec<f32> = (0..cols)
-                .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
-                .collect();
+            let (w, x) = random_case(&mut rng, dtype, rows, cols, 1);
             let mut xq = QuantizedActs::default();
             xq.prepare(&x, cols, dtype);
             let row_bytes = w.len() / rows;
@@ -830,23 +836,7 @@ mod tests {
                 .collect();
             let mut worst = vec![0f64; variants.len()];
             for (i, wr) in w.chunks_exact(row_bytes).enumerate() {
-                let mut dense = vec![0f32; cols];
-                weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-                let reference = reference_dot(dtype, wr, &x);
-                let magnitude: f64 = dense
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| (a * b).abs() as f64)
-                    .sum();
-                let rounding: f64 = dense
-                    .chunks_exact(32)
-                    .zip(x.chunks_exact(32))
-                    .map(|(wb, xb)| {
-                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                        amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-                    })
-                    .sum();
-                let bound = rounding * 1.001 + 1e-5 * magnitude;
+                let (reference, bound, magnitude) = bound_of(dtype, wr, &x);
                 let portable = results[0][i] as f64;
                 for (v, (name, _)) in variants.iter().enumerate() {
                     let got = results[v][i] as f64;
