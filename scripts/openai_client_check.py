@@ -302,8 +302,9 @@ def report_speed(client):
           f"JSON schema ({100 * (1 - constrained / free):+.1f}% cost)")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def check_args():
+    """The command line every check script takes: --gdsllm, --model, --venv."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
     parser.add_argument("--gdsllm", default="target/release/gdsllm", help="the gdsllm binary")
     parser.add_argument("--model", default=os.environ.get("GDSLLM_TEST_MODEL"),
                         help="model directory (default: $GDSLLM_TEST_MODEL)")
@@ -312,11 +313,15 @@ def main():
     if not args.model:
         sys.exit("no model: pass --model DIR or set GDSLLM_TEST_MODEL (see `gdsllm pull smollm2`)")
     ensure_importable(["openai", "jsonschema"], ["openai", "jsonschema"], args.venv)
-    import openai
-    print(f"openai {openai.__version__}", file=sys.stderr)
-    proc, base = start_server(args)
+    return args
+
+
+def serve_and_check(gdsllm, model, run):
+    """Serves `model`, calls `run(base_url)`, then stops the server with SIGTERM and expects a
+    clean exit; the server's log is printed when `run` fails."""
+    proc, base = start_server(argparse.Namespace(gdsllm=gdsllm, model=model))
     try:
-        run_checks(base, args.model)
+        run(base)
     except Exception:
         proc.kill()
         print(proc.stderr.read(), file=sys.stderr)
@@ -330,6 +335,13 @@ def main():
     if code != 0:
         sys.exit(f"the server exited with {code} after SIGTERM\n{proc.stderr.read()}")
     print("ok: SIGTERM -> clean exit")
+
+
+def main():
+    args = check_args()
+    import openai
+    print(f"openai {openai.__version__}", file=sys.stderr)
+    serve_and_check(args.gdsllm, args.model, lambda base: run_checks(base, args.model))
     print("all openai client checks passed")
 
 

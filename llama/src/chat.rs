@@ -56,6 +56,7 @@ impl ChatValue {
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     path: PathBuf,
+    source: String,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -96,12 +97,17 @@ impl ChatTemplate {
             strftime(&format, std::time::SystemTime::now())
         });
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, source)
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| LlamaError::ChatTemplate {
                 path: path.clone(),
                 message: format!("{e:#}"),
             })?;
-        Ok(ChatTemplate { env, path })
+        Ok(ChatTemplate { env, path, source })
+    }
+
+    /// The template's Jinja source (servers read the tool-call format off it).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages`; with `add_generation_prompt` the text ends where the assistant's

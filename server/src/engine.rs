@@ -8,11 +8,35 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use llama::GrammarSpec;
 
+pub use crate::tools::{ToolCall, ToolFormat};
+
 /// One chat message after validation (content parts already joined into text).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's function calls (sent back by the client after a tool call).
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of text only.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+        }
+    }
+
+    /// Whether the message carries tool calls or a tool result (which only a chat template
+    /// that takes tools can render).
+    pub fn has_tool_parts(&self) -> bool {
+        !self.tool_calls.is_empty() || self.tool_call_id.is_some() || self.role == "tool"
+    }
 }
 
 /// How the next token is chosen. `temperature == 0` means greedy (argmax) and ignores the rest.
@@ -229,6 +253,30 @@ pub trait Engine: Send + Sync + 'static {
         Err(EngineError::InvalidInput(
             "this model cannot constrain its output to a grammar".into(),
         ))
+    }
+
+    /// How this model writes tool calls (recognised from its chat template), or `None` when
+    /// its template takes no tools (requests with `tools` then get a 400).
+    fn tool_format(&self) -> Option<ToolFormat> {
+        None
+    }
+
+    /// The chat template applied to `messages` (tool calls and tool results included) with
+    /// the function `tools` offered (OpenAI `tools` objects), ending with the assistant's
+    /// turn opening. The default: an engine without [`Engine::tool_format`] renders plain
+    /// chats only.
+    fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String, EngineError> {
+        if tools.is_empty() && !messages.iter().any(ChatMessage::has_tool_parts) {
+            self.render_chat(messages)
+        } else {
+            Err(EngineError::InvalidInput(
+                "this model's chat template does not take tools".into(),
+            ))
+        }
     }
 
     /// Token ids of `text`; special-token text (`<|im_start|>`) becomes its special token.

@@ -20,6 +20,7 @@ mod routes;
 pub mod scheduler;
 mod server;
 mod state;
+pub mod tools;
 mod ws;
 
 pub use engine::{

@@ -13,9 +13,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use llama::{
-    Backend, BatchConfig, Batcher, ChatTemplate, Constraint, Device, FinishReason, GrammarCompiler,
-    GrammarSpec, LlamaError, LoadedModel, Message, OpenOptions, OpenedModel, Penalties, Sampler,
-    SamplerConfig, SeqEnd, SeqStep, Session, Step, Tokenizer, WeightSource,
+    Backend, BatchConfig, Batcher, ChatTemplate, ChatValue, Constraint, Device, FinishReason,
+    GrammarCompiler, GrammarSpec, LlamaError, LoadedModel, Message, OpenOptions, OpenedModel,
+    Penalties, Sampler, SamplerConfig, SeqEnd, SeqStep, Session, Step, Tokenizer, WeightSource,
 };
 use parking_lot::Mutex;
 
@@ -23,6 +23,7 @@ use crate::engine::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
     EngineStats, GeneratedToken, GenerationRequest, TokenLogprob,
 };
+use crate::tools::{self, ToolFormat};
 
 fn engine_error(err: LlamaError) -> EngineError {
     match err {
@@ -395,17 +396,56 @@ where
     }
 
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.render_chat_with_tools(messages, &[])
+    }
+
+    fn tool_format(&self) -> Option<ToolFormat> {
+        ToolFormat::detect(self.chat_template.as_ref()?.source())
+    }
+
+    fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<String, EngineError> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             EngineError::InvalidInput(
                 "this model has no chat template; use /v1/completions with a raw prompt".into(),
             )
         })?;
-        let messages: Vec<Message> = messages
-            .iter()
-            .map(|m| Message::new(m.role.clone(), m.content.clone()))
-            .collect();
+        let variables = [
+            ("bos_token", self.bos_text.as_str()),
+            ("eos_token", self.eos_text.as_str()),
+        ];
+        if tools.is_empty() && !messages.iter().any(ChatMessage::has_tool_parts) {
+            let messages: Vec<Message> = messages
+                .iter()
+                .map(|m| Message::new(m.role.clone(), m.content.clone()))
+                .collect();
+            return template
+                .render_conversation(
+                    &ChatValue::from_serialize(&messages),
+                    None,
+                    &variables,
+                    true,
+                )
+                .map_err(engine_error);
+        }
+        if self.tool_format().is_none() {
+            return Err(EngineError::InvalidInput(
+                "this model's chat template does not take tools".into(),
+            ));
+        }
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(tools::template_message).collect();
+        let tools = (!tools.is_empty()).then(|| ChatValue::from_serialize(&tools));
         template
-            .render(&messages, &self.bos_text, &self.eos_text, true)
+            .render_conversation(
+                &ChatValue::from_serialize(&messages),
+                tools.as_ref(),
+                &variables,
+                true,
+            )
             .map_err(engine_error)
     }
 

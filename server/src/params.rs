@@ -8,6 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::engine::{ChatMessage, GrammarSpec, SamplingParams};
 use crate::error::ApiError;
+use crate::tools::ToolsRequest;
 
 /// Most alternatives per token a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -20,9 +21,6 @@ pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 /// but null, an empty list or object, or the field's own "off" value, see [`is_off`]) gets a
 /// 400 naming it. Implementing a field means deleting its line here.
 pub const UNSUPPORTED_FIELDS: &[&str] = &[
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
     "functions",
     "function_call",
     "audio",
@@ -31,6 +29,10 @@ pub const UNSUPPORTED_FIELDS: &[&str] = &[
     "web_search_options",
     "reasoning_effort",
 ];
+
+/// Fields of chat requests that `/v1/completions` and `/v1/embeddings` refuse like
+/// [`UNSUPPORTED_FIELDS`].
+pub const CHAT_ONLY_FIELDS: &[&str] = &["tools", "tool_choice", "parallel_tool_calls"];
 
 /// Whether `value` of unsupported field `name` asks for nothing this server would ignore.
 fn is_off(name: &str, value: &Value) -> bool {
@@ -47,7 +49,17 @@ fn is_off(name: &str, value: &Value) -> bool {
 
 /// A 400 for the first field of [`UNSUPPORTED_FIELDS`] the body sets.
 fn reject_unsupported(f: &Fields<'_>) -> Result<(), ApiError> {
-    for &name in UNSUPPORTED_FIELDS {
+    reject_fields(f, UNSUPPORTED_FIELDS)
+}
+
+/// [`reject_unsupported`], and [`CHAT_ONLY_FIELDS`] too (for the endpoints that are not chat).
+fn reject_unsupported_or_chat_only(f: &Fields<'_>) -> Result<(), ApiError> {
+    reject_fields(f, UNSUPPORTED_FIELDS)?;
+    reject_fields(f, CHAT_ONLY_FIELDS)
+}
+
+fn reject_fields(f: &Fields<'_>, names: &[&str]) -> Result<(), ApiError> {
+    for &name in names {
         if let Some(value) = f.obj.get(name)
             && !is_off(name, value)
         {
@@ -68,7 +80,7 @@ pub struct Fields<'a> {
     obj: &'a Map<String, Value>,
 }
 
-fn type_error(name: &str, expected: &str, found: &Value) -> ApiError {
+pub(crate) fn type_error(name: &str, expected: &str, found: &Value) -> ApiError {
     let found = match found {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -392,6 +404,11 @@ pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     /// `Some(k)` when `logprobs` is true (`k` = `top_logprobs`, default 0).
     pub logprobs: Option<usize>,
+    /// The functions offered and `tool_choice`; `None` for a chat without tools (or with
+    /// `tool_choice: "none"`).
+    pub tools: Option<ToolsRequest>,
+    /// `parallel_tool_calls` (default true); false keeps only the first call of a reply.
+    pub parallel_tool_calls: bool,
 }
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
@@ -439,6 +456,8 @@ pub fn chat_request(body: &Value) -> Result<ChatRequest, ApiError> {
         common,
         messages,
         logprobs: logprobs.then_some(top.unwrap_or(0) as usize),
+        tools: ToolsRequest::from_body(f.obj)?,
+        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
     })
 }
 
@@ -468,6 +487,30 @@ fn chat_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             ),
         ));
     }
+    let tool_calls = match obj.get("tool_calls") {
+        Some(calls) if role == "assistant" => crate::tools::request_tool_calls(&at, calls)?,
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                format!("{at}.tool_calls"),
+                format!("`{at}.tool_calls` belongs to assistant messages only"),
+            ));
+        }
+        None => Vec::new(),
+    };
+    let id_param = format!("{at}.tool_call_id");
+    let tool_call_id = match obj.get("tool_call_id") {
+        Some(Value::String(id)) if role == "tool" => Some(id.clone()),
+        Some(v) if role == "tool" => return Err(type_error(&id_param, "a string", v)),
+        // Only tool messages answer a call.
+        Some(_) => None,
+        None if role == "tool" => {
+            return Err(ApiError::invalid_param(
+                &id_param,
+                format!("`{id_param}` is required: the id of the call this answers"),
+            ));
+        }
+        None => None,
+    };
     let content_param = format!("{at}.content");
     let content = match obj.get("content") {
         None if role == "assistant" => String::new(),
@@ -524,6 +567,8 @@ fn chat_message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     Ok(ChatMessage {
         role: role.to_string(),
         content,
+        tool_calls,
+        tool_call_id,
     })
 }
 
@@ -588,7 +633,7 @@ pub struct CompletionRequest {
 
 pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     let f = Fields::new(body)?;
-    reject_unsupported(&f)?;
+    reject_unsupported_or_chat_only(&f)?;
     let common = common(&f)?;
     let prompt = match f.get("prompt") {
         None => {
@@ -651,7 +696,7 @@ pub const MAX_EMBEDDING_INPUTS: usize = 2048;
 
 pub fn embeddings_request(body: &Value) -> Result<EmbeddingsRequest, ApiError> {
     let f = Fields::new(body)?;
-    reject_unsupported(&f)?;
+    reject_unsupported_or_chat_only(&f)?;
     let model = f.string("model")?.map(str::to_string);
     let inputs = match f.get("input") {
         None => return Err(ApiError::invalid_param("input", "`input` is required")),
@@ -714,9 +759,14 @@ mod tests {
             ("functions", json!([{"name": "f"}])),
             ("reasoning_effort", json!("high")),
         ] {
-            let err = chat(json!({ field: value })).unwrap_err();
-            assert_eq!(err.param.as_deref(), Some(field), "{}", err.message);
-            assert!(err.message.contains(field), "{}", err.message);
+            if CHAT_ONLY_FIELDS.contains(&field) {
+                chat(json!({ field: value.clone() }))
+                    .unwrap_or_else(|e| panic!("{field}: {}", e.message));
+            } else {
+                let err = chat(json!({ field: value })).unwrap_err();
+                assert_eq!(err.param.as_deref(), Some(field), "{}", err.message);
+                assert!(err.message.contains(field), "{}", err.message);
+            }
             let body = json!({"prompt": "x", field: value});
             assert_eq!(
                 completion_request(&body).unwrap_err().param.as_deref(),
@@ -893,6 +943,47 @@ mod tests {
         assert_eq!(r.common.sampling.seed, Some(u64::MAX));
         assert_eq!(r.logprobs, Some(3));
         assert_eq!(r.common.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn tool_calls_and_tool_results_are_read_and_bad_ones_named() {
+        let r = chat_request(&json!({
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                    "type": "function", "function": {"name": "w", "arguments": "{\"c\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "w"}}],
+            "parallel_tool_calls": false
+        }))
+        .unwrap();
+        assert_eq!(r.messages[1].content, "");
+        assert_eq!(r.messages[1].tool_calls[0].name, "w");
+        assert_eq!(r.messages[1].tool_calls[0].arguments, "{\"c\": 1}");
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("call_1"));
+        assert!(r.tools.is_some() && !r.parallel_tool_calls);
+        for (messages, param) in [
+            (
+                json!([{"role": "tool", "content": "sunny"}]),
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!([{"role": "tool", "content": "sunny", "tool_call_id": 7}]),
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!([{"role": "user", "content": "x", "tool_calls": []}]),
+                "messages[0].tool_calls",
+            ),
+            (
+                json!([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {}}}]}]),
+                "messages[0].tool_calls[0].function.arguments",
+            ),
+        ] {
+            let err = chat_request(&json!({ "messages": messages })).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(param), "{}", err.message);
+        }
     }
 
     #[test]

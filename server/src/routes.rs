@@ -19,6 +19,7 @@ use crate::error::ApiError;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
 use crate::state::{AppState, ModelSlot};
+use crate::tools::{self, ReplyTools, StreamPiece, ToolCall, ToolStream};
 
 type AppResult = Result<Response, ApiError>;
 
@@ -73,7 +74,7 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn new_id(prefix: &str) -> String {
+pub(crate) fn new_id(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
@@ -204,6 +205,8 @@ struct Shape {
     prompt_tokens: usize,
     logprobs: Option<usize>,
     include_usage: bool,
+    /// A chat with tools: its reply is parsed into `tool_calls`.
+    tools: Option<ReplyTools>,
 }
 
 fn logprob_entry(t: &TokenLogprob) -> Value {
@@ -260,6 +263,15 @@ impl Shape {
 
     fn response(&self, text: String, tokens: &[GeneratedToken], finish: FinishReason) -> Value {
         let choice = match self.kind {
+            Kind::Chat if self.tools.is_some() => {
+                let (message, finish) = self.tool_reply(&text, finish);
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": self.logprobs(tokens, 0),
+                    "finish_reason": finish,
+                })
+            }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -327,6 +339,39 @@ impl Shape {
         if self.include_usage {
             chunk["usage"] = Value::Null;
         }
+        chunk
+    }
+
+    /// The message of a chat with tools and its finish reason: `tool_calls` when the reply
+    /// holds calls.
+    fn tool_reply(&self, text: &str, finish: FinishReason) -> (Value, &'static str) {
+        let Some(tools) = self.tools else {
+            return (
+                json!({"role": "assistant", "content": text}),
+                finish.as_openai(),
+            );
+        };
+        let mut reply = tools::parse_reply(tools.format, text, &mut || new_id("call"));
+        if !tools.parallel {
+            reply.calls.truncate(1);
+        }
+        if reply.calls.is_empty() {
+            return (
+                json!({"role": "assistant", "content": text}),
+                finish.as_openai(),
+            );
+        }
+        let calls: Vec<Value> = reply.calls.iter().map(ToolCall::to_openai).collect();
+        (
+            json!({"role": "assistant", "content": reply.content, "tool_calls": calls}),
+            "tool_calls",
+        )
+    }
+
+    /// A chat chunk with this `delta` (a streamed tool call).
+    fn delta_chunk(&self, delta: Value) -> Value {
+        let mut chunk = self.chunk(None, false, &[], 0, None);
+        chunk["choices"][0]["delta"] = delta;
         chunk
     }
 
@@ -415,10 +460,10 @@ pub async fn chat_completions(
     JsonBody(body): JsonBody,
 ) -> AppResult {
     let (engine, scheduler) = state.ready()?;
-    let req = params::chat_request(&body)?;
+    let mut req = params::chat_request(&body)?;
     let model = check_model(&state, &*engine, req.common.model.as_deref())?;
-    let messages = state.with_system_prompt(&model, engine.model_id(), req.messages);
-    let text = engine.render_chat(&messages)?;
+    let messages = state.with_system_prompt(&model, engine.model_id(), req.messages.clone());
+    let (text, tools) = tools::render_chat_prompt(&*engine, &mut req, &messages)?;
     // The template writes the BOS text itself when the model uses one.
     let prompt = engine.tokenize(&text, false)?;
     let shape = Shape {
@@ -429,6 +474,7 @@ pub async fn chat_completions(
         prompt_tokens: prompt.len(),
         logprobs: req.logprobs,
         include_usage: req.common.include_usage,
+        tools,
     };
     let handle = submit(
         &*engine,
@@ -461,6 +507,7 @@ pub async fn completions(
         prompt_tokens: prompt.len(),
         logprobs: req.logprobs,
         include_usage: req.common.include_usage,
+        tools: None,
     };
     let handle = submit(
         &*engine,
@@ -515,6 +562,8 @@ struct StreamState {
     started: bool,
     finished: bool,
     text_chars: usize,
+    /// A chat with tools: its text split into content and calls as it arrives.
+    tool_stream: Option<ToolStream>,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -525,6 +574,14 @@ impl StreamState {
     /// Turns the next sequence event into zero or more SSE events.
     fn on_event(&mut self, event: Option<Event>) {
         match event {
+            Some(Event::Delta { text, token }) if self.tool_stream.is_some() => {
+                let tokens: Vec<GeneratedToken> = token.into_iter().collect();
+                let pieces = match &mut self.tool_stream {
+                    Some(stream) => stream.push(&text, &mut || new_id("call")),
+                    None => Vec::new(),
+                };
+                self.send_tool_pieces(pieces, &tokens);
+            }
             Some(Event::Delta { text, token }) => {
                 let tokens: Vec<GeneratedToken> = token.into_iter().collect();
                 let has_logprobs = self.shape.logprobs.is_some() && !tokens.is_empty();
@@ -551,6 +608,18 @@ impl StreamState {
                 finish,
                 completion_tokens,
             }) => {
+                let mut finish = finish.as_openai();
+                if let Some(stream) = &mut self.tool_stream {
+                    let pieces = stream.finish(&mut || new_id("call"));
+                    self.send_tool_pieces(pieces, &[]);
+                    if self
+                        .tool_stream
+                        .as_ref()
+                        .is_some_and(ToolStream::made_calls)
+                    {
+                        finish = "tool_calls";
+                    }
+                }
                 let last = self.shape.chunk(
                     if self.shape.kind == Kind::Chat {
                         None
@@ -560,7 +629,7 @@ impl StreamState {
                     false,
                     &[],
                     self.text_chars,
-                    Some(finish.as_openai()),
+                    Some(finish),
                 );
                 self.pending.push_back(data(&last));
                 if self.shape.include_usage {
@@ -581,6 +650,50 @@ impl StreamState {
         }
     }
 
+    /// Chunks for a chat with tools: content as content deltas, a call as OpenAI streams one
+    /// (`tool_calls[i]` with its id and name, then its arguments); the tokens' logprobs go
+    /// with the first chunk, or alone when the tokens completed nothing yet.
+    fn send_tool_pieces(&mut self, pieces: Vec<StreamPiece>, tokens: &[GeneratedToken]) {
+        let parallel = self.shape.tools.is_none_or(|t| t.parallel);
+        let mut tokens = if self.shape.logprobs.is_some() {
+            tokens
+        } else {
+            &[]
+        };
+        if pieces.is_empty() && !tokens.is_empty() {
+            let chunk = self.shape.chunk(None, false, tokens, self.text_chars, None);
+            self.pending.push_back(data(&chunk));
+            return;
+        }
+        for piece in pieces {
+            match piece {
+                StreamPiece::Content(text) => {
+                    let chunk = self
+                        .shape
+                        .chunk(Some(&text), false, tokens, self.text_chars, None);
+                    self.pending.push_back(data(&chunk));
+                    self.text_chars += text.chars().count();
+                }
+                StreamPiece::Call { index, .. } if index > 0 && !parallel => continue,
+                StreamPiece::Call { index, call } => {
+                    let opening = json!({"tool_calls": [{"index": index, "id": call.id,
+                        "type": "function", "function": {"name": call.name, "arguments": ""}}]});
+                    let mut chunk = self.shape.delta_chunk(opening);
+                    if !tokens.is_empty() {
+                        chunk["choices"][0]["logprobs"] =
+                            self.shape.logprobs(tokens, self.text_chars);
+                    }
+                    self.pending.push_back(data(&chunk));
+                    let arguments = json!({"tool_calls": [{"index": index,
+                        "function": {"arguments": call.arguments}}]});
+                    self.pending
+                        .push_back(data(&self.shape.delta_chunk(arguments)));
+                }
+            }
+            tokens = &[];
+        }
+    }
+
     fn finish(&mut self) {
         self.pending.push_back(SseEvent::default().data("[DONE]"));
         self.finished = true;
@@ -588,6 +701,7 @@ impl StreamState {
 }
 
 fn stream_response(shape: Shape, handle: SequenceHandle) -> Response {
+    let tool_stream = shape.tools.map(|t| ToolStream::new(t.format));
     let mut state = StreamState {
         shape,
         handle,
@@ -595,6 +709,7 @@ fn stream_response(shape: Shape, handle: SequenceHandle) -> Response {
         started: false,
         finished: false,
         text_chars: 0,
+        tool_stream,
     };
     if state.shape.kind == Kind::Chat {
         let opening = state.shape.chunk(Some(""), true, &[], 0, None);

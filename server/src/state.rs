@@ -127,13 +127,7 @@ impl AppState {
         if let Some(system) = self.system_prompt_for(requested, engine_id)
             && !messages.iter().any(|m| m.role == "system")
         {
-            messages.insert(
-                0,
-                ChatMessage {
-                    role: "system".into(),
-                    content: system.to_string(),
-                },
-            );
+            messages.insert(0, ChatMessage::new("system", system));
         }
         messages
     }

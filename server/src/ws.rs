@@ -679,6 +679,12 @@ pub(crate) fn queue_generation(
     let (engine, scheduler) = state.ready()?;
     let (common, prompt, param, default_max, logprobs) = if chat {
         let req = params::chat_request(body)?;
+        if req.tools.is_some() {
+            return Err(ApiError::invalid_param(
+                "tools",
+                "tools are served on POST /v1/chat/completions, not over the WebSocket",
+            ));
+        }
         let model = routes::check_model(state, &*engine, req.common.model.as_deref())?;
         let messages = state.with_system_prompt(&model, engine.model_id(), req.messages);
         let text = engine.render_chat(&messages)?;

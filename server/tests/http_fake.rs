@@ -50,10 +50,7 @@ fn chat_prompt(messages: &[ChatMessage]) -> Vec<u32> {
 }
 
 fn user(content: &str) -> Vec<ChatMessage> {
-    vec![ChatMessage {
-        role: "user".into(),
-        content: content.into(),
-    }]
+    vec![ChatMessage::new("user", content)]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -447,13 +444,7 @@ async fn system_prompt_is_inserted_only_without_a_system_message() {
     let with_sys = json!({"messages": [{"role": "system", "content": "Own."}, {"role": "user", "content": "hi"}]});
     post(&ts, "/v1/chat/completions", &with_sys).await;
     let rendered = engine.rendered.lock().clone();
-    assert_eq!(
-        rendered[0][0],
-        ChatMessage {
-            role: "system".into(),
-            content: "Be brief.".into()
-        }
-    );
+    assert_eq!(rendered[0][0], ChatMessage::new("system", "Be brief."));
     assert_eq!(rendered[0][1].role, "user");
     assert_eq!(rendered[1].len(), 2);
     assert_eq!(rendered[1][0].content, "Own.");

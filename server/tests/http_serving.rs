@@ -133,10 +133,7 @@ async fn a_model_named_system_prompt_replaces_the_default_for_that_name() {
         assert_eq!(chat(&ts, &body, None, None).await.status(), 200);
     }
     let rendered = engine.rendered.lock().clone();
-    let system = |content: &str| ChatMessage {
-        role: "system".into(),
-        content: content.into(),
-    };
+    let system = |content: &str| ChatMessage::new("system", content);
     assert_eq!(rendered[0][0], system("Default."));
     assert_eq!(rendered[1][0], system("Helper's own."));
     assert_eq!(rendered[1][1].role, "user");

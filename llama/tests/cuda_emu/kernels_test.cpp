@@ -760,6 +760,60 @@ void test_kq_matmul() {
 
 }  // namespace
 
+// The prompt path's conversion of q4_k / q5_k / q6_k weights to f16 for cuBLAS: the per-block
+// kernel against the format's f64 values (one f16 rounding) and the bits of the eight-values-per-
+// thread kernel it replaced.
+void test_kq_dequant() {
+    for (int dtype : {KQ4, KQ5, KQ6}) {
+        int m = 7, k = 768;
+        Weights w = random_kq_weights(dtype, m, k);
+        Buf<uint8_t> wd(w.bytes);
+        u64 n_blocks = (u64)m * k / 32;
+        Buf<uint16_t> per_block((size_t)m * k), per8((size_t)m * k);
+        emu::launch(grid3((unsigned)((n_blocks + 255) / 256)), 256,
+                    [&] { kq_dequant_f16(wd.p, dtype, n_blocks, per_block.p); });
+        emu::launch(grid3((unsigned)((n_blocks * 4 + 255) / 256)), 256,
+                    [&] { dequant_f16(wd.p, dtype, n_blocks, per8.p); });
+        std::vector<float> got((size_t)m * k);
+        for (size_t i = 0; i < got.size(); i++) got[i] = emu_h2f(per_block.p[i]);
+        check(std::string("kq_dequant_f16 ") + kq_name(dtype) + " vs the format's values", max_rel(got, w.values),
+              1e-3);
+        bool same = std::memcmp(per_block.p, per8.p, sizeof(uint16_t) * m * k) == 0;
+        printf("kq_dequant_f16 %s: the bits of dequant_f16: %s\n", kq_name(dtype), same ? "yes" : "NO");
+        if (!same) failures++;
+    }
+}
+
+// The same for q8_0, q4_0 and q4_1 (dtype codes 3, 4, 5): `dequant_blocks_f16` against the bits of
+// `dequant_f16`, random blocks with finite f16 scales and offsets.
+void test_block_dequant() {
+    const int block_bytes[3] = {34, 18, 20};
+    for (int dtype = 3; dtype <= 5; dtype++) {
+        int bb = block_bytes[dtype - 3];
+        u64 n_blocks = 7 * 24;
+        std::vector<uint8_t> bytes(n_blocks * bb);
+        for (auto& b : bytes) b = (uint8_t)(rng() & 0xFF);
+        for (u64 i = 0; i < n_blocks; i++) {
+            uint16_t d = emu_f2h(uniform(-0.01f, 0.01f)), m = emu_f2h(uniform(-0.05f, 0.05f));
+            bytes[i * bb] = d & 0xFF;
+            bytes[i * bb + 1] = d >> 8;
+            if (dtype == 5) {
+                bytes[i * bb + 2] = m & 0xFF;
+                bytes[i * bb + 3] = m >> 8;
+            }
+        }
+        Buf<uint8_t> wd(bytes);
+        Buf<uint16_t> per_block(n_blocks * 32), per8(n_blocks * 32);
+        emu::launch(grid3((unsigned)((n_blocks + 255) / 256)), 256,
+                    [&] { dequant_blocks_f16(wd.p, dtype, n_blocks, per_block.p); });
+        emu::launch(grid3((unsigned)((n_blocks * 4 + 255) / 256)), 256,
+                    [&] { dequant_f16(wd.p, dtype, n_blocks, per8.p); });
+        bool same = std::memcmp(per_block.p, per8.p, sizeof(uint16_t) * n_blocks * 32) == 0;
+        printf("dequant_blocks_f16 dtype %d: the bits of dequant_f16: %s\n", dtype, same ? "yes" : "NO");
+        if (!same) failures++;
+    }
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++)
         if (std::string(argv[i]) == "--quick") quick = true;
@@ -769,6 +823,8 @@ int main(int argc, char** argv) {
     test_seq_kernels();
     test_flash_attention();
     test_kq_matmul();
+    test_kq_dequant();
+    test_block_dequant();
     if (failures) {
         printf("%d check(s) FAILED\n", failures);
         return 1;

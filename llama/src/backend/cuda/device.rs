@@ -518,6 +518,10 @@ pub(super) struct Kernels {
     pub attention_flash: [CudaFunction; 2],
     pub attention_combine_seqs: CudaFunction,
     pub dequant_f16: CudaFunction,
+    /// `dequant_f16` for the dtypes of `kquants.cu`, a thread per 32-value block.
+    pub kq_dequant_f16: CudaFunction,
+    /// `dequant_f16` for q8_0, q4_0 and q4_1, a thread per 32-value block.
+    pub dequant_blocks_f16: CudaFunction,
     pub dequant_f32: CudaFunction,
     pub quantize_x16: CudaFunction,
     /// `embed_rows` for the dtypes of `kquants.cu`.
@@ -580,6 +584,8 @@ impl Kernels {
             attention_flash: [f("attention_flash_hd64")?, f("attention_flash_hd128")?],
             attention_combine_seqs: f("attention_combine_seqs")?,
             dequant_f16: f("dequant_f16")?,
+            kq_dequant_f16: f("kq_dequant_f16")?,
+            dequant_blocks_f16: f("dequant_blocks_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
             kq_embed_rows: f("kq_embed_rows")?,

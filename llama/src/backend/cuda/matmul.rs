@@ -8,7 +8,7 @@ use weights_format::DType;
 
 use crate::backend::{BackendError, RowGroup, WeightView};
 
-use super::device::{GemmArgs, blocks, dtype_code, elementwise};
+use super::device::{GemmArgs, blocks, dtype_code, elementwise, kq_kernels};
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf};
 
@@ -377,8 +377,15 @@ impl CudaBackend {
         to: DType,
     ) -> Result<CudaSlice<u8>, BackendError> {
         let n = w.rows * w.cols;
+        // The block dtypes to f16 take a thread per 32-value block (`kq_dequant_f16` for the
+        // k-quant-era ones, `dequant_blocks_f16` for q8_0, q4_0 and q4_1), decoding each block
+        // once; bf16 (and anything to f32) eight values per thread.
+        let legacy_block = matches!(w.dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
+        let per_block = to == DType::F16 && (legacy_block || kq_kernels(w.dtype));
         let (kernel, elem) = match to {
             DType::F32 => (&self.kernels.dequant_f32, 4),
+            _ if per_block && legacy_block => (&self.kernels.dequant_blocks_f16, 2),
+            _ if per_block => (&self.kernels.kq_dequant_f16, 2),
             _ => (&self.kernels.dequant_f16, 2),
         };
         // Not zeroed first: that would be one more pass over the matrix.
@@ -395,8 +402,8 @@ impl CudaBackend {
         // SAFETY: the weight holds n_blocks·32 values in whole blocks of its dtype (checked when
         // the model resolved it: rows of 32-value block dtypes are multiples of 32, of
         // super-block dtypes multiples of 256) and `tmp` room for n_blocks·32 values of `to`;
-        // eight values per thread.
-        unsafe { b.run(elementwise(n / 8)) }?;
+        // 32 values per thread (the per-block kernels) or eight.
+        unsafe { b.run(elementwise(if per_block { n / 32 } else { n / 8 })) }?;
         Ok(tmp)
     }
 

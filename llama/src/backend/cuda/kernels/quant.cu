@@ -62,3 +62,40 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16
     for (int j = 0; j < 4; j++) h[j] = (u32)f2h(v[2 * j]) | ((u32)f2h(v[2 * j + 1]) << 16);
     *(uint4*)(out + at) = make_uint4(h[0], h[1], h[2], h[3]);
 }
+
+// `dequant_f16` for q8_0 (3), q4_0 (4) and q4_1 (5) with a thread per 32-value block: the scale
+// (and q4_1's offset) read once, the quant bytes as 16-bit words, the same expressions as
+// `load_elem` (so the same bits), four 16-byte stores.
+extern "C" __global__ void dequant_blocks_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_blocks) return;
+    int bytes = dtype == 3 ? 34 : dtype == 4 ? 18 : 20;
+    const u8* b = w + i * bytes;
+    float d = h2f(load_u16(b)), m = dtype == 5 ? h2f(load_u16(b + 2)) : 0.f;
+    const u8* qs = b + (dtype == 5 ? 4 : 2);
+    u16 vals[32];
+    if (dtype == 3) {
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            u32 two = load_u16(qs + 2 * j);
+            vals[2 * j] = f2h(d * (float)(signed char)(two & 0xFF));
+            vals[2 * j + 1] = f2h(d * (float)(signed char)(two >> 8));
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            u32 two = load_u16(qs + 2 * j);
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                int byte = (two >> (8 * k)) & 0xFF, lo = byte & 0xF, hi = byte >> 4;
+                vals[2 * j + k] = f2h(dtype == 4 ? (float)(lo - 8) * d : (float)lo * d + m);
+                vals[16 + 2 * j + k] = f2h(dtype == 4 ? (float)(hi - 8) * d : (float)hi * d + m);
+            }
+        }
+    }
+    uint4* o = (uint4*)(out + i * 32);
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+        o[s] = make_uint4((u32)vals[8 * s] | ((u32)vals[8 * s + 1] << 16), (u32)vals[8 * s + 2] | ((u32)vals[8 * s + 3] << 16),
+                          (u32)vals[8 * s + 4] | ((u32)vals[8 * s + 5] << 16), (u32)vals[8 * s + 6] | ((u32)vals[8 * s + 7] << 16));
+}
