@@ -12,6 +12,10 @@
 # tokens, default 128), GEN (generated tokens, default 64), LLAMA_BENCH (path of llama.cpp's
 # `llama-bench`; without it llama-cpp-python is used through PYTHON, default python3).
 # On the GPU machine's 16 cores: LLAMA_BENCH=…/llama-bench scripts/cpu-vs-llamacpp.sh GGUF DIR 16
+# LLAMACPP_EXTRA_BUFTS=0 (llama-cpp-python only) loads the GGUF without ggml-cpu's extra buffer
+# types (its AMX and repacked weight layouts): on the 2-core development VM their AMX path
+# crashes on a prompt (SIGSEGV in ggml_backend_amx_mul_mat), so prefill is measurable there only
+# with them off, which is not llama.cpp's fastest path: say so beside such figures.
 set -euo pipefail
 gguf="$1" model="$2" threads="$3"
 bin="${GDSLLM_BIN:-target/release/gdsllm}"
@@ -27,10 +31,18 @@ llamacpp() { # prints {"pp": tok/s, "tg": tok/s}
 print(json.dumps({("pp" if e["n_prompt"] else "tg"): e["avg_ts"] for e in r}))'
     else
         "$python" - "$gguf" "$threads" "$prompt" "$gen" <<'PY'
-import json, sys, time
-import numpy as np
+import json, os, sys, time
 from llama_cpp import Llama
+import llama_cpp
+import llama_cpp.llama
 path, threads, n_prompt, n_gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if os.environ.get("LLAMACPP_EXTRA_BUFTS", "1") == "0":
+    default_params = llama_cpp.llama_model_default_params
+    def without_extra_bufts():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama.llama_cpp.llama_model_default_params = without_extra_bufts
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads,
             n_ctx=n_prompt + n_gen + 8, n_batch=max(n_prompt, 8), verbose=False)
 text = b"The quick brown fox jumps over the lazy dog. " * (n_prompt // 4 + 8)
@@ -39,9 +51,10 @@ t0 = time.perf_counter()
 llm.eval(tokens)
 pp = len(tokens) / (time.perf_counter() - t0)
 t0 = time.perf_counter()
-for _ in range(n_gen):
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    llm.eval([token])
+# Fixed token ids (the speed does not depend on them; `llm.scores` holds only n_batch rows,
+# so reading the logits of position n_tokens - 1 there failed once the prompt filled a batch).
+for i in range(n_gen):
+    llm.eval([tokens[i % len(tokens)]])
 tg = n_gen / (time.perf_counter() - t0)
 print(json.dumps({"pp": pp, "tg": tg}))
 PY

@@ -71,6 +71,11 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Run(_) | Command::Bench(_)) {
+        // Their CPU passes run on this thread: make it one of rayon's workers, so that each
+        // parallel region starts at once instead of waking the pool and sleeping.
+        llama::CpuBackend::adopt_current_thread(None);
+    }
     let result: anyhow::Result<()> = match cli.command {
         Command::Convert(args) => cmd::convert::run(args),
         Command::Pull(args) => cmd::pull::run(args),

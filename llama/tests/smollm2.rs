@@ -12,10 +12,11 @@ use residency::ResidencyOptions;
 /// quantized values, only the summation order differs over 30 layers.
 const LOGIT_TOL: f32 = 0.05;
 
-/// Logit tolerance in the default mode, whose decode rows (and the logits of a prompt's last
-/// row) meet 8-bit activations (|x − x̂| ≤ max|x|/254 per 32 values, as llama.cpp): measured up
-/// to 0.15 here on logits near 30; 0.3 is 1 % of the largest logit.
-const QUANTIZED_LOGIT_TOL: f32 = 0.3;
+/// Logit tolerance in the default mode, whose matmul rows meet 8-bit activations (|x − x̂| ≤
+/// max|x|/254 per 32 values, as llama.cpp): the decode rows, and on CPUs with AVX2 a prompt's
+/// rows too (`int8::gemm8`). Measured up to 0.15 here on logits near 30 with decode rows only,
+/// 0.31 with the prompt's rows as well; 0.5 is under 2 % of the largest logit.
+const QUANTIZED_LOGIT_TOL: f32 = 0.5;
 
 fn open(context: usize) -> Option<llama::CpuModel> {
     let dir = model_dir()?;
@@ -67,7 +68,7 @@ fn raw_prompts_match_reference_top5_and_greedy_ids() {
     raw_prompts_match_reference(&mut m, LOGIT_TOL);
 }
 
-/// The default mode (8-bit activations for the q4_1/q8_0 decode rows) against the same float
+/// The default mode (8-bit activations for the q4_1/q8_0 matmul rows) against the same float
 /// reference, with [`QUANTIZED_LOGIT_TOL`]: the top-5 logits within it, the top 5 in the same
 /// order wherever their reference gaps exceed it, and greedy decoding agreeing up to the first
 /// step whose reference top-2 gap is below it.

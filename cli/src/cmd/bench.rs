@@ -243,7 +243,7 @@ fn bench<B: Backend, W: WeightSource>(
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    llama::CpuBackend::threads()
 }
 
 /// The batch sizes to run, in the order given, each once.

@@ -1,18 +1,23 @@
 //! The CPU backend: rayon across output rows (matmul) or (position, head) pairs (attention),
-//! the vectorised inner loops of `kernels.rs`, f32 activations and accumulation.
+//! the vectorised inner loops of `kernels.rs`, `int8.rs` and `kquants.rs`, f32 accumulation.
 //!
-//! Two modes for the matmul rows dotted straight from the weight blocks (decoding, batches of
-//! fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows):
+//! Two modes for the matmul rows:
 //! - default: q4_0, q4_1 and q8_0 weights meet the activations quantized to 8 bits per 32
-//!   values (`int8.rs`, as llama.cpp does): integer dot products, about twice the decode speed,
-//!   at the cost of the activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on
-//!   SmolLM2 the logits move by a few hundredths, see `tests/smollm2.rs`).
+//!   values (`int8.rs`, as llama.cpp does): integer dot products, at the cost of the
+//!   activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on SmolLM2 the logits move
+//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). Decode rows (batches of
+//!   fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) go row by row (`int8::dot_rows`); a
+//!   prompt's rows, on CPUs with AVX2, eight weight rows at a time (`int8::gemm8`).
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
-//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones
-//! (`kquants.rs`), and prompts of `DECODE_ONCE_MIN_ROWS` or more rows decode each weight row
-//! once to f32.
+//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones for
+//! decode rows (`kquants.rs`), and the prompts that `int8::gemm8` does not take decode each
+//! weight row once to f32.
+//!
+//! Threads: the thread running the passes should be one of the pool's workers
+//! ([`CpuBackend::adopt_current_thread`]); element-wise work (norms, RoPE, activations, the
+//! quantizing of activations) is split over the threads only when it is a prompt's size.
 
 use rayon::prelude::*;
 use weights_format::DType;
@@ -53,6 +58,55 @@ impl CpuBackend {
         self.exact
     }
 
+    /// Makes the calling thread worker 0 of rayon's global pool (`threads` workers in all, else
+    /// rayon's default: `RAYON_NUM_THREADS` or one per core). Call it once, early, on the thread
+    /// that will run the model's passes, before anything else uses rayon.
+    ///
+    /// Why: a parallel region started from a thread outside the pool is queued to the pool and
+    /// the caller sleeps until a worker has finished it, so each of a decode step's ~150 matmul
+    /// and attention regions paid a wake-up of a worker and one of the caller (a tenth of a
+    /// decode step in `perf` with a pool of one worker; the caller's own core sat idle too).
+    /// From a worker the region runs at once, the caller taking its share while idle workers
+    /// steal the rest.
+    ///
+    /// Returns whether the pool was set up here: not for a single thread (that thread would
+    /// be the pool's only worker, and a parallel region another thread started would wait
+    /// until this one next entered rayon), nor when rayon's global pool already existed
+    /// (passes then run as before, only slower).
+    pub fn adopt_current_thread(threads: Option<usize>) -> bool {
+        let from_env = || {
+            let n: usize = std::env::var("RAYON_NUM_THREADS").ok()?.parse().ok()?;
+            (n > 0).then_some(n)
+        };
+        let n = threads
+            .or_else(from_env)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        if n < 2 {
+            return false;
+        }
+        let builder = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .use_current_thread();
+        match builder.build_global() {
+            Ok(()) => true,
+            Err(err) => {
+                tracing::debug!("the CPU backend keeps rayon's existing global pool: {err}");
+                false
+            }
+        }
+    }
+
+    /// The threads the CPU backend's parallel regions run on (rayon's global pool).
+    pub fn threads() -> usize {
+        rayon::current_num_threads()
+    }
+
+    /// Whether every row of a matmul of `dtype` (a prompt's too) takes 8-bit activations and
+    /// `int8::gemm8`.
+    fn gemm8(&self, dtype: DType) -> bool {
+        !self.exact && int8::handles(dtype) && int8::has_gemm8()
+    }
+
     /// Whether rows of `dtype` dotted from the blocks read 8-bit activations.
     fn quantizes(&self, dtype: DType) -> bool {
         kquants::handles(dtype) || (!self.exact && int8::handles(dtype))
@@ -66,7 +120,28 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let by_balance = out_rows.div_ceil(4 * threads);
     let by_work = MIN_WORK_PER_TASK.div_ceil(work_per_row.max(1));
-    by_balance.max(by_work).max(1)
+    // Whole groups of eight rows, as `int8::gemm8` takes them.
+    by_balance.max(by_work).max(1).next_multiple_of(8)
+}
+
+/// Values of element-wise work below which an op stays on the calling thread: a decode step's
+/// norms and activations (a few thousand values) cost less than waking other threads, a
+/// prompt's (hundreds of thousands) were serial work that left 16 threads waiting.
+const PARALLEL_MIN_VALUES: usize = 32 * 1024;
+
+/// `f(chunk of a, matching chunk of b)` over `a` and `b` (as long as `a`), in parallel when
+/// long enough. Chunks are whole multiples of `unit` values.
+fn zip_chunks(a: &mut [f32], b: &[f32], unit: usize, f: impl Fn(&mut [f32], &[f32]) + Sync) {
+    let unit = unit.max(1);
+    if a.len() < PARALLEL_MIN_VALUES {
+        f(a, &b[..a.len()]);
+        return;
+    }
+    let chunk = (PARALLEL_MIN_VALUES / 4).div_ceil(unit) * unit;
+    let len = a.len();
+    a.par_chunks_mut(chunk)
+        .zip(b[..len].par_chunks(chunk))
+        .for_each(|(a, b)| f(a, b));
 }
 
 fn silu(x: f32) -> f32 {
@@ -88,21 +163,20 @@ fn rmsnorm_rows(
     weight: WeightView<'_>,
     eps: f32,
     out: &mut [f32],
-    store: impl Fn(f32, &mut f32),
+    store: impl Fn(f32, &mut f32) + Sync,
 ) -> Result<(), BackendError> {
     let dim = weight.cols;
     let mut w = vec![0f32; dim];
     kernels::dequantize_row(weight.dtype, host(&weight)?, &mut w);
-    for (xr, or) in x[..rows * dim]
-        .chunks_exact(dim)
-        .zip(out[..rows * dim].chunks_exact_mut(dim))
-    {
-        let ss = kernels::dot(xr, xr);
-        let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
-        for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
-            store(xv * scale * wv, o);
+    zip_chunks(&mut out[..rows * dim], &x[..rows * dim], dim, |out, x| {
+        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            let ss = kernels::dot(xr, xr);
+            let scale = 1.0 / (ss / dim as f32 + eps).sqrt();
+            for ((o, xv), wv) in or.iter_mut().zip(xr).zip(&w) {
+                store(xv * scale * wv, o);
+            }
         }
-    }
+    });
     Ok(())
 }
 
@@ -131,7 +205,7 @@ fn matmul_rows_of(
         }
     }
     let mut xq = QuantizedActs::default();
-    if cpu.quantizes(w.dtype) && wide.contains(&false) {
+    if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype)) {
         xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
@@ -151,11 +225,14 @@ fn matmul_rows_of(
             .par_chunks_mut(chunk * rows)
             .enumerate()
             .for_each(task);
-        for (i, col) in out_t.chunks_exact(rows).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                out[r * m + i] = *v;
-            }
-        }
+        out[..rows * m]
+            .par_chunks_mut(m)
+            .enumerate()
+            .for_each(|(r, o)| {
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = out_t[i * rows + r];
+                }
+            });
     }
     Ok(())
 }
@@ -171,8 +248,18 @@ fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
     host_bytes(w, "cpu")
 }
 
-/// Rotary embedding of whole rows of `width` values, the first at position `pos0`.
+/// Rotary embedding of whole rows of `width` values, the first at position `pos0` (rows in
+/// parallel when there are many: a prompt's sines and cosines).
 fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq: &[f32]) {
+    if x.len() >= PARALLEL_MIN_VALUES && x.len() >= 2 * width {
+        let rows_per_task = (PARALLEL_MIN_VALUES / 4).div_ceil(width);
+        x.par_chunks_mut(rows_per_task * width)
+            .enumerate()
+            .for_each(|(t, part)| {
+                rope_rows(part, width, head_dim, pos0 + t * rows_per_task, inv_freq)
+            });
+        return;
+    }
     let half = head_dim / 2;
     let mut cos = vec![0f32; half];
     let mut sin = vec![0f32; half];
@@ -468,16 +555,20 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
-            *g = silu(*g) * u;
-        }
+        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = silu(*g) * u;
+            }
+        });
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        for (g, u) in gate[..len].iter_mut().zip(&up[..len]) {
-            *g = gelu_tanh(*g) * u;
-        }
+        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = gelu_tanh(*g) * u;
+            }
+        });
         Ok(())
     }
 

@@ -53,6 +53,66 @@ pub(crate) fn dot_rows(
     }
 }
 
+/// Whether [`gemm8`] computes any rows on this CPU (else it returns 0 and the rows go through
+/// [`dot_rows`]).
+pub(crate) fn has_gemm8() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Where [`gemm8`] writes: the product of weight row `i` with activation row `c` goes to
+/// `out_t[i · stride + columns[c]]`.
+pub(crate) struct Columns<'a> {
+    pub out_t: &'a mut [f32],
+    pub stride: usize,
+    pub columns: &'a [usize],
+}
+
+/// The weight rows of `w` (`row_bytes` each, whole blocks of `dtype`, one of [`handles`]) in
+/// groups of eight against every activation row of `acts`, into `out` (see [`Columns`]).
+/// Returns how many rows it computed (the whole groups of eight; none without AVX2), the
+/// caller computes the rest with [`dot_rows`]. For prompts: one activation row alone is
+/// faster through [`dot_rows`], which streams each weight row once without transposing.
+///
+/// Why eight rows at once (as ggml-cpu's repacked q4_0 8×8 kernels and its AMX path's VNNI
+/// fallback lay them out): with the rows in the eight lanes of a vector, one integer multiply-
+/// add of a weight vector with four broadcast activation bytes serves eight rows, and each
+/// block's scales, offsets and conversions are one vector operation for the eight rows instead
+/// of scalar work per row, and no horizontal sum remains. The rows are transposed as they are
+/// read (so the stored layout stays the file's); a prompt's rows (more than four) reuse each
+/// group's transposed blocks for all of them.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c+avxvnni",
+    "x86_64+avx2+fma+f16c"
+))]
+pub(crate) fn gemm8(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[ActRow<'_>],
+    out: Columns<'_>,
+) -> usize {
+    match_target! {
+        "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c" =>
+            avx512vnni::gemm8(dtype, w, row_bytes, acts, out),
+        "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, row_bytes, acts, out),
+        "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, row_bytes, acts, out),
+        _ => {
+            let _ = (dtype, w, row_bytes, acts, out);
+            0
+        }
+    }
+}
+
 /// Plain Rust, integer sums per block (for CPUs without AVX2, and the tests' second opinion).
 pub(crate) mod portable {
     use super::super::kquants::f16_at;
@@ -125,70 +185,362 @@ pub(crate) mod portable {
     }
 }
 
-/// The x86 kernels for one instruction set, `mul_sum(u, s)` being the eight i32 sums of four
-/// products `u8 · i8` each.
+/// Lane `r` of output `j` is 32-bit word `j` of the 16 bytes at `rows[r][at..]` (eight rows).
+/// A macro, as is `f16_lanes!`, so that it expands inside the caller's `target_feature`
+/// function: as functions (which cannot be `inline(always)` with target features) they stayed
+/// out of line and handed their vectors back through the stack.
+macro_rules! transpose_words {
+    ($rows:expr, $at:expr) => {{
+        let (rows, at): (&[&[u8]; 8], usize) = ($rows, $at);
+        let y0 = _mm256_set_m128i(load128(&rows[4][at..]), load128(&rows[0][at..]));
+        let y1 = _mm256_set_m128i(load128(&rows[5][at..]), load128(&rows[1][at..]));
+        let y2 = _mm256_set_m128i(load128(&rows[6][at..]), load128(&rows[2][at..]));
+        let y3 = _mm256_set_m128i(load128(&rows[7][at..]), load128(&rows[3][at..]));
+        let t0 = _mm256_unpacklo_epi32(y0, y1);
+        let t1 = _mm256_unpackhi_epi32(y0, y1);
+        let t2 = _mm256_unpacklo_epi32(y2, y3);
+        let t3 = _mm256_unpackhi_epi32(y2, y3);
+        [
+            _mm256_unpacklo_epi64(t0, t2),
+            _mm256_unpackhi_epi64(t0, t2),
+            _mm256_unpacklo_epi64(t1, t3),
+            _mm256_unpackhi_epi64(t1, t3),
+        ]
+    }};
+}
+
+/// The f16 at `rows[r][at..]` of the eight rows, as f32 lanes (a macro: see
+/// `transpose_words!`).
+macro_rules! f16_lanes {
+    ($rows:expr, $at:expr) => {{
+        let (rows, at): (&[&[u8]; 8], usize) = ($rows, $at);
+        let h = |r: usize| i16::from_le_bytes([rows[r][at], rows[r][at + 1]]);
+        _mm256_cvtph_ps(_mm_setr_epi16(
+            h(0),
+            h(1),
+            h(2),
+            h(3),
+            h(4),
+            h(5),
+            h(6),
+            h(7),
+        ))
+    }};
+}
+
+/// The x86 kernels for one instruction set, `mul_sum_add(acc, u, s)` being `acc` plus the eight
+/// i32 sums of four products `u8 · i8` each.
 macro_rules! x86_kernels {
-    ($module:ident, $features:literal, |$u:ident, $s:ident| $mul_sum:expr) => {
+    ($module:ident, $features:literal, |$acc:ident, $u:ident, $s:ident| $mul_sum_add:expr) => {
         #[cfg(target_arch = "x86_64")]
         mod $module {
             use std::arch::x86_64::*;
 
             use super::super::kquants::avx2::{
-                hsum, load256, load256_i8, nibbles_split, prefetch_ahead, scale_add,
+                hsum, load128, load256, load256_i8, nibbles_split, prefetch_ahead, scale_add,
             };
-            use super::super::kquants::f16_at;
             use super::*;
 
             #[target_feature(enable = $features)]
             #[inline]
-            fn mul_sum($u: __m256i, $s: __m256i) -> __m256i {
-                $mul_sum
+            fn mul_sum_add($acc: __m256i, $u: __m256i, $s: __m256i) -> __m256i {
+                $mul_sum_add
             }
 
-            /// q4_1 (`MIN`) or q4_0: two accumulators (even and odd blocks) so that the FMAs
-            /// of consecutive blocks do not wait on each other.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn mul_sum(u: __m256i, s: __m256i) -> __m256i {
+                mul_sum_add(_mm256_setzero_si256(), u, s)
+            }
+
+            /// A block's f16 scale and the f16 after it (q4_1's min) as f32, by F16C.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn two_f16(blk: &[u8]) -> (f32, f32) {
+                let bits = u32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+                let h = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+                (_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_movehdup_ps(h)))
+            }
+
+            /// One q4_1 (`MIN`) or q4_0 block: `acc + d·dx · Σ lv·q`, and its offset term
+            /// (q4_1's `m·d·Σq`, q4_0's `−8·d_w·d·Σq`, `dq` being the activations' `d·Σq`).
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn q4_block<const MIN: bool>(
+                blk: &[u8],
+                q: &[i8],
+                dx: f32,
+                dq: f32,
+                acc: __m256,
+            ) -> (__m256, f32) {
+                let qs = if MIN { 4 } else { 2 };
+                let (d, m) = two_f16(blk);
+                let p = mul_sum(nibbles_split(&blk[qs..qs + 16]), load256_i8(q));
+                let offset = if MIN { m * dq } else { -8.0 * d * dq };
+                (scale_add(acc, p, d * dx), offset)
+            }
+
+            /// q4_1 (`MIN`) or q4_0, two blocks a step into two accumulators held in
+            /// registers, so that the FMAs of consecutive blocks do not wait on each other
+            /// (indexing an array of accumulators by the block's parity kept them on the
+            /// stack, a store and a reload per block; the scales went through a software f16
+            /// conversion: together a third of llama.cpp's one-thread decode speed).
             #[target_feature(enable = $features)]
             #[inline]
             fn q4<const MIN: bool>(row: &[u8], x: ActRow<'_>) -> f32 {
-                let (bb, qs) = if MIN { (20, 4) } else { (18, 2) };
-                let mut acc = [_mm256_setzero_ps(); 2];
-                let mut offsets = [0f32; 2];
-                let blocks = row
-                    .chunks_exact(bb)
-                    .zip(x.q.chunks_exact(32))
-                    .zip(x.d.iter().zip(x.s16.chunks_exact(2)));
-                for (b, ((blk, q), (dx, s16))) in blocks.enumerate() {
-                    if b % 2 == 0 {
-                        prefetch_ahead(&blk[..1]);
-                    }
-                    let d = f16_at(blk, 0);
-                    let p = mul_sum(nibbles_split(&blk[qs..qs + 16]), load256_i8(q));
-                    acc[b % 2] = scale_add(acc[b % 2], p, d * dx);
-                    let dq = s16[0] + s16[1];
-                    offsets[b % 2] += if MIN {
-                        f16_at(blk, 2) * dq
-                    } else {
-                        -8.0 * d * dq
-                    };
+                let bb = if MIN { 20 } else { 18 };
+                let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let (mut off0, mut off1) = (0f32, 0f32);
+                let pairs = row.chunks_exact(2 * bb);
+                let tail = pairs.remainder();
+                let steps = pairs
+                    .zip(x.q.chunks_exact(64))
+                    .zip(x.d.chunks_exact(2).zip(x.s16.chunks_exact(4)));
+                for ((blk, q), (dx, s16)) in steps {
+                    prefetch_ahead(&blk[..1]);
+                    let (b0, b1) = blk.split_at(bb);
+                    let (a, o) = q4_block::<MIN>(b0, &q[..32], dx[0], s16[0] + s16[1], acc0);
+                    acc0 = a;
+                    off0 += o;
+                    let (a, o) = q4_block::<MIN>(b1, &q[32..], dx[1], s16[2] + s16[3], acc1);
+                    acc1 = a;
+                    off1 += o;
                 }
-                hsum(_mm256_add_ps(acc[0], acc[1])) + (offsets[0] + offsets[1])
+                if !tail.is_empty() {
+                    let b = row.len() / bb - 1;
+                    let dq = x.s16[2 * b] + x.s16[2 * b + 1];
+                    let (a, o) = q4_block::<MIN>(tail, &x.q[32 * b..], x.d[b], dq, acc0);
+                    acc0 = a;
+                    off0 += o;
+                }
+                hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1)
             }
 
-            /// q8_0: the weights' signs move onto the activations (`|w| · sign(q, w)`).
+            /// One q8_0 block: the weights' signs move onto the activations
+            /// (`|w| · sign(q, w)`).
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn q8_block(blk: &[u8], q: &[i8], dx: f32, acc: __m256) -> __m256 {
+                let d = two_f16(blk).0;
+                let w = load256(&blk[2..34]);
+                let p = mul_sum(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256_i8(q), w));
+                scale_add(acc, p, d * dx)
+            }
+
+            /// q8_0, two blocks a step as [`q4`].
             #[target_feature(enable = $features)]
             #[inline]
             fn q8(row: &[u8], x: ActRow<'_>) -> f32 {
-                let mut acc = [_mm256_setzero_ps(); 2];
-                let blocks = row.chunks_exact(34).zip(x.q.chunks_exact(32)).zip(x.d);
-                for (b, ((blk, q), dx)) in blocks.enumerate() {
-                    if b % 2 == 0 {
-                        prefetch_ahead(&blk[..1]);
-                    }
-                    let w = load256(&blk[2..34]);
-                    let p = mul_sum(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256_i8(q), w));
-                    acc[b % 2] = scale_add(acc[b % 2], p, f16_at(blk, 0) * dx);
+                let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let pairs = row.chunks_exact(68);
+                let tail = pairs.remainder();
+                for ((blk, q), dx) in pairs.zip(x.q.chunks_exact(64)).zip(x.d.chunks_exact(2)) {
+                    prefetch_ahead(&blk[..1]);
+                    acc0 = q8_block(&blk[..34], &q[..32], dx[0], acc0);
+                    acc1 = q8_block(&blk[34..], &q[32..], dx[1], acc1);
                 }
-                hsum(_mm256_add_ps(acc[0], acc[1]))
+                if !tail.is_empty() {
+                    let b = row.len() / 34 - 1;
+                    acc0 = q8_block(tail, &x.q[32 * b..], x.d[b], acc0);
+                }
+                hsum(_mm256_add_ps(acc0, acc1))
+            }
+
+            /// Block `b` of eight weight rows with the rows in the lanes: lane `r` of `v[k]`
+            /// holds the four levels of row `r` that meet the activations' bytes `4k..4k+4`
+            /// (unsigned for q4_0/q4_1, signed for q8_0); `d` the rows' scales, `m` their
+            /// offset per unit of the activations' `d·Σq` (q4_1's min, q4_0's `−8·d`).
+            #[derive(Clone, Copy)]
+            pub(super) struct Block8 {
+                v: [__m256i; 8],
+                d: __m256,
+                m: __m256,
+            }
+
+            /// Prefetches the cache line at byte `at` of each row of the next group of eight
+            /// (the rows of a matrix lie one after the other, so the next group starts eight
+            /// rows on): eight streams at once are more than the hardware prefetcher follows
+            /// early enough, and the first loads of each block waited on memory. A hint: an
+            /// address past the weights is never read.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn prefetch_next_group(rows: &[&[u8]; 8], at: usize) {
+                let ahead = 8 * rows[0].len() + at;
+                for row in rows {
+                    _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(ahead) as *const i8);
+                }
+            }
+
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn block8(dtype: DType, rows: &[&[u8]; 8], b: usize) -> Block8 {
+                let at = b * dtype.block_bytes();
+                let d = f16_lanes!(rows, at);
+                if dtype == DType::Q8_0 {
+                    let lo = transpose_words!(rows, at + 2);
+                    let hi = transpose_words!(rows, at + 18);
+                    return Block8 {
+                        v: [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]],
+                        d,
+                        m: _mm256_setzero_ps(),
+                    };
+                }
+                let (qs, m) = if dtype == DType::Q4_1 {
+                    (4, f16_lanes!(rows, at + 2))
+                } else {
+                    (2, _mm256_mul_ps(d, _mm256_set1_ps(-8.0)))
+                };
+                let t = transpose_words!(rows, at + qs);
+                let low4 = _mm256_set1_epi8(0xF);
+                let (t0, t1, t2, t3) = (t[0], t[1], t[2], t[3]);
+                Block8 {
+                    v: [
+                        _mm256_and_si256(t0, low4),
+                        _mm256_and_si256(t1, low4),
+                        _mm256_and_si256(t2, low4),
+                        _mm256_and_si256(t3, low4),
+                        _mm256_and_si256(_mm256_srli_epi16(t0, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(t1, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(t2, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(t3, 4), low4),
+                    ],
+                    d,
+                    m,
+                }
+            }
+
+            /// `acc + Σ` of block `b` of eight rows with one activation row, per row (lane).
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn dot8<const SIGNED: bool>(
+                blk: &Block8,
+                x: &ActRow<'_>,
+                b: usize,
+                acc: __m256,
+            ) -> __m256 {
+                let q = &x.q[32 * b..32 * b + 32];
+                let mut isum = _mm256_setzero_si256();
+                for (k, v) in blk.v.iter().enumerate() {
+                    let word = i32::from_le_bytes([
+                        q[4 * k] as u8,
+                        q[4 * k + 1] as u8,
+                        q[4 * k + 2] as u8,
+                        q[4 * k + 3] as u8,
+                    ]);
+                    let qk = _mm256_set1_epi32(word);
+                    isum = if SIGNED {
+                        mul_sum_add(isum, _mm256_sign_epi8(*v, *v), _mm256_sign_epi8(qk, *v))
+                    } else {
+                        mul_sum_add(isum, *v, qk)
+                    };
+                }
+                let f = _mm256_mul_ps(blk.d, _mm256_set1_ps(x.d[b]));
+                let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc);
+                if SIGNED {
+                    acc
+                } else {
+                    let dq = x.s16[2 * b] + x.s16[2 * b + 1];
+                    _mm256_fmadd_ps(blk.m, _mm256_set1_ps(dq), acc)
+                }
+            }
+
+            /// Where a tile reads its blocks: decoded from the rows as it goes, or decoded
+            /// once before for many activation rows.
+            #[derive(Clone, Copy)]
+            enum Blocks<'a, 'r> {
+                Rows(&'a [&'r [u8]; 8]),
+                Decoded(&'a [Block8]),
+            }
+
+            /// Eight weight rows against `T` activation rows, block by block: the same
+            /// operations in the same order for an activation row whichever tile it is in.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn tile<const T: usize, const SIGNED: bool>(
+                dtype: DType,
+                src: Blocks<'_, '_>,
+                blocks: usize,
+                acts: &[ActRow<'_>],
+            ) -> [[f32; 8]; T] {
+                let mut acc = [_mm256_setzero_ps(); T];
+                let bb = dtype.block_bytes();
+                for b in 0..blocks {
+                    let blk = match src {
+                        Blocks::Rows(rows) => {
+                            if (b * bb) % 64 < bb {
+                                prefetch_next_group(rows, b * bb);
+                            }
+                            block8(dtype, rows, b)
+                        }
+                        Blocks::Decoded(all) => all[b],
+                    };
+                    for c in 0..T {
+                        acc[c] = dot8::<SIGNED>(&blk, &acts[c], b, acc[c]);
+                    }
+                }
+                let mut sums = [[0f32; 8]; T];
+                for c in 0..T {
+                    sums[c] = bytemuck::cast(acc[c]);
+                }
+                sums
+            }
+
+            #[target_feature(enable = $features)]
+            pub(super) fn gemm8(
+                dtype: DType,
+                w: &[u8],
+                row_bytes: usize,
+                acts: &[ActRow<'_>],
+                out: Columns<'_>,
+            ) -> usize {
+                if dtype == DType::Q8_0 {
+                    gemm8_of::<true>(dtype, w, row_bytes, acts, out)
+                } else {
+                    gemm8_of::<false>(dtype, w, row_bytes, acts, out)
+                }
+            }
+
+            #[target_feature(enable = $features)]
+            fn gemm8_of<const SIGNED: bool>(
+                dtype: DType,
+                w: &[u8],
+                row_bytes: usize,
+                acts: &[ActRow<'_>],
+                out: Columns<'_>,
+            ) -> usize {
+                let n = acts.len();
+                debug_assert_eq!(out.columns.len(), n);
+                let blocks = row_bytes / dtype.block_bytes();
+                let groups = w.len() / row_bytes / 8;
+                let mut decoded = Vec::new();
+                for g in 0..groups {
+                    let rows: [&[u8]; 8] = std::array::from_fn(|r| {
+                        &w[(8 * g + r) * row_bytes..(8 * g + r + 1) * row_bytes]
+                    });
+                    let src = if n <= 4 {
+                        Blocks::Rows(&rows)
+                    } else {
+                        decoded.clear();
+                        decoded.extend((0..blocks).map(|b| block8(dtype, &rows, b)));
+                        Blocks::Decoded(&decoded)
+                    };
+                    for c0 in (0..n).step_by(4) {
+                        let a = &acts[c0..n.min(c0 + 4)];
+                        let sums: &[[f32; 8]] = match a.len() {
+                            1 => &tile::<1, SIGNED>(dtype, src, blocks, a),
+                            2 => &tile::<2, SIGNED>(dtype, src, blocks, a),
+                            3 => &tile::<3, SIGNED>(dtype, src, blocks, a),
+                            _ => &tile::<4, SIGNED>(dtype, src, blocks, a),
+                        };
+                        for (c, lanes) in sums.iter().enumerate() {
+                            let column = out.columns[c0 + c];
+                            for (l, v) in lanes.iter().enumerate() {
+                                out.out_t[(8 * g + l) * out.stride + column] = *v;
+                            }
+                        }
+                    }
+                }
+                8 * groups
             }
 
             #[target_feature(enable = $features)]
@@ -214,19 +566,17 @@ macro_rules! x86_kernels {
     };
 }
 
-x86_kernels!(avx2, "avx2,fma", |u, s| _mm256_madd_epi16(
-    _mm256_maddubs_epi16(u, s),
-    _mm256_set1_epi16(1)
+x86_kernels!(avx2, "avx2,fma,f16c", |acc, u, s| _mm256_add_epi32(
+    acc,
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 ));
-x86_kernels!(avxvnni, "avx2,fma,avxvnni", |u, s| _mm256_dpbusd_avx_epi32(
-    _mm256_setzero_si256(),
-    u,
-    s
-));
+x86_kernels!(avxvnni, "avx2,fma,f16c,avxvnni", |acc, u, s| {
+    _mm256_dpbusd_avx_epi32(acc, u, s)
+});
 x86_kernels!(
     avx512vnni,
-    "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni",
-    |u, s| _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni",
+    |acc, u, s| _mm256_dpbusd_epi32(acc, u, s)
 );
 
 #[cfg(test)]
@@ -282,6 +632,180 @@ mod tests {
         }
     }
 
+    /// `rows` random weight rows of `cols` values of `dtype` and `n` activation rows whose
+    /// magnitudes vary by block (one block in three 16× the others).
+    fn random_case(
+        rng: &mut Rng,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> (Vec<u8>, Vec<f32>) {
+        let blocks = rows * cols / dtype.block_len();
+        let w = gdsllm_convert::testing::random_blocks(dtype, blocks, rng.next());
+        let x = (0..n * cols)
+            .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
+            .collect();
+        (w, x)
+    }
+
+    /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
+    /// `x`: the f64 dot product, how far an 8-bit-activation kernel may be from it
+    /// (`Σ_blocks max|x_b|/254 · Σ|w_b|`, plus f32 rounding: 1e-5 of `Σ|w·x|`), and `Σ|w·x|`.
+    fn bound_of(dtype: DType, wr: &[u8], x: &[f32]) -> (f64, f64, f64) {
+        let mut dense = vec![0f32; x.len()];
+        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
+        let magnitude: f64 = dense.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
+        let rounding: f64 = dense
+            .chunks_exact(32)
+            .zip(x.chunks_exact(32))
+            .map(|(wb, xb)| {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+            })
+            .sum();
+        let bound = rounding * 1.001 + 1e-5 * magnitude;
+        (reference_dot(dtype, wr, x), bound, magnitude)
+    }
+
+    /// The `gemm8` of every instruction set this CPU runs, by name.
+    #[allow(clippy::type_complexity)]
+    fn gemm8_variants() -> Vec<(
+        &'static str,
+        fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>) -> usize,
+    )> {
+        let mut v: Vec<(
+            &'static str,
+            fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>) -> usize,
+        )> = vec![("dispatched", gemm8)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                v.push(("avx2", x86_avx2_gemm8));
+            }
+            if std::arch::is_x86_feature_detected!("avxvnni") {
+                v.push(("avxvnni", x86_avxvnni_gemm8));
+            }
+        }
+        v
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[multiversion(targets("x86_64+avx2+fma+f16c"))]
+    fn x86_avx2_gemm8(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        x: &[ActRow<'_>],
+        out: Columns<'_>,
+    ) -> usize {
+        match_target! {
+            "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, rb, x, out),
+            _ => {
+                let _ = (dtype, w, rb, x, out);
+                unreachable!("registered only where the CPU has AVX2")
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
+    fn x86_avxvnni_gemm8(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        x: &[ActRow<'_>],
+        out: Columns<'_>,
+    ) -> usize {
+        match_target! {
+            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, rb, x, out),
+            _ => {
+                let _ = (dtype, w, rb, x, out);
+                unreachable!("registered only where the CPU has AVX-VNNI")
+            }
+        }
+    }
+
+    #[test]
+    fn eight_row_kernel_is_within_the_8_bit_bound_and_the_same_for_any_row_count() {
+        // Each (weight row, activation row) against the f64 reference of the stored weights
+        // and the f32 activations, within the 8-bit bound of the test below; the row kernel
+        // `dot_rows` (a different f32 summation order) within 1e-5 of Σ|w·x|; and each
+        // activation row's results bit for bit the same whether it comes alone (decoding) or
+        // with 2, 5 or 9 others (prompts: the tiles of four and the decoded-once blocks).
+        let (rows, cols) = (43, 512);
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let variants = gemm8_variants();
+        println!(
+            "gemm8 variants: {:?}",
+            variants.iter().map(|v| v.0).collect::<Vec<_>>()
+        );
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            let n_acts = 9;
+            let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+            let row_bytes = w.len() / rows;
+            let mut xq = QuantizedActs::default();
+            xq.prepare(&x, cols, dtype);
+            let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
+            for (name, f) in &variants {
+                let mut worst = 0f64;
+                let mut alone = vec![vec![f32::NAN; rows]; n_acts];
+                for (c, a) in acts.iter().enumerate() {
+                    let out = Columns {
+                        out_t: &mut alone[c],
+                        stride: 1,
+                        columns: &[0],
+                    };
+                    let done = f(dtype, &w, row_bytes, std::slice::from_ref(a), out);
+                    assert_eq!(done, rows / 8 * 8, "{name}: whole groups of eight");
+                }
+                for n in [2, 5, 9] {
+                    // Into every other column of a table twice as wide, backwards.
+                    let mut table = vec![f32::NAN; rows * 2 * n];
+                    let columns: Vec<usize> = (0..n).map(|c| 2 * (n - 1 - c)).collect();
+                    let out = Columns {
+                        out_t: &mut table,
+                        stride: 2 * n,
+                        columns: &columns,
+                    };
+                    f(dtype, &w, row_bytes, &acts[..n], out);
+                    for i in 0..rows / 8 * 8 {
+                        assert!((0..n).all(|c| table[i * 2 * n + 2 * c + 1].is_nan()));
+                        for c in 0..n {
+                            assert_eq!(
+                                table[i * 2 * n + columns[c]].to_bits(),
+                                alone[c][i].to_bits(),
+                                "{dtype} {name}: row {i}, activation row {c} of {n}"
+                            );
+                        }
+                    }
+                }
+                for (c, xc) in x.chunks_exact(cols).enumerate() {
+                    let mut by_row = vec![0f32; rows];
+                    portable::dot_rows(dtype, &w, row_bytes, acts[c], &mut by_row, 1);
+                    for (i, wr) in w.chunks_exact(row_bytes).take(rows / 8 * 8).enumerate() {
+                        let (reference, bound, magnitude) = bound_of(dtype, wr, xc);
+                        let got = alone[c][i] as f64;
+                        assert!(
+                            (got - reference).abs() <= bound,
+                            "{dtype} {name} row {i} act {c}: {got} reference {reference} bound {bound}"
+                        );
+                        assert!(
+                            (got - by_row[i] as f64).abs() <= 1e-5 * magnitude,
+                            "{dtype} {name} row {i} act {c}: {got} row kernel {}",
+                            by_row[i]
+                        );
+                        worst = worst.max((got - reference).abs() / bound);
+                    }
+                }
+                println!(
+                    "{dtype} gemm8 {name}: worst |dot − reference| is {:.0} % of the 8-bit bound",
+                    worst * 100.0
+                );
+            }
+        }
+    }
+
     #[test]
     fn dot_products_are_within_the_8_bit_activation_bound_of_the_f32_reference() {
         // As ggml's test-quantize-fns: the dot product of the stored weights with activations
@@ -296,14 +820,7 @@ mod tests {
             variants.iter().map(|v| v.0).collect::<Vec<_>>()
         );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            let w = gdsllm_convert::testing::random_blocks(
-                dtype,
-                rows * cols / dtype.block_len(),
-                rng.next(),
-            );
-            let x: Vec<f32> = (0..cols)
-                .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
-                .collect();
+            let (w, x) = random_case(&mut rng, dtype, rows, cols, 1);
             let mut xq = QuantizedActs::default();
             xq.prepare(&x, cols, dtype);
             let row_bytes = w.len() / rows;
@@ -319,23 +836,7 @@ mod tests {
                 .collect();
             let mut worst = vec![0f64; variants.len()];
             for (i, wr) in w.chunks_exact(row_bytes).enumerate() {
-                let mut dense = vec![0f32; cols];
-                weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-                let reference = reference_dot(dtype, wr, &x);
-                let magnitude: f64 = dense
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| (a * b).abs() as f64)
-                    .sum();
-                let rounding: f64 = dense
-                    .chunks_exact(32)
-                    .zip(x.chunks_exact(32))
-                    .map(|(wb, xb)| {
-                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                        amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-                    })
-                    .sum();
-                let bound = rounding * 1.001 + 1e-5 * magnitude;
+                let (reference, bound, magnitude) = bound_of(dtype, wr, &x);
                 let portable = results[0][i] as f64;
                 for (v, (name, _)) in variants.iter().enumerate() {
                     let got = results[v][i] as f64;

@@ -303,6 +303,30 @@ fn matmul_rows_impl<const FMA: bool>(
     out_t: &mut [f32],
 ) {
     let n = wide.len();
+    if int8 && int8::handles(dtype) && int8::has_gemm8() && wide.contains(&true) {
+        // A prompt's rows on their 8-bit copies, eight weight rows at a time; the weight rows
+        // left over and the decode rows one by one, below.
+        let wide_rows: Vec<usize> = (0..n).filter(|&r| wide[r]).collect();
+        let acts: Vec<_> = wide_rows.iter().map(|&r| xq.row(dtype, r)).collect();
+        let out = int8::Columns {
+            out_t: &mut *out_t,
+            stride: n,
+            columns: &wide_rows,
+        };
+        let done = int8::gemm8(dtype, w, row_bytes, &acts, out);
+        for r in 0..n {
+            let (from, rest) = if wide[r] {
+                (done, &w[done * row_bytes..])
+            } else {
+                (0, w)
+            };
+            if !rest.is_empty() {
+                let x = xq.row(dtype, r);
+                int8::dot_rows(dtype, rest, row_bytes, x, &mut out_t[from * n + r..], n);
+            }
+        }
+        return;
+    }
     let any_wide = wide.contains(&true);
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
     let mut narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
@@ -368,7 +392,8 @@ fn matmul_rows_impl<const FMA: bool>(
 /// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
 /// `row_bytes` long, `cols` values) and the `n = wide.len()` activation rows of `x`. A row with
 /// `wide[r]` is dotted with the weight row decoded once to f32 (the kernel for
-/// [`DECODE_ONCE_MIN_ROWS`] or more rows); the others straight from the blocks (fewer rows).
+/// [`DECODE_ONCE_MIN_ROWS`] or more rows), or with `int8` and AVX2 for q4_0/q4_1/q8_0 goes
+/// through `int8::gemm8`; the others straight from the blocks (fewer rows).
 /// The two round differently, so the caller picks per row to reproduce a given row count's
 /// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
 /// for rows that are not wide; may be empty otherwise), `xq` the rows quantized for the
