@@ -452,10 +452,11 @@ __device__ void kq_values8(const u8* w, int dtype, u64 i, float* v) {
 // block, which it decodes once and writes as four 16-byte stores. `dequant_f16` gives each thread
 // 8 values, so each block was decoded four times over (on the H100 that kernel wrote a 7B q4_k
 // matrix at ~1.1 TB/s and took longer than the GEMM that read it).
-template <int DTYPE>
-__device__ __forceinline__ void kq_dequant_f16_block(const u8* w, u64 b, u16* out) {
+extern "C" __global__ void kq_dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
+    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= n_blocks) return;
     KqBlock q;
-    kq_block<DTYPE>(w, b, q);
+    kq_block_any(w, dtype, b, q);
     uint4* o = (uint4*)(out + b * 32);
 #pragma unroll
     for (int s = 0; s < 4; s++) {
@@ -464,21 +465,5 @@ __device__ __forceinline__ void kq_dequant_f16_block(const u8* w, u64 b, u16* ou
         for (int j = 0; j < 4; j++)
             h[j] = (u32)f2h(kq_value(q, 8 * s + 2 * j)) | ((u32)f2h(kq_value(q, 8 * s + 2 * j + 1)) << 16);
         o[s] = make_uint4(h[0], h[1], h[2], h[3]);
-    }
-}
-
-extern "C" __global__ void kq_dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
-    u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= n_blocks) return;
-    switch (dtype) {
-        case KQ_Q5_0: kq_dequant_f16_block<KQ_Q5_0>(w, b, out); break;
-        case KQ_Q5_1: kq_dequant_f16_block<KQ_Q5_1>(w, b, out); break;
-        case KQ_IQ4_NL: kq_dequant_f16_block<KQ_IQ4_NL>(w, b, out); break;
-        case KQ_Q2_K: kq_dequant_f16_block<KQ_Q2_K>(w, b, out); break;
-        case KQ_Q3_K: kq_dequant_f16_block<KQ_Q3_K>(w, b, out); break;
-        case KQ_Q4_K: kq_dequant_f16_block<KQ_Q4_K>(w, b, out); break;
-        case KQ_Q5_K: kq_dequant_f16_block<KQ_Q5_K>(w, b, out); break;
-        case KQ_Q6_K: kq_dequant_f16_block<KQ_Q6_K>(w, b, out); break;
-        default: kq_dequant_f16_block<KQ_IQ4_XS>(w, b, out); break;
     }
 }
