@@ -21,6 +21,8 @@
 #define MMA_WARPS 8
 #define MMA_BROWS (16 * MMA_WARPS)
 #define MMA_NMAX 64
+// Most column slices (`mma_split` in matmul.rs clamps to 16).
+#define MMA_SPLIT_MAX 16
 // Chunks whose weights a warp loads before multiplying any of them (loads in flight).
 #define MMA_QUNROLL 4
 #define MMA_FUNROLL 2
@@ -251,8 +253,17 @@ __device__ __forceinline__ void mma_store(const float (&acc)[NT][4], const MmaTi
     int cols = min(MMA_BROWS, t.m - t.i0);
     for (int e = threadIdx.x; e < t.nr * cols; e += blockDim.x) {
         int r = e / cols, i = t.i0 + e % cols;
+        // Every slice's partial loaded before any is added (split <= MMA_SPLIT_MAX): a loop that
+        // added each as it came waited one L2 round trip per slice, and this block's threads
+        // walk up to 64 rows x 128 columns of them, the tail of the whole launch.
+        float parts[MMA_SPLIT_MAX];
+#pragma unroll
+        for (int s = 0; s < MMA_SPLIT_MAX; s++)
+            parts[s] = s < split ? __ldcg(partial + ((u64)s * rows + t.r0 + r) * t.m_total + t.col0 + i) : 0.f;
         float v = 0.f;
-        for (int s = 0; s < split; s++) v += __ldcg(partial + ((u64)s * rows + t.r0 + r) * t.m_total + t.col0 + i);
+#pragma unroll
+        for (int s = 0; s < MMA_SPLIT_MAX; s++)
+            if (s < split) v += parts[s];  // in slice order, as before
         float* o = t.out + (u64)(t.r0 + r) * t.m + i;
         *o = accumulate ? *o + v : v;
     }
