@@ -105,6 +105,25 @@ impl CudaBackend {
         let Some(cols) = ws.first().map(|w| w.cols) else {
             return Ok(());
         };
+        // Several sequences prefilling at once, on weights that cuBLAS takes through a
+        // converted copy: each weight is converted once for all of their GEMMs (after the
+        // decoding rows' launches) rather than once per sequence. The same GEMMs on the same
+        // copies: the same bits.
+        let prefills: Vec<(usize, usize)> = groups
+            .iter()
+            .scan(0, |row0, g| {
+                let at = *row0;
+                *row0 += g.rows;
+                Some((at, g))
+            })
+            .filter(|(_, g)| g.solo_rows >= CUBLAS_MIN_ROWS && g.rows > 0)
+            .map(|(at, g)| (at, g.rows))
+            .collect();
+        let shared_conversion = prefills.len() >= 2
+            && self.queue.has_blas()
+            && ws
+                .iter()
+                .all(|w| !matches!(w.dtype, DType::F16 | DType::F32));
         let mut row0 = 0;
         let mut i = 0;
         while i < groups.len() {
@@ -117,7 +136,7 @@ impl CudaBackend {
                     break; // one GEMM per prefilling sequence
                 }
             }
-            if rows > 0 {
+            if rows > 0 && (kernel_rows || !shared_conversion) {
                 let xp = self.addr(x, row0 * cols);
                 let jobs: Vec<(&WeightView<'_>, u64)> = ws
                     .iter()
@@ -128,6 +147,23 @@ impl CudaBackend {
                 self.matmul_jobs(xp, rows, &jobs, solo, accumulate)?;
             }
             row0 += rows;
+        }
+        if shared_conversion {
+            for (w, out) in ws.iter().zip(outs.iter()) {
+                let to = if w.dtype == DType::Bf16 {
+                    DType::F32
+                } else {
+                    DType::F16
+                };
+                let tmp = self.dequantize(w, device_ptr(w)?.addr(), to)?;
+                let tp = self.queue.addr(&tmp);
+                for &(at, rows) in &prefills {
+                    let (xp, op) = (self.addr(x, at * cols), self.addr(out, at * w.rows));
+                    self.matmul_cublas(xp, rows, w, tp, to, op, accumulate)?;
+                }
+                // Freed in stream order, after the GEMMs that read it.
+                drop(tmp);
+            }
         }
         Ok(())
     }
