@@ -421,7 +421,8 @@ plan = {m: json.load(open(f"{w}/plan-7b-{dtype}-{m}.json")) for m in ("gpu", "au
 batch = {r["batch"]: r["mean"] for r in json.load(open(f"{w}/bench-placement-7b-{dtype}-batch.json"))["batch"]}
 pp = json.load(open(f"{w}/bench-placement-7b-{dtype}-pp.json"))["pp"]["best"]
 g = plan["gpu"]["calibration"]["gpu"]
-print(f"7b {dtype} calibration: GPU {g['name']} matmul {g['gbps_1']:.0f}/{g['gbps_32']:.0f} GB/s (1/32 rows), pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
+mm = ", ".join(f"{r['rows']}:{r['gbps']:.0f}" for r in g["matmul"] if str(r["dtype"]).lower() == dtype)
+print(f"7b {dtype} calibration: GPU {g['name']} layer matmuls GB/s by rows {mm}, pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
       + ", ".join(f"{c['dtype']} {c['gbps_1']:.1f}/{c['gbps_8']:.1f} GB/s" for c in plan["gpu"]["calibration"]["cpu"]))
 def predicted(mode, kind, n):
     for p in plan[mode]["placement"]["passes"]:
