@@ -49,6 +49,13 @@ struct Shared {
     checksums: BlobChecksums,
     /// Per blob: its bytes have been checked against its checksum once.
     verified: Vec<AtomicBool>,
+    /// Per blob: the byte ranges the device needs when its matmuls are split with the CPU
+    /// ([`Residency::set_split_ranges`]); empty: the whole blob.
+    split_ranges: Vec<RwLock<Vec<(u64, u64)>>>,
+    /// Whether fills from the host tier may copy only a blob's split ranges now.
+    partial_fills: AtomicBool,
+    /// Per blob: its last fill copied only its split ranges.
+    filled_partially: Vec<AtomicBool>,
 }
 
 /// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
@@ -68,16 +75,30 @@ pub struct BlobGuard<'a> {
     len: usize,
     buffer: Option<RwLockReadGuard<'a, Box<dyn DeviceBuffer>>>,
     fence: Option<Box<dyn ReleaseFence>>,
+    /// The blob's host-tier copy, held while the guard lives
+    /// ([`Residency::acquire_with_host_copy`]).
+    host_copy: Option<RwLockReadGuard<'a, Option<Box<dyn HostBlock>>>>,
 }
 
 impl BlobGuard<'_> {
     /// The blob's bytes (without the padding of its buffer), where they are.
     pub fn bytes(&self) -> WeightBytes<'_> {
         let buffer = self.buffer.as_ref().expect("present until drop");
-        buffer
+        let bytes = buffer
             .bytes()
             .slice(0, self.len)
-            .expect("a buffer holds the blob it was filled with")
+            .expect("a buffer holds the blob it was filled with");
+        match (bytes, self.host_copy()) {
+            (WeightBytes::Device(device), Some(host)) => WeightBytes::Both(host, device),
+            (bytes, _) => bytes,
+        }
+    }
+
+    /// The blob's host-tier copy, when it was acquired with
+    /// [`Residency::acquire_with_host_copy`] and the host tier holds it.
+    pub fn host_copy(&self) -> Option<&[u8]> {
+        let block = self.host_copy.as_ref()?.as_ref()?;
+        block.bytes().get(..self.len)
     }
 
     /// The bytes when the blob is in host memory.
@@ -112,6 +133,7 @@ impl Drop for BlobGuard<'_> {
     fn drop(&mut self) {
         // Unlock the buffer before the engine may hand the slot to the reader.
         self.buffer.take();
+        self.host_copy.take();
         if let (Some(fence), Location::Slot(i)) = (self.fence.take(), self.location) {
             *self.owner.shared.slot_fences[i].lock() = Some(fence);
         }
@@ -230,6 +252,17 @@ impl Residency {
             slots,
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
+            split_ranges: layout
+                .blobs
+                .iter()
+                .map(|_| RwLock::new(Vec::new()))
+                .collect(),
+            partial_fills: AtomicBool::new(false),
+            filled_partially: layout
+                .blobs
+                .iter()
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             host_tier_bytes: AtomicU64::new(0),
             checksum_bytes: AtomicU64::new(0),
             checksum_nanos: AtomicU64::new(0),
@@ -262,6 +295,71 @@ impl Residency {
             plan,
             reader: Some(reader),
         })
+    }
+
+    /// [`Residency::acquire`], and when the host tier holds the blob (a streamed blob after
+    /// its first read), its host copy too: [`BlobGuard::bytes`] is then
+    /// [`WeightBytes::Both`], device memory for the GPU and pinned RAM the CPU reads in place
+    /// (`llama::hybrid` splits its matmuls between the two). The host tier never drops a blob,
+    /// so the copy stays valid while the guard lives.
+    pub fn acquire_with_host_copy(&self, blob: usize) -> Result<BlobGuard<'_>, ResidencyError> {
+        let mut guard = self.acquire(blob)?;
+        if !guard.is_resident() {
+            let host = self.shared.host_tier[blob].read();
+            if host.is_some() {
+                guard.host_copy = Some(host);
+            }
+        }
+        Ok(guard)
+    }
+
+    /// The byte ranges `(offset, len)` of blob `blob` the device needs when its matmuls are
+    /// split with the CPU (`llama::hybrid`: the GPU's rows of each weight, and every tensor
+    /// the GPU reads whole). While [`Residency::set_partial_fills`] is on, a fill of the blob
+    /// from the host tier copies only these ranges: the PCIe link carries the GPU's share
+    /// alone, while the CPU reads its share from the host tier in place. Ranges outside the
+    /// blob are an error.
+    pub fn set_split_ranges(
+        &self,
+        blob: usize,
+        ranges: Vec<(u64, u64)>,
+    ) -> Result<(), ResidencyError> {
+        let info = self
+            .plan
+            .blobs
+            .get(blob)
+            .ok_or(ResidencyError::UnknownBlob {
+                blob,
+                count: self.plan.blobs.len(),
+            })?;
+        for &(offset, len) in &ranges {
+            if offset.checked_add(len).is_none_or(|end| end > info.length) {
+                return Err(ResidencyError::RangeOutOfBounds {
+                    file: info.file.clone(),
+                    offset,
+                    end: offset.saturating_add(len),
+                    length: info.length,
+                });
+            }
+        }
+        *self.shared.split_ranges[blob].write() = ranges;
+        Ok(())
+    }
+
+    /// Whether fills from the host tier from now on copy only the split ranges of the blobs
+    /// that have some (the reads already done keep what they copied:
+    /// [`Residency::filled_partially`] says which).
+    pub fn set_partial_fills(&self, on: bool) {
+        self.shared.partial_fills.store(on, Ordering::Release);
+    }
+
+    /// Whether the last fill of blob `blob` copied only its split ranges: the device then
+    /// holds only the GPU's share, and the CPU must compute the rest.
+    pub fn filled_partially(&self, blob: usize) -> bool {
+        self.shared
+            .filled_partially
+            .get(blob)
+            .is_some_and(|f| f.load(Ordering::Acquire))
     }
 
     /// Returns when blob `blob` is fully in memory; waits only if its read is not finished.
@@ -310,6 +408,7 @@ impl Residency {
             len: self.plan.blobs[blob].length as usize,
             buffer: Some(buffer),
             fence: None,
+            host_copy: None,
         })
     }
 
@@ -431,9 +530,9 @@ impl Shared {
         }
     }
 
-    /// Performs one read; returns whether the blob went into the host tier, and the bytes
-    /// fetched from the network for it.
-    fn perform(&self, job: &Job) -> Result<(bool, u64), ResidencyError> {
+    /// Performs one read; returns whether the blob went into the host tier, the bytes
+    /// fetched from the network for it, and the bytes copied when only its split ranges were.
+    fn perform(&self, job: &Job) -> Result<(bool, u64, Option<u64>), ResidencyError> {
         let _span = tracing::debug_span!("residency_read", blob = job.blob, bytes = job.bytes, from = ?job.from).entered();
         if let Location::Slot(i) = job.into {
             let fence = self.slot_fences[i].lock().take();
@@ -474,16 +573,31 @@ impl Shared {
                 }
             }
         };
+        self.filled_partially[blob].store(false, Ordering::Release);
         match job.from {
             ReadFrom::HostTier => {
                 let host = self.host_tier[blob].read();
+                let ranges = self.split_ranges[blob].read();
+                let partial = !ranges.is_empty()
+                    && matches!(job.into, Location::Slot(_))
+                    && self.partial_fills.load(Ordering::Acquire);
+                let mut copied = None;
                 match host.as_ref() {
+                    Some(block) if partial => {
+                        let bytes = &block.bytes()[..len as usize];
+                        for &(offset, n) in ranges.iter() {
+                            let (o, n) = (offset as usize, n as usize);
+                            buffer.fill_range_from_host(o, &bytes[o..o + n])?.wait();
+                        }
+                        copied = Some(ranges.iter().map(|r| r.1).sum());
+                        self.filled_partially[blob].store(true, Ordering::Release);
+                    }
                     Some(block) => buffer
                         .fill_from_host(&block.bytes()[..len as usize])?
                         .wait(),
                     None => from_disk(&mut buffer)?,
                 }
-                Ok((false, fetched))
+                Ok((false, fetched, copied))
             }
             ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(len) {
                 Ok(mut host) => {
@@ -498,17 +612,17 @@ impl Shared {
                     self.host_tier_bytes
                         .fetch_add(host.bytes().len() as u64, Ordering::Relaxed);
                     *self.host_tier[blob].write() = Some(host);
-                    Ok((true, fetched))
+                    Ok((true, fetched, None))
                 }
                 Err(err) => {
                     tracing::warn!(file = %self.names[blob], "host tier: {err}; this blob keeps streaming from disk");
                     from_disk(&mut buffer)?;
-                    Ok((false, fetched))
+                    Ok((false, fetched, None))
                 }
             },
             ReadFrom::Disk => {
                 from_disk(&mut buffer)?;
-                Ok((false, fetched))
+                Ok((false, fetched, None))
             }
         }
     }
@@ -563,9 +677,10 @@ fn reader_loop(shared: &Shared, jobs: mpsc::Receiver<Option<Job>>) {
             break;
         }
         let outcome = match shared.perform(&job) {
-            Ok((stored_in_host, network_bytes)) => Outcome::Done {
+            Ok((stored_in_host, network_bytes, copied_bytes)) => Outcome::Done {
                 stored_in_host,
                 network_bytes,
+                copied_bytes,
             },
             Err(err) => {
                 tracing::warn!(file = %shared.names[job.blob], "read failed: {err}");

@@ -574,3 +574,78 @@ fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
         "{err}"
     );
 }
+
+#[test]
+fn a_split_blob_copies_only_its_ranges_from_the_host_tier_while_partial_fills_are_on() {
+    let page = 4096u64;
+    let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
+    let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
+    let source = Arc::new(PatternSource::new(lengths.clone()));
+    let res = Residency::open_with(
+        layout.clone(),
+        source,
+        Arc::new(CpuMemory::new(1 << 30)),
+        Arc::new(SystemClock::new()),
+        &ResidencyOptions {
+            resident_layers: Some(0),
+            host_cache: HostCache::Bytes(1 << 30),
+            ..opts(1 << 30, 1)
+        },
+    )
+    .unwrap();
+    // Layer 3, 6 pages, streamed from the host tier after its first read: the last layer of
+    // the order, so the ring's prefetch never fills it before its own pass starts.
+    let blob = 4;
+    assert_eq!(res.plan().placement(blob), Placement::HostCached);
+    let ranges = vec![(page, 2 * page), (5 * page, 100)];
+    res.set_split_ranges(blob, ranges.clone()).unwrap();
+    let err = res
+        .set_split_ranges(blob, vec![(5 * page, page + 1)])
+        .unwrap_err();
+    assert!(
+        matches!(err, ResidencyError::RangeOutOfBounds { .. }),
+        "{err}"
+    );
+
+    // One pass over every blob; whether `blob`'s fill was partial, with its slot's bytes in
+    // `ranges` checked against its host copy.
+    let pass = || {
+        let mut partial = false;
+        for &b in &layout.order {
+            let guard = res.acquire_with_host_copy(b).unwrap();
+            if b == blob {
+                partial = res.filled_partially(b);
+                if let Some(host) = guard.host_copy() {
+                    assert!(PatternSource::check(b, host), "the host copy is the blob");
+                    let slot = guard.host().unwrap();
+                    for &(o, n) in &ranges {
+                        let (o, n) = (o as usize, n as usize);
+                        assert_eq!(slot[o..o + n], host[o..o + n], "range {o}+{n}");
+                    }
+                    if !partial {
+                        assert!(PatternSource::check(b, slot), "a whole fill");
+                    }
+                }
+            }
+        }
+        res.end_pass();
+        partial
+    };
+    // The first pass reads from disk into the host tier (whole), the second copies up whole.
+    res.set_partial_fills(true);
+    assert!(!pass());
+    res.set_partial_fills(false);
+    assert!(!pass());
+    // Partial fills on: the slot holds `blob`'s ranges only, copied from the host tier.
+    res.set_partial_fills(true);
+    assert!(pass());
+    // Every other host-tier copy was whole (whichever pass the ring's prefetch counted it
+    // in): the bytes copied are the blobs' lengths less what `blob`'s partial fill skipped.
+    let stats = res.stats();
+    assert_eq!(stats.blob_host_copies[blob], 2);
+    let whole: u64 = (0..lengths.len())
+        .map(|b| stats.blob_host_copies[b] * lengths[b])
+        .sum();
+    let skipped = lengths[blob] - ranges.iter().map(|r| r.1).sum::<u64>();
+    assert_eq!(stats.total.host_copy_bytes, whole - skipped);
+}

@@ -47,6 +47,8 @@
 //! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
 
 pub mod calibrate;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -56,6 +58,33 @@ use crate::backend::{
     PassInfo, ReferenceBackend, RowGroup,
 };
 use crate::backend::{CpuBackend, WeightView};
+
+/// Measures this machine's figures for the planner for weights of the given dtypes (the CLI
+/// keeps them under `$GDSLLM_HOME`); an error is a message.
+pub type CalibrateFn =
+    dyn Fn(&[weights_format::DType]) -> Result<residency::Calibration, String> + Send + Sync;
+
+/// `--placement auto` on a GPU: the CPU computes a share of the matmuls of the layers the
+/// host tier holds ([`crate::open`] builds a [`SplitBackend`] over the CUDA backend and the
+/// CPU backend, see `hybrid::cuda`).
+#[derive(Clone, Default)]
+pub struct HybridOptions {
+    /// This machine's figures for the planner (`residency::placement`), measured or loaded
+    /// when the model's dtypes are known.
+    pub calibrate: Option<Arc<CalibrateFn>>,
+    /// For tests: every split matmul gives the CPU this share of its rows, whatever the
+    /// planner would (no calibration needed).
+    pub force_cpu_fraction: Option<f64>,
+}
+
+impl std::fmt::Debug for HybridOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridOptions")
+            .field("calibrate", &self.calibrate.is_some())
+            .field("force_cpu_fraction", &self.force_cpu_fraction)
+            .finish()
+    }
+}
 
 /// Output rows of a split are a multiple of this, so each side's share stays aligned to the
 /// row tiles of the matmul kernels.
@@ -205,6 +234,8 @@ pub struct SplitBackend<P: SplitTarget, H: Backend> {
     primary: P,
     helper: H,
     share: Box<ShareFn>,
+    /// Told the rows of each pass before it starts.
+    on_pass: Option<Box<dyn Fn(usize) + Send + Sync>>,
     /// The blob whose weights the ops read now (`usize::MAX`: none announced).
     blob: AtomicUsize,
     stats: Arc<SplitStats>,
@@ -218,9 +249,17 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
             primary,
             helper,
             share,
+            on_pass: None,
             blob: AtomicUsize::new(usize::MAX),
             stats: Arc::new(SplitStats::default()),
         }
+    }
+
+    /// `hook(rows)` is called before each pass of `rows` rows starts (the CUDA split tells
+    /// residency there whether fills may skip the CPU's rows).
+    pub fn with_pass_hook(mut self, hook: Box<dyn Fn(usize) + Send + Sync>) -> Self {
+        self.on_pass = Some(hook);
+        self
     }
 
     pub fn primary(&self) -> &P {
@@ -319,11 +358,17 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
         Ok(())
     }
 
-    /// The helper's rows of each weight for a pass of `groups`.
+    /// The helper's rows of each weight for a pass of `groups`: none of a weight the helper
+    /// cannot read (a resident blob in device memory only).
     fn helper_rows_of(&self, groups: &[RowGroup], ws: &[WeightView<'_>]) -> Vec<usize> {
         let rows: usize = groups.iter().map(|g| g.rows).sum();
         let fraction = self.fraction(rows);
-        ws.iter().map(|w| helper_rows(w.rows, fraction)).collect()
+        ws.iter()
+            .map(|w| match w.bytes.host() {
+                Some(_) => helper_rows(w.rows, fraction),
+                None => 0,
+            })
+            .collect()
     }
 
     fn count_primary(&self, ws: &[WeightView<'_>]) {
@@ -402,6 +447,9 @@ impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
 
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
         self.blob.store(usize::MAX, Ordering::Relaxed);
+        if let Some(hook) = &self.on_pass {
+            hook(pass.rows);
+        }
         // Host work between the primary's ops cannot be recorded and replayed.
         self.primary.begin_pass(&PassInfo {
             weights_stable: false,
