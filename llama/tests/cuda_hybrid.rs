@@ -116,6 +116,7 @@ fn split_gives_the_gpu_logits(dtype: DType) {
     }
     gpu.truncate(0);
     let want = run(&mut gpu, &tokens);
+    let whole = gpu.weights().residency().stats().total;
     drop(gpu);
 
     let hybrid = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(true))
@@ -173,6 +174,24 @@ fn split_gives_the_gpu_logits(dtype: DType) {
         "{counts:?}"
     );
     assert!(counts.splits > 0 && counts.primary_rows > counts.helper_rows);
+
+    // With more streamed blobs than ring slots, residency copied up only the GPU's share of
+    // each split blob: fewer bytes per host-tier copy than the all-GPU run's whole blobs.
+    let parts = split.weights().residency().stats().total;
+    let per_copy = |s: &residency::PassStats| s.host_copy_bytes as f64 / s.host_copies as f64;
+    println!(
+        "host-tier bytes per copy: all-GPU {:.0}, split {:.0} ({} streamed blobs, {} ring slots)",
+        per_copy(&whole),
+        per_copy(&parts),
+        split_blobs,
+        plan.ring_slots
+    );
+    if split_blobs > plan.ring_slots {
+        assert!(
+            per_copy(&parts) < (1.0 - CPU_FRACTION / 2.0) * per_copy(&whole),
+            "{parts:?} vs {whole:?}"
+        );
+    }
 }
 
 #[test]

@@ -78,6 +78,7 @@ pub fn measure_cpu(dtype: DType, probe_bytes: usize) -> Result<CpuRate, LlamaErr
 
 /// A 7B layer's matmul weights (rows, cols) in the order the forward pass calls them: Q, K, V
 /// (one call), the output projection, gate and up (one call), down.
+#[cfg(feature = "cuda")]
 const LAYER_7B: [(usize, usize); 7] = [
     (4096, 4096),
     (4096, 4096),

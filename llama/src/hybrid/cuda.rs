@@ -39,7 +39,7 @@ use crate::backend::cuda::{CudaBackend, CudaWeights};
 use crate::load::LoadedModel;
 use crate::weights::WeightSource;
 
-use super::{HybridOptions, ShareFn, SplitBackend, helper_rows};
+use super::{HybridOptions, ShareFn, SplitBackend, primary_ranges};
 
 /// A model on a CUDA GPU with the CPU computing a share of the streamed layers' matmuls.
 pub type HybridModel = LoadedModel<SplitBackend<CudaBackend, CpuBackend>, CudaWeights>;
@@ -106,30 +106,6 @@ fn planned_shares(
     }))
 }
 
-/// The byte ranges of `blob` the GPU needs when the CPU takes share `fraction` of its matmuls:
-/// rows `[k, n)` of each matmul weight, every other tensor whole.
-fn gpu_ranges(blob: &weights_format::BlobMeta, fraction: f64) -> Vec<(u64, u64)> {
-    let mut ranges: Vec<(u64, u64)> = Vec::new();
-    for t in &blob.tensors {
-        let (offset, len) = match t.shape.as_slice() {
-            &[rows, _] if rows > 0 => {
-                let row_bytes = t.length / rows;
-                let skip = helper_rows(rows as usize, fraction) as u64 * row_bytes;
-                (t.offset + skip, t.length - skip)
-            }
-            _ => (t.offset, t.length),
-        };
-        if len == 0 {
-            continue;
-        }
-        match ranges.last_mut() {
-            Some(last) if last.0 + last.1 == offset => last.1 += len,
-            _ => ranges.push((offset, len)),
-        }
-    }
-    ranges
-}
-
 /// The share function and the pass hook of a [`SplitBackend`] over `weights` (see the
 /// module doc).
 pub fn split_shares(
@@ -155,7 +131,7 @@ pub fn split_shares(
     for &b in &host_blobs {
         fixed[b] = planned(b, 1);
         if fixed[b] > 0.0 && Some(b) != embed {
-            residency.set_split_ranges(b, gpu_ranges(&meta.blobs[b], fixed[b]))?;
+            residency.set_split_ranges(b, primary_ranges(&meta.blobs[b], fixed[b]))?;
         }
     }
     let partial_fills = host_blobs.len() > plan.ring_slots;

@@ -45,6 +45,22 @@
 //! [`SplitBackend`] is generic over its two [`Backend`]s, so the whole arrangement is tested
 //! with the CPU backend on both sides (`tests/hybrid.rs`): logits against a single backend's,
 //! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
+//!
+//! # On a GPU
+//!
+//! `--placement auto` (`OpenOptions::hybrid`) has [`crate::open`] build a
+//! `SplitBackend<CudaBackend, CpuBackend>` when layers stream from the pinned host tier
+//! ([`cuda`]): the CPU reads its rows of each such blob from the host tier in place
+//! ([`crate::weights::WeightBytes::Both`] hands out both copies), and residency copies only
+//! the GPU's byte ranges of it over PCIe ([`primary_ranges`]), so that the bytes the two
+//! sides read per pass are disjoint and the bandwidths add up. The share of each blob is the
+//! planner's for a one-row decode step, made in every pass the planner splits at all;
+//! [`cuda`] says what happens at a switch to a prefill pass. The split costs the decode CUDA
+//! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
+//! Each handoff is a synchronising read of the activations and an upload of the CPU's output
+//! (pageable memory today; pinned staging would cut a few microseconds from each of the
+//! 4 per layer), and the columns are put in place one row at a time (a split pass has few
+//! rows).
 
 pub mod calibrate;
 #[cfg(feature = "cuda")]
@@ -99,6 +115,46 @@ pub fn helper_rows(n: usize, fraction: f64) -> usize {
     }
     let grains = (fraction.min(1.0) * n as f64 / ROW_GRAIN as f64).round() as usize;
     (grains * ROW_GRAIN).min(n)
+}
+
+/// The tensors only ever read as a matmul's weight, whose rows `[0, k)` the primary may lack.
+const MATMUL_WEIGHTS: [&str; 8] = {
+    use weights_format::names::*;
+    [
+        ATTN_Q,
+        ATTN_K,
+        ATTN_V,
+        ATTN_OUTPUT,
+        FFN_GATE,
+        FFN_UP,
+        FFN_DOWN,
+        OUTPUT,
+    ]
+};
+
+/// The byte ranges of `blob` the primary (the GPU) needs when the helper (the CPU) takes share `fraction` of its matmuls:
+/// rows `[k, n)` of each matmul weight, every other tensor whole.
+pub fn primary_ranges(blob: &weights_format::BlobMeta, fraction: f64) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for t in &blob.tensors {
+        let matmul = MATMUL_WEIGHTS.contains(&t.name.as_str());
+        let (offset, len) = match t.shape.as_slice() {
+            &[rows, _] if rows > 0 && matmul => {
+                let row_bytes = t.length / rows;
+                let skip = helper_rows(rows as usize, fraction) as u64 * row_bytes;
+                (t.offset + skip, t.length - skip)
+            }
+            _ => (t.offset, t.length),
+        };
+        if len == 0 {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(last) if last.0 + last.1 == offset => last.1 += len,
+            _ => ranges.push((offset, len)),
+        }
+    }
+    ranges
 }
 
 /// A backend that can place a block of values into some columns of a wider buffer: what
@@ -627,6 +683,47 @@ mod tests {
         assert_eq!(helper_rows(100, 0.99), 96);
         assert_eq!(helper_rows(20, 0.9), 20);
         assert_eq!(helper_rows(20, 0.2), 0);
+    }
+
+    #[test]
+    fn the_primary_ranges_skip_the_helper_rows_of_matmul_weights_only() {
+        use weights_format::{BlobMeta, TensorMeta};
+        let tensor = |name: &str, shape: Vec<u64>, offset: u64, length: u64| TensorMeta {
+            name: name.into(),
+            dtype: weights_format::DType::F16,
+            shape,
+            offset,
+            length,
+        };
+        // [128, 64] f16 weights: rows of 128 bytes.
+        let blob = BlobMeta {
+            file: "layer_000.bin".into(),
+            length: 3 * 16384 + 4096,
+            checksum: String::new(),
+            tensors: vec![
+                tensor("attn_norm", vec![64], 0, 128),
+                tensor("attn_q", vec![128, 64], 4096, 16384),
+                tensor("attn_k", vec![128, 64], 4096 + 16384, 16384),
+                tensor("some_table", vec![128, 64], 4096 + 2 * 16384, 16384),
+            ],
+        };
+        // Half the rows: 64 of 128, 8 KiB of each matmul weight on the helper.
+        assert_eq!(
+            primary_ranges(&blob, 0.5),
+            [
+                (0, 128),
+                (4096 + 8192, 8192),
+                // attn_k's second half runs on into the whole table after it.
+                (4096 + 16384 + 8192, 8192 + 16384),
+            ]
+        );
+        // No share: every tensor whole, adjacent ones merged.
+        assert_eq!(primary_ranges(&blob, 0.0), [(0, 128), (4096, 3 * 16384)]);
+        // All of it: the matmul weights are gone, the rest stays.
+        assert_eq!(
+            primary_ranges(&blob, 1.0),
+            [(0, 128), (4096 + 2 * 16384, 16384)]
+        );
     }
 
     #[test]
