@@ -324,25 +324,12 @@ impl Residency {
         blob: usize,
         ranges: Vec<(u64, u64)>,
     ) -> Result<(), ResidencyError> {
-        let info = self
-            .plan
-            .blobs
-            .get(blob)
-            .ok_or(ResidencyError::UnknownBlob {
-                blob,
-                count: self.plan.blobs.len(),
-            })?;
         for &(offset, len) in &ranges {
-            if offset.checked_add(len).is_none_or(|end| end > info.length) {
-                return Err(ResidencyError::RangeOutOfBounds {
-                    file: info.file.clone(),
-                    offset,
-                    end: offset.saturating_add(len),
-                    length: info.length,
-                });
-            }
+            self.check_range(blob, offset, len)?;
         }
-        *self.shared.split_ranges[blob].write() = ranges;
+        if let Some(split) = self.shared.split_ranges.get(blob) {
+            *split.write() = ranges;
+        }
         Ok(())
     }
 
@@ -419,23 +406,7 @@ impl Residency {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, ResidencyError> {
-        let info = self
-            .plan
-            .blobs
-            .get(blob)
-            .ok_or(ResidencyError::UnknownBlob {
-                blob,
-                count: self.plan.blobs.len(),
-            })?;
-        let end = offset.checked_add(len).filter(|&e| e <= info.length);
-        if end.is_none() {
-            return Err(ResidencyError::RangeOutOfBounds {
-                file: info.file.clone(),
-                offset,
-                end: offset.saturating_add(len),
-                length: info.length,
-            });
-        }
+        self.check_range(blob, offset, len)?;
         let fetched = self.shared.source.ensure_local(blob)?;
         if fetched > 0 {
             self.shared.engine.lock().add_network(fetched);
@@ -481,6 +452,27 @@ impl Residency {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// An error unless blob `blob` exists and holds bytes `offset .. offset + len`.
+    fn check_range(&self, blob: usize, offset: u64, len: u64) -> Result<(), ResidencyError> {
+        let info = self
+            .plan
+            .blobs
+            .get(blob)
+            .ok_or(ResidencyError::UnknownBlob {
+                blob,
+                count: self.plan.blobs.len(),
+            })?;
+        if offset.checked_add(len).is_none_or(|end| end > info.length) {
+            return Err(ResidencyError::RangeOutOfBounds {
+                file: info.file.clone(),
+                offset,
+                end: offset.saturating_add(len),
+                length: info.length,
+            });
+        }
+        Ok(())
     }
 
     fn release(&self, location: Location) {

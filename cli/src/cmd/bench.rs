@@ -86,8 +86,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 open_s,
                 &model.io,
                 json!(null),
-                |_| None,
-                cpu,
+                &|_| None,
+                &|_| cpu.clone(),
                 &|_| None,
             )
         }
@@ -158,26 +158,9 @@ fn bench_gpu<B: Backend>(
         });
         return print_batches(args, &rows, head, &predict);
     }
-    bench_with_counts(
-        llama, args, open_s, &model.io, references, cuda, placement, &predict,
-    )
-}
-
-/// [`bench`] with the CUDA backend's launch counts and the placement after the run.
-#[allow(clippy::too_many_arguments)]
-fn bench_with_counts<B: Backend, W: WeightSource>(
-    llama: &mut Llama<B, W>,
-    args: &Args,
-    open_s: f64,
-    io_backend: &str,
-    references: serde_json::Value,
-    cuda: fn(&B) -> &llama::CudaBackend,
-    placement: impl Fn(&B) -> serde_json::Value,
-    predict: &dyn Fn(residency::PassKind) -> Option<f64>,
-) -> anyhow::Result<()> {
-    let counts = move |be: &B| Some(cuda(be).launch_counts());
-    bench_inner(
-        llama, args, open_s, io_backend, references, &counts, &placement, predict,
+    let counts = |be: &B| Some(cuda(be).launch_counts());
+    bench(
+        llama, args, open_s, &model.io, references, &counts, &placement, &predict,
     )
 }
 
@@ -205,33 +188,10 @@ fn streamed_bytes<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u64 {
     streamed_total(llama.weights())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn bench<B: Backend, W: WeightSource>(
-    llama: &mut Llama<B, W>,
-    args: &Args,
-    open_s: f64,
-    io_backend: &str,
-    references: serde_json::Value,
-    launch_counts: fn(&B) -> Option<LaunchCounts>,
-    placement: serde_json::Value,
-    predict: &dyn Fn(residency::PassKind) -> Option<f64>,
-) -> anyhow::Result<()> {
-    bench_inner(
-        llama,
-        args,
-        open_s,
-        io_backend,
-        references,
-        &launch_counts,
-        &|_| placement.clone(),
-        predict,
-    )
-}
-
 /// pp and tg: `launch_counts` reads the kernels run so far (CUDA), `placement` what the run
 /// placed where (read after it), `predict` the planner's tok/s for a pass.
 #[allow(clippy::too_many_arguments)]
-fn bench_inner<B: Backend, W: WeightSource>(
+fn bench<B: Backend, W: WeightSource>(
     llama: &mut Llama<B, W>,
     args: &Args,
     open_s: f64,
