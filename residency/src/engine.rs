@@ -66,7 +66,7 @@ pub enum Outcome {
         /// Bytes fetched from the network tier to local disk before the read.
         network_bytes: u64,
         /// Bytes copied from the host tier when only some ranges of the blob were
-        /// ([`crate::Residency::set_split_ranges`]); `None`: the whole blob.
+        /// ([`crate::Residency::set_fill_ranges`]); `None`: the whole blob.
         copied_bytes: Option<u64>,
     },
     Failed(String),

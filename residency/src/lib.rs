@@ -50,6 +50,6 @@ pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,
     kv_positions,
 };
-pub use runtime::{BlobGuard, GPU_AUTO_MARGIN, Residency, plan_inputs};
+pub use runtime::{BlobGuard, FillRangesFn, GPU_AUTO_MARGIN, Residency, plan_inputs};
 pub use source::{BlobSource, HostFileSource, PatternSource, open_model_source};
 pub use stats::{MAX_KEPT_PASSES, PassStats, ResidencyStats};

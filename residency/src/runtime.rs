@@ -49,14 +49,21 @@ struct Shared {
     checksums: BlobChecksums,
     /// Per blob: its bytes have been checked against its checksum once.
     verified: Vec<AtomicBool>,
-    /// Per blob: the byte ranges the device needs when its matmuls are split with the CPU
-    /// ([`Residency::set_split_ranges`]); empty: the whole blob.
-    split_ranges: Vec<RwLock<Vec<(u64, u64)>>>,
-    /// Whether fills from the host tier may copy only a blob's split ranges now.
-    partial_fills: AtomicBool,
-    /// Per blob: its last fill copied only its split ranges.
-    filled_partially: Vec<AtomicBool>,
+    /// Which byte ranges of a blob a fill from the host tier copies
+    /// ([`Residency::set_fill_ranges`]).
+    fill_ranges: RwLock<Option<Arc<FillRangesFn>>>,
+    /// Per blob: the tag of its last fill when it copied only some ranges, else
+    /// [`WHOLE_FILL`].
+    filled_with: Vec<AtomicU64>,
 }
+
+/// What a fill from the host tier copies of blob `blob` now: `Some((tag, ranges))` copies only
+/// the byte ranges `(offset, len)` and marks the fill with `tag`
+/// ([`Residency::filled_with`]); `None` copies the whole blob.
+pub type FillRangesFn = dyn Fn(usize) -> Option<(u64, Vec<(u64, u64)>)> + Send + Sync;
+
+/// The mark of a fill that copied the whole blob.
+const WHOLE_FILL: u64 = u64::MAX;
 
 /// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
 /// calls [`Residency::acquire`] in plan order.
@@ -252,16 +259,11 @@ impl Residency {
             slots,
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
-            split_ranges: layout
+            fill_ranges: RwLock::new(None),
+            filled_with: layout
                 .blobs
                 .iter()
-                .map(|_| RwLock::new(Vec::new()))
-                .collect(),
-            partial_fills: AtomicBool::new(false),
-            filled_partially: layout
-                .blobs
-                .iter()
-                .map(|_| AtomicBool::new(false))
+                .map(|_| AtomicU64::new(WHOLE_FILL))
                 .collect(),
             host_tier_bytes: AtomicU64::new(0),
             checksum_bytes: AtomicU64::new(0),
@@ -313,40 +315,21 @@ impl Residency {
         Ok(guard)
     }
 
-    /// The byte ranges `(offset, len)` of blob `blob` the device needs when its matmuls are
-    /// split with the CPU (`llama::hybrid`: the GPU's rows of each weight, and every tensor
-    /// the GPU reads whole). While [`Residency::set_partial_fills`] is on, a fill of the blob
-    /// from the host tier copies only these ranges: the PCIe link carries the GPU's share
-    /// alone, while the CPU reads its share from the host tier in place. Ranges outside the
-    /// blob are an error.
-    pub fn set_split_ranges(
-        &self,
-        blob: usize,
-        ranges: Vec<(u64, u64)>,
-    ) -> Result<(), ResidencyError> {
-        for &(offset, len) in &ranges {
-            self.check_range(blob, offset, len)?;
-        }
-        if let Some(split) = self.shared.split_ranges.get(blob) {
-            *split.write() = ranges;
-        }
-        Ok(())
+    /// Which byte ranges of each blob a fill from the host tier into a staging slot copies
+    /// from now on (`llama::hybrid`: the GPU's rows of each split matmul weight and every
+    /// tensor it reads whole, at the share of the pass being run): the PCIe link carries the
+    /// GPU's share alone while the CPU reads its own from the host tier in place. `None`:
+    /// whole blobs. A range outside its blob fails the read that asked for it.
+    pub fn set_fill_ranges(&self, ranges: Option<Arc<FillRangesFn>>) {
+        *self.shared.fill_ranges.write() = ranges;
     }
 
-    /// Whether fills from the host tier from now on copy only the split ranges of the blobs
-    /// that have some (the reads already done keep what they copied:
-    /// [`Residency::filled_partially`] says which).
-    pub fn set_partial_fills(&self, on: bool) {
-        self.shared.partial_fills.store(on, Ordering::Release);
-    }
-
-    /// Whether the last fill of blob `blob` copied only its split ranges: the device then
-    /// holds only the GPU's share, and the CPU must compute the rest.
-    pub fn filled_partially(&self, blob: usize) -> bool {
-        self.shared
-            .filled_partially
-            .get(blob)
-            .is_some_and(|f| f.load(Ordering::Acquire))
+    /// The tag of blob `blob`'s last fill when it copied only some ranges
+    /// ([`Residency::set_fill_ranges`]): the device then holds only those, and the CPU must
+    /// compute what they leave out; `None` when the whole blob was.
+    pub fn filled_with(&self, blob: usize) -> Option<u64> {
+        let tag = self.shared.filled_with.get(blob)?.load(Ordering::Acquire);
+        (tag != WHOLE_FILL).then_some(tag)
     }
 
     /// Returns when blob `blob` is fully in memory; waits only if its read is not finished.
@@ -565,24 +548,36 @@ impl Shared {
                 }
             }
         };
-        self.filled_partially[blob].store(false, Ordering::Release);
+        self.filled_with[blob].store(WHOLE_FILL, Ordering::Release);
         match job.from {
             ReadFrom::HostTier => {
                 let host = self.host_tier[blob].read();
-                let ranges = self.split_ranges[blob].read();
-                let partial = !ranges.is_empty()
-                    && matches!(job.into, Location::Slot(_))
-                    && self.partial_fills.load(Ordering::Acquire);
+                let partial = match (job.into, host.is_some()) {
+                    (Location::Slot(_), true) => {
+                        let ranges = self.fill_ranges.read().clone();
+                        ranges.and_then(|f| f(blob))
+                    }
+                    _ => None,
+                };
                 let mut copied = None;
                 match host.as_ref() {
-                    Some(block) if partial => {
+                    Some(block) if partial.is_some() => {
+                        let (tag, ranges) = partial.expect("matched");
                         let bytes = &block.bytes()[..len as usize];
-                        for &(offset, n) in ranges.iter() {
-                            let (o, n) = (offset as usize, n as usize);
-                            buffer.fill_range_from_host(o, &bytes[o..o + n])?.wait();
+                        for &(offset, n) in &ranges {
+                            let piece = offset
+                                .checked_add(n)
+                                .and_then(|end| bytes.get(offset as usize..end as usize))
+                                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
+                                    file: self.names[blob].clone(),
+                                    offset,
+                                    end: offset.saturating_add(n),
+                                    length: len,
+                                })?;
+                            buffer.fill_range_from_host(offset as usize, piece)?.wait();
                         }
                         copied = Some(ranges.iter().map(|r| r.1).sum());
-                        self.filled_partially[blob].store(true, Ordering::Release);
+                        self.filled_with[blob].store(tag, Ordering::Release);
                     }
                     Some(block) => buffer
                         .fill_from_host(&block.bytes()[..len as usize])?

@@ -576,7 +576,8 @@ fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
 }
 
 #[test]
-fn a_split_blob_copies_only_its_ranges_from_the_host_tier_while_partial_fills_are_on() {
+fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
+    use std::sync::atomic::{AtomicBool, Ordering};
     let page = 4096u64;
     let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
     let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
@@ -598,23 +599,20 @@ fn a_split_blob_copies_only_its_ranges_from_the_host_tier_while_partial_fills_ar
     let blob = 4;
     assert_eq!(res.plan().placement(blob), Placement::HostCached);
     let ranges = vec![(page, 2 * page), (5 * page, 100)];
-    res.set_split_ranges(blob, ranges.clone()).unwrap();
-    let err = res
-        .set_split_ranges(blob, vec![(5 * page, page + 1)])
-        .unwrap_err();
-    assert!(
-        matches!(err, ResidencyError::RangeOutOfBounds { .. }),
-        "{err}"
-    );
+    let partial = Arc::new(AtomicBool::new(false));
+    let (on, given) = (Arc::clone(&partial), ranges.clone());
+    res.set_fill_ranges(Some(Arc::new(move |b| {
+        (b == blob && on.load(Ordering::SeqCst)).then(|| (7, given.clone()))
+    })));
 
-    // One pass over every blob; whether `blob`'s fill was partial, with its slot's bytes in
-    // `ranges` checked against its host copy.
+    // One pass over every blob; the tag of `blob`'s fill, its slot's bytes in `ranges`
+    // checked against its host copy (all of them after a whole fill).
     let pass = || {
-        let mut partial = false;
+        let mut tag = None;
         for &b in &layout.order {
             let guard = res.acquire_with_host_copy(b).unwrap();
             if b == blob {
-                partial = res.filled_partially(b);
+                tag = res.filled_with(b);
                 if let Some(host) = guard.host_copy() {
                     assert!(PatternSource::check(b, host), "the host copy is the blob");
                     let slot = guard.host().unwrap();
@@ -622,23 +620,24 @@ fn a_split_blob_copies_only_its_ranges_from_the_host_tier_while_partial_fills_ar
                         let (o, n) = (o as usize, n as usize);
                         assert_eq!(slot[o..o + n], host[o..o + n], "range {o}+{n}");
                     }
-                    if !partial {
+                    if tag.is_none() {
                         assert!(PatternSource::check(b, slot), "a whole fill");
                     }
                 }
             }
         }
         res.end_pass();
-        partial
+        tag
     };
-    // The first pass reads from disk into the host tier (whole), the second copies up whole.
-    res.set_partial_fills(true);
-    assert!(!pass());
-    res.set_partial_fills(false);
-    assert!(!pass());
-    // Partial fills on: the slot holds `blob`'s ranges only, copied from the host tier.
-    res.set_partial_fills(true);
-    assert!(pass());
+    // The first pass reads from disk into the host tier: whole, whatever the ranges say.
+    partial.store(true, Ordering::SeqCst);
+    assert_eq!(pass(), None);
+    // Ranges off: the second copies up the whole blob.
+    partial.store(false, Ordering::SeqCst);
+    assert_eq!(pass(), None);
+    // Ranges on: the slot holds `blob`'s ranges only, copied from the host tier.
+    partial.store(true, Ordering::SeqCst);
+    assert_eq!(pass(), Some(7));
     // Every other host-tier copy was whole (whichever pass the ring's prefetch counted it
     // in): the bytes copied are the blobs' lengths less what `blob`'s partial fill skipped.
     let stats = res.stats();
@@ -648,4 +647,23 @@ fn a_split_blob_copies_only_its_ranges_from_the_host_tier_while_partial_fills_ar
         .sum();
     let skipped = lengths[blob] - ranges.iter().map(|r| r.1).sum::<u64>();
     assert_eq!(stats.total.host_copy_bytes, whole - skipped);
+
+    // A range past the blob's end fails the read that asked for it, naming the blob.
+    res.set_fill_ranges(Some(Arc::new(move |b| {
+        (b == blob).then(|| (8, vec![(5 * page, page + 1)]))
+    })));
+    let err = (0..2)
+        .find_map(|_| {
+            let mut failed = None;
+            for &b in &layout.order {
+                if let Err(e) = res.acquire(b) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            res.end_pass();
+            failed
+        })
+        .expect("the read of a range past the end fails");
+    assert!(err.to_string().contains("layer_003"), "{err}");
 }

@@ -6,28 +6,25 @@
 //!
 //! # Which share, and what streams
 //!
-//! Each blob streamed from the host tier gets one CPU share `f` for the run: the placement
-//! planner's (`residency::placement`, on the residency plan this run has and this machine's
-//! calibration) for a decode step of one row, where the split pays most. Its byte ranges
-//! without the CPU's rows — rows `[k, n)` of each matmul weight, every other tensor whole —
-//! are given to residency ([`residency::Residency::set_split_ranges`]), which then copies only
-//! those from the host tier: the PCIe link carries the GPU's share while the CPU reads its
-//! own from RAM, and the two bandwidths add up.
-//!
-//! A pass is split when the planner gives its row count a CPU share at all (decode steps;
-//! not a prefill chunk, whose GPU work per byte dwarfs the CPU's). Before it starts,
-//! residency is told whether fills may skip the CPU's rows
-//! ([`residency::Residency::set_partial_fills`]); the first blobs of a pass may have been
-//! filled during the previous one, so a blob whose fill skipped them
-//! ([`residency::Residency::filled_partially`]) is split whatever the pass: a prefill after
-//! decode steps has the CPU compute its share of those (at most the ring's slots of blobs)
-//! at the prefill's rows. That is why partial fills need more streamed blobs than ring slots
-//! (else a blob could be refilled while in use), and are off otherwise.
+//! Each pass tells the split its rows before it starts; from then on, each fill of a blob
+//! streamed from the host tier copies only the byte ranges the GPU needs at the planner's
+//! (`residency::placement`, on the residency plan this run has and this machine's
+//! calibration) CPU share for those rows — rows `[k, n)` of each matmul weight, every other
+//! tensor whole ([`super::primary_ranges`], [`residency::Residency::set_fill_ranges`]) — so
+//! the PCIe link carries the GPU's share while the CPU reads its own from RAM, and the two
+//! bandwidths add up. The CPU then computes exactly the rows the blob's fill left out
+//! ([`residency::Residency::filled_with`]): none for a blob copied whole (the first pass reads
+//! every blob from disk; a prefill chunk gets no share), and for the first blobs of a pass,
+//! prefetched while the previous one ran, the previous pass's share (a prefill after decode
+//! steps has the CPU compute its decode share of those few blobs at the prefill's rows). A
+//! blob may be refilled only once it is released, so the split needs more streamed blobs than
+//! ring slots; with fewer, the GPU computes everything.
 //!
 //! The decode CUDA graph is off (every op is issued each step: the CPU's work between the
 //! primary's ops cannot be captured). With layers streaming, graphs are not replayed anyway.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use residency::{PassKind, Placement, PlacementMode, Residency};
@@ -120,49 +117,39 @@ pub fn split_shares(
                 setting: "--placement auto",
                 message: "the weights do not come through residency".into(),
             })?;
-    let planned = planned_shares(meta, &residency, options)?;
+    let planned: Arc<Planned> = Arc::from(planned_shares(meta, &residency, options)?);
     let plan = residency.plan();
-    let host_blobs: Vec<usize> = (0..plan.blobs.len())
-        .filter(|&b| plan.placement(b) == Placement::HostCached)
-        .collect();
     // The embedding table is looked up by token on the GPU: always whole.
     let embed = meta.blob_index(weights_format::names::EMBED_BLOB);
-    let mut fixed = vec![0.0; meta.blobs.len()];
-    for &b in &host_blobs {
-        fixed[b] = planned(b, 1);
-        if fixed[b] > 0.0 && Some(b) != embed {
-            residency.set_split_ranges(b, primary_ranges(&meta.blobs[b], fixed[b]))?;
-        }
-    }
-    let partial_fills = host_blobs.len() > plan.ring_slots;
-    if !partial_fills {
+    let split_blobs: Vec<bool> = (0..plan.blobs.len())
+        .map(|b| plan.placement(b) == Placement::HostCached && Some(b) != embed)
+        .collect();
+    let streamed = split_blobs.iter().filter(|&&s| s).count();
+    if streamed <= plan.ring_slots {
         tracing::info!(
-            streamed = host_blobs.len(),
+            streamed,
             ring_slots = plan.ring_slots,
-            "--placement auto: too few streamed blobs to copy only the GPU's share of each"
+            "--placement auto: too few blobs stream to split (a blob could be refilled while in \
+             use); the GPU computes everything"
         );
     }
-    let split_rows: Mutex<HashMap<usize, bool>> = Mutex::default();
-    let planned = Arc::new(planned);
-    let blobs = host_blobs.clone();
-    let split_pass = Arc::new(move |rows: usize| {
-        let mut known = split_rows.lock().unwrap_or_else(|e| e.into_inner());
-        *known
-            .entry(rows)
-            .or_insert_with(|| blobs.iter().any(|&b| planned(b, rows) > 0.0))
-    });
-    let hook_residency = Arc::clone(&residency);
-    let hook_split = Arc::clone(&split_pass);
-    let hook: Box<PassHook> = Box::new(move |rows| {
-        hook_residency.set_partial_fills(partial_fills && hook_split(rows));
-    });
-    let share: Box<ShareFn> = Box::new(move |blob, rows| {
-        let f = fixed.get(blob).copied().unwrap_or(0.0);
-        if f > 0.0 && (residency.filled_partially(blob) || split_pass(rows)) {
-            f
-        } else {
-            0.0
-        }
-    });
+    // The rows of the pass being run, which the fills started now are for.
+    let rows_now = Arc::new(AtomicUsize::new(1));
+    if streamed > plan.ring_slots {
+        let (planned, rows_now) = (Arc::clone(&planned), Arc::clone(&rows_now));
+        let blobs = meta.blobs.clone();
+        residency.set_fill_ranges(Some(Arc::new(move |blob| {
+            if !split_blobs.get(blob).copied().unwrap_or(false) {
+                return None;
+            }
+            let share = planned(blob, rows_now.load(Ordering::Relaxed));
+            (share > 0.0).then(|| (share.to_bits(), primary_ranges(&blobs[blob], share)))
+        })));
+    }
+    let hook: Box<PassHook> = Box::new(move |rows| rows_now.store(rows, Ordering::Relaxed));
+    // The share a blob was filled for (the CPU computes exactly the rows its fill left out);
+    // none for a whole fill: the GPU has every byte, and splitting would only add work.
+    let share: Box<ShareFn> =
+        Box::new(move |blob, _rows| residency.filled_with(blob).map_or(0.0, f64::from_bits));
     Ok((share, hook))
 }

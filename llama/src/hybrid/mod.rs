@@ -54,8 +54,8 @@
 //! ([`crate::weights::WeightBytes::Both`] hands out both copies), and residency copies only
 //! the GPU's byte ranges of it over PCIe ([`primary_ranges`]), so that the bytes the two
 //! sides read per pass are disjoint and the bandwidths add up. The share of each blob is the
-//! planner's for a one-row decode step, made in every pass the planner splits at all;
-//! [`cuda`] says what happens at a switch to a prefill pass. The split costs the decode CUDA
+//! planner's for the rows of the pass its fill was made for; [`cuda`] says what that means
+//! for the first blobs of a pass, prefetched during the one before. The split costs the decode CUDA
 //! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
 //! Each handoff is a synchronising read of the activations and an upload of the CPU's output
 //! (pageable memory today; pinned staging would cut a few microseconds from each of the
