@@ -103,7 +103,7 @@ fn probe_row(dtype: DType, cols: usize) -> Result<Vec<u8>, LlamaError> {
 }
 
 /// The GPU's speed for `dtype` weights at each of [`residency::GpuRates::ROWS`]: weight bytes
-/// per second of a 7B layer's four matmul calls ([`LAYER_7B`]), made as the forward pass
+/// per second of a 7B layer's four matmul calls (`LAYER_7B`), made as the forward pass
 /// makes them (`matmul_batch` for Q/K/V and gate/up, `matmul_add_batch` into the residual for
 /// the output projection and down), from device memory. A batch and a prefill chunk are
 /// measured, not extrapolated from one kernel: the kernel each row count picks (and, in

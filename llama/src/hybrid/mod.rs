@@ -50,11 +50,11 @@
 //!
 //! `--placement auto` (`OpenOptions::hybrid`) has [`crate::open`] build a
 //! `SplitBackend<CudaBackend, CpuBackend>` when layers stream from the pinned host tier
-//! ([`cuda`]): the CPU reads its rows of each such blob from the host tier in place
+//! (`hybrid::cuda`): the CPU reads its rows of each such blob from the host tier in place
 //! ([`crate::weights::WeightBytes::Both`] hands out both copies), and residency copies only
 //! the GPU's byte ranges of it over PCIe ([`primary_ranges`]), so that the bytes the two
 //! sides read per pass are disjoint and the bandwidths add up. The share of each blob is the
-//! planner's for the rows of the pass its fill was made for; [`cuda`] says what that means
+//! planner's for the rows of the pass its fill was made for; `hybrid::cuda` says what that means
 //! for the first blobs of a pass, prefetched during the one before. The split costs the decode CUDA
 //! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
 //! Each handoff is a synchronising read of the activations and an upload of the CPU's output
