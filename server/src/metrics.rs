@@ -33,6 +33,11 @@ pub const KV_USAGE: &str = "gdsllm_kv_cache_usage_perc";
 pub const PREFIX_QUERIES: &str = "gdsllm_prefix_cache_queries_total";
 pub const PREFIX_HITS: &str = "gdsllm_prefix_cache_hits_total";
 pub const PREFIX_BYTES: &str = "gdsllm_prefix_cache_bytes";
+// Several models in one server (`crate::models`).
+pub const MODELS_LOADED: &str = "gdsllm_models_loaded";
+pub const MODEL_LOADED: &str = "gdsllm_model_loaded";
+pub const MODEL_LOADS: &str = "gdsllm_model_loads_total";
+pub const MODEL_UNLOADS: &str = "gdsllm_model_unloads_total";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -124,6 +129,11 @@ impl Metrics {
                 "Prompt tokens served from the prefix cache instead of computed"
             );
             describe_gauge!(PREFIX_BYTES, "Bytes the prefix cache holds");
+            describe_gauge!(MODELS_LOADED, "Models loaded now");
+            describe_gauge!(MODEL_LOADED, "Whether the model is loaded (1) or not (0)");
+            describe_counter!(MODEL_LOADS, "Times the model was loaded");
+            describe_counter!(MODEL_UNLOADS, "Times the model was unloaded");
+            gauge!(MODELS_LOADED).set(0.0);
             gauge!(KV_USAGE).set(0.0);
             counter!(PREFIX_QUERIES).absolute(0);
             counter!(PREFIX_HITS).absolute(0);
@@ -204,6 +214,28 @@ impl Metrics {
             counter!(PREFIX_HITS).absolute(usage.prefix_hit_tokens);
             gauge!(PREFIX_BYTES).set(usage.prefix_bytes as f64);
         });
+    }
+
+    /// `model` finished loading.
+    pub fn model_loaded(&self, model: &str) {
+        let model = model.to_string();
+        self.with(|| {
+            counter!(MODEL_LOADS, "model" => model.clone()).increment(1);
+            gauge!(MODEL_LOADED, "model" => model).set(1.0);
+        });
+    }
+
+    /// `model` was unloaded.
+    pub fn model_unloaded(&self, model: &str) {
+        let model = model.to_string();
+        self.with(|| {
+            counter!(MODEL_UNLOADS, "model" => model.clone()).increment(1);
+            gauge!(MODEL_LOADED, "model" => model).set(0.0);
+        });
+    }
+
+    pub fn set_models_loaded(&self, n: usize) {
+        self.with(|| gauge!(MODELS_LOADED).set(n as f64));
     }
 
     pub fn set_waiting(&self, n: usize) {

@@ -194,6 +194,11 @@ impl Scheduler {
         self.max_batch
     }
 
+    /// Requests queued or running now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
+    }
+
     /// Takes one of the places for requests, or answers 429 when all are held.
     fn reserve(&self) -> Result<QueueSlot, ApiError> {
         let held = self.held.fetch_add(1, Ordering::SeqCst);
