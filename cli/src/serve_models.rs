@@ -135,9 +135,10 @@ impl StoreModels {
 
     fn find_dir(&self, name: &str) -> anyhow::Result<Option<(SourceModel, PathBuf)>> {
         let models = self.models()?;
-        if let Some(found) = models.into_iter().find(|(m, _)| {
-            m.name == name || m.aliases.iter().any(|a| a == name)
-        }) {
+        if let Some(found) = models
+            .into_iter()
+            .find(|(m, _)| m.name == name || m.aliases.iter().any(|a| a == name))
+        {
             return Ok(Some(found));
         }
         // A directory of the store the index does not name (its directory name).

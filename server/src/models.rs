@@ -226,7 +226,9 @@ impl AppState {
                 Ok(Some(found)) => return Ok(found),
                 Ok(None) => {}
                 Err(err) => {
-                    return Err(ApiError::internal(format!("looking up model {name}: {err}")));
+                    return Err(ApiError::internal(format!(
+                        "looking up model {name}: {err}"
+                    )));
                 }
             }
         }

@@ -16,9 +16,9 @@ use serde_json::{Value, json};
 
 use crate::engine::{Engine, GeneratedToken, GenerationRequest, TokenLogprob};
 use crate::error::ApiError;
+use crate::models::ListedModel;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
-use crate::models::ListedModel;
 use crate::state::AppState;
 use crate::tools::{self, ReplyTools, StreamPiece, ToolCall, ToolStream};
 

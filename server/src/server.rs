@@ -18,8 +18,8 @@ use crate::connections::Connections;
 use crate::engine::Engine;
 use crate::error::{ApiError, ServerError};
 use crate::metrics::Metrics;
-use crate::routes;
 use crate::models::{ModelSource, Registry, SourceModel};
+use crate::routes;
 use crate::state::{AppState, ServerConfig};
 
 /// Reads API keys from `path`: one per line; blank lines and `#` comments are skipped.

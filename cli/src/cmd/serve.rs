@@ -408,7 +408,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::system_prompts;
+    use super::{parse_duration, system_prompts};
+    use std::time::Duration;
+
+    #[test]
+    fn durations_take_seconds_or_a_unit() {
+        assert_eq!(parse_duration("300"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        for bad in ["", "m", "-1", "5 minutes", "1d"] {
+            let err = parse_duration(bad).unwrap_err();
+            assert!(err.contains("expected a duration"), "{bad:?}: {err}");
+        }
+    }
 
     #[test]
     fn system_prompt_files_set_the_default_or_a_model_s_own() {
