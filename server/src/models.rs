@@ -471,7 +471,7 @@ impl AppState {
             Ok(engine) => {
                 let scheduler = Arc::new(Scheduler::start(
                     engine.clone(),
-                    self.metrics.clone(),
+                    self.metrics.for_model(&slot.model.name),
                     self.config.max_batch,
                     self.config.max_queue,
                 ));

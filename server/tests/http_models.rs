@@ -133,6 +133,16 @@ async fn busy_models_are_not_unloaded_and_idle_ones_make_room() {
     });
     // Wait until it runs.
     common::wait_for_metric(&ts, "gdsllm_requests_running", 1.0).await;
+    // The model's own series says the same (the unlabelled one is the sum over models).
+    assert_eq!(
+        common::wait_for_metric(
+            &ts,
+            "gdsllm_model_requests_running{model=\"fake-model\"}",
+            1.0
+        )
+        .await,
+        1.0
+    );
     let (status, body, _) = post(&ts, "/v1/models/fake-model/unload", &json!({})).await;
     assert_eq!(status, 409, "{body}");
     assert_eq!(body["error"]["code"], "model_busy");
