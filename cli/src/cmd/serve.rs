@@ -16,8 +16,8 @@ use crate::serve_models::{OpenSettings, StoreModels};
 /// /v1/embeddings, /v1/models, /v1/ws (JSON-RPC 2.0 over a WebSocket, token by token), plus
 /// /health and /metrics (Prometheus); gRPC with --grpc-port. /v1/models lists the store's
 /// models too: a request naming one loads it (see --max-models, --model-idle-timeout), and
-/// POST /v1/models/NAME/load and /unload load and unload one (409 while it is busy). The server listens at
-/// once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
+/// POST /v1/models/NAME/load and /unload load and unload one (409 while it is busy). The
+/// server listens at once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
 /// the bound address (`http://HOST:PORT`, or a JSON object with --json); logs go to stderr.
 /// SIGINT/SIGTERM stop accepting requests and let in-flight ones finish (see
 /// --shutdown-grace). Every flag can also be set through the environment variable shown.
