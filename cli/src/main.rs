@@ -13,6 +13,7 @@ mod placement_args;
 mod progress;
 mod residency_args;
 mod running;
+mod serve_models;
 
 use clap::{Parser, Subcommand};
 

@@ -96,6 +96,17 @@ impl ApiError {
         }
     }
 
+    /// 409: the request conflicts with the model's state (unloading a busy model).
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("model_busy"),
+        }
+    }
+
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,

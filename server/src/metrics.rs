@@ -6,6 +6,11 @@ use metrics_exporter_prometheus::{
     Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
 };
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
 use crate::engine::{CacheUsage, EngineStats};
 
 pub const REQUESTS: &str = "gdsllm_requests_total";
@@ -33,14 +38,44 @@ pub const KV_USAGE: &str = "gdsllm_kv_cache_usage_perc";
 pub const PREFIX_QUERIES: &str = "gdsllm_prefix_cache_queries_total";
 pub const PREFIX_HITS: &str = "gdsllm_prefix_cache_hits_total";
 pub const PREFIX_BYTES: &str = "gdsllm_prefix_cache_bytes";
+// Several models in one server (`crate::models`).
+pub const MODELS_LOADED: &str = "gdsllm_models_loaded";
+pub const MODEL_LOADED: &str = "gdsllm_model_loaded";
+pub const MODEL_LOADS: &str = "gdsllm_model_loads_total";
+pub const MODEL_UNLOADS: &str = "gdsllm_model_unloads_total";
+// The per-model parts of the series above that are per model (the unlabelled ones are the
+// server's totals).
+pub const MODEL_RUNNING: &str = "gdsllm_model_requests_running";
+pub const MODEL_WAITING: &str = "gdsllm_model_requests_waiting";
+pub const MODEL_KV_USAGE: &str = "gdsllm_model_kv_cache_usage_perc";
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
+/// The recorder of one server, or a handle on it that one model's scheduler records through
+/// ([`Metrics::for_model`]): its running/waiting/KV-cache gauges then go into that model's
+/// labelled series, and the unlabelled ones become the sums over the models.
 pub struct Metrics {
+    shared: Arc<Shared>,
+    model: Option<String>,
+}
+
+struct Shared {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
+    models: Mutex<BTreeMap<String, ModelGauges>>,
+}
+
+/// What one model's scheduler last reported.
+#[derive(Default)]
+struct ModelGauges {
+    running: usize,
+    waiting: usize,
+    usage: CacheUsage,
+    /// Prefix-cache totals of the model's earlier loads (a new load's batch counts from 0).
+    earlier_queried: u64,
+    earlier_hits: u64,
 }
 
 impl Default for Metrics {
@@ -60,7 +95,14 @@ impl Metrics {
         );
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
-        let m = Metrics { recorder, handle };
+        let m = Metrics {
+            shared: Arc::new(Shared {
+                recorder,
+                handle,
+                models: Mutex::new(BTreeMap::new()),
+            }),
+            model: None,
+        };
         m.with(|| {
             use metrics::{describe_counter, describe_gauge, describe_histogram};
             describe_counter!(REQUESTS, "HTTP requests by endpoint and status code");
@@ -124,6 +166,17 @@ impl Metrics {
                 "Prompt tokens served from the prefix cache instead of computed"
             );
             describe_gauge!(PREFIX_BYTES, "Bytes the prefix cache holds");
+            describe_gauge!(MODELS_LOADED, "Models loaded now");
+            describe_gauge!(MODEL_LOADED, "Whether the model is loaded (1) or not (0)");
+            describe_counter!(MODEL_LOADS, "Times the model was loaded");
+            describe_counter!(MODEL_UNLOADS, "Times the model was unloaded");
+            describe_gauge!(MODEL_RUNNING, "Sequences of the model being generated");
+            describe_gauge!(MODEL_WAITING, "Requests queued for the model");
+            describe_gauge!(
+                MODEL_KV_USAGE,
+                "Fraction of the model's KV-cache budget its running sequences hold"
+            );
+            gauge!(MODELS_LOADED).set(0.0);
             gauge!(KV_USAGE).set(0.0);
             counter!(PREFIX_QUERIES).absolute(0);
             counter!(PREFIX_HITS).absolute(0);
@@ -140,8 +193,53 @@ impl Metrics {
         m
     }
 
+    /// A handle that records one model's gauges (the same recorder).
+    pub fn for_model(&self, model: &str) -> Arc<Metrics> {
+        Arc::new(Metrics {
+            shared: self.shared.clone(),
+            model: Some(model.to_string()),
+        })
+    }
+
     fn with<T>(&self, f: impl FnOnce() -> T) -> T {
-        with_local_recorder(&self.recorder, f)
+        with_local_recorder(&self.shared.recorder, f)
+    }
+
+    /// Updates this handle's model's gauges with `change`, then the labelled series and the
+    /// server totals; without a model, `unlabelled` sets the totals directly.
+    fn model_gauges(&self, change: impl FnOnce(&mut ModelGauges), unlabelled: impl FnOnce()) {
+        let Some(model) = &self.model else {
+            self.with(unlabelled);
+            return;
+        };
+        let mut models = self.shared.models.lock();
+        change(models.entry(model.clone()).or_default());
+        let own = &models[model];
+        let fill = |used: u64, budget: u64| {
+            if budget == 0 {
+                0.0
+            } else {
+                used as f64 / budget as f64
+            }
+        };
+        let sum = |f: &dyn Fn(&ModelGauges) -> u64| models.values().map(f).sum::<u64>();
+        self.with(|| {
+            let label = model.clone();
+            gauge!(MODEL_RUNNING, "model" => label.clone()).set(own.running as f64);
+            gauge!(MODEL_WAITING, "model" => label.clone()).set(own.waiting as f64);
+            gauge!(MODEL_KV_USAGE, "model" => label)
+                .set(fill(own.usage.kv_used_bytes, own.usage.kv_budget_bytes));
+            gauge!(RUNNING).set(sum(&|g| g.running as u64) as f64);
+            gauge!(WAITING).set(sum(&|g| g.waiting as u64) as f64);
+            gauge!(KV_USAGE).set(fill(
+                sum(&|g| g.usage.kv_used_bytes),
+                sum(&|g| g.usage.kv_budget_bytes),
+            ));
+            counter!(PREFIX_QUERIES)
+                .absolute(sum(&|g| g.earlier_queried + g.usage.prefix_queried_tokens));
+            counter!(PREFIX_HITS).absolute(sum(&|g| g.earlier_hits + g.usage.prefix_hit_tokens));
+            gauge!(PREFIX_BYTES).set(sum(&|g| g.usage.prefix_bytes) as f64);
+        });
     }
 
     pub fn request(&self, endpoint: String, status: u16) {
@@ -188,26 +286,61 @@ impl Metrics {
     }
 
     pub fn set_running(&self, n: usize) {
-        self.with(|| gauge!(RUNNING).set(n as f64));
+        self.model_gauges(|g| g.running = n, || gauge!(RUNNING).set(n as f64));
     }
 
     /// The batch's KV-cache fill and prefix-cache totals (since the batch began).
     pub fn set_cache_usage(&self, usage: &CacheUsage) {
-        let fill = if usage.kv_budget_bytes == 0 {
-            0.0
-        } else {
-            usage.kv_used_bytes as f64 / usage.kv_budget_bytes as f64
-        };
+        self.model_gauges(
+            |g| g.usage = *usage,
+            || {
+                let fill = if usage.kv_budget_bytes == 0 {
+                    0.0
+                } else {
+                    usage.kv_used_bytes as f64 / usage.kv_budget_bytes as f64
+                };
+                gauge!(KV_USAGE).set(fill);
+                counter!(PREFIX_QUERIES).absolute(usage.prefix_queried_tokens);
+                counter!(PREFIX_HITS).absolute(usage.prefix_hit_tokens);
+                gauge!(PREFIX_BYTES).set(usage.prefix_bytes as f64);
+            },
+        );
+    }
+
+    /// `model` finished loading.
+    pub fn model_loaded(&self, model: &str) {
+        let model = model.to_string();
         self.with(|| {
-            gauge!(KV_USAGE).set(fill);
-            counter!(PREFIX_QUERIES).absolute(usage.prefix_queried_tokens);
-            counter!(PREFIX_HITS).absolute(usage.prefix_hit_tokens);
-            gauge!(PREFIX_BYTES).set(usage.prefix_bytes as f64);
+            counter!(MODEL_LOADS, "model" => model.clone()).increment(1);
+            gauge!(MODEL_LOADED, "model" => model).set(1.0);
         });
     }
 
+    /// `model` was unloaded: its gauges go to 0; its prefix-cache totals stay counted.
+    pub fn model_unloaded(&self, model: &str) {
+        self.for_model(model).model_gauges(
+            |g| {
+                g.earlier_queried += g.usage.prefix_queried_tokens;
+                g.earlier_hits += g.usage.prefix_hit_tokens;
+                g.usage = CacheUsage::default();
+                g.running = 0;
+                g.waiting = 0;
+            },
+            || {},
+        );
+        let model = model.to_string();
+        self.with(|| {
+            counter!(MODEL_UNLOADS, "model" => model.clone()).increment(1);
+            gauge!(MODEL_LOADED, "model" => model).set(0.0);
+        });
+    }
+
+    pub fn set_models_loaded(&self, n: usize) {
+        self.with(|| gauge!(MODELS_LOADED).set(n as f64));
+    }
+
     pub fn set_waiting(&self, n: usize) {
-        self.with(|| gauge!(WAITING).set(n as f64));
+        self.model_gauges(|g| g.waiting = n, || gauge!(WAITING).set(n as f64));
     }
 
     /// The text exposition, with the engine's counters brought up to date first.
@@ -225,6 +358,6 @@ impl Metrics {
                 counter!(PASSES).absolute(s.passes);
             });
         }
-        self.handle.render()
+        self.shared.handle.render()
     }
 }

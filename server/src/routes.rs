@@ -16,9 +16,10 @@ use serde_json::{Value, json};
 
 use crate::engine::{Engine, GeneratedToken, GenerationRequest, TokenLogprob};
 use crate::error::ApiError;
+use crate::models::ListedModel;
 use crate::params::{self, COMPLETIONS_DEFAULT_MAX_TOKENS, CommonParams, PromptInput};
 use crate::scheduler::{Event, FinishReason, SequenceHandle};
-use crate::state::{AppState, ModelSlot};
+use crate::state::AppState;
 use crate::tools::{self, ReplyTools, StreamPiece, ToolCall, ToolStream};
 
 type AppResult = Result<Response, ApiError>;
@@ -85,18 +86,15 @@ pub(crate) fn new_id(prefix: &str) -> String {
 }
 
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
-    match state.ready() {
+    match state.health() {
         Ok(_) => Json(json!({"status": "ok"})).into_response(),
         Err(err) => err.into_response(),
     }
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let stats = match &*state.slot.read() {
-        ModelSlot::Ready { engine, .. } => Some(engine.clone()),
-        _ => None,
-    }
-    .map(|e| e.stats());
+    // The engine counters are the default model's (as before several models were served).
+    let stats = state.ready().ok().map(|(engine, _)| engine.stats());
     let text = state.metrics.render(stats.as_ref());
     (
         [(
@@ -108,31 +106,10 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// `GET /api/ps`: what the server holds (`gdsllm ps`): the model, its state, the weight bytes
-/// held per tier and read per tier so far.
+/// `GET /api/ps`: what the server holds (`gdsllm ps`): each model slot, the default first, with
+/// its state, the weight bytes held per tier and read per tier so far.
 pub async fn ps(State(state): State<Arc<AppState>>) -> Response {
-    let tiers = |pairs: &[(&'static str, u64)]| -> serde_json::Map<String, Value> {
-        pairs
-            .iter()
-            .map(|(t, b)| (t.to_string(), json!(b)))
-            .collect()
-    };
-    let model = match &*state.slot.read() {
-        ModelSlot::Loading => json!({"state": "loading"}),
-        ModelSlot::Failed(message) => json!({"state": "failed", "error": message}),
-        ModelSlot::Ready { engine, .. } => {
-            let stats = engine.stats();
-            json!({
-                "state": "ready",
-                "model": engine.model_id(),
-                "context_length": engine.context_length(),
-                "held_bytes": tiers(&stats.held_by_tier),
-                "read_bytes": tiers(&stats.bytes_by_tier),
-                "passes": stats.passes,
-            })
-        }
-    };
-    Json(json!({"models": [model]})).into_response()
+    Json(json!({"models": state.slots_report()})).into_response()
 }
 
 pub async fn fallback(method: Method, uri: Uri) -> ApiError {
@@ -143,24 +120,55 @@ pub(crate) fn model_object(id: &str, created: u64) -> Value {
     json!({"id": id, "object": "model", "created": created, "owned_by": "gdsllm"})
 }
 
+/// A `/v1/models` entry with whether the model is loaded.
+fn listed_object(state: &AppState, model: &ListedModel) -> Value {
+    let mut object = model_object(&model.id, state.started);
+    object["loaded"] = json!(model.loaded);
+    object
+}
+
+/// `GET /v1/models`: the default model's names, the loaded models and every model the server
+/// can load (the store's, with their aliases), each with `loaded`.
 pub async fn models(State(state): State<Arc<AppState>>) -> AppResult {
-    let (engine, _) = state.ready()?;
+    state.health()?;
     let data: Vec<Value> = state
-        .model_names(&*engine)
+        .list_models()
         .iter()
-        .map(|id| model_object(id, state.started))
+        .map(|m| listed_object(&state, m))
         .collect();
     Ok(Json(json!({"object": "list", "data": data})).into_response())
 }
 
 pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> AppResult {
-    let (engine, _) = state.ready()?;
-    let names = state.model_names(&*engine);
-    if names.contains(&id) {
-        Ok(Json(model_object(&id, state.started)).into_response())
-    } else {
-        Err(ApiError::model_not_found(&id, &names))
+    state.health()?;
+    let listed = state.list_models();
+    match listed.iter().find(|m| m.id == id) {
+        Some(m) => Ok(Json(listed_object(&state, m)).into_response()),
+        None => {
+            let names: Vec<String> = listed.into_iter().map(|m| m.id).collect();
+            Err(ApiError::model_not_found(&id, &names))
+        }
     }
+}
+
+/// `POST /v1/models/{id}/load`: loads the model (waiting for it) unless it is loaded already.
+pub async fn load_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> AppResult {
+    let model = state.load_model(&id).await?;
+    let mut object = model_object(&id, state.started);
+    object["loaded"] = json!(true);
+    object["root"] = json!(model.name);
+    Ok(Json(object).into_response())
+}
+
+/// `POST /v1/models/{id}/unload`: unloads the model; 409 while it has requests in flight or is
+/// loading. `unloaded` says whether it was loaded.
+pub async fn unload_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> AppResult {
+    let (model, unloaded) = state.unload_model(&id)?;
+    let mut object = model_object(&id, state.started);
+    object["loaded"] = json!(false);
+    object["unloaded"] = json!(unloaded);
+    object["root"] = json!(model.name);
+    Ok(Json(object).into_response())
 }
 
 /// The name to answer with: the requested one when it is ours, the model id when none given.
@@ -459,11 +467,12 @@ pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     JsonBody(body): JsonBody,
 ) -> AppResult {
-    let (engine, scheduler) = state.ready()?;
     let mut req = params::chat_request(&body)?;
-    let model = check_model(&state, &*engine, req.common.model.as_deref())?;
+    let lease = state.model(req.common.model.as_deref()).await?;
+    let (engine, scheduler) = (&lease.engine, &lease.scheduler);
+    let model = lease.name.clone();
     let messages = state.with_system_prompt(&model, engine.model_id(), req.messages.clone());
-    let (text, tools) = tools::render_chat_prompt(&*engine, &mut req, &messages)?;
+    let (text, tools) = tools::render_chat_prompt(&**engine, &mut req, &messages)?;
     // The template writes the BOS text itself when the model uses one.
     let prompt = engine.tokenize(&text, false)?;
     let shape = Shape {
@@ -477,8 +486,8 @@ pub async fn chat_completions(
         tools,
     };
     let handle = submit(
-        &*engine,
-        &scheduler,
+        &**engine,
+        scheduler,
         prompt,
         "messages",
         &req.common,
@@ -492,9 +501,10 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     JsonBody(body): JsonBody,
 ) -> AppResult {
-    let (engine, scheduler) = state.ready()?;
     let req = params::completion_request(&body)?;
-    let model = check_model(&state, &*engine, req.common.model.as_deref())?;
+    let lease = state.model(req.common.model.as_deref()).await?;
+    let (engine, scheduler) = (&lease.engine, &lease.scheduler);
+    let model = lease.name.clone();
     let prompt = match req.prompt {
         PromptInput::Text(t) => engine.tokenize(&t, true)?,
         PromptInput::Tokens(ids) => ids,
@@ -510,8 +520,8 @@ pub async fn completions(
         tools: None,
     };
     let handle = submit(
-        &*engine,
-        &scheduler,
+        &**engine,
+        scheduler,
         prompt,
         "prompt",
         &req.common,
@@ -769,10 +779,11 @@ pub(crate) fn embedding_tokens(
 }
 
 pub async fn embeddings(State(state): State<Arc<AppState>>, JsonBody(body): JsonBody) -> AppResult {
-    let (engine, scheduler) = state.ready()?;
     let req = params::embeddings_request(&body)?;
-    let model = check_model(&state, &*engine, req.model.as_deref())?;
-    let inputs = embedding_tokens(&*engine, req.inputs)?;
+    let lease = state.model(req.model.as_deref()).await?;
+    let (engine, scheduler) = (&lease.engine, &lease.scheduler);
+    let model = lease.name.clone();
+    let inputs = embedding_tokens(&**engine, req.inputs)?;
     let prompt_tokens: usize = inputs.iter().map(Vec::len).sum();
     let vectors = scheduler.embed(inputs).await?;
     let data: Vec<Value> = vectors

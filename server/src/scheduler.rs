@@ -91,6 +91,17 @@ pub struct EmbedJob {
     _slot: QueueSlot,
 }
 
+impl GenerateJob {
+    /// Gives back the job's place first, then sends its last event: a client that has its
+    /// answer never finds the request still counted (the model registry unloads only a model
+    /// that holds none).
+    fn send_last(self, last: Event) {
+        let GenerateJob { events, _slot, .. } = self;
+        drop(_slot);
+        let _ = events.send(last);
+    }
+}
+
 /// One place among the requests the scheduler holds (queued or running); given back when the
 /// job is dropped, however it ended.
 struct QueueSlot(Arc<AtomicUsize>);
@@ -192,6 +203,11 @@ impl Scheduler {
     /// The most sequences decoded together (`--max-batch`).
     pub fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    /// Requests queued or running now.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 
     /// Takes one of the places for requests, or answers 429 when all are held.
@@ -359,7 +375,7 @@ impl Worker {
                 self.metrics.set_running(1);
                 let last = self.run_generate(&job, queued);
                 self.metrics.set_running(0);
-                let _ = job.events.send(last);
+                job.send_last(last);
             } else {
                 self.embed_step(&mut embeds, 0);
             }
@@ -376,7 +392,10 @@ impl Worker {
         self.metrics.set_running(running);
         if let Some(result) = done {
             let work = embeds.pop_front().expect("front exists");
-            let _ = work.job.reply.send(result);
+            // The place goes back before the answer (see `GenerateJob::send_last`).
+            let EmbedJob { reply, _slot, .. } = work.job;
+            drop(_slot);
+            let _ = reply.send(result);
         }
     }
 
@@ -483,7 +502,7 @@ impl Worker {
                         .queue_time(b.out.queued.elapsed().as_secs_f64());
                 }
                 let last = b.out.finish(finish, &b.job.events, &self.metrics);
-                let _ = b.job.events.send(last);
+                b.job.send_last(last);
             }
         }
     }

@@ -13,15 +13,14 @@ use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use parking_lot::RwLock;
 
 use crate::connections::Connections;
 use crate::engine::Engine;
 use crate::error::{ApiError, ServerError};
 use crate::metrics::Metrics;
+use crate::models::{ModelSource, Registry, SourceModel};
 use crate::routes;
-use crate::scheduler::Scheduler;
-use crate::state::{AppState, ModelSlot, ServerConfig};
+use crate::state::{AppState, ServerConfig};
 
 /// Reads API keys from `path`: one per line; blank lines and `#` comments are skipped.
 pub fn load_api_key_file(path: &Path) -> Result<Vec<String>, ServerError> {
@@ -60,32 +59,33 @@ impl Server {
             state: Arc::new(AppState {
                 config,
                 metrics: Arc::new(Metrics::new()),
-                slot: RwLock::new(ModelSlot::Loading),
+                models: Registry::new(),
                 shutting_down: AtomicBool::new(false),
                 started,
             }),
         }
     }
 
-    /// Makes the model available and starts its worker thread.
+    /// Makes the default model available and starts its worker thread.
     pub fn set_engine(&self, engine: Arc<dyn Engine>) {
-        let scheduler = Arc::new(Scheduler::start(
-            engine.clone(),
-            self.state.metrics.clone(),
-            self.state.config.max_batch,
-            self.state.config.max_queue,
-        ));
         tracing::info!(
             model = engine.model_id(),
             context = engine.context_length(),
             "model ready"
         );
-        *self.state.slot.write() = ModelSlot::Ready { engine, scheduler };
+        self.state.finish_default_load(Ok(engine));
     }
 
-    /// Records that loading failed; requests get 503 with `message`.
+    /// Records that loading the default model failed; requests get 503 with `message`.
     pub fn set_load_failed(&self, message: impl Into<String>) {
-        *self.state.slot.write() = ModelSlot::Failed(message.into());
+        self.state.finish_default_load(Err(message.into()));
+    }
+
+    /// Serves several models: `default` is the one being loaded at start (`set_engine`), and
+    /// requests naming another model that `source` knows load it on demand (see
+    /// [`crate::models`] for the limits). Call before serving.
+    pub fn set_model_source(&self, source: Arc<dyn ModelSource>, default: SourceModel) {
+        self.state.set_model_source(source, default);
     }
 
     /// The routes with all layers.
@@ -94,6 +94,8 @@ impl Server {
         let v1 = Router::new()
             .route("/v1/models", get(routes::models))
             .route("/v1/models/{id}", get(routes::model))
+            .route("/v1/models/{id}/load", post(routes::load_model))
+            .route("/v1/models/{id}/unload", post(routes::unload_model))
             .route("/v1/chat/completions", post(routes::chat_completions))
             .route("/v1/completions", post(routes::completions))
             .route("/v1/embeddings", post(routes::embeddings))
@@ -138,17 +140,25 @@ impl Server {
             shutdown.await;
             tracing::info!("shutting down: refusing new requests, finishing in-flight ones");
             state.shutting_down.store(true, Ordering::SeqCst);
-            if let ModelSlot::Ready { scheduler, .. } = &*state.slot.read() {
+            let schedulers = state.schedulers();
+            for scheduler in &schedulers {
                 scheduler.close();
-                let scheduler = scheduler.clone();
-                let grace = state.config.shutdown_grace;
-                tokio::spawn(async move {
-                    tokio::time::sleep(grace).await;
-                    tracing::warn!("shutdown grace period over: cancelling in-flight requests");
-                    scheduler.cancel_all();
-                });
             }
+            let grace = state.config.shutdown_grace;
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                tracing::warn!("shutdown grace period over: cancelling in-flight requests");
+                for scheduler in schedulers {
+                    scheduler.cancel_all();
+                }
+            });
         };
+        if let Some(timeout) = self.state.config.model_idle_timeout {
+            tokio::spawn(crate::models::unload_idle_models(
+                self.state.clone(),
+                timeout,
+            ));
+        }
         let config = &self.state.config;
         let table = Connections::new(config.max_connections, self.state.metrics.clone());
         crate::connections::serve(
@@ -160,11 +170,7 @@ impl Server {
             on_shutdown,
         )
         .await;
-        let scheduler = match &*self.state.slot.read() {
-            ModelSlot::Ready { scheduler, .. } => Some(scheduler.clone()),
-            _ => None,
-        };
-        if let Some(scheduler) = scheduler {
+        for scheduler in self.state.schedulers() {
             scheduler.cancel_all();
             scheduler.close();
             let _ = tokio::task::spawn_blocking(move || scheduler.join()).await;

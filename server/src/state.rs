@@ -1,16 +1,16 @@
-//! The application state every handler shares: the server's settings, the model slot (loading,
-//! ready with its scheduler, or failed), metrics and the shutdown flag. Both the router
+//! The application state every handler shares: the server's settings, the registry of model
+//! slots (each loading, ready with its scheduler, or failed: [`crate::models`]), metrics and
+//! the shutdown flag. Both the router
 //! (`server`) and the handlers (`routes`) use it; neither imports the other's internals.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use parking_lot::RwLock;
-
 use crate::engine::{ChatMessage, Engine};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::models::{Registry, SlotState};
 use crate::scheduler::Scheduler;
 
 /// Settings of one server.
@@ -48,6 +48,13 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// A client must send a request's whole body within this long (408 otherwise).
     pub body_read_timeout: Duration,
+    /// Models loaded (or loading) at once; loading one more first unloads the least recently
+    /// used idle one ([`crate::models`]).
+    pub max_models: usize,
+    /// A model other than the default, idle this long, is unloaded; `None`: never.
+    pub model_idle_timeout: Option<Duration>,
+    /// A request for a model that is loading waits this long for it (503 after).
+    pub model_load_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -65,39 +72,40 @@ impl Default for ServerConfig {
             max_connections: 1024,
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(30),
+            max_models: 3,
+            model_idle_timeout: Some(Duration::from_secs(300)),
+            model_load_timeout: Duration::from_secs(600),
         }
     }
-}
-
-pub(crate) enum ModelSlot {
-    Loading,
-    Ready {
-        engine: Arc<dyn Engine>,
-        scheduler: Arc<Scheduler>,
-    },
-    Failed(String),
 }
 
 pub(crate) struct AppState {
     pub config: ServerConfig,
     pub metrics: Arc<Metrics>,
-    pub slot: RwLock<ModelSlot>,
+    pub models: Registry,
     pub shutting_down: AtomicBool,
     pub started: u64,
 }
 
 impl AppState {
-    /// The engine and its queue, or 503 while loading / after a failed load / in shutdown.
+    /// The default model's engine and queue (the WebSocket and gRPC transports serve the
+    /// default model only), or 503 while it loads / after a failed load / while it is
+    /// unloaded / in shutdown.
     pub fn ready(&self) -> Result<(Arc<dyn Engine>, Arc<Scheduler>), ApiError> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
-        match &*self.slot.read() {
-            ModelSlot::Loading => Err(ApiError::unavailable("the model is loading")),
-            ModelSlot::Failed(m) => Err(ApiError::unavailable(format!(
+        let slots = self.models.slots.lock();
+        match slots.iter().find(|s| s.is_default).map(|s| &s.state) {
+            Some(SlotState::Loading(_)) => Err(ApiError::unavailable("the model is loading")),
+            Some(SlotState::Failed(m)) => Err(ApiError::unavailable(format!(
                 "the model failed to load: {m}"
             ))),
-            ModelSlot::Ready { engine, scheduler } => Ok((engine.clone(), scheduler.clone())),
+            Some(SlotState::Ready { engine, scheduler }) => Ok((engine.clone(), scheduler.clone())),
+            None => Err(ApiError::unavailable(
+                "the default model is unloaded; a REST request (or POST /v1/models/{name}/load) \
+                 loads it again",
+            )),
         }
     }
 
@@ -132,7 +140,7 @@ impl AppState {
         messages
     }
 
-    /// Names the model answers to: its id, then the aliases.
+    /// Names the default model answers to: its id, then the aliases.
     pub fn model_names(&self, engine: &dyn Engine) -> Vec<String> {
         let mut names = vec![engine.model_id().to_string()];
         names.extend(self.config.aliases.iter().cloned());

@@ -7,9 +7,10 @@ use serde_json::Value;
 
 use crate::running::running;
 
-/// Show what each running `gdsllm serve` on this machine holds: its model, and the weight bytes
-/// held per tier (resident in device memory, the staging ring, the host tier) and read per tier
-/// so far (disk, host tier, on demand, network). With --url, ask that server only (it may run
+/// Show what each running `gdsllm serve` on this machine holds: each loaded model (the default
+/// first; others loaded on demand), and the weight bytes held per tier (resident in device
+/// memory, the staging ring, the host tier) and read per tier so far (disk, host tier, on
+/// demand, network). With --url, ask that server only (it may run
 /// elsewhere).
 #[derive(clap::Args)]
 pub struct Args {

@@ -7,14 +7,17 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use gdsllm_server::{Server, ServerConfig};
-use weights_format::Model;
+use gdsllm_store::Store;
 
 use crate::device_args::OpenArgs;
+use crate::serve_models::{OpenSettings, StoreModels};
 
 /// Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
 /// /v1/embeddings, /v1/models, /v1/ws (JSON-RPC 2.0 over a WebSocket, token by token), plus
-/// /health and /metrics (Prometheus); gRPC with --grpc-port. The server listens at
-/// once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
+/// /health and /metrics (Prometheus); gRPC with --grpc-port. /v1/models lists the store's
+/// models too: a request naming one loads it (see --max-models, --model-idle-timeout), and
+/// POST /v1/models/NAME/load and /unload load and unload one (409 while it is busy). The
+/// server listens at once; /health answers 503 until the model is loaded, then 200. The first line on stdout is
 /// the bound address (`http://HOST:PORT`, or a JSON object with --json); logs go to stderr.
 /// SIGINT/SIGTERM stop accepting requests and let in-flight ones finish (see
 /// --shutdown-grace). Every flag can also be set through the environment variable shown.
@@ -156,6 +159,26 @@ pub struct Args {
     /// the second line on stdout says which (`grpc://HOST:PORT`).
     #[arg(long, value_name = "PORT", env = "GDSLLM_GRPC_PORT")]
     pub grpc_port: Option<u16>,
+    /// Most models loaded at once. A request naming another model of the store (`"model":
+    /// NAME`, a store name, alias or tag) loads it on demand; at the limit the least recently
+    /// used idle model is unloaded first, and when every loaded model is busy the request
+    /// gets 429 with `Retry-After`. Each loaded model has its own --max-batch, --kv-budget and
+    /// prefix cache.
+    #[arg(long, value_name = "N", env = "GDSLLM_MAX_MODELS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub max_models: u64,
+    /// Unload a model other than the default (-m) after it has had no request for this long,
+    /// e.g. 300, 90s, 5m, 1h; 0: never.
+    #[arg(long, value_name = "DURATION", env = "GDSLLM_MODEL_IDLE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub model_idle_timeout: Duration,
+    /// Seconds a request for a model that is loading waits for it (503 with `Retry-After`
+    /// after that).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "GDSLLM_MODEL_LOAD_TIMEOUT",
+        default_value_t = 600.0
+    )]
+    pub model_load_timeout: f64,
     /// Print the bound address as JSON: {"address": "HOST:PORT", "url": "http://HOST:PORT"}.
     #[arg(long)]
     pub json: bool,
@@ -169,6 +192,23 @@ fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .with_context(|| format!("{flag} {value}: expected a positive number of seconds"))
+}
+
+/// A duration: seconds, or a number with `s`, `m` or `h` after it.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, unit) = match s.char_indices().last() {
+        Some((i, 's')) => (&s[..i], 1.0),
+        Some((i, 'm')) => (&s[..i], 60.0),
+        Some((i, 'h')) => (&s[..i], 3600.0),
+        _ => (s, 1.0),
+    };
+    number
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|n| Duration::try_from_secs_f64(n * unit).ok())
+        .ok_or_else(|| format!("{s:?}: expected a duration such as 300, 90s, 5m or 1h"))
 }
 
 /// `--kv-budget`: a size, or `auto` (None).
@@ -246,26 +286,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_connections: args.max_connections,
         header_read_timeout: seconds("--header-timeout", args.header_timeout)?,
         body_read_timeout: seconds("--body-timeout", args.body_timeout)?,
+        max_models: args.max_models as usize,
+        model_idle_timeout: Some(args.model_idle_timeout).filter(|d| !d.is_zero()),
+        model_load_timeout: seconds("--model-load-timeout", args.model_load_timeout)?,
     };
     // Resolve the model before listening, so that a wrong -m fails at once.
     let dir = super::run::model_dir(args.model.as_deref())?;
-    let model_config = Model::open(&dir)
-        .with_context(|| format!("{}: invalid model", dir.display()))?
-        .config()
-        .clone();
-    let context = llama::clamp_context(args.ctx_size, &model_config);
-    let max_batch = args.max_batch as usize;
-    let kv_budget = args.kv_budget.0.unwrap_or_else(|| {
-        residency::kv_cache_bytes(&model_config, context as u64, 4) * max_batch as u64
-    });
-    // The model reserves device memory for the running sequences and the prefix cache
-    // together; `open_serving` gives the sequences their part.
-    let prefix_cache_bytes = args.prefix_cache_bytes;
-    let (device, options) = args.open.options(
-        context,
-        max_batch,
-        Some(kv_budget.saturating_add(prefix_cache_bytes)),
-    )?;
+    let settings = OpenSettings {
+        open: args.open.clone(),
+        ctx_size: args.ctx_size,
+        max_batch: args.max_batch as usize,
+        kv_budget: args.kv_budget.0,
+        prefix_cache_bytes: args.prefix_cache_bytes,
+    };
+    let prepared = settings.prepare(&dir)?;
+    let context = prepared.context;
     let model_id = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -316,20 +351,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // For `gdsllm ps`; removed when the server stops.
         let _registered = crate::running::register(&format!("http://{bound}"), &model_id, &dir);
         let server = Server::new(config);
+        match Store::from_env() {
+            Ok(store) => {
+                let models = StoreModels::new(store, settings.clone());
+                let default = models.default_model(&dir, &model_id);
+                server.set_model_source(Arc::new(models), default);
+            }
+            Err(err) => tracing::warn!("no model store, serving {model_id} only: {err}"),
+        }
         let loader = server.clone();
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
             let started = std::time::Instant::now();
-            let engine =
-                gdsllm_server::open_serving(&dir, model_id, device, &options, prefix_cache_bytes);
+            let engine = settings.load(&dir, model_id, &prepared);
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
                     loader.set_engine(engine);
                 }
                 Err(err) => {
-                    tracing::error!("loading {}: {err}", dir.display());
-                    let message = format!("{}: {err}", dir.display());
+                    tracing::error!("{err:#}");
+                    let message = format!("{err:#}");
                     loader.set_load_failed(message.clone());
                     let _ = load_failed_tx.send(message);
                 }
@@ -366,7 +408,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::system_prompts;
+    use super::{parse_duration, system_prompts};
+    use std::time::Duration;
+
+    #[test]
+    fn durations_take_seconds_or_a_unit() {
+        assert_eq!(parse_duration("300"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        for bad in ["", "m", "-1", "5 minutes", "1d"] {
+            let err = parse_duration(bad).unwrap_err();
+            assert!(err.contains("expected a duration"), "{bad:?}: {err}");
+        }
+    }
 
     #[test]
     fn system_prompt_files_set_the_default_or_a_model_s_own() {

@@ -1,0 +1,214 @@
+//! Several models in one server (`server/src/models.rs`) against fake engines: a model loaded
+//! on demand, requests waiting for a load in progress (one load for all of them), 429 when
+//! every loaded model is busy at --max-models, 409 when unloading a busy model, the least
+//! recently used idle model unloaded to make room.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{FakeEngine, TestServer, metric};
+use gdsllm_server::{Engine, ModelSource, ServerConfig, SourceModel};
+use serde_json::{Value, json};
+
+/// Serves `other` (a slow fake) besides the default; each load takes `load_time`.
+struct FakeSource {
+    load_time: Duration,
+    loads: AtomicUsize,
+}
+
+fn source_model(name: &str) -> SourceModel {
+    SourceModel {
+        name: name.into(),
+        aliases: Vec::new(),
+        key: format!("key-{name}"),
+    }
+}
+
+impl ModelSource for FakeSource {
+    fn list(&self) -> Result<Vec<SourceModel>, String> {
+        Ok(vec![source_model("fake-model"), source_model("other")])
+    }
+
+    fn find(&self, name: &str) -> Result<Option<SourceModel>, String> {
+        Ok(self.list()?.into_iter().find(|m| m.name == name))
+    }
+
+    fn load(&self, model: &SourceModel) -> Result<Arc<dyn Engine>, String> {
+        std::thread::sleep(self.load_time);
+        self.loads.fetch_add(1, Ordering::SeqCst);
+        let engine = if model.name == "fake-model" {
+            FakeEngine::slow(Duration::from_millis(20))
+        } else {
+            FakeEngine::new()
+        };
+        Ok(Arc::new(engine))
+    }
+}
+
+/// A server with max_models 1, its default a slow fake, `other` loadable.
+async fn start(load_time: Duration) -> (TestServer, Arc<FakeSource>) {
+    let config = ServerConfig {
+        max_models: 1,
+        ..Default::default()
+    };
+    let ts = TestServer::start_loading(config).await;
+    let source = Arc::new(FakeSource {
+        load_time,
+        loads: AtomicUsize::new(0),
+    });
+    ts.server
+        .set_model_source(source.clone(), source_model("fake-model"));
+    // Slow enough (300 ms a token, 9 to 12 tokens) that a request keeps it busy a while.
+    ts.server
+        .set_engine(Arc::new(FakeEngine::slow(Duration::from_millis(300))));
+    (ts, source)
+}
+
+async fn post(ts: &TestServer, path: &str, body: &Value) -> (u16, Value, Option<String>) {
+    let r = reqwest::Client::new()
+        .post(ts.url(path))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    (status, r.json().await.unwrap(), retry)
+}
+
+fn chat(model: &str, max_tokens: usize) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}],
+           "max_tokens": max_tokens})
+}
+
+async fn loaded(ts: &TestServer) -> Vec<(String, bool)> {
+    let v: Value = reqwest::get(ts.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["id"].as_str().unwrap().to_string(),
+                m["loaded"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_models_are_not_unloaded_and_idle_ones_make_room() {
+    let (ts, source) = start(Duration::ZERO).await;
+    assert_eq!(
+        loaded(&ts).await,
+        [("fake-model".into(), true), ("other".into(), false)]
+    );
+    // A long request keeps the default busy.
+    let long = tokio::spawn({
+        let url = ts.url("/v1/chat/completions");
+        async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .json(
+                    &json!({"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 40, "stream": true}),
+                )
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap()
+        }
+    });
+    // Wait until it runs.
+    common::wait_for_metric(&ts, "gdsllm_requests_running", 1.0).await;
+    // The model's own series says the same (the unlabelled one is the sum over models).
+    assert_eq!(
+        common::wait_for_metric(
+            &ts,
+            "gdsllm_model_requests_running{model=\"fake-model\"}",
+            1.0
+        )
+        .await,
+        1.0
+    );
+    let (status, body, _) = post(&ts, "/v1/models/fake-model/unload", &json!({})).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"]["code"], "model_busy");
+    let (status, body, retry) = post(&ts, "/v1/chat/completions", &chat("other", 2)).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(retry.as_deref(), Some("1"));
+    assert_eq!(source.loads.load(Ordering::SeqCst), 0);
+
+    // Once it is done, the idle default makes room for the other model.
+    let streamed = long.await.unwrap();
+    assert!(streamed.contains("[DONE]"), "{streamed}");
+    let (status, body, _) = post(&ts, "/v1/chat/completions", &chat("other", 2)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "other");
+    assert_eq!(
+        loaded(&ts).await,
+        [("fake-model".into(), false), ("other".into(), true)]
+    );
+    let text = reqwest::get(ts.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(metric(&text, "gdsllm_models_loaded"), Some(1.0));
+    assert_eq!(
+        metric(&text, "gdsllm_model_unloads_total{model=\"fake-model\"}"),
+        Some(1.0)
+    );
+    // A request naming no model goes to the default, which loads again.
+    let mut body = chat("x", 2);
+    body.as_object_mut().unwrap().remove("model");
+    let (status, body, _) = post(&ts, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["model"], "fake-model");
+    assert_eq!(source.loads.load(Ordering::SeqCst), 2);
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_for_a_loading_model_wait_for_one_load() {
+    let (ts, source) = start(Duration::from_millis(300)).await;
+    let requests: Vec<_> = (0..3)
+        .map(|_| {
+            let url = ts.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let r = reqwest::Client::new()
+                    .post(url)
+                    .json(&chat("other", 2))
+                    .send()
+                    .await
+                    .unwrap();
+                r.status().as_u16()
+            })
+        })
+        .collect();
+    for r in requests {
+        assert_eq!(r.await.unwrap(), 200);
+    }
+    assert_eq!(source.loads.load(Ordering::SeqCst), 1);
+    let (status, body, _) = post(&ts, "/v1/chat/completions", &chat("missing", 2)).await;
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found");
+    let (status, body, _) = post(&ts, "/v1/models/other/unload", &json!({})).await;
+    assert_eq!((status, &body["unloaded"]), (200, &json!(true)), "{body}");
+    let (status, body, _) = post(&ts, "/v1/models/other/unload", &json!({})).await;
+    assert_eq!((status, &body["unloaded"]), (200, &json!(false)), "{body}");
+    ts.shutdown().await;
+}
