@@ -5,9 +5,12 @@
 //! - default: q4_0, q4_1 and q8_0 weights meet the activations quantized to 8 bits per 32
 //!   values (`int8.rs`, as llama.cpp does): integer dot products, at the cost of the
 //!   activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on SmolLM2 the logits move
-//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). Decode rows (batches of
-//!   fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) go row by row (`int8::dot_rows`); a
-//!   prompt's rows, on CPUs with AVX2, eight weight rows at a time (`int8::gemm8`).
+//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). On CPUs with AVX2, the
+//!   matrices of resident weights are copied once into an interleaved layout (`repack`: eight
+//!   rows per group, block by block) and every row, decode or prompt, goes eight weight rows at a
+//!   time through `int8::gemm8_packed`; weights that may move (streamed) keep their stored
+//!   layout: decode rows (batches of fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) row by row
+//!   (`int8::dot_rows`), a prompt's rows eight weight rows at a time (`int8::gemm8`).
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
@@ -395,16 +398,18 @@ impl CpuBackend {
             }
         }
         let (xq, int8) = (&xq, !self.exact);
-        tasks.into_par_iter().for_each(|(w, bytes, packed, first, o)| {
-            let rb = w.row_bytes();
-            let wb = &bytes[first * rb..(first + o.len()) * rb];
-            if packed {
-                packed_rows(w.dtype, wb, rb, xq, 1, o);
-            } else {
-                let x = &x[..w.cols];
-                kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
-            }
-        });
+        tasks
+            .into_par_iter()
+            .for_each(|(w, bytes, packed, first, o)| {
+                let rb = w.row_bytes();
+                let wb = &bytes[first * rb..(first + o.len()) * rb];
+                if packed {
+                    packed_rows(w.dtype, wb, rb, xq, 1, o);
+                } else {
+                    let x = &x[..w.cols];
+                    kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
+                }
+            });
         Ok(())
     }
 }

@@ -158,7 +158,10 @@ fn packed_header(dtype: DType) -> usize {
 pub(crate) fn repack8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
     debug_assert!(handles(dtype) && w.len() == out.len() && w.len().is_multiple_of(row_bytes));
     let bb = dtype.block_bytes();
-    let (header, levels) = (packed_header(dtype), if dtype == DType::Q8_0 { 32 } else { 16 });
+    let (header, levels) = (
+        packed_header(dtype),
+        if dtype == DType::Q8_0 { 32 } else { 16 },
+    );
     let group_bytes = 8 * row_bytes;
     let groups = w.len() / group_bytes;
     for (src, dst) in w
@@ -981,7 +984,8 @@ mod tests {
                         };
                         let a = &acts[..n];
                         let done = f(dtype, &w, row_bytes, a, out(&mut plain), false);
-                        let done_packed = f(dtype, &packed, row_bytes, a, out(&mut from_packed), true);
+                        let done_packed =
+                            f(dtype, &packed, row_bytes, a, out(&mut from_packed), true);
                         assert_eq!((done, done_packed), (rows / 8 * 8, rows / 8 * 8), "{name}");
                         for i in 0..done {
                             for c in 0..n {

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use rayon::prelude::*;
 
-use crate::backend::int8;
 use crate::backend::WeightView;
+use crate::backend::int8;
 
 /// Groups of eight rows each rayon task of the copy repacks.
 const GROUPS_PER_TASK: usize = 64;
