@@ -383,7 +383,9 @@ impl CpuBackend {
             let bytes = host(w)?;
             stored.push((bytes, self.packed(w, bytes)));
         }
-        let mut tasks: Vec<(WeightView<'_>, &[u8], bool, usize, &mut [f32])> = Vec::new();
+        // (weight, the bytes read, whether they are repacked, first row, its outputs)
+        type Task<'a, 'o> = (WeightView<'a>, &'a [u8], bool, usize, &'o mut [f32]);
+        let mut tasks: Vec<Task<'_, '_>> = Vec::new();
         for ((w, out), (bytes, packed)) in ws.iter().zip(outs.iter_mut()).zip(&stored) {
             if xsums.is_empty() && self.exact && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);

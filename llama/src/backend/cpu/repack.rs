@@ -9,8 +9,8 @@
 //!
 //! When: a matrix is repacked the first time a matmul reads it in a pass whose weights stay at
 //! their addresses for the model's lifetime ([`crate::backend::PassInfo::weights_stable`]; on the
-//! CPU, every blob resident), so the first pass pays the copy (a few ms for SmolLM2, a second or
-//! two for a 7B); copies are found again by the stored bytes' address and length. Streamed
+//! CPU, every blob resident), so the first pass pays the copy (one parallel pass over those
+//! bytes); copies are found again by the stored bytes' address and length. Streamed
 //! weights (an address that may hold another blob's bytes next pass) are never repacked and
 //! take the stored-layout kernels. What it costs: a second copy of those matrices in RAM for the
 //! backend's lifetime; the stored copy stays where residency keeps it (other backends, the
@@ -26,6 +26,9 @@ use rayon::prelude::*;
 use crate::backend::WeightView;
 use crate::backend::int8;
 
+/// Repacked copies by the stored bytes' (address, length).
+type Copies = HashMap<(usize, usize), Arc<[u8]>>;
+
 /// Groups of eight rows each rayon task of the copy repacks.
 const GROUPS_PER_TASK: usize = 64;
 
@@ -35,8 +38,7 @@ const GROUPS_PER_TASK: usize = 64;
 pub(super) struct RepackCache {
     /// Whether the current pass's weights stay at their addresses.
     stable: AtomicBool,
-    /// Repacked copies by the stored bytes' (address, length).
-    copies: Mutex<HashMap<(usize, usize), Arc<[u8]>>>,
+    copies: Mutex<Copies>,
 }
 
 impl std::fmt::Debug for RepackCache {
