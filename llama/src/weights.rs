@@ -179,6 +179,11 @@ impl WeightSource for InMemoryWeights {
     }
 
     fn end_pass(&self) {}
+
+    /// The blobs are never moved or replaced.
+    fn all_resident(&self) -> bool {
+        true
+    }
 }
 
 /// The production path: every blob comes through the residency cache (O_DIRECT reads into
@@ -203,6 +208,16 @@ impl WeightSource for residency::Residency {
     fn residency_stats(&self) -> Option<residency::ResidencyStats> {
         Some(self.stats())
     }
+
+    fn all_resident(&self) -> bool {
+        nothing_streams(self)
+    }
+}
+
+/// Whether the plan of `residency` keeps every blob resident (nothing read per pass).
+fn nothing_streams(residency: &residency::Residency) -> bool {
+    let plan = residency.plan();
+    plan.disk_bytes_per_pass == 0 && plan.host_bytes_per_pass == 0
 }
 
 /// Residency shared between the model (which reads weights through it) and whoever reads its
@@ -224,5 +239,9 @@ impl WeightSource for Arc<residency::Residency> {
 
     fn residency_handle(&self) -> Option<Arc<residency::Residency>> {
         Some(Arc::clone(self))
+    }
+
+    fn all_resident(&self) -> bool {
+        nothing_streams(self)
     }
 }

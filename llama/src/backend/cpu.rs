@@ -5,9 +5,12 @@
 //! - default: q4_0, q4_1 and q8_0 weights meet the activations quantized to 8 bits per 32
 //!   values (`int8.rs`, as llama.cpp does): integer dot products, at the cost of the
 //!   activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on SmolLM2 the logits move
-//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). Decode rows (batches of
-//!   fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) go row by row (`int8::dot_rows`); a
-//!   prompt's rows, on CPUs with AVX2, eight weight rows at a time (`int8::gemm8`).
+//!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). On CPUs with AVX2, the
+//!   matrices of resident weights are copied once into an interleaved layout (`repack`: eight
+//!   rows per group, block by block) and every row, decode or prompt, goes eight weight rows at a
+//!   time through `int8::gemm8_packed`; weights that may move (streamed) keep their stored
+//!   layout: decode rows (batches of fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) row by row
+//!   (`int8::dot_rows`), a prompt's rows eight weight rows at a time (`int8::gemm8`).
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
@@ -19,38 +22,57 @@
 //! ([`CpuBackend::adopt_current_thread`]); element-wise work (norms, RoPE, activations, the
 //! quantizing of activations) is split over the threads only when it is a prompt's size.
 
+mod repack;
+
+use std::sync::Arc;
+
 use rayon::prelude::*;
 use weights_format::DType;
+
+use self::repack::RepackCache;
 
 use super::int8;
 use super::kernels::{self, QK};
 use super::kquants::{self, QuantizedActs};
 use super::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, RowGroup,
-    WeightView, check_cache_slots, host_bytes, matmul_then_add,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, PassInfo,
+    RowGroup, WeightView, check_cache_slots, host_bytes, matmul_then_add,
 };
 
 /// Multi-threaded CPU backend on the global rayon pool.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct CpuBackend {
     /// f32 activations for q4_0/q4_1/q8_0 rows (see the module doc).
     exact: bool,
+    /// Interleaved copies of the q4_0/q4_1/q8_0 matrices the default mode reads (`repack`).
+    repacked: RepackCache,
+}
+
+/// A clone starts without the original's repacked copies (they are known by address, which
+/// only names the same weight within one model's lifetime).
+impl Clone for CpuBackend {
+    fn clone(&self) -> CpuBackend {
+        CpuBackend::with_exact(self.exact)
+    }
 }
 
 impl CpuBackend {
     /// The default mode: 8-bit activations for q4_0/q4_1/q8_0 decode rows.
     pub fn new() -> CpuBackend {
-        CpuBackend { exact: false }
+        CpuBackend::with_exact(false)
     }
 
     /// The exact mode: f32 activations for q4_0/q4_1/q8_0 decode rows.
     pub fn exact() -> CpuBackend {
-        CpuBackend { exact: true }
+        CpuBackend::with_exact(true)
     }
 
     /// [`CpuBackend::exact`] when `exact`, else [`CpuBackend::new`].
     pub fn with_exact(exact: bool) -> CpuBackend {
-        CpuBackend { exact }
+        CpuBackend {
+            exact,
+            repacked: RepackCache::default(),
+        }
     }
 
     /// Whether q4_0/q4_1/q8_0 decode rows take f32 activations.
@@ -110,6 +132,44 @@ impl CpuBackend {
     /// Whether rows of `dtype` dotted from the blocks read 8-bit activations.
     fn quantizes(&self, dtype: DType) -> bool {
         kquants::handles(dtype) || (!self.exact && int8::handles(dtype))
+    }
+
+    /// The interleaved copy of `w` (stored bytes `bytes`) that [`packed_rows`] reads, when the
+    /// default mode computes it that way (see `repack`).
+    fn packed(&self, w: &WeightView<'_>, bytes: &[u8]) -> Option<Arc<[u8]>> {
+        if self.gemm8(w.dtype) {
+            self.repacked.get(w, bytes)
+        } else {
+            None
+        }
+    }
+}
+
+/// `out_t[i·n + r]` = weight row `i` of `w` (the interleaved layout of `int8::repack8`: whole
+/// groups of eight rows, then the rows left over as stored) dotted with activation row `r` of
+/// `xq` (`n` rows): the groups through `int8::gemm8_packed`, the rows left over through
+/// `int8::dot_rows`. Every activation row gets the same result however many come together.
+fn packed_rows(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &QuantizedActs,
+    n: usize,
+    out_t: &mut [f32],
+) {
+    let acts: Vec<_> = (0..n).map(|r| xq.row(dtype, r)).collect();
+    let columns: Vec<usize> = (0..n).collect();
+    let out = int8::Columns {
+        out_t: &mut *out_t,
+        stride: n,
+        columns: &columns,
+    };
+    let done = int8::gemm8_packed(dtype, w, row_bytes, &acts, out);
+    let rest = &w[done * row_bytes..];
+    if !rest.is_empty() {
+        for (r, x) in acts.iter().enumerate() {
+            int8::dot_rows(dtype, rest, row_bytes, *x, &mut out_t[done * n + r..], n);
+        }
     }
 }
 
@@ -190,7 +250,9 @@ fn matmul_rows_of(
     out: &mut [f32],
 ) -> Result<(), BackendError> {
     let int8 = !cpu.exact;
-    let bytes = host(&w)?;
+    let stored = host(&w)?;
+    let packed = cpu.packed(&w, stored);
+    let bytes = packed.as_deref().unwrap_or(stored);
     let rows = wide.len();
     let (m, k) = (w.rows, w.cols);
     let row_bytes = w.row_bytes();
@@ -214,7 +276,11 @@ fn matmul_rows_of(
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, int8, wide, o);
+        if packed.is_some() {
+            packed_rows(w.dtype, wb, row_bytes, &xq, rows, o);
+        } else {
+            kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, int8, wide, o);
+        }
     };
     if rows == 1 {
         out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
@@ -312,27 +378,40 @@ impl CpuBackend {
         // meet once instead of once per weight.
         let mut xsums = Vec::new();
         let mut xq = QuantizedActs::default();
-        let mut tasks: Vec<(WeightView<'_>, &[u8], usize, &mut [f32])> = Vec::new();
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        let mut stored = Vec::with_capacity(ws.len());
+        for w in ws {
+            let bytes = host(w)?;
+            stored.push((bytes, self.packed(w, bytes)));
+        }
+        // (weight, the bytes read, whether they are repacked, first row, its outputs)
+        type Task<'a, 'o> = (WeightView<'a>, &'a [u8], bool, usize, &'o mut [f32]);
+        let mut tasks: Vec<Task<'_, '_>> = Vec::new();
+        for ((w, out), (bytes, packed)) in ws.iter().zip(outs.iter_mut()).zip(&stored) {
             if xsums.is_empty() && self.exact && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
                 kernels::block_sums(&x[..w.cols], &mut xsums);
             }
             if self.quantizes(w.dtype) {
                 xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
-            let bytes = host(w)?;
+            let bytes = packed.as_deref().unwrap_or(bytes);
             let chunk = rows_per_task(w.rows, w.cols);
             for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
-                tasks.push((*w, bytes, ci * chunk, o));
+                tasks.push((*w, bytes, packed.is_some(), ci * chunk, o));
             }
         }
         let (xq, int8) = (&xq, !self.exact);
-        tasks.into_par_iter().for_each(|(w, bytes, first, o)| {
-            let rb = w.row_bytes();
-            let wb = &bytes[first * rb..(first + o.len()) * rb];
-            let x = &x[..w.cols];
-            kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
-        });
+        tasks
+            .into_par_iter()
+            .for_each(|(w, bytes, packed, first, o)| {
+                let rb = w.row_bytes();
+                let wb = &bytes[first * rb..(first + o.len()) * rb];
+                if packed {
+                    packed_rows(w.dtype, wb, rb, xq, 1, o);
+                } else {
+                    let x = &x[..w.cols];
+                    kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
+                }
+            });
         Ok(())
     }
 }
@@ -364,6 +443,13 @@ impl Backend for CpuBackend {
         values: usize,
     ) -> Result<(), BackendError> {
         dst[..values].copy_from_slice(&src[..values]);
+        Ok(())
+    }
+
+    /// Remembers whether the weights stay where they are, which decides whether the matmuls
+    /// may read repacked copies of them (see `repack`).
+    fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
+        self.repacked.begin_pass(pass.weights_stable);
         Ok(())
     }
 

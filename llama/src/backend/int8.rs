@@ -89,11 +89,6 @@ pub(crate) struct Columns<'a> {
 /// of scalar work per row, and no horizontal sum remains. The rows are transposed as they are
 /// read (so the stored layout stays the file's); a prompt's rows (more than four) reuse each
 /// group's transposed blocks for all of them.
-#[multiversion(targets(
-    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
-    "x86_64+avx2+fma+f16c+avxvnni",
-    "x86_64+avx2+fma+f16c"
-))]
 pub(crate) fn gemm8(
     dtype: DType,
     w: &[u8],
@@ -101,16 +96,95 @@ pub(crate) fn gemm8(
     acts: &[ActRow<'_>],
     out: Columns<'_>,
 ) -> usize {
+    gemm8_layout(dtype, w, row_bytes, acts, out, false)
+}
+
+/// [`gemm8`] over weights in the interleaved layout [`repack8`] writes (whole groups of eight
+/// rows interleaved, then the rows left over as stored): bit for bit the same results as
+/// [`gemm8`] over the rows as stored, without transposing them as they are read. Returns the
+/// rows it computed (the whole groups; none without AVX2); the caller computes the rows left
+/// over, which are in the stored layout, with [`dot_rows`].
+pub(crate) fn gemm8_packed(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[ActRow<'_>],
+    out: Columns<'_>,
+) -> usize {
+    gemm8_layout(dtype, w, row_bytes, acts, out, true)
+}
+
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c+avxvnni",
+    "x86_64+avx2+fma+f16c"
+))]
+fn gemm8_layout(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    acts: &[ActRow<'_>],
+    out: Columns<'_>,
+    packed: bool,
+) -> usize {
     match_target! {
         "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c" =>
-            avx512vnni::gemm8(dtype, w, row_bytes, acts, out),
-        "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, row_bytes, acts, out),
-        "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, row_bytes, acts, out),
+            avx512vnni::gemm8(dtype, w, row_bytes, acts, out, packed),
+        "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, row_bytes, acts, out, packed),
+        "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, row_bytes, acts, out, packed),
         _ => {
-            let _ = (dtype, w, row_bytes, acts, out);
+            let _ = (dtype, w, row_bytes, acts, out, packed);
             0
         }
     }
+}
+
+/// Bytes at the start of one interleaved block of eight rows (see [`repack8`]) before their
+/// levels: the eight f16 scales, and for q4_1 the eight f16 mins.
+fn packed_header(dtype: DType) -> usize {
+    if dtype == DType::Q4_1 { 32 } else { 16 }
+}
+
+/// The weight rows of `w` (`row_bytes` each, whole blocks of `dtype`, one of [`handles`]) with
+/// each whole group of eight rows interleaved block by block, the layout [`gemm8_packed`]
+/// reads (as ggml-cpu's repacked `block_q4_0x8` and its AMX path lay weights out for one
+/// vector instruction to serve several rows). Block `b` of group `g` sits where the eight rows'
+/// blocks `b` would be if the group's rows were stored block-interleaved, so a group takes
+/// exactly the bytes of its eight rows and a range of whole groups keeps its offsets:
+/// `[8 scales (f16)] [8 mins (f16), q4_1 only] [levels]`, the levels in 32-byte words `k`
+/// whose four bytes `4r..4r+4` are bytes `4k..4k+4` of row `r`'s levels (q4_0/q4_1: 16 bytes
+/// a row, two nibbles each, as stored; q8_0: 32). The rows after the last whole group are
+/// copied as they are.
+pub(crate) fn repack8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
+    debug_assert!(handles(dtype) && w.len() == out.len() && w.len().is_multiple_of(row_bytes));
+    let bb = dtype.block_bytes();
+    let (header, levels) = (
+        packed_header(dtype),
+        if dtype == DType::Q8_0 { 32 } else { 16 },
+    );
+    let group_bytes = 8 * row_bytes;
+    let groups = w.len() / group_bytes;
+    for (src, dst) in w
+        .chunks_exact(group_bytes)
+        .zip(out.chunks_exact_mut(group_bytes))
+    {
+        for (b, packed) in dst.chunks_exact_mut(8 * bb).enumerate() {
+            for r in 0..8 {
+                let blk = &src[r * row_bytes + b * bb..][..bb];
+                packed[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+                if dtype == DType::Q4_1 {
+                    packed[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+                }
+                let qs = &blk[bb - levels..];
+                for k in 0..levels / 4 {
+                    let at = header + 32 * k + 4 * r;
+                    packed[at..at + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
+                }
+            }
+        }
+    }
+    let tail = groups * group_bytes;
+    out[tail..].copy_from_slice(&w[tail..]);
 }
 
 /// Plain Rust, integer sums per block (for CPUs without AVX2, and the tests' second opinion).
@@ -225,6 +299,60 @@ macro_rules! f16_lanes {
             h(6),
             h(7),
         ))
+    }};
+}
+
+/// One block of eight rows in the interleaved layout of [`repack8`] (`$dtype`, the block's
+/// `8 · block_bytes` bytes `$blk`): the same `Block8` that `block8` builds from the eight rows,
+/// by plain loads (a macro: see `transpose_words!`; as a function it stayed out of line and
+/// handed its 256 bytes back through the stack).
+macro_rules! block8_packed {
+    ($dtype:expr, $blk:expr) => {{
+        let (dtype, blk): (DType, &[u8]) = ($dtype, $blk);
+        let d = _mm256_cvtph_ps(load128(blk));
+        if dtype == DType::Q8_0 {
+            Block8 {
+                v: [
+                    load256(&blk[16..]),
+                    load256(&blk[48..]),
+                    load256(&blk[80..]),
+                    load256(&blk[112..]),
+                    load256(&blk[144..]),
+                    load256(&blk[176..]),
+                    load256(&blk[208..]),
+                    load256(&blk[240..]),
+                ],
+                d,
+                m: _mm256_setzero_ps(),
+            }
+        } else {
+            let (qs, m) = if dtype == DType::Q4_1 {
+                (32, _mm256_cvtph_ps(load128(&blk[16..])))
+            } else {
+                (16, _mm256_mul_ps(d, _mm256_set1_ps(-8.0)))
+            };
+            let low4 = _mm256_set1_epi8(0xF);
+            let t = [
+                load256(&blk[qs..]),
+                load256(&blk[qs + 32..]),
+                load256(&blk[qs + 64..]),
+                load256(&blk[qs + 96..]),
+            ];
+            Block8 {
+                v: [
+                    _mm256_and_si256(t[0], low4),
+                    _mm256_and_si256(t[1], low4),
+                    _mm256_and_si256(t[2], low4),
+                    _mm256_and_si256(t[3], low4),
+                    _mm256_and_si256(_mm256_srli_epi16(t[0], 4), low4),
+                    _mm256_and_si256(_mm256_srli_epi16(t[1], 4), low4),
+                    _mm256_and_si256(_mm256_srli_epi16(t[2], 4), low4),
+                    _mm256_and_si256(_mm256_srli_epi16(t[3], 4), low4),
+                ],
+                d,
+                m,
+            }
+        }
     }};
 }
 
@@ -450,6 +578,8 @@ macro_rules! x86_kernels {
             enum Blocks<'a, 'r> {
                 Rows(&'a [&'r [u8]; 8]),
                 Decoded(&'a [Block8]),
+                /// The group's bytes in the interleaved layout of [`repack8`].
+                Packed(&'a [u8]),
             }
 
             /// Eight weight rows against `T` activation rows, block by block: the same
@@ -473,6 +603,11 @@ macro_rules! x86_kernels {
                             block8(dtype, rows, b)
                         }
                         Blocks::Decoded(all) => all[b],
+                        Blocks::Packed(group) => {
+                            let at = b * 8 * bb;
+                            prefetch_ahead(&group[at..at + 8 * bb]);
+                            block8_packed!(dtype, &group[at..at + 8 * bb])
+                        }
                     };
                     for c in 0..T {
                         acc[c] = dot8::<SIGNED>(&blk, &acts[c], b, acc[c]);
@@ -492,11 +627,12 @@ macro_rules! x86_kernels {
                 row_bytes: usize,
                 acts: &[ActRow<'_>],
                 out: Columns<'_>,
+                packed: bool,
             ) -> usize {
                 if dtype == DType::Q8_0 {
-                    gemm8_of::<true>(dtype, w, row_bytes, acts, out)
+                    gemm8_of::<true>(dtype, w, row_bytes, acts, out, packed)
                 } else {
-                    gemm8_of::<false>(dtype, w, row_bytes, acts, out)
+                    gemm8_of::<false>(dtype, w, row_bytes, acts, out, packed)
                 }
             }
 
@@ -507,6 +643,7 @@ macro_rules! x86_kernels {
                 row_bytes: usize,
                 acts: &[ActRow<'_>],
                 out: Columns<'_>,
+                packed: bool,
             ) -> usize {
                 let n = acts.len();
                 debug_assert_eq!(out.columns.len(), n);
@@ -517,7 +654,9 @@ macro_rules! x86_kernels {
                     let rows: [&[u8]; 8] = std::array::from_fn(|r| {
                         &w[(8 * g + r) * row_bytes..(8 * g + r + 1) * row_bytes]
                     });
-                    let src = if n <= 4 {
+                    let src = if packed {
+                        Blocks::Packed(&w[8 * g * row_bytes..8 * (g + 1) * row_bytes])
+                    } else if n <= 4 {
                         Blocks::Rows(&rows)
                     } else {
                         decoded.clear();
@@ -672,12 +811,12 @@ mod tests {
     #[allow(clippy::type_complexity)]
     fn gemm8_variants() -> Vec<(
         &'static str,
-        fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>) -> usize,
+        fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
     )> {
         let mut v: Vec<(
             &'static str,
-            fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>) -> usize,
-        )> = vec![("dispatched", gemm8)];
+            fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
+        )> = vec![("dispatched", gemm8_layout)];
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -698,11 +837,12 @@ mod tests {
         rb: usize,
         x: &[ActRow<'_>],
         out: Columns<'_>,
+        packed: bool,
     ) -> usize {
         match_target! {
-            "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, rb, x, out),
+            "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, rb, x, out, packed),
             _ => {
-                let _ = (dtype, w, rb, x, out);
+                let _ = (dtype, w, rb, x, out, packed);
                 unreachable!("registered only where the CPU has AVX2")
             }
         }
@@ -716,11 +856,12 @@ mod tests {
         rb: usize,
         x: &[ActRow<'_>],
         out: Columns<'_>,
+        packed: bool,
     ) -> usize {
         match_target! {
-            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, rb, x, out),
+            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, rb, x, out, packed),
             _ => {
-                let _ = (dtype, w, rb, x, out);
+                let _ = (dtype, w, rb, x, out, packed);
                 unreachable!("registered only where the CPU has AVX-VNNI")
             }
         }
@@ -756,7 +897,7 @@ mod tests {
                         stride: 1,
                         columns: &[0],
                     };
-                    let done = f(dtype, &w, row_bytes, std::slice::from_ref(a), out);
+                    let done = f(dtype, &w, row_bytes, std::slice::from_ref(a), out, false);
                     assert_eq!(done, rows / 8 * 8, "{name}: whole groups of eight");
                 }
                 for n in [2, 5, 9] {
@@ -768,7 +909,7 @@ mod tests {
                         stride: 2 * n,
                         columns: &columns,
                     };
-                    f(dtype, &w, row_bytes, &acts[..n], out);
+                    f(dtype, &w, row_bytes, &acts[..n], out, false);
                     for i in 0..rows / 8 * 8 {
                         assert!((0..n).all(|c| table[i * 2 * n + 2 * c + 1].is_nan()));
                         for c in 0..n {
@@ -802,6 +943,76 @@ mod tests {
                     "{dtype} gemm8 {name}: worst |dot − reference| is {:.0} % of the 8-bit bound",
                     worst * 100.0
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn repacked_rows_give_the_stored_rows_results_bit_for_bit() {
+        // `repack8` then `gemm8_packed` against `gemm8` over the rows as stored: the same
+        // integer sums and the same f32 operations in the same order, so the same bits, for
+        // every dtype, row counts with and without a tail (which both leave to `dot_rows`),
+        // rows of 3 and 16 blocks, and 1 to 9 activation rows. Against the row kernel
+        // `dot_rows` (another f32 summation order) within 1e-5 of Σ|w·x|, the error printed.
+        let mut rng = Rng(0x5851_F42D_4C95_7F2D);
+        let variants = gemm8_variants();
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            for (rows, cols) in [(8, 96), (21, 512), (43, 96), (5, 512)] {
+                let n_acts = 9;
+                let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+                let row_bytes = w.len() / rows;
+                let mut packed = vec![0u8; w.len()];
+                repack8(dtype, &w, row_bytes, &mut packed);
+                assert_eq!(
+                    packed[rows / 8 * 8 * row_bytes..],
+                    w[rows / 8 * 8 * row_bytes..],
+                    "the rows after the last group stay as stored"
+                );
+                let mut xq = QuantizedActs::default();
+                xq.prepare(&x, cols, dtype);
+                let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
+                for (name, f) in &variants {
+                    let mut worst = 0f64;
+                    for n in [1, 2, 5, 9] {
+                        let columns: Vec<usize> = (0..n).collect();
+                        let mut plain = vec![f32::NAN; rows * n];
+                        let mut from_packed = vec![f32::NAN; rows * n];
+                        let out = |t| Columns {
+                            out_t: t,
+                            stride: n,
+                            columns: &columns,
+                        };
+                        let a = &acts[..n];
+                        let done = f(dtype, &w, row_bytes, a, out(&mut plain), false);
+                        let done_packed =
+                            f(dtype, &packed, row_bytes, a, out(&mut from_packed), true);
+                        assert_eq!((done, done_packed), (rows / 8 * 8, rows / 8 * 8), "{name}");
+                        for i in 0..done {
+                            for c in 0..n {
+                                let (p, q) = (from_packed[i * n + c], plain[i * n + c]);
+                                assert_eq!(
+                                    p.to_bits(),
+                                    q.to_bits(),
+                                    "{dtype} {name} {rows}x{cols}: row {i}, activation row {c} of {n}: {p} {q}"
+                                );
+                            }
+                        }
+                        for c in 0..n {
+                            let mut by_row = vec![0f32; rows];
+                            dot_rows(dtype, &w, row_bytes, acts[c], &mut by_row, 1);
+                            let xc = &x[c * cols..(c + 1) * cols];
+                            for (i, wr) in w.chunks_exact(row_bytes).take(done).enumerate() {
+                                let magnitude = bound_of(dtype, wr, xc).2;
+                                let err = (from_packed[i * n + c] - by_row[i]).abs() as f64;
+                                assert!(err <= 1e-5 * magnitude, "{dtype} {name} row {i}: {err}");
+                                worst = worst.max(err / magnitude);
+                            }
+                        }
+                    }
+                    println!(
+                        "{dtype} {rows}x{cols} {name}: packed = stored bit for bit; worst |packed − dot_rows| is {worst:.1e} of Σ|w·x|"
+                    );
+                }
             }
         }
     }
