@@ -56,6 +56,23 @@ fn in_memory(dir: &Path, context: usize, max_rows: usize) -> Llama<CpuBackend, I
     Llama::new(CpuBackend::new(), weights, meta, context, max_rows).unwrap()
 }
 
+/// `check` on the in-memory CPU model of each synthetic `(dtype, tied)` case, labelled
+/// `cpu {dtype} tied={tied}`.
+fn on_cpu_models(
+    cases: &[(DType, bool)],
+    mut check: impl FnMut(&mut Llama<CpuBackend, InMemoryWeights>, &str),
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    for &(dtype, tied) in cases {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        check(
+            &mut in_memory(&dir, 256, 256),
+            &format!("cpu {dtype} tied={tied}"),
+        );
+    }
+}
+
 /// A synthetic model in a temporary directory (kept while the first value lives), in memory.
 fn synth_in_memory(
     name: &str,
@@ -224,19 +241,14 @@ fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>
 
 #[test]
 fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (dtype, tied) in [
-        (DType::Q4_1, true),
-        (DType::Q8_0, false),
-        (DType::F16, true),
-    ] {
-        let dir = tmp.path().join(format!("{dtype}-{tied}"));
-        synth_model(&dir, dtype, tied);
-        ragged_batch_equals_solo(
-            &mut in_memory(&dir, 256, 256),
-            &format!("cpu {dtype} tied={tied}"),
-        );
-    }
+    on_cpu_models(
+        &[
+            (DType::Q4_1, true),
+            (DType::Q8_0, false),
+            (DType::F16, true),
+        ],
+        ragged_batch_equals_solo,
+    );
 }
 
 #[test]
@@ -391,12 +403,7 @@ fn cuda_windowed_family_batched_equals_solo() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (_, config) = support::families::configs()
-        .into_iter()
-        .find(|(name, _)| *name == "gemma3")
-        .unwrap();
-    let dir = tmp.path().join("gemma3");
-    support::families::write(&dir, &config, DType::Q4_1);
+    let dir = support::families::write_named(tmp.path(), "gemma3", DType::Q4_1);
     let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
     let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
     ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
@@ -811,15 +818,10 @@ fn prefix_cache_changes_no_token<B: Backend, W: WeightSource>(
 
 #[test]
 fn prefix_cached_greedy_equals_solo() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (dtype, tied) in [(DType::Q8_0, false), (DType::F16, true)] {
-        let dir = tmp.path().join(format!("{dtype}-{tied}"));
-        synth_model(&dir, dtype, tied);
-        prefix_cache_changes_no_token(
-            &mut in_memory(&dir, 256, 256),
-            &format!("cpu {dtype} tied={tied}"),
-        );
-    }
+    on_cpu_models(
+        &[(DType::Q8_0, false), (DType::F16, true)],
+        prefix_cache_changes_no_token,
+    );
 }
 
 /// A budget of one entry keeps the most recently stored prefix and evicts the other.
