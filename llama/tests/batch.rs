@@ -345,7 +345,6 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
-    use llama::backend::cuda::CudaPaths;
     if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
         eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
         return;
@@ -358,17 +357,7 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     ] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-        ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
-        drop(model);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-        ragged_batch_close_to_solo(
-            &mut model,
-            &format!("cuda {dtype} tied={tied}, paths {}", CudaPaths::all()),
-            1e-3,
-        );
+        cuda_ragged_batches_match_solo(&dir, 256, &format!("cuda {dtype} tied={tied}"));
     }
     // The k-quant dtypes have no tensor-core kernels: on every path their matmuls keep the
     // one-row and eight-row kernels, so a Q4_K_M mix is bit for bit alone with the default
@@ -376,15 +365,23 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     let dir = tmp.path().join("q4km");
     let config = gdsllm_convert::testing::small_kquant_config(3);
     gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
+    cuda_ragged_batches_match_solo(&dir, 256, "cuda q4_k_m mix");
+}
+
+/// The ragged workload on CUDA on the model at `dir` (a context of `context`): each sequence's
+/// tokens alone with the default kernel paths, and close to alone with all the new ones.
+#[cfg(feature = "cuda")]
+fn cuda_ragged_batches_match_solo(dir: &Path, context: usize, label: &str) {
+    use llama::backend::cuda::CudaPaths;
     let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-    ragged_batch_equals_solo(&mut model, "cuda q4_k_m mix");
+    let mut model = llama::load::open_uploaded_on(dir, be, context).unwrap();
+    ragged_batch_equals_solo(&mut model, label);
     drop(model);
     let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+    let mut model = llama::load::open_uploaded_on(dir, be, context).unwrap();
     ragged_batch_close_to_solo(
         &mut model,
-        &format!("cuda q4_k_m mix, paths {}", CudaPaths::all()),
+        &format!("{label}, paths {}", CudaPaths::all()),
         1e-3,
     );
 }
@@ -397,26 +394,15 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_windowed_family_batched_equals_solo() {
-    use llama::backend::cuda::CudaPaths;
     if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
         eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = support::families::write_named(tmp.path(), "gemma3", DType::Q4_1);
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
-    ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
-    drop(model);
     // The new paths send the windowed layers (ring caches) to the kernels that know windows,
     // the global ones to the one-launch kernels.
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
-    ragged_batch_close_to_solo(
-        &mut model,
-        &format!("cuda gemma3 q4_1 (window 8), paths {}", CudaPaths::all()),
-        1e-3,
-    );
+    cuda_ragged_batches_match_solo(&dir, 128, "cuda gemma3 q4_1 (window 8)");
 }
 
 /// Total weight bytes residency has brought in, once its reader has stopped (the ring is full
