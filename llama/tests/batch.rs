@@ -117,6 +117,22 @@ fn solo_greedy<B: Backend, W: WeightSource>(
     }
 }
 
+/// Each request's greedy tokens alone on `model`.
+fn solo_runs<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, reqs: &[Req]) -> Vec<Vec<u32>> {
+    reqs.iter()
+        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
+        .collect()
+}
+
+/// The batcher of the ragged workloads: 4 sequences at a time, prefill chunks of 8.
+fn ragged_config<B: Backend, W: WeightSource>(model: &Llama<B, W>) -> BatchConfig {
+    BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        ..BatchConfig::for_model(model, 4)
+    }
+}
+
 fn prompt(seed: u32, len: usize, vocab: u32) -> Vec<u32> {
     (0..len as u32)
         .map(|i| 3 + (seed * 131 + i * 7919) % (vocab - 3))
@@ -221,15 +237,8 @@ fn ragged_requests(vocab: u32) -> Vec<Req> {
 fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, label: &str) {
     let vocab = model.config().vocab_size as u32;
     let reqs = ragged_requests(vocab);
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
-        .collect();
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let solo = solo_runs(model, &reqs);
+    let config = ragged_config(model);
     let (batched, most) = run_batched(model, config, &reqs);
     println!("{label}: up to {most} sequences per pass");
     assert!(most >= 3, "the sequences did not overlap");
@@ -288,11 +297,7 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
 ) {
     let vocab = model.config().vocab_size as u32;
     let reqs = ragged_requests(vocab);
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let config = ragged_config(model);
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
     let (batched, most) =
         run_batched_seeing_logits(model, config, &reqs, |i, l| logits[i].push(l.to_vec()));
@@ -775,15 +780,8 @@ fn prefix_cache_changes_no_token<B: Backend, W: WeightSource>(
             max_new: 6,
         },
     ];
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
-        .collect();
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let solo = solo_runs(model, &reqs);
+    let config = ragged_config(model);
     let batcher = Batcher::new(model, config)
         .unwrap()
         .with_prefix_cache(64 << 20);
