@@ -54,6 +54,13 @@
 #            CUDA) with --placement gpu and auto, then `gdsllm bench` decode batch 1/8/32 and
 #            pp512; prints predicted (gpu) against achieved with the ratio (target within 25%),
 #            and what the auto placement predicts for the split (not wired to CUDA yet).
+#   hybrid   (opt-in, issue 24) the split on CUDA: llama/tests/cuda_hybrid.rs with
+#            GDSLLM_GPU_TESTS=1 (a synthetic model streamed from the host tier, the CPU forced
+#            to half of each matmul: logits against all-GPU, each side's rows, fewer bytes
+#            copied up); then on the 7B f16 and q4_1 models with --vram-budget 4GiB and the
+#            pinned host tier, `gdsllm bench` --placement gpu and auto (CPU_THREADS: its
+#            --cpu-threads), decode batch 1/8/32 and pp512, each printed with the planner's
+#            predicted tok/s, the ratio, and auto against gpu.
 #   7b       7B-shaped f16 and q4_1 (`gdsllm synth`): raw disk reference (`gdsllm bench-io`),
 #            streamed decode with --vram-budget 4GiB, the pinned host tier, everything resident
 #            (pp512/tg), time to first token from a cold page cache, and the same greedy tokens
@@ -69,6 +76,7 @@
 #   BATCH_TEST_BIN   batch test binary (`... --test batch --no-run`), for the families stage
 #                    (and the batch stage); default for families: newest target/release/deps/batch-*
 #   KQ_TEST_BIN      cuda_kquants test binary, likewise
+#   HYBRID_TEST_BIN  cuda_hybrid test binary (`... --features cuda --test cuda_hybrid --no-run`)
 #   GEMMA3_TEST_BIN  real_gemma3 test binary (`... --features cuda --test real_gemma3 --no-run`)
 #   GEMMA3_GGUF      the Gemma 3 270M Q4_K_M file, for the gemma3 stage
 #   GEMMA3_GGUF_PARTS its `split` pieces instead (space-separated paths, in order)
@@ -418,7 +426,8 @@ plan = {m: json.load(open(f"{w}/plan-7b-{dtype}-{m}.json")) for m in ("gpu", "au
 batch = {r["batch"]: r["mean"] for r in json.load(open(f"{w}/bench-placement-7b-{dtype}-batch.json"))["batch"]}
 pp = json.load(open(f"{w}/bench-placement-7b-{dtype}-pp.json"))["pp"]["best"]
 g = plan["gpu"]["calibration"]["gpu"]
-print(f"7b {dtype} calibration: GPU {g['name']} matmul {g['gbps_1']:.0f}/{g['gbps_32']:.0f} GB/s (1/32 rows), pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
+mm = ", ".join(f"{r['rows']}:{r['gbps']:.0f}" for r in g["matmul"] if str(r["dtype"]).lower() == dtype)
+print(f"7b {dtype} calibration: GPU {g['name']} layer matmuls GB/s by rows {mm}, pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
       + ", ".join(f"{c['dtype']} {c['gbps_1']:.1f}/{c['gbps_8']:.1f} GB/s" for c in plan["gpu"]["calibration"]["cpu"]))
 def predicted(mode, kind, n):
     for p in plan[mode]["placement"]["passes"]:
@@ -428,6 +437,52 @@ for kind, n, achieved in [("decode", 1, batch.get(1)), ("decode", 8, batch.get(8
     pg, pa = predicted("gpu", kind, n), predicted("auto", kind, n)
     ratio = f"{pg / achieved:.2f}x" if achieved else "n/a"
     print(f"7b {dtype} host tier 4GiB {kind} {n}: predicted (gpu) {pg:.2f} tok/s, achieved {achieved or float('nan'):.2f} -> predicted/achieved {ratio} (target 0.75-1.25); auto placement predicts {pa:.2f}")
+PY
+  done
+fi
+
+if has hybrid; then
+  step "CUDA+CPU split test"
+  run_test_bin cuda_hybrid "${HYBRID_TEST_BIN:-$(newest cuda_hybrid)}" GDSLLM_GPU_TESTS=1 >/dev/null
+  grep -E "max rel diff|bytes per copy" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
+  threads=(); [ -n "${CPU_THREADS:-}" ] && threads=(--cpu-threads "$CPU_THREADS")
+  for dtype in ${DTYPES_7B:-f16 q4_1}; do
+    model="$WORK_DIR/llama7b-$dtype"
+    [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "$dtype" "$model" >&2 || { note "7b $dtype: synth FAILED"; status=1; continue; }
+    tier=(--vram-budget 4GiB --host-cache 24GiB)
+    for mode in gpu auto; do
+      b="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-batch.json"
+      step "gdsllm bench --placement $mode --batch 1,8,32 on 7b $dtype, ${tier[*]}"
+      "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json >"$b" 2>"$b.log" \
+        || { tail -n 5 "$b.log" >&2; note "7b $dtype --placement $mode batch bench FAILED"; status=1; }
+      r="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-pp.json"
+      step "gdsllm bench --placement $mode -p 512 on 7b $dtype, ${tier[*]}"
+      "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" -p 512 -n 4 -r 1 --json >"$r" 2>"$r.log" \
+        || { tail -n 5 "$r.log" >&2; note "7b $dtype --placement $mode pp bench FAILED"; status=1; }
+    done
+    python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+import json, sys
+w, dtype = sys.argv[1], sys.argv[2]
+rows = {}
+for mode in ("gpu", "auto"):
+    try:
+        batch = json.load(open(f"{w}/bench-hybrid-7b-{dtype}-{mode}-batch.json"))
+        pp = json.load(open(f"{w}/bench-hybrid-7b-{dtype}-{mode}-pp.json"))
+    except (OSError, ValueError) as e:
+        print(f"7b {dtype} hybrid {mode}: no result ({e})"); continue
+    for r in batch["batch"]:
+        rows[(mode, f"decode {r['batch']}")] = (r["mean"], r.get("predicted_tok_s"))
+    rows[(mode, "pp512")] = (pp["pp"]["best"], pp["pp"].get("predicted_tok_s"))
+    print(f"7b {dtype} hybrid {mode}: split {json.dumps(batch.get('placement', {}).get('split'))} (batch run), {json.dumps(pp.get('placement', {}).get('split'))} (pp run)")
+for p in ("decode 1", "decode 8", "decode 32", "pp512"):
+    parts = []
+    for mode in ("gpu", "auto"):
+        a, pr = rows.get((mode, p), (None, None))
+        ratio = f"{pr / a:.2f}x" if a and pr else "n/a"
+        parts.append(f"{mode} {a or float('nan'):.2f} tok/s (predicted {pr or float('nan'):.2f}, {ratio})")
+    g, h = rows.get(("gpu", p), (None,))[0], rows.get(("auto", p), (None,))[0]
+    speed = f"{h / g:.2f}x" if g and h else "n/a"
+    print(f"7b {dtype} 4GiB+host tier {p}: " + "; ".join(parts) + f"; auto/gpu {speed}")
 PY
   done
 fi

@@ -109,15 +109,66 @@ pub fn ensure(
             .push(llama::hybrid::calibrate::measure_cpu(dtype, probe)?);
         changed = true;
     }
-    if let (Some(be), None) = (gpu, &cal.gpu) {
-        let dtype = dtypes.first().copied().unwrap_or(DType::F16);
-        tracing::info!("calibrating: the GPU's {dtype:?} matmuls, host→device copies, handoffs");
-        cal.gpu = Some(llama::hybrid::calibrate::measure_gpu(be, dtype, 2 * probe)?);
-        changed = true;
+    if let Some(be) = gpu {
+        match &mut cal.gpu {
+            None => {
+                tracing::info!(
+                    "calibrating: the GPU's {dtypes:?} matmuls, host→device copies, handoffs"
+                );
+                cal.gpu = Some(llama::hybrid::calibrate::measure_gpu(
+                    be,
+                    dtypes,
+                    2 * probe,
+                )?);
+                changed = true;
+            }
+            Some(rates) => {
+                for dtype in rates.missing_dtypes(dtypes) {
+                    tracing::info!("calibrating: the GPU's {dtype:?} matmuls");
+                    rates
+                        .matmul
+                        .extend(llama::hybrid::calibrate::measure_gpu_matmuls(be, dtype)?);
+                    changed = true;
+                }
+            }
+        }
     }
     if changed {
         save(home, &cal)?;
         tracing::info!("calibration kept in {}", path(home).display());
     }
     Ok(cal)
+}
+
+/// The placement planner's tok/s for a pass of a model of `meta` run on residency plan `plan`
+/// on GPU `gpu` with `mode` (what `bench` prints beside what it achieves), from this
+/// machine's figures (what is missing is measured now, before anything is timed). `None` for
+/// every pass, with a warning, when the figures cannot be had.
+pub fn predictor(
+    meta: &weights_format::Metadata,
+    plan: &residency::Plan,
+    gpu: &llama::CudaBackend,
+    mode: residency::PlacementMode,
+) -> Box<dyn Fn(residency::PassKind) -> Option<f64>> {
+    let prepared = (|| -> anyhow::Result<_> {
+        let layout = residency::ModelLayout::from_metadata(meta)?;
+        let units = residency::units(meta, &layout);
+        let dtypes = residency::placement::dtypes_by_bytes(&units);
+        let cal = ensure(&home(), &dtypes, Some(gpu), false, DEFAULT_PROBE_MIB)?;
+        Ok((units, cal))
+    })();
+    match prepared {
+        Ok((units, cal)) => {
+            let plan = plan.clone();
+            Box::new(move |pass| {
+                residency::plan_placement(&units, &cal, mode, &[(pass, Some(&plan))])
+                    .ok()
+                    .map(|p| p.passes[0].tokens_per_s)
+            })
+        }
+        Err(err) => {
+            tracing::warn!("no predicted tok/s: {err:#}");
+            Box::new(|_| None)
+        }
+    }
 }

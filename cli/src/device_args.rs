@@ -3,6 +3,7 @@
 
 use anyhow::Context;
 
+use crate::placement_args::PlacementArgs;
 use crate::residency_args::ResidencyArgs;
 
 /// Where the model computes.
@@ -59,6 +60,8 @@ pub struct OpenArgs {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub residency: ResidencyArgs,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 }
 
 impl OpenArgs {
@@ -71,7 +74,16 @@ impl OpenArgs {
         kv_budget: Option<u64>,
     ) -> anyhow::Result<(llama::Device, llama::OpenOptions)> {
         let (device, io) = self.device.resolve()?;
+        self.placement.apply_threads()?;
+        let hybrid = match (self.placement.mode(), device) {
+            (residency::PlacementMode::Gpu, _) | (_, llama::Device::Cpu) => None,
+            (
+                residency::PlacementMode::Auto,
+                llama::Device::Auto { ordinal } | llama::Device::Cuda { ordinal },
+            ) => Some(crate::placement_args::hybrid_options(ordinal)),
+        };
         let options = llama::OpenOptions {
+            hybrid,
             // The loader reserves the KV caches and activations itself (it knows their layout).
             residency: self.residency.options(0),
             context,

@@ -6,10 +6,12 @@ use residency::PlacementMode;
 /// Where matmuls may run and with how many CPU threads.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PlacementArgs {
-    /// `auto`: the CPU computes a share of each matmul of the layers streamed from the host
-    /// tier, sized from this machine's measured figures so that both sides take as long;
-    /// `gpu`: every matmul on the GPU (the placement before hybrid execution, for comparisons).
-    #[arg(long, value_enum, default_value = "auto")]
+    /// `gpu` (the default until the split is measured faster on the GPU machine): every
+    /// matmul on the GPU, layers that do not fit streamed to it; `auto`: the CPU computes a
+    /// share of each matmul of the layers streamed from the host tier (--host-cache), sized
+    /// from this machine's measured figures (`gdsllm plan --calibrate`, measured on first
+    /// use) so that both sides take as long. No effect on the CPU.
+    #[arg(long, value_enum, default_value = "gpu")]
     pub placement: PlacementArg,
     /// Threads of the CPU's matmuls (default: one per core). The calibration is per thread
     /// count.
@@ -34,12 +36,39 @@ impl PlacementArgs {
     /// Sizes the CPU's thread pool (the global rayon pool the CPU backend computes on) from
     /// `--cpu-threads`; call before anything computes.
     pub fn apply_threads(&self) -> anyhow::Result<()> {
+        static APPLIED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         if let Some(n) = self.cpu_threads {
+            // A second model of the same process asks again: the pool is already sized.
+            if APPLIED.get() == Some(&n) {
+                return Ok(());
+            }
             rayon::ThreadPoolBuilder::new()
                 .num_threads(n as usize)
                 .build_global()
                 .map_err(|e| anyhow::anyhow!("--cpu-threads {n}: {e}"))?;
+            let _ = APPLIED.set(n);
         }
         Ok(())
+    }
+}
+
+/// `--placement auto` on CUDA device `ordinal`: the loader asks for this machine's figures
+/// once it knows the model's dtypes; they come from `$GDSLLM_HOME/calibration.json`, and what
+/// is missing there is measured (on this device) and kept.
+pub fn hybrid_options(ordinal: usize) -> llama::hybrid::HybridOptions {
+    let calibrate = move |dtypes: &[weights_format::DType]| {
+        let gpu = llama::CudaBackend::new(ordinal).map_err(|e| e.to_string())?;
+        crate::calibration::ensure(
+            &crate::calibration::home(),
+            dtypes,
+            Some(&gpu),
+            false,
+            crate::calibration::DEFAULT_PROBE_MIB,
+        )
+        .map_err(|e| format!("{e:#}"))
+    };
+    llama::hybrid::HybridOptions {
+        calibrate: Some(std::sync::Arc::new(calibrate)),
+        force_cpu_fraction: None,
     }
 }

@@ -80,6 +80,17 @@ fn plan_places_every_matmul_on_the_cpu_without_a_gpu_and_keeps_its_calibration()
     assert_eq!(rates[0]["dtype"], "q8_0", "{stored}");
     assert!(stored["disk_gbps"].as_f64().unwrap() > 0.0);
 
+    // The residency plan shown is the one a run on the GPU has: it reserves what the loader
+    // reserves (KV caches, activations, its margin), not the KV caches alone.
+    let config = weights_format::Model::open(&model)
+        .unwrap()
+        .metadata()
+        .config
+        .clone();
+    let loader = llama::load::gpu_reserved_bytes(&config, 256, 1).unwrap();
+    assert_eq!(json["reserved_bytes"], loader, "{json}");
+    assert!(loader > residency::kv_cache_bytes(&config, 256, 2));
+
     let placement = &json["placement"];
     assert_eq!(placement["device"], if gpu { "cuda" } else { "cpu" });
     let passes = placement["passes"].as_array().unwrap();
@@ -127,5 +138,8 @@ fn a_broken_calibration_file_is_measured_again() {
     std::fs::write(home.join("calibration.json"), "{ not json").unwrap();
     let (json, stderr) = plan(&home, &model, &[]);
     assert!(stderr.contains("measuring again"), "{stderr}");
-    assert_eq!(json["calibration"]["version"], 1);
+    assert_eq!(
+        json["calibration"]["version"],
+        residency::CALIBRATION_VERSION
+    );
 }

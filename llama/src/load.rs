@@ -60,6 +60,10 @@ pub struct OpenOptions {
     /// The CPU backend's exact mode: f32 activations for q4_0/q4_1/q8_0 decode rows instead of
     /// 8-bit ones (slower; see `backend::cpu`).
     pub cpu_exact: bool,
+    /// On a GPU: `Some` (`--placement auto`) has the CPU compute a share of the matmuls of the
+    /// layers streamed from the host tier ([`crate::hybrid`]); `None` (`--placement gpu`)
+    /// computes everything on the GPU.
+    pub hybrid: Option<crate::hybrid::HybridOptions>,
 }
 
 impl Default for OpenOptions {
@@ -71,6 +75,7 @@ impl Default for OpenOptions {
             kv_budget: None,
             io: IoChoice::Auto,
             cpu_exact: false,
+            hybrid: None,
         }
     }
 }
@@ -102,6 +107,10 @@ pub enum OpenedModel {
     Cpu(Box<CpuModel>),
     #[cfg(feature = "cuda")]
     Cuda(Box<CudaModel>),
+    /// On a GPU with the CPU computing a share of the streamed layers' matmuls
+    /// (`--placement auto`).
+    #[cfg(feature = "cuda")]
+    Hybrid(Box<crate::hybrid::cuda::HybridModel>),
 }
 
 impl OpenedModel {
@@ -110,7 +119,7 @@ impl OpenedModel {
         match self {
             OpenedModel::Cpu(m) => Some(*m),
             #[cfg(feature = "cuda")]
-            OpenedModel::Cuda(_) => None,
+            OpenedModel::Cuda(_) | OpenedModel::Hybrid(_) => None,
         }
     }
 
@@ -119,7 +128,16 @@ impl OpenedModel {
     pub fn into_cuda(self) -> Option<CudaModel> {
         match self {
             OpenedModel::Cuda(m) => Some(*m),
-            OpenedModel::Cpu(_) => None,
+            OpenedModel::Cpu(_) | OpenedModel::Hybrid(_) => None,
+        }
+    }
+
+    /// The model, when it is split between a GPU and the CPU.
+    #[cfg(feature = "cuda")]
+    pub fn into_hybrid(self) -> Option<crate::hybrid::cuda::HybridModel> {
+        match self {
+            OpenedModel::Hybrid(m) => Some(*m),
+            OpenedModel::Cpu(_) | OpenedModel::Cuda(_) => None,
         }
     }
 }
@@ -234,6 +252,29 @@ pub fn device_reserved_bytes(
     Ok(kv + activations + margin)
 }
 
+/// Rows of a pass on the GPU: up to [`GPU_MAX_ROWS`] prompt positions, or for a batch a row
+/// per sequence plus a prefill chunk.
+fn gpu_max_rows(context: usize, sequences: usize) -> usize {
+    if sequences > 1 {
+        sequences + DEFAULT_PREFILL_CHUNK
+    } else {
+        context.min(GPU_MAX_ROWS)
+    }
+}
+
+/// What [`open`] reserves of a GPU's budget besides the weights for `sequences` sequences of
+/// `context` positions each (0: the model's context): what `gdsllm plan` must reserve to plan
+/// the residency the run will have.
+pub fn gpu_reserved_bytes(
+    model: &weights_format::ModelConfig,
+    context: usize,
+    sequences: usize,
+) -> Result<u64, LlamaError> {
+    let context = crate::clamp_context(context, model);
+    let sequences = sequences.max(1);
+    device_reserved_bytes(model, context, sequences, gpu_max_rows(context, sequences))
+}
+
 /// What stays resident and what streams is residency's plan for the options (`--vram-budget`,
 /// `--host-cache`, …); the f16 KV caches, activations and a margin are reserved first. A pass
 /// holds up to [`GPU_MAX_ROWS`] prompt positions, or for a batch a row per sequence plus a
@@ -246,11 +287,7 @@ fn open_cuda(
     options: &OpenOptions,
     started: Instant,
 ) -> Result<OpenedModel, LlamaError> {
-    let max_rows = if sequences > 1 {
-        sequences + DEFAULT_PREFILL_CHUNK
-    } else {
-        context.min(GPU_MAX_ROWS)
-    };
+    let max_rows = gpu_max_rows(context, sequences);
     let config = &files.metadata.config;
     let reserved = device_reserved_bytes(config, context, sequences, max_rows)?;
     let (residency, memory) = Residency::open_gpu(
@@ -270,6 +307,30 @@ fn open_cuda(
         "model on the GPU"
     );
     let io = memory.io_path().name().to_string();
+    if let Some(hybrid) = &options.hybrid {
+        if plan.host_bytes_per_pass == 0 {
+            tracing::info!(
+                "--placement auto: no layer streams from the host tier, so the GPU computes \
+                 everything"
+            );
+        } else {
+            let weights = CudaWeights::new(residency, memory, &backend).with_host_copies();
+            let (share, hook) =
+                crate::hybrid::cuda::split_shares(&files.metadata, &weights, hybrid)?;
+            let helper = CpuBackend::with_exact(options.cpu_exact);
+            tracing::info!(
+                cpu_threads = CpuBackend::threads(),
+                "--placement auto: the CPU computes a share of the matmuls of the layers \
+                 streamed from the host tier"
+            );
+            let split =
+                crate::hybrid::SplitBackend::new(backend, helper, share).with_pass_hook(hook);
+            let llama = Llama::new(split, weights, files.metadata.clone(), context, max_rows)?;
+            return Ok(OpenedModel::Hybrid(Box::new(
+                files.finish(llama, io, started),
+            )));
+        }
+    }
     let weights = CudaWeights::new(residency, memory, &backend);
     let llama = Llama::new(backend, weights, files.metadata.clone(), context, max_rows)?;
     Ok(OpenedModel::Cuda(Box::new(

@@ -65,6 +65,9 @@ pub enum Outcome {
         stored_in_host: bool,
         /// Bytes fetched from the network tier to local disk before the read.
         network_bytes: u64,
+        /// Bytes copied from the host tier when only some ranges of the blob were
+        /// ([`crate::Residency::set_fill_ranges`]); `None`: the whole blob.
+        copied_bytes: Option<u64>,
     },
     Failed(String),
 }
@@ -280,6 +283,7 @@ impl Engine {
             Outcome::Done {
                 stored_in_host,
                 network_bytes,
+                copied_bytes,
             } => {
                 if network_bytes > 0 {
                     self.add_network(network_bytes);
@@ -294,7 +298,7 @@ impl Engine {
                         }
                     }
                     ReadFrom::HostTier => {
-                        self.current.host_copy_bytes += job.bytes;
+                        self.current.host_copy_bytes += copied_bytes.unwrap_or(job.bytes);
                         self.current.host_copies += 1;
                         self.current.host_hits += 1;
                         self.blob_host_copies[job.blob] += 1;

@@ -317,6 +317,17 @@ impl DeviceBuffer for GpuBuffer {
         Ok(Completion::done())
     }
 
+    fn fill_range_from_host(
+        &mut self,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<Completion, ResidencyError> {
+        self.buf
+            .copy_from_host(offset, bytes)
+            .map_err(|e| io_error("(host tier)", e))?;
+        Ok(Completion::done())
+    }
+
     fn bytes(&self) -> WeightBytes<'_> {
         WeightBytes::Device(self.buf.as_device_ptr())
     }

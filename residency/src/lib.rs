@@ -43,13 +43,13 @@ pub use options::{
     human_bytes, mem_available, parse_bytes,
 };
 pub use placement::{
-    CALIBRATION_VERSION, Calibration, CpuRate, GpuRates, PassKind, PassPlacement, PlacementMode,
-    PlacementPlan, Tier, Unit, UnitPlacement, plan_placement, units,
+    CALIBRATION_VERSION, Calibration, CpuRate, GpuMatmulRate, GpuRates, PassKind, PassPlacement,
+    PlacementMode, PlacementPlan, Tier, Unit, UnitPlacement, plan_placement, units,
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,
     kv_positions,
 };
-pub use runtime::{BlobGuard, GPU_AUTO_MARGIN, Residency, plan_inputs};
+pub use runtime::{BlobGuard, FillRangesFn, GPU_AUTO_MARGIN, Residency, plan_inputs};
 pub use source::{BlobSource, HostFileSource, PatternSource, open_model_source};
 pub use stats::{MAX_KEPT_PASSES, PassStats, ResidencyStats};

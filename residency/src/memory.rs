@@ -21,13 +21,16 @@ use crate::source::BlobSource;
 pub enum WeightBytes<'a> {
     Host(&'a [u8]),
     Device(DevicePtr<'a>),
+    /// The same bytes in both: a streamed blob in device memory whose host-tier copy (pinned
+    /// RAM) the CPU reads too, for a matmul split between the two (`llama::hybrid`).
+    Both(&'a [u8], DevicePtr<'a>),
 }
 
 impl<'a> WeightBytes<'a> {
     pub fn len(&self) -> usize {
         match self {
             WeightBytes::Host(b) => b.len(),
-            WeightBytes::Device(p) => p.len(),
+            WeightBytes::Device(p) | WeightBytes::Both(_, p) => p.len(),
         }
     }
 
@@ -42,13 +45,17 @@ impl<'a> WeightBytes<'a> {
                 .get(offset..offset.checked_add(len)?)
                 .map(WeightBytes::Host),
             WeightBytes::Device(p) => p.slice(offset, len).map(WeightBytes::Device),
+            WeightBytes::Both(b, p) => Some(WeightBytes::Both(
+                b.get(offset..offset.checked_add(len)?)?,
+                p.slice(offset, len)?,
+            )),
         }
     }
 
     /// The bytes, when they are in host memory.
     pub fn host(&self) -> Option<&'a [u8]> {
         match self {
-            WeightBytes::Host(b) => Some(b),
+            WeightBytes::Host(b) | WeightBytes::Both(b, _) => Some(b),
             WeightBytes::Device(_) => None,
         }
     }
@@ -57,7 +64,7 @@ impl<'a> WeightBytes<'a> {
     pub fn device(&self) -> Option<DevicePtr<'a>> {
         match self {
             WeightBytes::Host(_) => None,
-            WeightBytes::Device(p) => Some(*p),
+            WeightBytes::Device(p) | WeightBytes::Both(_, p) => Some(*p),
         }
     }
 }
@@ -133,6 +140,12 @@ pub trait DeviceBuffer: Send + Sync {
     ) -> Result<Completion, ResidencyError>;
     /// Copies `bytes` from the host tier into the start of the buffer.
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
+    /// Copies `bytes` from the host tier into the buffer at `offset` (one range of a blob).
+    fn fill_range_from_host(
+        &mut self,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<Completion, ResidencyError>;
     /// The whole buffer, in host or device memory.
     fn bytes(&self) -> WeightBytes<'_>;
     /// XXH3-64 of the first `len` bytes, as compute will see them. Host memory is hashed in
@@ -302,6 +315,26 @@ impl DeviceBuffer for CpuBuffer {
 
     fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
         self.buf[..bytes.len()].copy_from_slice(bytes);
+        Ok(Completion::done())
+    }
+
+    fn fill_range_from_host(
+        &mut self,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<Completion, ResidencyError> {
+        let end = offset
+            .checked_add(bytes.len())
+            .filter(|&e| e <= self.buf.len());
+        let Some(end) = end else {
+            return Err(ResidencyError::RangeOutOfBounds {
+                file: "(host buffer)".into(),
+                offset: offset as u64,
+                end: (offset + bytes.len()) as u64,
+                length: self.buf.len() as u64,
+            });
+        };
+        self.buf[offset..end].copy_from_slice(bytes);
         Ok(Completion::done())
     }
 

@@ -49,7 +49,21 @@ struct Shared {
     checksums: BlobChecksums,
     /// Per blob: its bytes have been checked against its checksum once.
     verified: Vec<AtomicBool>,
+    /// Which byte ranges of a blob a fill from the host tier copies
+    /// ([`Residency::set_fill_ranges`]).
+    fill_ranges: RwLock<Option<Arc<FillRangesFn>>>,
+    /// Per blob: the tag of its last fill when it copied only some ranges, else
+    /// [`WHOLE_FILL`].
+    filled_with: Vec<AtomicU64>,
 }
+
+/// What a fill from the host tier copies of blob `blob` now: `Some((tag, ranges))` copies only
+/// the byte ranges `(offset, len)` and marks the fill with `tag`
+/// ([`Residency::filled_with`]); `None` copies the whole blob.
+pub type FillRangesFn = dyn Fn(usize) -> Option<(u64, Vec<(u64, u64)>)> + Send + Sync;
+
+/// The mark of a fill that copied the whole blob.
+const WHOLE_FILL: u64 = u64::MAX;
 
 /// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
 /// calls [`Residency::acquire`] in plan order.
@@ -68,16 +82,30 @@ pub struct BlobGuard<'a> {
     len: usize,
     buffer: Option<RwLockReadGuard<'a, Box<dyn DeviceBuffer>>>,
     fence: Option<Box<dyn ReleaseFence>>,
+    /// The blob's host-tier copy, held while the guard lives
+    /// ([`Residency::acquire_with_host_copy`]).
+    host_copy: Option<RwLockReadGuard<'a, Option<Box<dyn HostBlock>>>>,
 }
 
 impl BlobGuard<'_> {
     /// The blob's bytes (without the padding of its buffer), where they are.
     pub fn bytes(&self) -> WeightBytes<'_> {
         let buffer = self.buffer.as_ref().expect("present until drop");
-        buffer
+        let bytes = buffer
             .bytes()
             .slice(0, self.len)
-            .expect("a buffer holds the blob it was filled with")
+            .expect("a buffer holds the blob it was filled with");
+        match (bytes, self.host_copy()) {
+            (WeightBytes::Device(device), Some(host)) => WeightBytes::Both(host, device),
+            (bytes, _) => bytes,
+        }
+    }
+
+    /// The blob's host-tier copy, when it was acquired with
+    /// [`Residency::acquire_with_host_copy`] and the host tier holds it.
+    pub fn host_copy(&self) -> Option<&[u8]> {
+        let block = self.host_copy.as_ref()?.as_ref()?;
+        block.bytes().get(..self.len)
     }
 
     /// The bytes when the blob is in host memory.
@@ -112,6 +140,7 @@ impl Drop for BlobGuard<'_> {
     fn drop(&mut self) {
         // Unlock the buffer before the engine may hand the slot to the reader.
         self.buffer.take();
+        self.host_copy.take();
         if let (Some(fence), Location::Slot(i)) = (self.fence.take(), self.location) {
             *self.owner.shared.slot_fences[i].lock() = Some(fence);
         }
@@ -230,6 +259,12 @@ impl Residency {
             slots,
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
+            fill_ranges: RwLock::new(None),
+            filled_with: layout
+                .blobs
+                .iter()
+                .map(|_| AtomicU64::new(WHOLE_FILL))
+                .collect(),
             host_tier_bytes: AtomicU64::new(0),
             checksum_bytes: AtomicU64::new(0),
             checksum_nanos: AtomicU64::new(0),
@@ -262,6 +297,39 @@ impl Residency {
             plan,
             reader: Some(reader),
         })
+    }
+
+    /// [`Residency::acquire`], and when the host tier holds the blob (a streamed blob after
+    /// its first read), its host copy too: [`BlobGuard::bytes`] is then
+    /// [`WeightBytes::Both`], device memory for the GPU and pinned RAM the CPU reads in place
+    /// (`llama::hybrid` splits its matmuls between the two). The host tier never drops a blob,
+    /// so the copy stays valid while the guard lives.
+    pub fn acquire_with_host_copy(&self, blob: usize) -> Result<BlobGuard<'_>, ResidencyError> {
+        let mut guard = self.acquire(blob)?;
+        if !guard.is_resident() {
+            let host = self.shared.host_tier[blob].read();
+            if host.is_some() {
+                guard.host_copy = Some(host);
+            }
+        }
+        Ok(guard)
+    }
+
+    /// Which byte ranges of each blob a fill from the host tier into a staging slot copies
+    /// from now on (`llama::hybrid`: the GPU's rows of each split matmul weight and every
+    /// tensor it reads whole, at the share of the pass being run): the PCIe link carries the
+    /// GPU's share alone while the CPU reads its own from the host tier in place. `None`:
+    /// whole blobs. A range outside its blob fails the read that asked for it.
+    pub fn set_fill_ranges(&self, ranges: Option<Arc<FillRangesFn>>) {
+        *self.shared.fill_ranges.write() = ranges;
+    }
+
+    /// The tag of blob `blob`'s last fill when it copied only some ranges
+    /// ([`Residency::set_fill_ranges`]): the device then holds only those, and the CPU must
+    /// compute what they leave out; `None` when the whole blob was.
+    pub fn filled_with(&self, blob: usize) -> Option<u64> {
+        let tag = self.shared.filled_with.get(blob)?.load(Ordering::Acquire);
+        (tag != WHOLE_FILL).then_some(tag)
     }
 
     /// Returns when blob `blob` is fully in memory; waits only if its read is not finished.
@@ -310,6 +378,7 @@ impl Residency {
             len: self.plan.blobs[blob].length as usize,
             buffer: Some(buffer),
             fence: None,
+            host_copy: None,
         })
     }
 
@@ -320,23 +389,7 @@ impl Residency {
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, ResidencyError> {
-        let info = self
-            .plan
-            .blobs
-            .get(blob)
-            .ok_or(ResidencyError::UnknownBlob {
-                blob,
-                count: self.plan.blobs.len(),
-            })?;
-        let end = offset.checked_add(len).filter(|&e| e <= info.length);
-        if end.is_none() {
-            return Err(ResidencyError::RangeOutOfBounds {
-                file: info.file.clone(),
-                offset,
-                end: offset.saturating_add(len),
-                length: info.length,
-            });
-        }
+        self.check_range(blob, offset, len)?;
         let fetched = self.shared.source.ensure_local(blob)?;
         if fetched > 0 {
             self.shared.engine.lock().add_network(fetched);
@@ -382,6 +435,27 @@ impl Residency {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// An error unless blob `blob` exists and holds bytes `offset .. offset + len`.
+    fn check_range(&self, blob: usize, offset: u64, len: u64) -> Result<(), ResidencyError> {
+        let info = self
+            .plan
+            .blobs
+            .get(blob)
+            .ok_or(ResidencyError::UnknownBlob {
+                blob,
+                count: self.plan.blobs.len(),
+            })?;
+        if offset.checked_add(len).is_none_or(|end| end > info.length) {
+            return Err(ResidencyError::RangeOutOfBounds {
+                file: info.file.clone(),
+                offset,
+                end: offset.saturating_add(len),
+                length: info.length,
+            });
+        }
+        Ok(())
     }
 
     fn release(&self, location: Location) {
@@ -431,9 +505,9 @@ impl Shared {
         }
     }
 
-    /// Performs one read; returns whether the blob went into the host tier, and the bytes
-    /// fetched from the network for it.
-    fn perform(&self, job: &Job) -> Result<(bool, u64), ResidencyError> {
+    /// Performs one read; returns whether the blob went into the host tier, the bytes
+    /// fetched from the network for it, and the bytes copied when only its split ranges were.
+    fn perform(&self, job: &Job) -> Result<(bool, u64, Option<u64>), ResidencyError> {
         let _span = tracing::debug_span!("residency_read", blob = job.blob, bytes = job.bytes, from = ?job.from).entered();
         if let Location::Slot(i) = job.into {
             let fence = self.slot_fences[i].lock().take();
@@ -474,16 +548,43 @@ impl Shared {
                 }
             }
         };
+        self.filled_with[blob].store(WHOLE_FILL, Ordering::Release);
         match job.from {
             ReadFrom::HostTier => {
                 let host = self.host_tier[blob].read();
+                let partial = match (job.into, host.is_some()) {
+                    (Location::Slot(_), true) => {
+                        let ranges = self.fill_ranges.read().clone();
+                        ranges.and_then(|f| f(blob))
+                    }
+                    _ => None,
+                };
+                let mut copied = None;
                 match host.as_ref() {
+                    Some(block) if partial.is_some() => {
+                        let (tag, ranges) = partial.expect("matched");
+                        let bytes = &block.bytes()[..len as usize];
+                        for &(offset, n) in &ranges {
+                            let piece = offset
+                                .checked_add(n)
+                                .and_then(|end| bytes.get(offset as usize..end as usize))
+                                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
+                                    file: self.names[blob].clone(),
+                                    offset,
+                                    end: offset.saturating_add(n),
+                                    length: len,
+                                })?;
+                            buffer.fill_range_from_host(offset as usize, piece)?.wait();
+                        }
+                        copied = Some(ranges.iter().map(|r| r.1).sum());
+                        self.filled_with[blob].store(tag, Ordering::Release);
+                    }
                     Some(block) => buffer
                         .fill_from_host(&block.bytes()[..len as usize])?
                         .wait(),
                     None => from_disk(&mut buffer)?,
                 }
-                Ok((false, fetched))
+                Ok((false, fetched, copied))
             }
             ReadFrom::Disk if job.keep_in_host => match self.memory.alloc_host(len) {
                 Ok(mut host) => {
@@ -498,17 +599,17 @@ impl Shared {
                     self.host_tier_bytes
                         .fetch_add(host.bytes().len() as u64, Ordering::Relaxed);
                     *self.host_tier[blob].write() = Some(host);
-                    Ok((true, fetched))
+                    Ok((true, fetched, None))
                 }
                 Err(err) => {
                     tracing::warn!(file = %self.names[blob], "host tier: {err}; this blob keeps streaming from disk");
                     from_disk(&mut buffer)?;
-                    Ok((false, fetched))
+                    Ok((false, fetched, None))
                 }
             },
             ReadFrom::Disk => {
                 from_disk(&mut buffer)?;
-                Ok((false, fetched))
+                Ok((false, fetched, None))
             }
         }
     }
@@ -563,9 +664,10 @@ fn reader_loop(shared: &Shared, jobs: mpsc::Receiver<Option<Job>>) {
             break;
         }
         let outcome = match shared.perform(&job) {
-            Ok((stored_in_host, network_bytes)) => Outcome::Done {
+            Ok((stored_in_host, network_bytes, copied_bytes)) => Outcome::Done {
                 stored_in_host,
                 network_bytes,
+                copied_bytes,
             },
             Err(err) => {
                 tracing::warn!(file = %shared.names[job.blob], "read failed: {err}");

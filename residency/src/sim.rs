@@ -83,6 +83,7 @@ impl Channel {
             let outcome = Outcome::Done {
                 network_bytes: 0,
                 stored_in_host: job.keep_in_host,
+                copied_bytes: None,
             };
             engine.complete(&job, outcome, Duration::from_nanos(finish));
             let next = engine.take_jobs();

@@ -574,3 +574,96 @@ fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
         "{err}"
     );
 }
+
+#[test]
+fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let page = 4096u64;
+    let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
+    let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
+    let source = Arc::new(PatternSource::new(lengths.clone()));
+    let res = Residency::open_with(
+        layout.clone(),
+        source,
+        Arc::new(CpuMemory::new(1 << 30)),
+        Arc::new(SystemClock::new()),
+        &ResidencyOptions {
+            resident_layers: Some(0),
+            host_cache: HostCache::Bytes(1 << 30),
+            ..opts(1 << 30, 1)
+        },
+    )
+    .unwrap();
+    // Layer 3, 6 pages, streamed from the host tier after its first read: the last layer of
+    // the order, so the ring's prefetch never fills it before its own pass starts.
+    let blob = 4;
+    assert_eq!(res.plan().placement(blob), Placement::HostCached);
+    let ranges = vec![(page, 2 * page), (5 * page, 100)];
+    let partial = Arc::new(AtomicBool::new(false));
+    let (on, given) = (Arc::clone(&partial), ranges.clone());
+    res.set_fill_ranges(Some(Arc::new(move |b| {
+        (b == blob && on.load(Ordering::SeqCst)).then(|| (7, given.clone()))
+    })));
+
+    // One pass over every blob; the tag of `blob`'s fill, its slot's bytes in `ranges`
+    // checked against its host copy (all of them after a whole fill).
+    let pass = || {
+        let mut tag = None;
+        for &b in &layout.order {
+            let guard = res.acquire_with_host_copy(b).unwrap();
+            if b == blob {
+                tag = res.filled_with(b);
+                if let Some(host) = guard.host_copy() {
+                    assert!(PatternSource::check(b, host), "the host copy is the blob");
+                    let slot = guard.host().unwrap();
+                    for &(o, n) in &ranges {
+                        let (o, n) = (o as usize, n as usize);
+                        assert_eq!(slot[o..o + n], host[o..o + n], "range {o}+{n}");
+                    }
+                    if tag.is_none() {
+                        assert!(PatternSource::check(b, slot), "a whole fill");
+                    }
+                }
+            }
+        }
+        res.end_pass();
+        tag
+    };
+    // The first pass reads from disk into the host tier: whole, whatever the ranges say.
+    partial.store(true, Ordering::SeqCst);
+    assert_eq!(pass(), None);
+    // Ranges off: the second copies up the whole blob.
+    partial.store(false, Ordering::SeqCst);
+    assert_eq!(pass(), None);
+    // Ranges on: the slot holds `blob`'s ranges only, copied from the host tier.
+    partial.store(true, Ordering::SeqCst);
+    assert_eq!(pass(), Some(7));
+    // Every other host-tier copy was whole (whichever pass the ring's prefetch counted it
+    // in): the bytes copied are the blobs' lengths less what `blob`'s partial fill skipped.
+    let stats = res.stats();
+    assert_eq!(stats.blob_host_copies[blob], 2);
+    let whole: u64 = (0..lengths.len())
+        .map(|b| stats.blob_host_copies[b] * lengths[b])
+        .sum();
+    let skipped = lengths[blob] - ranges.iter().map(|r| r.1).sum::<u64>();
+    assert_eq!(stats.total.host_copy_bytes, whole - skipped);
+
+    // A range past the blob's end fails the read that asked for it, naming the blob.
+    res.set_fill_ranges(Some(Arc::new(move |b| {
+        (b == blob).then(|| (8, vec![(5 * page, page + 1)]))
+    })));
+    let err = (0..2)
+        .find_map(|_| {
+            let mut failed = None;
+            for &b in &layout.order {
+                if let Err(e) = res.acquire(b) {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            res.end_pass();
+            failed
+        })
+        .expect("the read of a range past the end fails");
+    assert!(err.to_string().contains("layer_003"), "{err}");
+}

@@ -155,6 +155,8 @@ pub fn open_serving(
         OpenedModel::Cpu(m) => serve(model_id, *m, kv_budget, prefix_cache_bytes),
         #[cfg(feature = "cuda")]
         OpenedModel::Cuda(m) => serve(model_id, *m, kv_budget, prefix_cache_bytes),
+        #[cfg(feature = "cuda")]
+        OpenedModel::Hybrid(m) => serve(model_id, *m, kv_budget, prefix_cache_bytes),
     })
 }
 

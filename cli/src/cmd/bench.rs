@@ -67,6 +67,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         OpenedModel::Cpu(mut model) => {
             let open_s = model.load_seconds;
             let llama = model.session.model_mut();
+            let cpu = json!({"mode": "cpu"});
             if !batch_sizes.is_empty() {
                 let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
                 let head = json!({
@@ -75,40 +76,92 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     "device": "cpu",
                     "checksums": args.open.residency.checksums(),
                     "residency": llama.weights().residency_stats(),
+                    "placement": cpu,
                 });
-                return print_batches(&args, &rows, head);
+                return print_batches(&args, &rows, head, &|_| None);
             }
-            bench(llama, &args, open_s, &model.io, json!(null), |_| None)
+            bench(
+                llama,
+                &args,
+                open_s,
+                &model.io,
+                json!(null),
+                &|_| None,
+                &|_| cpu.clone(),
+                &|_| None,
+            )
         }
-        OpenedModel::Cuda(mut model) => {
-            let open_s = model.load_seconds;
-            let llama = model.session.model_mut();
-            let be = llama.backend();
-            let (d2d_read, d2d_rw) = be.measure_copy_gbps(1 << 30)?;
-            let h2d = be.measure_pinned_h2d_gbps(1 << 30)?;
-            let references = json!({
-                "device_name": be.device_name(),
-                "d2d_read_gbps": d2d_read,
-                "d2d_read_write_gbps": d2d_rw,
-                "pinned_h2d_gbps": h2d,
-            });
-            if !batch_sizes.is_empty() {
-                let rows = bench_batches(llama, &batch_sizes, &args, streamed_total)?;
-                let head = json!({
-                    "model": llama.metadata().source,
-                    "device": llama.backend().device_name(),
-                    "io_backend": model.io,
-                    "checksums": args.open.residency.checksums(),
-                    "references": references,
-                    "residency": llama.weights().residency_stats(),
-                });
-                return print_batches(&args, &rows, head);
-            }
-            bench(llama, &args, open_s, &model.io, references, |be| {
-                Some(be.launch_counts())
-            })
+        OpenedModel::Cuda(model) => {
+            bench_gpu(*model, &args, &batch_sizes, |be| be, |_| json!(null))
         }
+        OpenedModel::Hybrid(model) => bench_gpu(
+            *model,
+            &args,
+            &batch_sizes,
+            |be| be.primary(),
+            |be| {
+                let c = be.stats().counts();
+                json!({
+                    "cpu_rows": c.helper_rows, "cpu_bytes": c.helper_bytes,
+                    "gpu_rows": c.primary_rows, "gpu_bytes": c.primary_bytes,
+                    "split_matmuls": c.splits,
+                })
+            },
+        ),
     }
+}
+
+/// The bench on a GPU (`cuda`: the CUDA backend of `B`; `split`: what each side of a split
+/// computed), with the placement planner's prediction for each pass beside what it achieves.
+fn bench_gpu<B: Backend>(
+    mut model: llama::LoadedModel<B, llama::backend::cuda::CudaWeights>,
+    args: &Args,
+    batch_sizes: &[usize],
+    cuda: fn(&B) -> &llama::CudaBackend,
+    split: fn(&B) -> serde_json::Value,
+) -> anyhow::Result<()> {
+    let open_s = model.load_seconds;
+    let llama = model.session.model_mut();
+    let be = cuda(llama.backend());
+    let (d2d_read, d2d_rw) = be.measure_copy_gbps(1 << 30)?;
+    let h2d = be.measure_pinned_h2d_gbps(1 << 30)?;
+    let references = json!({
+        "device_name": be.device_name(),
+        "d2d_read_gbps": d2d_read,
+        "d2d_read_write_gbps": d2d_rw,
+        "pinned_h2d_gbps": h2d,
+    });
+    let mode = args.open.placement.mode();
+    let predict = crate::calibration::predictor(
+        llama.metadata(),
+        llama.weights().residency().plan(),
+        be,
+        mode,
+    );
+    let placement = |be: &B| {
+        json!({
+            "mode": mode,
+            "cpu_threads": rayon_threads(),
+            "split": split(be),
+        })
+    };
+    if !batch_sizes.is_empty() {
+        let rows = bench_batches(llama, batch_sizes, args, streamed_total)?;
+        let head = json!({
+            "model": llama.metadata().source,
+            "device": cuda(llama.backend()).device_name(),
+            "io_backend": model.io,
+            "checksums": args.open.residency.checksums(),
+            "references": references,
+            "residency": llama.weights().residency_stats(),
+            "placement": placement(llama.backend()),
+        });
+        return print_batches(args, &rows, head, &predict);
+    }
+    let counts = |be: &B| Some(cuda(be).launch_counts());
+    bench(
+        llama, args, open_s, &model.io, references, &counts, &placement, &predict,
+    )
 }
 
 /// Bytes the weight source has brought in so far: from disk, from the host tier, on demand.
@@ -135,13 +188,18 @@ fn streamed_bytes<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u64 {
     streamed_total(llama.weights())
 }
 
+/// pp and tg: `launch_counts` reads the kernels run so far (CUDA), `placement` what the run
+/// placed where (read after it), `predict` the planner's tok/s for a pass.
+#[allow(clippy::too_many_arguments)]
 fn bench<B: Backend, W: WeightSource>(
     llama: &mut Llama<B, W>,
     args: &Args,
     open_s: f64,
     io_backend: &str,
     references: serde_json::Value,
-    launch_counts: fn(&B) -> Option<LaunchCounts>,
+    launch_counts: &dyn Fn(&B) -> Option<LaunchCounts>,
+    placement: &dyn Fn(&B) -> serde_json::Value,
+    predict: &dyn Fn(residency::PassKind) -> Option<f64>,
 ) -> anyhow::Result<()> {
     let vocab = llama.config().vocab_size as u32;
     // Ordinary text-like ids; what they are does not change the work done.
@@ -207,15 +265,20 @@ fn bench<B: Backend, W: WeightSource>(
             "checksums": args.open.residency.checksums(),
             "threads": rayon_threads(),
             "load": { "first_pass_s": first_pass_s, "bytes": load_bytes, "gb_per_s": load_gbps, "open_s": open_s },
-            "pp": { "tokens": args.n_prompt, "tok_per_s": pp, "mean": mean(&pp), "best": best(&pp) },
+            "pp": {
+                "tokens": args.n_prompt, "tok_per_s": pp, "mean": mean(&pp), "best": best(&pp),
+                "predicted_tok_s": predict(residency::PassKind::Prefill { rows: args.n_prompt }),
+            },
             "tg": {
                 "tokens": args.n_gen, "tok_per_s": tg, "mean": mean(&tg), "best": best(&tg),
+                "predicted_tok_s": predict(residency::PassKind::Decode { batch: 1 }),
                 "bytes_per_token": bytes_per_token, "weight_bytes_per_token": weight_bytes,
                 "kernels_per_token": per_token.map(|p| p.0),
                 "stream_calls_per_token": per_token.map(|p| p.1),
             },
             "references": references,
             "residency": stats,
+            "placement": placement(llama.backend()),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -356,6 +419,7 @@ fn print_batches(
     args: &Args,
     rows: &[BatchRow],
     mut head: serde_json::Value,
+    predict: &dyn Fn(residency::PassKind) -> Option<f64>,
 ) -> anyhow::Result<()> {
     let base = rows
         .iter()
@@ -376,6 +440,7 @@ fn print_batches(
                     "per_seq_tok_per_s": m / r.batch as f64,
                     "speedup_vs_batch1": base.map(|b| m / b),
                     "bytes_per_token": r.bytes_per_token,
+                    "predicted_tok_s": predict(residency::PassKind::Decode { batch: r.batch }),
                 })
             })
             .collect();

@@ -50,8 +50,10 @@ pub struct Args {
     /// Compute time per token for the prediction, in milliseconds (0: I/O bound only).
     #[arg(long, value_name = "MS", default_value_t = 0.0)]
     pub compute_ms: f64,
-    /// Context length whose KV cache (f16) is reserved off the budget; default: the model's
-    /// context length, at most 4096.
+    /// Context length whose KV cache (f16) is reserved off the budget, with the activations
+    /// and the margin a run on the GPU reserves (each pass of the placement is planned with
+    /// its batch's caches, as `gdsllm run`/`bench` would open it); default: the model's context
+    /// length, at most 4096.
     #[arg(long, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Extra bytes reserved for activations and safety margin, on top of the KV cache.
@@ -72,19 +74,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let context = args
         .context
         .unwrap_or_else(|| (config.context_length as u64).min(4096));
-    let reserved = residency::kv_cache_bytes(config, context, 2) + args.margin;
-    let opts = args.residency.options(reserved);
     let layout = residency::ModelLayout::from_metadata(model.metadata())?;
-    let inputs = residency::plan_inputs(&opts, None)?;
-    let plan = residency::Plan::compute(&layout, &inputs).with_context(|| {
-        format!(
-            "planning {} with --vram-budget {}",
-            dir.display(),
-            opts.device_budget
-        )
-    })?;
+    // The residency plan a run of `sequences` sequences has: what the GPU loader reserves
+    // besides the weights, and the margin asked for.
+    let plan_for = |sequences: usize| -> anyhow::Result<(u64, residency::Plan)> {
+        let reserved =
+            llama::load::gpu_reserved_bytes(config, context as usize, sequences)? + args.margin;
+        let opts = args.residency.options(reserved);
+        let inputs = residency::plan_inputs(&opts, None)?;
+        let plan = residency::Plan::compute(&layout, &inputs).with_context(|| {
+            format!(
+                "planning {} with --vram-budget {} for {sequences} sequences",
+                dir.display(),
+                opts.device_budget
+            )
+        })?;
+        Ok((reserved, plan))
+    };
+    let (reserved, plan) = plan_for(1)?;
     let tps = plan.predict_tokens_per_s(args.disk_gbps, args.host_gbps, args.compute_ms / 1e3);
-    let placement = placement(&args, model.metadata(), &layout, &plan)?;
+    let mut pass_plans = Vec::new();
+    for pass in PASSES {
+        let sequences = match pass {
+            residency::PassKind::Decode { batch } => batch,
+            residency::PassKind::Prefill { .. } => 1,
+        };
+        pass_plans.push((pass, plan_for(sequences)?.1));
+    }
+    let placement = placement(&args, model.metadata(), &layout, &pass_plans)?;
     if args.json {
         let json = serde_json::json!({
             "model": dir,
@@ -107,7 +124,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             residency::human_bytes(model.total_bytes())
         );
         println!(
-            "reserved {} = KV cache for {context} tokens (f16) + {} margin",
+            "reserved {} = KV cache for {context} tokens (f16), activations and the loader's \
+             margin + {} margin",
             residency::human_bytes(reserved),
             residency::human_bytes(args.margin)
         );
@@ -137,7 +155,7 @@ fn placement(
     args: &Args,
     meta: &weights_format::Metadata,
     layout: &residency::ModelLayout,
-    plan: &residency::Plan,
+    plans: &[(residency::PassKind, residency::Plan)],
 ) -> anyhow::Result<(residency::Calibration, residency::PlacementPlan)> {
     let gpu = match llama::backend::cuda::cuda_usable() {
         Ok(()) => Some(llama::CudaBackend::new(0).context("opening the GPU to calibrate")?),
@@ -154,12 +172,10 @@ fn placement(
         args.calibrate,
         args.probe_mib,
     )?;
-    let placed = residency::plan_placement(
-        &units,
-        gpu.as_ref().map(|_| plan),
-        &cal,
-        args.placement.mode(),
-        &PASSES,
-    )?;
+    let passes: Vec<(residency::PassKind, Option<&residency::Plan>)> = plans
+        .iter()
+        .map(|(pass, plan)| (*pass, gpu.as_ref().map(|_| plan)))
+        .collect();
+    let placed = residency::plan_placement(&units, &cal, args.placement.mode(), &passes)?;
     Ok((cal, placed))
 }

@@ -145,6 +145,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match model {
         OpenedModel::Cpu(m) => run_on(*m, &args, prompts.as_deref(), started),
         OpenedModel::Cuda(m) => run_on(*m, &args, prompts.as_deref(), started),
+        OpenedModel::Hybrid(m) => run_on(*m, &args, prompts.as_deref(), started),
     }
 }
 

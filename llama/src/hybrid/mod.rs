@@ -45,8 +45,26 @@
 //! [`SplitBackend`] is generic over its two [`Backend`]s, so the whole arrangement is tested
 //! with the CPU backend on both sides (`tests/hybrid.rs`): logits against a single backend's,
 //! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
+//!
+//! # On a GPU
+//!
+//! `--placement auto` (`OpenOptions::hybrid`) has [`crate::open`] build a
+//! `SplitBackend<CudaBackend, CpuBackend>` when layers stream from the pinned host tier
+//! (`hybrid::cuda`): the CPU reads its rows of each such blob from the host tier in place
+//! ([`crate::weights::WeightBytes::Both`] hands out both copies), and residency copies only
+//! the GPU's byte ranges of it over PCIe ([`primary_ranges`]), so that the bytes the two
+//! sides read per pass are disjoint and the bandwidths add up. The share of each blob is the
+//! planner's for the rows of the pass its fill was made for; `hybrid::cuda` says what that means
+//! for the first blobs of a pass, prefetched during the one before. The split costs the decode CUDA
+//! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
+//! Each handoff is a synchronising read of the activations and an upload of the CPU's output
+//! (pageable memory today; pinned staging would cut a few microseconds from each of the
+//! 4 per layer), and the columns are put in place one row at a time (a split pass has few
+//! rows).
 
 pub mod calibrate;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -56,6 +74,33 @@ use crate::backend::{
     PassInfo, ReferenceBackend, RowGroup,
 };
 use crate::backend::{CpuBackend, WeightView};
+
+/// Measures this machine's figures for the planner for weights of the given dtypes (the CLI
+/// keeps them under `$GDSLLM_HOME`); an error is a message.
+pub type CalibrateFn =
+    dyn Fn(&[weights_format::DType]) -> Result<residency::Calibration, String> + Send + Sync;
+
+/// `--placement auto` on a GPU: the CPU computes a share of the matmuls of the layers the
+/// host tier holds ([`crate::open`] builds a [`SplitBackend`] over the CUDA backend and the
+/// CPU backend, see `hybrid::cuda`).
+#[derive(Clone, Default)]
+pub struct HybridOptions {
+    /// This machine's figures for the planner (`residency::placement`), measured or loaded
+    /// when the model's dtypes are known.
+    pub calibrate: Option<Arc<CalibrateFn>>,
+    /// For tests: every split matmul gives the CPU this share of its rows, whatever the
+    /// planner would (no calibration needed).
+    pub force_cpu_fraction: Option<f64>,
+}
+
+impl std::fmt::Debug for HybridOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridOptions")
+            .field("calibrate", &self.calibrate.is_some())
+            .field("force_cpu_fraction", &self.force_cpu_fraction)
+            .finish()
+    }
+}
 
 /// Output rows of a split are a multiple of this, so each side's share stays aligned to the
 /// row tiles of the matmul kernels.
@@ -70,6 +115,46 @@ pub fn helper_rows(n: usize, fraction: f64) -> usize {
     }
     let grains = (fraction.min(1.0) * n as f64 / ROW_GRAIN as f64).round() as usize;
     (grains * ROW_GRAIN).min(n)
+}
+
+/// The tensors only ever read as a matmul's weight, whose rows `[0, k)` the primary may lack.
+const MATMUL_WEIGHTS: [&str; 8] = {
+    use weights_format::names::*;
+    [
+        ATTN_Q,
+        ATTN_K,
+        ATTN_V,
+        ATTN_OUTPUT,
+        FFN_GATE,
+        FFN_UP,
+        FFN_DOWN,
+        OUTPUT,
+    ]
+};
+
+/// The byte ranges of `blob` the primary (the GPU) needs when the helper (the CPU) takes share `fraction` of its matmuls:
+/// rows `[k, n)` of each matmul weight, every other tensor whole.
+pub fn primary_ranges(blob: &weights_format::BlobMeta, fraction: f64) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for t in &blob.tensors {
+        let matmul = MATMUL_WEIGHTS.contains(&t.name.as_str());
+        let (offset, len) = match t.shape.as_slice() {
+            &[rows, _] if rows > 0 && matmul => {
+                let row_bytes = t.length / rows;
+                let skip = helper_rows(rows as usize, fraction) as u64 * row_bytes;
+                (t.offset + skip, t.length - skip)
+            }
+            _ => (t.offset, t.length),
+        };
+        if len == 0 {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(last) if last.0 + last.1 == offset => last.1 += len,
+            _ => ranges.push((offset, len)),
+        }
+    }
+    ranges
 }
 
 /// A backend that can place a block of values into some columns of a wider buffer: what
@@ -205,6 +290,8 @@ pub struct SplitBackend<P: SplitTarget, H: Backend> {
     primary: P,
     helper: H,
     share: Box<ShareFn>,
+    /// Told the rows of each pass before it starts.
+    on_pass: Option<Box<dyn Fn(usize) + Send + Sync>>,
     /// The blob whose weights the ops read now (`usize::MAX`: none announced).
     blob: AtomicUsize,
     stats: Arc<SplitStats>,
@@ -218,9 +305,17 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
             primary,
             helper,
             share,
+            on_pass: None,
             blob: AtomicUsize::new(usize::MAX),
             stats: Arc::new(SplitStats::default()),
         }
+    }
+
+    /// `hook(rows)` is called before each pass of `rows` rows starts (the CUDA split tells
+    /// residency there whether fills may skip the CPU's rows).
+    pub fn with_pass_hook(mut self, hook: Box<dyn Fn(usize) + Send + Sync>) -> Self {
+        self.on_pass = Some(hook);
+        self
     }
 
     pub fn primary(&self) -> &P {
@@ -319,11 +414,17 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
         Ok(())
     }
 
-    /// The helper's rows of each weight for a pass of `groups`.
+    /// The helper's rows of each weight for a pass of `groups`: none of a weight the helper
+    /// cannot read (a resident blob in device memory only).
     fn helper_rows_of(&self, groups: &[RowGroup], ws: &[WeightView<'_>]) -> Vec<usize> {
         let rows: usize = groups.iter().map(|g| g.rows).sum();
         let fraction = self.fraction(rows);
-        ws.iter().map(|w| helper_rows(w.rows, fraction)).collect()
+        ws.iter()
+            .map(|w| match w.bytes.host() {
+                Some(_) => helper_rows(w.rows, fraction),
+                None => 0,
+            })
+            .collect()
     }
 
     fn count_primary(&self, ws: &[WeightView<'_>]) {
@@ -402,6 +503,9 @@ impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
 
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
         self.blob.store(usize::MAX, Ordering::Relaxed);
+        if let Some(hook) = &self.on_pass {
+            hook(pass.rows);
+        }
         // Host work between the primary's ops cannot be recorded and replayed.
         self.primary.begin_pass(&PassInfo {
             weights_stable: false,
@@ -579,6 +683,47 @@ mod tests {
         assert_eq!(helper_rows(100, 0.99), 96);
         assert_eq!(helper_rows(20, 0.9), 20);
         assert_eq!(helper_rows(20, 0.2), 0);
+    }
+
+    #[test]
+    fn the_primary_ranges_skip_the_helper_rows_of_matmul_weights_only() {
+        use weights_format::{BlobMeta, TensorMeta};
+        let tensor = |name: &str, shape: Vec<u64>, offset: u64, length: u64| TensorMeta {
+            name: name.into(),
+            dtype: weights_format::DType::F16,
+            shape,
+            offset,
+            length,
+        };
+        // [128, 64] f16 weights: rows of 128 bytes.
+        let blob = BlobMeta {
+            file: "layer_000.bin".into(),
+            length: 3 * 16384 + 4096,
+            checksum: String::new(),
+            tensors: vec![
+                tensor("attn_norm", vec![64], 0, 128),
+                tensor("attn_q", vec![128, 64], 4096, 16384),
+                tensor("attn_k", vec![128, 64], 4096 + 16384, 16384),
+                tensor("some_table", vec![128, 64], 4096 + 2 * 16384, 16384),
+            ],
+        };
+        // Half the rows: 64 of 128, 8 KiB of each matmul weight on the helper.
+        assert_eq!(
+            primary_ranges(&blob, 0.5),
+            [
+                (0, 128),
+                (4096 + 8192, 8192),
+                // attn_k's second half runs on into the whole table after it.
+                (4096 + 16384 + 8192, 8192 + 16384),
+            ]
+        );
+        // No share: every tensor whole, adjacent ones merged.
+        assert_eq!(primary_ranges(&blob, 0.0), [(0, 128), (4096, 3 * 16384)]);
+        // All of it: the matmul weights are gone, the rest stays.
+        assert_eq!(
+            primary_ranges(&blob, 1.0),
+            [(0, 128), (4096 + 2 * 16384, 16384)]
+        );
     }
 
     #[test]

@@ -22,6 +22,7 @@ mod matmul;
 mod paths;
 mod profile;
 mod scratch;
+mod split;
 mod weights;
 
 use std::sync::Arc;

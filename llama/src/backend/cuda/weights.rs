@@ -138,6 +138,9 @@ pub struct CudaWeights {
     residency: Arc<Residency>,
     memory: Arc<GpuMemory>,
     queue: Arc<Queue>,
+    /// Streamed blobs are handed out with their host-tier copy too
+    /// ([`CudaWeights::with_host_copies`]).
+    host_copies: bool,
 }
 
 impl std::fmt::Debug for CudaWeights {
@@ -156,7 +159,16 @@ impl CudaWeights {
             residency: Arc::new(residency),
             memory,
             queue: Arc::clone(&backend.queue),
+            host_copies: false,
         }
+    }
+
+    /// Hands out each streamed blob that the host tier holds as
+    /// [`crate::weights::WeightBytes::Both`]: device memory for the GPU's kernels and the
+    /// pinned host copy the CPU reads in place (`crate::hybrid` splits matmuls that way).
+    pub fn with_host_copies(mut self) -> CudaWeights {
+        self.host_copies = true;
+        self
     }
 
     pub fn residency(&self) -> &Residency {
@@ -201,8 +213,13 @@ impl WeightSource for CudaWeights {
     type Guard<'a> = CudaBlobGuard<'a>;
 
     fn acquire(&self, index: usize) -> Result<CudaBlobGuard<'_>, LlamaError> {
+        let inner = if self.host_copies {
+            Residency::acquire_with_host_copy(&self.residency, index)?
+        } else {
+            Residency::acquire(&self.residency, index)?
+        };
         Ok(CudaBlobGuard {
-            inner: Residency::acquire(&self.residency, index)?,
+            inner,
             queue: &self.queue,
         })
     }

@@ -1,0 +1,215 @@
+//! The hybrid split on a GPU (issue 24): a synthetic model whose layers stream from the pinned
+//! host tier, opened with `--placement auto` and a forced CPU share (the CUDA backend computes
+//! rows `[k, n)` of each streamed layer's matmuls from device memory, the CPU backend rows
+//! `[0, k)` straight from the host tier's pinned RAM), gives the logits of the same model all
+//! on the GPU, and each side computes exactly its share. Opt-in: `GDSLLM_GPU_TESTS=1` (then a
+//! machine without a usable GPU FAILS this test instead of skipping it). Needs `cuda`.
+//!
+//! Tolerance: 1e-2 of the logits' scale. The two sides compute the same dot products with
+//! different kernels (the GPU's f16 GEMM for the prompt, its matvec kernels for decode; the
+//! CPU's f32 kernels in exact mode), whose roundings differ by up to ~1e-3 per matmul and
+//! compound over the layers.
+#![cfg(feature = "cuda")]
+
+mod support;
+
+use std::path::Path;
+
+use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
+use llama::hybrid::{HybridOptions, helper_rows};
+use residency::{Budget, HostCache, Placement, ResidencyOptions};
+use support::max_rel_diff;
+use weights_format::{DType, Model};
+
+const CONTEXT: usize = 64;
+const TOLERANCE: f32 = 1e-2;
+const CPU_FRACTION: f64 = 0.5;
+
+fn synth_model(dir: &Path, dtype: DType) {
+    let shape = SynthShape {
+        n_layers: 6,
+        hidden_size: 256,
+        ffn_dim: 512,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 512,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        context_length: CONTEXT as u32,
+        tie_word_embeddings: false,
+    };
+    let opts = SynthOptions {
+        shape,
+        dtype,
+        seed: 24,
+        threads: 1,
+        shape_name: "cuda-hybrid-test".into(),
+    };
+    synth(dir, &opts, &mut |_| {}).expect("synth");
+}
+
+/// Layer 0 resident, the other 5 streamed from the pinned host tier (more than the ring's 3
+/// slots, so residency may copy up only the GPU's share of each); `hybrid`: `--placement
+/// auto` with the CPU forced to [`CPU_FRACTION`] of every split matmul.
+fn options(hybrid: bool) -> llama::OpenOptions {
+    llama::OpenOptions {
+        residency: ResidencyOptions {
+            resident_layers: Some(1),
+            host_cache: HostCache::Bytes(1 << 30),
+            device_budget: Budget::Bytes(2 << 30),
+            ..ResidencyOptions::default()
+        },
+        context: CONTEXT,
+        cpu_exact: true,
+        hybrid: hybrid.then(|| HybridOptions {
+            calibrate: None,
+            force_cpu_fraction: Some(CPU_FRACTION),
+        }),
+        ..llama::OpenOptions::default()
+    }
+}
+
+/// Logits of a 12-token prompt, then of `steps` decode steps fed `tokens` (the reference's
+/// greedy tokens, so that both runs see the same inputs).
+fn run<B: llama::Backend, W: llama::WeightSource>(
+    model: &mut llama::Llama<B, W>,
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 7919 + 11) % vocab).collect();
+    let mut all = vec![model.forward(&prompt).unwrap().to_vec()];
+    for &t in tokens {
+        all.push(model.forward(&[t]).unwrap().to_vec());
+    }
+    all
+}
+
+fn argmax(l: &[f32]) -> u32 {
+    l.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i as u32)
+}
+
+fn split_gives_the_gpu_logits(dtype: DType) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth_model(&dir, dtype);
+    let steps = 8;
+
+    // All on the GPU: the reference, and its greedy tokens.
+    let reference = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
+        .unwrap()
+        .into_cuda()
+        .expect("--placement gpu opens the CUDA model");
+    let (mut gpu, _) = reference.session.into_parts();
+    let vocab = gpu.config().vocab_size as u32;
+    let mut tokens = Vec::new();
+    let mut logits = gpu
+        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
+        .unwrap()
+        .to_vec();
+    for _ in 0..steps {
+        let t = argmax(&logits);
+        tokens.push(t);
+        logits = gpu.forward(&[t]).unwrap().to_vec();
+    }
+    gpu.truncate(0);
+    let want = run(&mut gpu, &tokens);
+    let whole = gpu.weights().residency().stats().total;
+    drop(gpu);
+
+    let hybrid = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(true))
+        .unwrap()
+        .into_hybrid()
+        .expect("--placement auto with a host tier opens the split model");
+    let (mut split, _) = hybrid.session.into_parts();
+    let got = run(&mut split, &tokens);
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| max_rel_diff(g, w))
+        .fold(0f32, f32::max);
+    let counts = split.backend().stats().counts();
+    println!(
+        "{dtype:?}: split (CPU share {CPU_FRACTION}) vs all-GPU logits over {} passes: max rel \
+         diff {worst:.2e} (tol {TOLERANCE:.0e}); {counts:?}",
+        got.len()
+    );
+    assert!(worst < TOLERANCE, "{dtype:?}: {worst}");
+
+    // Each side computed its share: the CPU rows [0, k) of every matmul weight of every blob
+    // streamed from the host tier, in every pass but the first (which reads every blob from
+    // disk, whole); the GPU the rest and every resident blob's.
+    let model = Model::open(&dir).unwrap();
+    let meta = model.metadata();
+    let plan = split.weights().residency().plan();
+    let passes = got.len() as u64;
+    let (mut cpu_rows, mut all_rows, mut cpu_bytes) = (0u64, 0u64, 0u64);
+    let mut split_blobs = 0;
+    for (b, blob) in meta.blobs.iter().enumerate() {
+        if blob.file == weights_format::names::EMBED_BLOB {
+            continue; // the untied embedding table is looked up, not multiplied
+        }
+        let host = plan.placement(b) == Placement::HostCached;
+        split_blobs += usize::from(host);
+        for t in blob.tensors.iter().filter(|t| t.shape.len() == 2) {
+            let rows = t.shape[0] as usize;
+            all_rows += rows as u64;
+            if host {
+                let k = helper_rows(rows, CPU_FRACTION);
+                cpu_rows += k as u64;
+                cpu_bytes += t.length / rows as u64 * k as u64;
+            }
+        }
+    }
+    assert!(
+        split_blobs >= 5,
+        "{split_blobs} blobs streamed from the host tier: {plan}"
+    );
+    assert_eq!(counts.helper_rows, cpu_rows * (passes - 1), "{counts:?}");
+    assert_eq!(counts.helper_bytes, cpu_bytes * (passes - 1), "{counts:?}");
+    assert_eq!(
+        counts.helper_rows + counts.primary_rows,
+        all_rows * passes,
+        "{counts:?}"
+    );
+    assert!(counts.splits > 0 && counts.primary_rows > counts.helper_rows);
+
+    // Residency copied up only the GPU's share of each split blob: fewer bytes per host-tier
+    // copy than the all-GPU run's whole blobs.
+    let parts = split.weights().residency().stats().total;
+    let per_copy = |s: &residency::PassStats| s.host_copy_bytes as f64 / s.host_copies as f64;
+    println!(
+        "host-tier bytes per copy: all-GPU {:.0}, split {:.0} ({} streamed blobs, {} ring slots)",
+        per_copy(&whole),
+        per_copy(&parts),
+        split_blobs,
+        plan.ring_slots
+    );
+    assert!(
+        split_blobs > plan.ring_slots,
+        "partial fills need more blobs than slots"
+    );
+    assert!(
+        per_copy(&parts) < (1.0 - CPU_FRACTION / 2.0) * per_copy(&whole),
+        "{parts:?} vs {whole:?}"
+    );
+}
+
+#[test]
+fn a_split_f16_model_gives_the_gpu_logits_and_each_side_its_share() {
+    if support::cuda::gpu().is_none() {
+        return;
+    }
+    split_gives_the_gpu_logits(DType::F16);
+}
+
+#[test]
+fn a_split_q8_0_model_gives_the_gpu_logits_and_each_side_its_share() {
+    if support::cuda::gpu().is_none() {
+        return;
+    }
+    split_gives_the_gpu_logits(DType::Q8_0);
+}
