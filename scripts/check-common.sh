@@ -1,5 +1,6 @@
-# Shell helpers shared by the GPU check scripts (gpu-check.sh, kernel-check.sh); sourced, not
-# run. They expect WORK_DIR and STAGES to be set, and append to `summary` and set `status`.
+# Shell helpers shared by the GPU check scripts (gpu-check.sh, kernel-check.sh,
+# gpu-io-check.sh); sourced, not run. They expect WORK_DIR and STAGES to be set, and append to
+# `summary` and set `status`.
 
 status=0
 declare -a summary
@@ -7,6 +8,14 @@ step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
 note() { summary+=("$*"); echo "[note] $*" >&2; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
+# CUDA's libraries on the loader's path, WORK_DIR created and made absolute, and BIN (the
+# gdsllm binary) made absolute, so that the stages can change directory.
+prepare_work_dir() {
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
+  mkdir -p "$WORK_DIR"
+  WORK_DIR=$(cd "$WORK_DIR" && pwd)
+  BIN=$(realpath "$BIN")
+}
 jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
 
 # A test binary with --test-threads=1 --nocapture, its output in $WORK_DIR/LABEL.log and on

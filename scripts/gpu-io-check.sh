@@ -33,15 +33,13 @@ GPU_TEST_MIB="${GPU_TEST_MIB:-1024}"
 LAYERS="${LAYERS:-32}"
 LAYER_MIB="${LAYER_MIB:-386}"
 BOUNCE_MIB="${BOUNCE_MIB:-1,4,8,16}"
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
-mkdir -p "$WORK_DIR"
-WORK_DIR=$(cd "$WORK_DIR" && pwd)
+SCRIPTS=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=scripts/check-common.sh
+source "$SCRIPTS/check-common.sh"
+prepare_work_dir
 RESULTS="${OUT:-$WORK_DIR/results}"
 mkdir -p "$RESULTS"
-status=0
-step() { echo >&2; echo "=== $* ===" >&2; }
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-BIN=$(realpath "$BIN")
 
 if [ -z "${GPU_TEST_BIN:-}" ]; then
   GPU_TEST_BIN=$(ls -t target/release/deps/gpu_reads-* 2>/dev/null | grep -v '\.d$' | head -n1 || true)

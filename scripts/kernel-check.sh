@@ -39,15 +39,12 @@ WORK_DIR="${1:-${WORK_DIR:-$PWD/kernel-check-work}}"
 BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 STAGES="${STAGES:-tests models kernels profile}"
 BATCHES="${BATCHES:-1,8,32}"
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
-mkdir -p "$WORK_DIR"
-WORK_DIR=$(cd "$WORK_DIR" && pwd)
-export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache
-mkdir -p "$GDSLLM_HOME"
-BIN=$(realpath "$BIN")
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
 source "$SCRIPTS/check-common.sh"
+prepare_work_dir
+export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache
+mkdir -p "$GDSLLM_HOME"
 
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-225}"

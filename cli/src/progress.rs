@@ -1,4 +1,5 @@
-//! Progress bars on stderr for long work (convert, pull, fetch, load, synth).
+//! Progress bars on stderr for long work (convert, pull, fetch, load, synth). xtask compiles
+//! this file too (`#[path]`), for `cargo xtask convert | fetch`.
 
 use indicatif::{ProgressBar, ProgressStyle};
 

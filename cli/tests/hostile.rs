@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gdsllm_convert::testing::XorShift;
 use serde_json::Value;
 
 /// Longest a command may take before it counts as a hang. Generous: the machine is shared.
@@ -304,24 +305,6 @@ fn judge_model(reference: &Reference, dir: &Path) -> Outcome {
     worst(&[run, verify])
 }
 
-/// A small xorshift generator: cases are reproducible from their seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
-
 /// JSON pointers of every number in `v`.
 fn number_pointers(v: &Value, at: String, out: &mut Vec<String>) {
     match v {
@@ -364,7 +347,7 @@ fn is_size(pointer: &str) -> bool {
 
 /// A new value for the number at `pointer`: the extremes that break parsers and allocators
 /// most often, more likely than random ones.
-fn extreme(rng: &mut Rng, original: &Value) -> Value {
+fn extreme(rng: &mut XorShift, original: &Value) -> Value {
     let n = original.as_u64().unwrap_or(1);
     let choices = [
         Value::from(0u64),
@@ -386,14 +369,14 @@ fn extreme(rng: &mut Rng, original: &Value) -> Value {
         Value::from(100_000_000u64),
         serde_json::json!(1e30),
         serde_json::json!(0.5),
-        Value::from(rng.next() as u32),
+        Value::from(rng.next_u64() as u32),
     ];
     choices[rng.below(choices.len() as u64) as usize].clone()
 }
 
 /// Writes metadata.json of `dir` with the number at a pointer chosen by `rng` (among those
 /// `filter` accepts) replaced; returns a description.
-fn mutate_metadata(dir: &Path, rng: &mut Rng, filter: fn(&str) -> bool) -> String {
+fn mutate_metadata(dir: &Path, rng: &mut XorShift, filter: fn(&str) -> bool) -> String {
     let path = dir.join("metadata.json");
     let mut v: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let mut pointers = Vec::new();
@@ -417,7 +400,7 @@ fn metadata_numbers_with_the_checksum_kept() {
         let seed = base_seed() ^ case;
         let dir = tmp.path().join(format!("a{case}"));
         copy_dir(&reference.model, &dir);
-        let what = mutate_metadata(&dir, &mut Rng::new(seed), |_| true);
+        let what = mutate_metadata(&dir, &mut XorShift::new(seed), |_| true);
         let outcome = judge_model(&reference, &dir);
         tally.add(outcome, || format!("seed {seed}: {what}"));
         std::fs::remove_dir_all(&dir).unwrap();
@@ -434,7 +417,7 @@ fn metadata_sizes_with_the_checksum_rewritten() {
         let seed = base_seed() ^ (case << 20);
         let dir = tmp.path().join(format!("b{case}"));
         copy_dir(&reference.model, &dir);
-        let what = mutate_metadata(&dir, &mut Rng::new(seed), is_size);
+        let what = mutate_metadata(&dir, &mut XorShift::new(seed), is_size);
         // What an attacker who knows the format does: make the side file match again. The
         // command validates the directory first, so it is judged too.
         let update = classify(&run_limited(verify_cmd(&dir, true)), |_| true);
@@ -457,7 +440,7 @@ fn flipped_blob_bits() {
         .collect();
     for case in 0..cases() {
         let seed = base_seed() ^ (case << 40);
-        let mut rng = Rng::new(seed);
+        let mut rng = XorShift::new(seed);
         let dir = tmp.path().join(format!("c{case}"));
         copy_dir(&reference.model, &dir);
         let blob = &blobs[rng.below(blobs.len() as u64) as usize];

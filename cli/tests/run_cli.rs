@@ -3,30 +3,10 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-fn model_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
-        return Some(PathBuf::from(dir));
-    }
-    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
-        return None;
-    }
-    panic!(
-        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
-         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
-    );
-}
+use gdsllm_convert::testing::{golden, model_path};
 
-fn golden() -> serde_json::Value {
-    let path = std::env::var_os("GDSLLM_GOLDEN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/reference/smollm2-golden.json")
-        });
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (set GDSLLM_GOLDEN)", path.display()));
-    serde_json::from_str(&text).unwrap()
+fn model_dir() -> Option<PathBuf> {
+    model_path("GDSLLM_TEST_MODEL")
 }
 
 fn gdsllm() -> Command {

@@ -88,6 +88,17 @@ impl std::fmt::Display for TargetDType {
     }
 }
 
+/// A name as [`TargetDType::from_name`] takes it; an unknown one gets a message listing the
+/// names (what `gdsllm convert --dtype` and `cargo xtask convert --dtype` print).
+impl std::str::FromStr for TargetDType {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<TargetDType, String> {
+        TargetDType::from_name(name)
+            .ok_or_else(|| format!("{name:?}: expected one of {}", TargetDType::names()))
+    }
+}
+
 /// Options of [`convert`].
 #[derive(Debug, Clone, Default)]
 pub struct ConvertOptions {

@@ -374,13 +374,7 @@ mod tests {
     #[test]
     fn tables_cover_exactly_the_layout() {
         for t in FAMILIES {
-            let config = ModelConfig {
-                architecture: t.arch.name().into(),
-                attention_bias: t.arch.rules().attention_bias,
-                qk_norm: t.arch.rules().qk_norm,
-                post_norms: t.arch.rules().post_norms,
-                ..ModelConfig::default()
-            };
+            let config = ModelConfig::of_family(t.arch);
             let mut needed: Vec<&str> = [BlobKind::Embed, BlobKind::Layer(0), BlobKind::Output]
                 .into_iter()
                 .flat_map(|k| layout::blob_tensors(&config, k))

@@ -176,9 +176,7 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
             }
         }
     }
-    let rules = arch.rules();
     let mut config = ModelConfig {
-        architecture: arch.name().into(),
         n_layers,
         hidden_size,
         n_heads,
@@ -198,11 +196,7 @@ pub fn config_from_gguf(gguf: &GgufFile) -> Result<ModelConfig, ConvertError> {
         bos_token_id,
         eos_token_ids,
         add_bos_token,
-        attention_bias: rules.attention_bias,
-        qk_norm: rules.qk_norm,
-        post_norms: rules.post_norms,
-        activation: rules.activation,
-        ..ModelConfig::default()
+        ..ModelConfig::of_family(arch)
     };
     match arch {
         Architecture::Llama => {

@@ -253,7 +253,6 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
         .ok_or_else(|| bad("eos_token_id", "expected an integer or a list of integers"))?;
     let rules = arch.rules();
     let mut out = ModelConfig {
-        architecture: arch.name().into(),
         n_layers,
         hidden_size,
         n_heads,
@@ -269,11 +268,7 @@ pub fn config_from_hf(path: &Path, config: &Value) -> Result<ModelConfig, Conver
         bos_token_id,
         eos_token_ids,
         add_bos_token: false,
-        attention_bias: rules.attention_bias,
-        qk_norm: rules.qk_norm,
-        post_norms: rules.post_norms,
-        activation: rules.activation,
-        ..ModelConfig::default()
+        ..ModelConfig::of_family(arch)
     };
     let window = opt_u32("sliding_window")?;
     match arch {

@@ -13,18 +13,44 @@ use weights_format::{DType, quant};
 use crate::gguf::{GgufValue, GgufValueType};
 use crate::gguf_writer::{GgufBuilder, permute_rows_like_llama_cpp};
 
-/// The next value in [-0.5, 0.5) of a xorshift64 stream (`state` must not be 0).
-fn next_uniform(state: &mut u64) -> f32 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    (*state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+/// A xorshift64 stream of deterministic test values, one stream per seed: test inputs and
+/// fuzz cases are reproducible from their seed.
+#[derive(Debug, Clone)]
+pub struct XorShift(u64);
+
+impl XorShift {
+    pub fn new(seed: u64) -> XorShift {
+        // Never 0, which xorshift would keep forever.
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// The next value in `0 .. n` (0 for `n` = 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    /// The next value in [-0.5, 0.5).
+    pub fn centered(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+
+    /// The next value in (0, 1): never 0, so that its logarithm is finite.
+    pub fn open_unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
 }
 
 /// `n` deterministic values in [-0.5, 0.5) for test weights, a stream per `seed`.
 pub fn pseudo_random(seed: u64, n: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n).map(|_| next_uniform(&mut state)).collect()
+    let mut rng = XorShift::new(seed);
+    (0..n).map(|_| rng.centered()).collect()
 }
 
 /// Writes a model of `config` (any family) at `dir` with deterministic pseudo-random weights
@@ -108,10 +134,10 @@ impl TinyLlama {
     pub fn with_dims(seed: u64, tied: bool, dim: u64, ffn: u64) -> TinyLlama {
         let (layers, heads, kv_heads, vocab) = (2u32, 4u64, 2u64, 48u64);
         let head_dim = dim / heads;
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut rng = XorShift::new(seed);
         let mut random = |shape: &[u64], scale: f32| -> Vec<f32> {
             let n: u64 = shape.iter().product();
-            (0..n).map(|_| next_uniform(&mut state) * scale).collect()
+            (0..n).map(|_| rng.centered() * scale).collect()
         };
         let mut tensors = Vec::new();
         let mut add = |name: String, shape: Vec<u64>, scale: f32, offset: f32| {
@@ -451,13 +477,8 @@ pub fn write_q4_k_m_model(
     std: f32,
     seed: u64,
 ) -> Result<weights_format::Model, weights_format::FormatError> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut uniform = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        ((state >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    };
+    let mut rng = XorShift::new(seed);
+    let mut uniform = move || rng.open_unit();
     let mut normal = move || {
         let (u1, u2) = (uniform(), uniform());
         (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
@@ -556,19 +577,13 @@ fn f16_fields(dtype: DType) -> &'static [usize] {
 /// ordinary f16 fields (uniform in ±0.01; random bytes there could be NaN or huge): test
 /// inputs for the decoders and kernels of every layout, the decode-only ones included.
 pub fn random_blocks(dtype: DType, n_blocks: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut rng = XorShift::new(seed);
     let mut bytes: Vec<u8> = (0..n_blocks * dtype.block_bytes())
-        .map(|_| (next() >> 56) as u8)
+        .map(|_| (rng.next_u64() >> 56) as u8)
         .collect();
     for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
         for &at in f16_fields(dtype) {
-            let v = ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02;
+            let v = rng.centered() * 0.02;
             block[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
         }
     }
@@ -652,13 +667,8 @@ impl TableMutation {
     /// often (0, 1, alignment ± 1, type boundaries, u32/u64 extremes, another tensor's offset)
     /// more likely than random ones.
     pub fn from_seed(seed: u64, infos: &[TensorInfoAt]) -> TableMutation {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = XorShift::new(seed);
+        let mut next = || rng.next_u64();
         let tensor = (next() % infos.len() as u64) as usize;
         let info = &infos[tensor];
         let other = infos[(next() % infos.len() as u64) as usize].offset;
@@ -763,9 +773,21 @@ impl TableMutation {
     }
 }
 
-/// The path in environment variable `var`, or `None` when model tests are skipped
-/// (`GDSLLM_SKIP_MODEL_TESTS=1`). Fails the test with instructions otherwise.
+/// The path in environment variable `var` (the real SmolLM2 model: GDSLLM_TEST_GGUF or
+/// GDSLLM_TEST_MODEL), or `None` when model tests are skipped (`GDSLLM_SKIP_MODEL_TESTS=1`).
+/// Fails the test with instructions otherwise.
 pub fn model_path(var: &str) -> Option<PathBuf> {
+    env_path(
+        var,
+        "run `gdsllm pull smollm2 --json` and set GDSLLM_TEST_GGUF to its \"gguf\" path and \
+         GDSLLM_TEST_MODEL to its \"dir\"",
+    )
+}
+
+/// The path in environment variable `var` (a file or directory the tests need, made by CI),
+/// or `None` (after saying so) when model tests are skipped (`GDSLLM_SKIP_MODEL_TESTS=1`).
+/// Fails the test with `how` (how to make it) otherwise.
+pub fn env_path(var: &str, how: &str) -> Option<PathBuf> {
     match std::env::var_os(var) {
         Some(p) => Some(PathBuf::from(p)),
         None if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") => {
@@ -773,11 +795,24 @@ pub fn model_path(var: &str) -> Option<PathBuf> {
             None
         }
         None => panic!(
-            "{var} is unset. Run `gdsllm pull smollm2 --json` and set GDSLLM_TEST_GGUF to its \
-             \"gguf\" path and GDSLLM_TEST_MODEL to its \"dir\" (or set \
-             GDSLLM_SKIP_MODEL_TESTS=1 to skip tests that need the real model)"
+            "{var} is unset: {how} (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip tests that need \
+             the real model)"
         ),
     }
+}
+
+/// The golden reference outputs of the real SmolLM2 model (tokens, logits, texts):
+/// `$GDSLLM_GOLDEN`, or `shared/reference/smollm2-golden.json` beside the checkout.
+pub fn golden() -> serde_json::Value {
+    let path = std::env::var_os("GDSLLM_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../shared/reference/smollm2-golden.json")
+        });
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (set GDSLLM_GOLDEN)", path.display()));
+    serde_json::from_str(&text).expect("the golden file is JSON")
 }
 
 /// Every file of a (model) directory, sorted by name, with its bytes: for comparing two

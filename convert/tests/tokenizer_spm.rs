@@ -33,36 +33,9 @@ fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
         vocab.push((c.into(), -100.0, 1));
     }
     let id = |p: &str| vocab.iter().position(|v| v.0 == p).unwrap() as u32;
-    let mut b = GgufBuilder::new();
-    b.kv("tokenizer.ggml.model", GgufValue::String("llama".into()))
-        .kv(
-            "tokenizer.ggml.tokens",
-            GgufValue::Array(
-                GgufValueType::String,
-                vocab
-                    .iter()
-                    .map(|v| GgufValue::String(v.0.clone()))
-                    .collect(),
-            ),
-        )
-        .kv(
-            "tokenizer.ggml.scores",
-            GgufValue::Array(
-                GgufValueType::F32,
-                vocab.iter().map(|v| GgufValue::F32(v.1)).collect(),
-            ),
-        )
-        .kv(
-            "tokenizer.ggml.token_type",
-            GgufValue::Array(
-                GgufValueType::I32,
-                vocab.iter().map(|v| GgufValue::I32(v.2)).collect(),
-            ),
-        );
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("spm.gguf");
-    b.write_to(&path).unwrap();
-    let json = tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let pieces: Vec<(&str, i32)> = vocab.iter().map(|v| (v.0.as_str(), v.2)).collect();
+    let scores: Vec<f32> = vocab.iter().map(|v| v.1).collect();
+    let json = build(&pieces, Some(&scores)).unwrap();
     // Written as `serde_json` writes a `Value`: every object's keys sorted.
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(serde_json::to_string(&value).unwrap(), json);
@@ -94,8 +67,9 @@ fn llama_vocabulary_merges_by_score_and_falls_back_to_bytes() {
     assert_eq!(enc.get_ids()[0], id("<s>"));
 }
 
-/// Writes a llama-model GGUF vocabulary of `(piece, type)` and builds its tokenizer.
-fn build(vocab: &[(&str, i32)]) -> Result<String, String> {
+/// Writes a llama-model GGUF vocabulary of `(piece, type)` (with the pieces' `scores`, if
+/// given) and builds its tokenizer.
+fn build(vocab: &[(&str, i32)], scores: Option<&[f32]>) -> Result<String, String> {
     let mut b = GgufBuilder::new();
     b.kv("tokenizer.ggml.model", GgufValue::String("llama".into()))
         .kv(
@@ -107,16 +81,25 @@ fn build(vocab: &[(&str, i32)]) -> Result<String, String> {
                     .map(|v| GgufValue::String(v.0.into()))
                     .collect(),
             ),
-        )
-        .kv(
-            "tokenizer.ggml.token_type",
+        );
+    if let Some(scores) = scores {
+        b.kv(
+            "tokenizer.ggml.scores",
             GgufValue::Array(
-                GgufValueType::I32,
-                vocab.iter().map(|v| GgufValue::I32(v.1)).collect(),
+                GgufValueType::F32,
+                scores.iter().map(|s| GgufValue::F32(*s)).collect(),
             ),
         );
+    }
+    b.kv(
+        "tokenizer.ggml.token_type",
+        GgufValue::Array(
+            GgufValueType::I32,
+            vocab.iter().map(|v| GgufValue::I32(v.1)).collect(),
+        ),
+    );
     let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("dup.gguf");
+    let path = tmp.path().join("vocab.gguf");
     b.write_to(&path).unwrap();
     tokenizer_json_from_gguf(&GgufFile::open(&path).unwrap()).map_err(|e| e.to_string())
 }
@@ -124,14 +107,22 @@ fn build(vocab: &[(&str, i32)]) -> Result<String, String> {
 #[test]
 fn repeated_pieces_keep_the_first_id_and_repeated_normal_pieces_are_refused() {
     // A repeat involving a control piece is kept out of the vocabulary: "a" stays id 1.
-    let json = build(&[("<unk>", 2), ("a", 1), ("b", 1), ("a", 3), ("ab", 1)]).unwrap();
+    let json = build(
+        &[("<unk>", 2), ("a", 1), ("b", 1), ("a", 3), ("ab", 1)],
+        None,
+    )
+    .unwrap();
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
     let vocab = value["model"]["vocab"].as_object().unwrap();
     assert_eq!(vocab.len(), 4);
     assert_eq!(vocab["a"], 1);
     // Two normal pieces with the same string: the first such repeat in id order is named
     // (not the first in string order).
-    let err = build(&[("<unk>", 2), ("z", 1), ("z", 1), ("a", 1), ("a", 1)]).unwrap_err();
+    let err = build(
+        &[("<unk>", 2), ("z", 1), ("z", 1), ("a", 1), ("a", 1)],
+        None,
+    )
+    .unwrap_err();
     assert!(
         err.contains("token \"z\" appears twice") && err.contains("ids 1 and 2"),
         "{err}"

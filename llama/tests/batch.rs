@@ -56,6 +56,23 @@ fn in_memory(dir: &Path, context: usize, max_rows: usize) -> Llama<CpuBackend, I
     Llama::new(CpuBackend::new(), weights, meta, context, max_rows).unwrap()
 }
 
+/// `check` on the in-memory CPU model of each synthetic `(dtype, tied)` case, labelled
+/// `cpu {dtype} tied={tied}`.
+fn on_cpu_models(
+    cases: &[(DType, bool)],
+    mut check: impl FnMut(&mut Llama<CpuBackend, InMemoryWeights>, &str),
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    for &(dtype, tied) in cases {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        check(
+            &mut in_memory(&dir, 256, 256),
+            &format!("cpu {dtype} tied={tied}"),
+        );
+    }
+}
+
 /// A synthetic model in a temporary directory (kept while the first value lives), in memory.
 fn synth_in_memory(
     name: &str,
@@ -97,6 +114,22 @@ fn solo_greedy<B: Backend, W: WeightSource>(
             return out;
         }
         logits = model.forward(&[t]).unwrap().to_vec();
+    }
+}
+
+/// Each request's greedy tokens alone on `model`.
+fn solo_runs<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, reqs: &[Req]) -> Vec<Vec<u32>> {
+    reqs.iter()
+        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
+        .collect()
+}
+
+/// The batcher of the ragged workloads: 4 sequences at a time, prefill chunks of 8.
+fn ragged_config<B: Backend, W: WeightSource>(model: &Llama<B, W>) -> BatchConfig {
+    BatchConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        ..BatchConfig::for_model(model, 4)
     }
 }
 
@@ -204,15 +237,8 @@ fn ragged_requests(vocab: u32) -> Vec<Req> {
 fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, label: &str) {
     let vocab = model.config().vocab_size as u32;
     let reqs = ragged_requests(vocab);
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
-        .collect();
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let solo = solo_runs(model, &reqs);
+    let config = ragged_config(model);
     let (batched, most) = run_batched(model, config, &reqs);
     println!("{label}: up to {most} sequences per pass");
     assert!(most >= 3, "the sequences did not overlap");
@@ -224,19 +250,14 @@ fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>
 
 #[test]
 fn batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (dtype, tied) in [
-        (DType::Q4_1, true),
-        (DType::Q8_0, false),
-        (DType::F16, true),
-    ] {
-        let dir = tmp.path().join(format!("{dtype}-{tied}"));
-        synth_model(&dir, dtype, tied);
-        ragged_batch_equals_solo(
-            &mut in_memory(&dir, 256, 256),
-            &format!("cpu {dtype} tied={tied}"),
-        );
-    }
+    on_cpu_models(
+        &[
+            (DType::Q4_1, true),
+            (DType::Q8_0, false),
+            (DType::F16, true),
+        ],
+        ragged_batch_equals_solo,
+    );
 }
 
 #[test]
@@ -276,11 +297,7 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
 ) {
     let vocab = model.config().vocab_size as u32;
     let reqs = ragged_requests(vocab);
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let config = ragged_config(model);
     let mut logits: Vec<Vec<Vec<f32>>> = vec![Vec::new(); reqs.len()];
     let (batched, most) =
         run_batched_seeing_logits(model, config, &reqs, |i, l| logits[i].push(l.to_vec()));
@@ -333,7 +350,6 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
-    use llama::backend::cuda::CudaPaths;
     if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
         eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
         return;
@@ -346,17 +362,7 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     ] {
         let dir = tmp.path().join(format!("{dtype}-{tied}"));
         synth_model(&dir, dtype, tied);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-        ragged_batch_equals_solo(&mut model, &format!("cuda {dtype} tied={tied}"));
-        drop(model);
-        let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-        ragged_batch_close_to_solo(
-            &mut model,
-            &format!("cuda {dtype} tied={tied}, paths {}", CudaPaths::all()),
-            1e-3,
-        );
+        cuda_ragged_batches_match_solo(&dir, 256, &format!("cuda {dtype} tied={tied}"));
     }
     // The k-quant dtypes have no tensor-core kernels: on every path their matmuls keep the
     // one-row and eight-row kernels, so a Q4_K_M mix is bit for bit alone with the default
@@ -364,15 +370,23 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     let dir = tmp.path().join("q4km");
     let config = gdsllm_convert::testing::small_kquant_config(3);
     gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();
+    cuda_ragged_batches_match_solo(&dir, 256, "cuda q4_k_m mix");
+}
+
+/// The ragged workload on CUDA on the model at `dir` (a context of `context`): each sequence's
+/// tokens alone with the default kernel paths, and close to alone with all the new ones.
+#[cfg(feature = "cuda")]
+fn cuda_ragged_batches_match_solo(dir: &Path, context: usize, label: &str) {
+    use llama::backend::cuda::CudaPaths;
     let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
-    ragged_batch_equals_solo(&mut model, "cuda q4_k_m mix");
+    let mut model = llama::load::open_uploaded_on(dir, be, context).unwrap();
+    ragged_batch_equals_solo(&mut model, label);
     drop(model);
     let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+    let mut model = llama::load::open_uploaded_on(dir, be, context).unwrap();
     ragged_batch_close_to_solo(
         &mut model,
-        &format!("cuda q4_k_m mix, paths {}", CudaPaths::all()),
+        &format!("{label}, paths {}", CudaPaths::all()),
         1e-3,
     );
 }
@@ -385,31 +399,15 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_windowed_family_batched_equals_solo() {
-    use llama::backend::cuda::CudaPaths;
     if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
         eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (_, config) = support::families::configs()
-        .into_iter()
-        .find(|(name, _)| *name == "gemma3")
-        .unwrap();
-    let dir = tmp.path().join("gemma3");
-    support::families::write(&dir, &config, DType::Q4_1);
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
-    ragged_batch_equals_solo(&mut model, "cuda gemma3 q4_1 (window 8)");
-    drop(model);
+    let dir = support::families::write_named(tmp.path(), "gemma3", DType::Q4_1);
     // The new paths send the windowed layers (ring caches) to the kernels that know windows,
     // the global ones to the one-launch kernels.
-    let be = llama::CudaBackend::with_paths(0, CudaPaths::all()).unwrap();
-    let mut model = llama::load::open_uploaded_on(&dir, be, 128).unwrap();
-    ragged_batch_close_to_solo(
-        &mut model,
-        &format!("cuda gemma3 q4_1 (window 8), paths {}", CudaPaths::all()),
-        1e-3,
-    );
+    cuda_ragged_batches_match_solo(&dir, 128, "cuda gemma3 q4_1 (window 8)");
 }
 
 /// Total weight bytes residency has brought in, once its reader has stopped (the ring is full
@@ -782,15 +780,8 @@ fn prefix_cache_changes_no_token<B: Backend, W: WeightSource>(
             max_new: 6,
         },
     ];
-    let solo: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| solo_greedy(model, &r.prompt, r.max_new))
-        .collect();
-    let config = BatchConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        ..BatchConfig::for_model(model, 4)
-    };
+    let solo = solo_runs(model, &reqs);
+    let config = ragged_config(model);
     let batcher = Batcher::new(model, config)
         .unwrap()
         .with_prefix_cache(64 << 20);
@@ -811,15 +802,10 @@ fn prefix_cache_changes_no_token<B: Backend, W: WeightSource>(
 
 #[test]
 fn prefix_cached_greedy_equals_solo() {
-    let tmp = tempfile::tempdir().unwrap();
-    for (dtype, tied) in [(DType::Q8_0, false), (DType::F16, true)] {
-        let dir = tmp.path().join(format!("{dtype}-{tied}"));
-        synth_model(&dir, dtype, tied);
-        prefix_cache_changes_no_token(
-            &mut in_memory(&dir, 256, 256),
-            &format!("cpu {dtype} tied={tied}"),
-        );
-    }
+    on_cpu_models(
+        &[(DType::Q8_0, false), (DType::F16, true)],
+        prefix_cache_changes_no_token,
+    );
 }
 
 /// A budget of one entry keeps the most recently stored prefix and evicts the other.

@@ -39,16 +39,11 @@ fn template_path(name: &str, inputs: &Path) -> PathBuf {
 
 #[test]
 fn real_templates_render_as_transformers_renders_them() {
-    let inputs = match std::env::var_os("GDSLLM_FAMILY_INPUTS") {
-        Some(dir) => PathBuf::from(dir),
-        None if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") => {
-            eprintln!("skipped: GDSLLM_FAMILY_INPUTS is unset and GDSLLM_SKIP_MODEL_TESTS=1");
-            return;
-        }
-        None => panic!(
-            "GDSLLM_FAMILY_INPUTS is unset: run `python3 scripts/families/fetch_inputs.py DIR` \
-             and set it to DIR (or GDSLLM_SKIP_MODEL_TESTS=1 to skip)"
-        ),
+    let Some(inputs) = gdsllm_convert::testing::env_path(
+        "GDSLLM_FAMILY_INPUTS",
+        "run `python3 scripts/families/fetch_inputs.py DIR` and set it to DIR",
+    ) else {
+        return;
     };
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chat_templates/expected.json");
     let expected: Expected =

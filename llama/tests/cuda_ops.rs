@@ -1325,12 +1325,7 @@ fn family_gemma3_streamed_gives_the_resident_tokens() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (_, config) = support::families::configs()
-        .into_iter()
-        .find(|(name, _)| *name == "gemma3")
-        .unwrap();
-    let dir = tmp.path().join("gemma3");
-    support::families::write(&dir, &config, DType::Q4_1);
+    let dir = support::families::write_named(tmp.path(), "gemma3", DType::Q4_1);
     streamed_matches_resident(&dir, "family gemma3 q4_1");
 }
 

@@ -17,6 +17,19 @@ fn inputs(budget: u64, k: usize) -> PlanInputs {
     }
 }
 
+/// `passes` passes at 1 ns a disk byte with no host tier, each blob computed for its
+/// `compute_ns`, in plan order and without jitter.
+fn disk_sim(compute_ns: Vec<u64>, passes: usize) -> SimConfig {
+    SimConfig {
+        disk_ns_per_byte: 1.0,
+        host_ns_per_byte: 0.0,
+        compute_ns,
+        access: None,
+        passes,
+        jitter: None,
+    }
+}
+
 /// `n` layers of `layer` bytes, untied 4 KiB-output model; compute `c` ns per layer.
 fn streaming_setup(
     n: usize,
@@ -50,18 +63,7 @@ fn steady_state_stall_is_io_minus_compute() {
         let (_, plan, compute) = streaming_setup(n, layer, k, 0, c);
         assert_eq!(plan.resident_layers, 0);
         assert!(plan.is_resident(n + 1), "output resident");
-        let report = simulate(
-            &plan,
-            &SimConfig {
-                disk_ns_per_byte: 1.0,
-                host_ns_per_byte: 0.0,
-                compute_ns: compute,
-                access: None,
-                passes: 6,
-                jitter: None,
-            },
-        )
-        .unwrap();
+        let report = simulate(&plan, &disk_sim(compute, 6)).unwrap();
         let expected = (io - c as f64).max(0.0) / 1e9;
         for pass in &report.passes[2..] {
             let per_layer = pass.compute_wait_s / n as f64;
@@ -126,15 +128,11 @@ fn deeper_ring_hides_jitter() {
         let report = simulate(
             &plan,
             &SimConfig {
-                disk_ns_per_byte: 1.0,
-                host_ns_per_byte: 0.0,
-                compute_ns: compute,
-                access: None,
-                passes: 40,
                 jitter: Some(Jitter {
                     seed: 7,
                     spread: 0.9,
                 }),
+                ..disk_sim(compute, 40)
             },
         )
         .unwrap();
@@ -163,14 +161,7 @@ fn lru_collapses_under_cyclic_access_planned_does_not() {
     let layout = ModelLayout::synthetic(16 * MIB, &vec![layer; n], 4096, false);
     // Room for 6 layer-sized blobs: less than the 11 blobs of a pass.
     let budget = 6 * layer;
-    let config = |plan: &Plan| SimConfig {
-        disk_ns_per_byte: 1.0,
-        host_ns_per_byte: 0.0,
-        compute_ns: vec![500_000; plan.blobs.len()],
-        access: None,
-        passes: 8,
-        jitter: None,
-    };
+    let config = |plan: &Plan| disk_sim(vec![500_000; plan.blobs.len()], 8);
     let planned = Plan::compute(&layout, &inputs(budget, 2)).unwrap();
     let lru = Plan::compute(
         &layout,
@@ -269,12 +260,8 @@ fn out_of_order_access_is_correct_and_counted_as_misses() {
     let report = simulate(
         &plan,
         &SimConfig {
-            disk_ns_per_byte: 1.0,
-            host_ns_per_byte: 0.0,
-            compute_ns: vec![1_000_000; plan.blobs.len()],
             access: Some(access),
-            passes: 0,
-            jitter: None,
+            ..disk_sim(vec![1_000_000; plan.blobs.len()], 0)
         },
     )
     .unwrap();
@@ -310,14 +297,7 @@ proptest! {
             return Ok(());
         };
         prop_assert!(plan.device_bytes() <= budget);
-        let report = simulate(&plan, &SimConfig {
-            disk_ns_per_byte: 1.0,
-            host_ns_per_byte: 0.0,
-            compute_ns: vec![20_000; plan.blobs.len()],
-            access: None,
-            passes,
-            jitter: None,
-        }).unwrap();
+        let report = simulate(&plan, &disk_sim(vec![20_000; plan.blobs.len()], passes)).unwrap();
         for b in &plan.blobs {
             let reads = report.stats.blob_disk_reads[b.index];
             match b.placement {
@@ -342,14 +322,7 @@ proptest! {
             && total > budget
             && budget >= plan.ring_slots as u64 * largest + layout.order.iter().map(|&b| layout.blobs[b].length).min().unwrap()
         {
-            let l = simulate(&lru, &SimConfig {
-                disk_ns_per_byte: 1.0,
-                host_ns_per_byte: 0.0,
-                compute_ns: vec![20_000; plan.blobs.len()],
-                access: None,
-                passes,
-                jitter: None,
-            }).unwrap();
+            let l = simulate(&lru, &disk_sim(vec![20_000; plan.blobs.len()], passes)).unwrap();
             // Planned bytes for exactly `passes` passes: without the prefetch of the pass
             // after the last (LRU does not prefetch).
             let planned: u64 = plan.blobs.iter().map(|b| {

@@ -270,3 +270,20 @@ impl Default for ModelConfig {
         }
     }
 }
+
+impl ModelConfig {
+    /// The default config (see [`ModelConfig::default`]) of family `arch`: its name and what
+    /// its rules fix (Q/K/V biases, Q/K norms, post-norms, activation); the sizes are the
+    /// caller's to fill in.
+    pub fn of_family(arch: crate::Architecture) -> ModelConfig {
+        let rules = arch.rules();
+        ModelConfig {
+            architecture: arch.name().into(),
+            attention_bias: rules.attention_bias,
+            qk_norm: rules.qk_norm,
+            post_norms: rules.post_norms,
+            activation: rules.activation,
+            ..ModelConfig::default()
+        }
+    }
+}

@@ -1,6 +1,8 @@
 mod common;
 
-use common::{super_block_config, tensor_bytes, tiny_config, write_model, write_tiny};
+use common::{
+    super_block_config, tensor_bytes, tiny_config, write_model, write_tiny, written_tensor,
+};
 use weights_format::layout;
 use weights_format::{ALIGNMENT, DType, FormatError, Model, ModelWriter, names};
 
@@ -35,12 +37,7 @@ fn round_trip_every_dtype_bit_exact() {
                 assert_eq!(model.blob(i).length % ALIGNMENT, 0);
                 let kind = layout::blob_kind(file).unwrap();
                 for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-                    let dt = if spec.role.is_float_only() {
-                        DType::F32
-                    } else {
-                        dtype
-                    };
-                    let expected = tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64);
+                    let (dt, expected) = written_tensor(spec, dtype, i, j);
                     let got = model.read_tensor(i, spec.name).unwrap();
                     assert!(got == expected, "{file}/{} differs ({dtype})", spec.name);
                     let t = model.tensor(i, spec.name).unwrap();
@@ -100,12 +97,7 @@ fn chunked_tensor_equals_whole_tensor_and_blobs_sort() {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dt = if spec.role.is_float_only() {
-                DType::F32
-            } else {
-                DType::Q8_0
-            };
-            let data = tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64);
+            let (dt, data) = written_tensor(spec, DType::Q8_0, i, j);
             let mut t = blob.begin_tensor(spec.name, dt, &spec.shape).unwrap();
             for piece in data.chunks(1000) {
                 t.write_bytes(piece).unwrap();

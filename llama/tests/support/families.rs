@@ -4,7 +4,7 @@
 //! tests that compare backends on whole models written by
 //! `gdsllm_convert::testing::write_random_model`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use weights_format::{Activation, DType, ModelConfig, RopeScaling, SlidingWindow};
 
@@ -102,4 +102,16 @@ pub fn configs() -> Vec<(&'static str, ModelConfig)> {
 /// Writes family model `name` (of [`configs`]) with matrices of `dtype` into `dir`.
 pub fn write(dir: &Path, config: &ModelConfig, dtype: DType) {
     gdsllm_convert::testing::write_random_model(dir, config, dtype, 5).unwrap();
+}
+
+/// Writes the model of family `name` (of [`configs`]) with matrices of `dtype` into
+/// `root/name` and returns that directory.
+pub fn write_named(root: &Path, name: &str, dtype: DType) -> PathBuf {
+    let (_, config) = configs()
+        .into_iter()
+        .find(|(family, _)| *family == name)
+        .unwrap_or_else(|| panic!("no family {name} in configs()"));
+    let dir = root.join(name);
+    write(&dir, &config, dtype);
+    dir
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use weights_format::layout::{self, BlobKind};
+use weights_format::layout::{self, BlobKind, TensorSpec};
 use weights_format::{ChatTemplateRef, DType, Model, ModelConfig, ModelWriter, quant};
 
 pub fn tiny_config(tied: bool) -> ModelConfig {
@@ -27,16 +27,22 @@ pub fn tiny_config(tied: bool) -> ModelConfig {
     }
 }
 
-/// Deterministic pseudo-random values (no RNG dependency needed for tests).
-pub fn values(seed: u64, n: usize) -> Vec<f32> {
+/// A xorshift64 stream, one per seed (no RNG dependency needed for tests).
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
+/// Deterministic pseudo-random values.
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut next = xorshift(seed);
     (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-        })
+        .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1)
         .collect()
 }
 
@@ -59,15 +65,21 @@ pub fn tensor_bytes(dtype: DType, shape: &[u64], seed: u64) -> Vec<u8> {
     } else {
         // Decode-only dtypes: arbitrary bytes are valid blocks.
         let len = dtype.byte_len(shape).unwrap() as usize;
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        out.extend((0..len).map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 56) as u8
-        }));
+        let mut next = xorshift(seed);
+        out.extend((0..len).map(|_| (next() >> 56) as u8));
     }
     out
+}
+
+/// The dtype and bytes [`write_model`] writes for tensor `j` (`spec`) of blob `i` when the
+/// matrices use `dtype`: f32 for the float-only tensors.
+pub fn written_tensor(spec: &TensorSpec, dtype: DType, i: usize, j: usize) -> (DType, Vec<u8>) {
+    let dt = if spec.role.is_float_only() {
+        DType::F32
+    } else {
+        dtype
+    };
+    (dt, tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64))
 }
 
 /// Writes a complete tiny model at `out`; matrices use `dtype`, norms f32.
@@ -82,12 +94,7 @@ pub fn write_model(out: &Path, config: ModelConfig, dtype: DType) -> Model {
         let kind = layout::blob_kind(file).unwrap();
         let mut blob = w.begin_blob(file).unwrap();
         for (j, spec) in layout::blob_tensors(&config, kind).iter().enumerate() {
-            let dt = if spec.role.is_float_only() {
-                DType::F32
-            } else {
-                dtype
-            };
-            let data = tensor_bytes(dt, &spec.shape, (i * 100 + j) as u64);
+            let (dt, data) = written_tensor(spec, dtype, i, j);
             blob.write_tensor(spec.name, dt, &spec.shape, &data)
                 .unwrap();
         }

@@ -216,23 +216,23 @@ mod tests {
             };
             assert_eq!(defined, 1, "kernel {name}");
         }
+        // Kernels looked up per dtype through `lookup("dtype")`, each dtype's stamped out once
+        // by `macro_name(prefix_dtype, ...)`; returns how many dtypes the loader names.
+        let stamped_once = |lookup: &str, macro_name: &str, prefix: &str| {
+            let mut dtypes = 0;
+            for part in loader.split(&format!("{lookup}(\"")).skip(1) {
+                let dtype = part.split('"').next().unwrap();
+                let stamp = format!("{macro_name}({prefix}_{dtype}, ");
+                assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+                dtypes += 1;
+            }
+            dtypes
+        };
         // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each.
-        let mut mma = 0;
-        for part in loader.split("mma(\"").skip(1) {
-            let dtype = part.split('"').next().unwrap();
-            let stamp = format!("MATMUL_MMA_KERNELS(matmul_mma_{dtype}, ");
-            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
-            mma += 1;
-        }
+        let mma = stamped_once("mma", "MATMUL_MMA_KERNELS", "matmul_mma");
         assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
         // The `superblock` path's k-quant matmuls: `_r1` and `_r8` stamped out by one macro each.
-        let mut superblock = 0;
-        for part in loader.split("sb(\"").skip(1) {
-            let dtype = part.split('"').next().unwrap();
-            let stamp = format!("MATMUL_KQ_SB_KERNELS(matmul_sb_{dtype}, ");
-            assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
-            superblock += 1;
-        }
+        let superblock = stamped_once("sb", "MATMUL_KQ_SB_KERNELS", "matmul_sb");
         assert_eq!(superblock, 3, "q4_k, q5_k, q6_k");
     }
 

@@ -425,9 +425,7 @@ mod tests {
     #[test]
     fn every_architecture_has_a_family_that_agrees_with_the_format_layout() {
         for arch in Architecture::ALL {
-            let rules = arch.rules();
             let config = ModelConfig {
-                architecture: arch.name().into(),
                 n_layers: 2,
                 hidden_size: 48,
                 n_heads: 4,
@@ -436,11 +434,7 @@ mod tests {
                 ffn_dim: 80,
                 vocab_size: 32,
                 context_length: 64,
-                attention_bias: rules.attention_bias,
-                qk_norm: rules.qk_norm,
-                post_norms: rules.post_norms,
-                activation: rules.activation,
-                ..ModelConfig::default()
+                ..ModelConfig::of_family(arch)
             };
             let family = Family::named(arch.name()).unwrap();
             let c = LlamaConfig::from_model_config(&config).unwrap();
@@ -454,7 +448,7 @@ mod tests {
                 .map(|t| (t.name, t.shape.iter().map(|d| d.of(&c) as u64).collect()))
                 .collect();
             assert_eq!(ours, format, "{arch}");
-            let activation = match rules.activation {
+            let activation = match config.activation {
                 weights_format::Activation::Silu => Activation::Silu,
                 weights_format::Activation::GeluTanh => Activation::GeluTanh,
             };
