@@ -613,7 +613,11 @@ mod tests {
             dequant_row(DType::F16, &row, &mut decoded);
             for (c, x) in xs.iter().enumerate() {
                 let reference = dot_f32::<true>(&decoded, x);
-                assert_eq!(sums[c].to_bits(), reference.to_bits(), "{cols} columns, row {c}");
+                assert_eq!(
+                    sums[c].to_bits(),
+                    reference.to_bits(),
+                    "{cols} columns, row {c}"
+                );
             }
         }
     }
