@@ -62,10 +62,12 @@ enum MatmulInput {
     Int16 { xq: u64, xs: u64 },
 }
 
-/// Warps per block, weight rows per block and input rows per block of the tensor-core
-/// matmul kernels (must match `MMA_WARPS`, `MMA_BROWS` and `MMA_NMAX` in `matmul_mma.cu`).
+/// Warps per block, 16-row weight tiles per warp, weight rows per block and input rows per
+/// block of the tensor-core matmul kernels (must match `MMA_WARPS`, `MMA_MT`, `MMA_BROWS` and
+/// `MMA_NMAX` in `matmul_mma.cu`).
 const MMA_WARPS: u32 = 8;
-const MMA_BROWS: usize = 16 * MMA_WARPS as usize;
+const MMA_MT: usize = 2;
+const MMA_BROWS: usize = 16 * MMA_MT * MMA_WARPS as usize;
 const MMA_NMAX: usize = 64;
 
 /// How many slices the columns of a tensor-core matmul are split into (grid.z): enough blocks

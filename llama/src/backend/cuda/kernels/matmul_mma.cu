@@ -1,9 +1,11 @@
 // Batched matmuls on tensor cores: out[r, i] (+)= Σ_c x[r, c] · w[i, c] for several input rows
 // (batched decoding: one row per sequence), each weight byte read once for up to MMA_NMAX rows.
 //
-// A block of MMA_WARPS warps owns MMA_BROWS weight rows, one 16-row tile per warp, and up to
-// MMA_NMAX input rows (NT tiles of 8). Its warps walk the same 32-column chunks, so the input
-// rows they all read come from L1; the chunks of a row are split into `split` contiguous slices
+// A block of MMA_WARPS warps owns MMA_BROWS weight rows, MMA_MT 16-row tiles per warp, and up to
+// MMA_NMAX input rows (NT tiles of 8). Each warp loads an input tile's fragments once for its
+// MMA_MT weight tiles (with one tile per warp, loading the input rows from L1 took most of the
+// kernel's time at 8-32 rows: ncu showed L1 ~60-75 % busy and DRAM ~20 %). Its warps walk the
+// same 32-column chunks, so the input rows they all read come from L1; the chunks of a row are split into `split` contiguous slices
 // over grid.z (split-K), so that a few thousand weight rows still fill the GPU. With one slice
 // a block writes its outputs; with more, each writes its partial sums and the last block of a
 // tile to finish (a counter per tile) adds them in slice order. Every output is thus computed in
@@ -19,12 +21,14 @@
 // f32 sums: products as exact as the f32 kernel's up to the summation order.
 // grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / MMA_NMAX), split), MMA_WARPS·32 threads.
 #define MMA_WARPS 8
-#define MMA_BROWS (16 * MMA_WARPS)
+#define MMA_MT 2
+#define MMA_BROWS (16 * MMA_MT * MMA_WARPS)
 #define MMA_NMAX 64
 // Most column slices (`mma_split` in matmul.rs clamps to 16).
 #define MMA_SPLIT_MAX 16
-// Chunks whose weights a warp loads before multiplying any of them (loads in flight).
-#define MMA_QUNROLL 4
+// Chunks whose weights a warp loads before multiplying any of them (loads in flight: times
+// MMA_MT tiles of two 8-row halves).
+#define MMA_QUNROLL 2
 #define MMA_FUNROLL 2
 
 // The job (weight, output, rows) of this block, its first weight row, its input rows, and the
@@ -105,10 +109,10 @@ template <> __device__ __forceinline__ void mma_qload<5>(const u8* row, int chun
 }
 
 // acc + the block's products from their integer dot product `dot` and the activations' record
-// `s` (scale, Σx, Σq): the expressions of `qblock_acc` in matmul.cu (q4_0's levels already
+// `s` (its scale and Σx; Σq is not needed here): the expressions of `qblock_acc` in matmul.cu (q4_0's levels already
 // have the −8, which the one-row kernel subtracts through Σq: the same integer).
 template <int DTYPE>
-__device__ __forceinline__ float mma_qacc(const MmaQ& q, int dot, float4 s, float acc) {
+__device__ __forceinline__ float mma_qacc(const MmaQ& q, int dot, float2 s, float acc) {
     acc = fmaf(q.a, s.x * (float)dot, acc);
     if constexpr (DTYPE == 5) acc = fmaf(q.c, s.y, acc);
     return acc;
@@ -123,21 +127,24 @@ template <int DTYPE> __device__ __forceinline__ constexpr int mma_block_bytes() 
 __device__ __forceinline__ int mma_xrow(const MmaTile& t, int j, int col) { return t.r0 + min(j * 8 + col, t.nr - 1); }
 
 template <int DTYPE, int NT>
-__device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* wg, const u8* wg8, const short* xq,
-                                             const float4* xs, int n_chunks, int c0, int c1, float (&acc)[NT][4]) {
+__device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
+                                             const float4* xs, int n_chunks, int c0, int c1,
+                                             float (&acc)[MMA_MT][NT][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     for (int c = c0; c < c1; c += MMA_QUNROLL) {
-        MmaQ a[MMA_QUNROLL][2];
+        MmaQ a[MMA_QUNROLL][MMA_MT][2];
 #pragma unroll
         for (int u = 0; u < MMA_QUNROLL; u++) {
             int cu = min(c + u, c1 - 1);
-            mma_qload<DTYPE>(wg, cu, tq, a[u][0]);
-            mma_qload<DTYPE>(wg8, cu, tq, a[u][1]);
+#pragma unroll
+            for (int mt = 0; mt < MMA_MT; mt++) {
+                mma_qload<DTYPE>(wg[mt][0], cu, tq, a[u][mt][0]);
+                mma_qload<DTYPE>(wg[mt][1], cu, tq, a[u][mt][1]);
+            }
         }
 #pragma unroll
         for (int u = 0; u < MMA_QUNROLL; u++) {
             if (c + u >= c1) break;  // the same for the whole warp
-            const u32 A[4] = {a[u][0].w0, a[u][1].w0, a[u][0].w1, a[u][1].w1};
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 if (j * 8 >= t.nr) break;
@@ -146,18 +153,24 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* wg, con
                 // x = 256·hi + lo: hi the signed high bytes, lo the unsigned low bytes.
                 const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
                 const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
-                int d[4] = {0, 0, 0, 0};
-                mma_s8s8(A, bh, d);
+                // Only the scale and Σx of each record: half the bytes of the float4.
+                float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
+                float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
 #pragma unroll
-                for (int e = 0; e < 4; e++) d[e] *= 256;
-                mma_s8u8(A, bl, d);
-                // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
-                float4 s0 = xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
-                float4 s1 = xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
-                acc[j][0] = mma_qacc<DTYPE>(a[u][0], d[0], s0, acc[j][0]);
-                acc[j][1] = mma_qacc<DTYPE>(a[u][0], d[1], s1, acc[j][1]);
-                acc[j][2] = mma_qacc<DTYPE>(a[u][1], d[2], s0, acc[j][2]);
-                acc[j][3] = mma_qacc<DTYPE>(a[u][1], d[3], s1, acc[j][3]);
+                for (int mt = 0; mt < MMA_MT; mt++) {
+                    const MmaQ(&q)[2] = a[u][mt];
+                    const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
+                    int d[4] = {0, 0, 0, 0};
+                    mma_s8s8(A, bh, d);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) d[e] *= 256;
+                    mma_s8u8(A, bl, d);
+                    // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
+                    acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
+                    acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
+                    acc[mt][j][2] = mma_qacc<DTYPE>(q[1], d[2], s0, acc[mt][j][2]);
+                    acc[mt][j][3] = mma_qacc<DTYPE>(q[1], d[3], s1, acc[mt][j][3]);
+                }
             }
         }
     }
@@ -167,23 +180,24 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* wg, con
 // 16-byte load per row), two k16 steps: values 8t+4s, +1 as k-set (2t, 2t+1) and 8t+4s+2, +3 as
 // (2t+8, 2t+9) of step s, for A and B alike.
 template <int DTYPE, int NT>
-__device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* wg, const u8* wg8, const float* x, int k,
-                                             int c0, int c1, float (&acc)[NT][4]) {
+__device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const float* x, int k,
+                                             int c0, int c1, float (&acc)[MMA_MT][NT][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     constexpr int PARTS = DTYPE == 1 ? 2 : 3;
     for (int c = c0; c < c1; c += MMA_FUNROLL) {
-        uint4 a[MMA_FUNROLL][2];
+        uint4 a[MMA_FUNROLL][MMA_MT][2];
 #pragma unroll
         for (int u = 0; u < MMA_FUNROLL; u++) {
             int cu = min(c + u, c1 - 1);
-            a[u][0] = *(const uint4*)(wg + (u64)cu * 64 + 16 * tq);
-            a[u][1] = *(const uint4*)(wg8 + (u64)cu * 64 + 16 * tq);
+#pragma unroll
+            for (int mt = 0; mt < MMA_MT; mt++) {
+                a[u][mt][0] = *(const uint4*)(wg[mt][0] + (u64)cu * 64 + 16 * tq);
+                a[u][mt][1] = *(const uint4*)(wg[mt][1] + (u64)cu * 64 + 16 * tq);
+            }
         }
 #pragma unroll
         for (int u = 0; u < MMA_FUNROLL; u++) {
             if (c + u >= c1) break;
-            const u32 A0[4] = {a[u][0].x, a[u][1].x, a[u][0].y, a[u][1].y};
-            const u32 A1[4] = {a[u][0].z, a[u][1].z, a[u][0].w, a[u][1].w};
 #pragma unroll
             for (int j = 0; j < NT; j++) {
                 if (j * 8 >= t.nr) break;
@@ -206,12 +220,18 @@ __device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* wg, con
                 for (int s = PARTS - 1; s >= 0; s--) {
                     const u32 B0[2] = {pack_halves(part[s][0], part[s][1]), pack_halves(part[s][2], part[s][3])};
                     const u32 B1[2] = {pack_halves(part[s][4], part[s][5]), pack_halves(part[s][6], part[s][7])};
-                    if constexpr (DTYPE == 1) {
-                        mma_f16(A0, B0, acc[j]);
-                        mma_f16(A1, B1, acc[j]);
-                    } else {
-                        mma_bf16(A0, B0, acc[j]);
-                        mma_bf16(A1, B1, acc[j]);
+#pragma unroll
+                    for (int mt = 0; mt < MMA_MT; mt++) {
+                        const uint4(&w)[2] = a[u][mt];
+                        const u32 A0[4] = {w[0].x, w[1].x, w[0].y, w[1].y};
+                        const u32 A1[4] = {w[0].z, w[1].z, w[0].w, w[1].w};
+                        if constexpr (DTYPE == 1) {
+                            mma_f16(A0, B0, acc[mt][j]);
+                            mma_f16(A1, B1, acc[mt][j]);
+                        } else {
+                            mma_bf16(A0, B0, acc[mt][j]);
+                            mma_bf16(A1, B1, acc[mt][j]);
+                        }
                     }
                 }
             }
@@ -222,11 +242,13 @@ __device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* wg, con
 // The block's outputs: written (or added) directly with one slice; with more, the partial sums,
 // then the last block of the tile adds every slice's in order.
 template <int NT>
-__device__ __forceinline__ void mma_store(const float (&acc)[NT][4], const MmaTile& t, int rows, int accumulate,
-                                          float* partial, int* counters, int split) {
+__device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], const MmaTile& t, int rows,
+                                          int accumulate, float* partial, int* counters, int split) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int wr = t.i0 + warp * 16;
-    if (wr < t.m) {
+#pragma unroll
+    for (int mt = 0; mt < MMA_MT; mt++) {
+        const int wr = t.i0 + (warp * MMA_MT + mt) * 16;
+        if (wr >= t.m) break;
 #pragma unroll
         for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -235,9 +257,9 @@ __device__ __forceinline__ void mma_store(const float (&acc)[NT][4], const MmaTi
                 if (r >= t.nr || i >= t.m) continue;
                 if (split == 1) {
                     float* o = t.out + (u64)(t.r0 + r) * t.m + i;
-                    *o = accumulate ? *o + acc[j][e] : acc[j][e];
+                    *o = accumulate ? *o + acc[mt][j][e] : acc[mt][j][e];
                 } else {
-                    partial[((u64)blockIdx.z * rows + t.r0 + r) * t.m_total + t.col0 + i] = acc[j][e];
+                    partial[((u64)blockIdx.z * rows + t.r0 + r) * t.m_total + t.col0 + i] = acc[mt][j][e];
                 }
             }
     }
@@ -281,20 +303,27 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
     const int n_chunks = k / 32;
     const int c0 = (int)((long long)n_chunks * blockIdx.z / split);
     const int c1 = (int)((long long)n_chunks * (blockIdx.z + 1) / split);
-    float acc[NT][4];
+    float acc[MMA_MT][NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; j++)
+    for (int mt = 0; mt < MMA_MT; mt++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc[j][e] = 0.f;
-    const int wr = t.i0 + warp * 16;
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[mt][j][e] = 0.f;
+    const int wr = t.i0 + warp * MMA_MT * 16;
     if (wr < t.m) {  // the same for the whole warp
         const u64 row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
-        const u8* wg = t.w + (u64)min(wr + g, t.m - 1) * row_bytes;
-        const u8* wg8 = t.w + (u64)min(wr + g + 8, t.m - 1) * row_bytes;
+        // Rows past the weight's last (a partial tile) read its last row and are never stored.
+        const u8* wg[MMA_MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MMA_MT; mt++) {
+            wg[mt][0] = t.w + (u64)min(wr + mt * 16 + g, t.m - 1) * row_bytes;
+            wg[mt][1] = t.w + (u64)min(wr + mt * 16 + g + 8, t.m - 1) * row_bytes;
+        }
         if constexpr (DTYPE == 1 || DTYPE == 2)
-            mma_chunks_f<DTYPE, NT>(t, wg, wg8, (const float*)x, k, c0, c1, acc);
+            mma_chunks_f<DTYPE, NT>(t, wg, (const float*)x, k, c0, c1, acc);
         else
-            mma_chunks_q<DTYPE, NT>(t, wg, wg8, (const short*)x, xs, n_chunks, c0, c1, acc);
+            mma_chunks_q<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
     }
     mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
 }
