@@ -90,10 +90,8 @@ pub fn ensure(
     probe_mib: Option<usize>,
 ) -> anyhow::Result<Calibration> {
     let probe = probe_mib.unwrap_or(DEFAULT_PROBE_MIB).max(1) << 20;
-    let (cpu_probe, cpu_cache) = match probe_mib {
-        Some(_) => (probe, None),
-        None => llama::hybrid::calibrate::cpu_probe_bytes(probe),
-    };
+    let (sized, cpu_cache) = llama::hybrid::calibrate::cpu_probe_bytes(probe);
+    let cpu_probe = if probe_mib.is_some() { probe } else { sized };
     let threads = rayon::current_num_threads();
     let stored = if refresh { None } else { load(home, threads) };
     let mut changed = stored.is_none();

@@ -2,7 +2,10 @@
 //! host tier, opened with `--placement auto` and a forced CPU share (the CUDA backend computes
 //! rows `[k, n)` of each streamed layer's matmuls from device memory, the CPU backend rows
 //! `[0, k)` straight from the host tier's pinned RAM), gives the logits of the same model all
-//! on the GPU, and each side computes exactly its share. Opt-in: `GDSLLM_GPU_TESTS=1` (then a
+//! on the GPU, and each side computes exactly its share; after decode steps at that share, a
+//! chunk of more rows than it is forced for (as the planner gives a prefill chunk no share)
+//! has the CPU compute none of its rows, the blobs prefetched at the decode share completed
+//! when the chunk acquires them. Opt-in: `GDSLLM_GPU_TESTS=1` (then a
 //! machine without a usable GPU FAILS this test instead of skipping it). Needs `cuda`.
 //!
 //! Tolerance: 1e-2 of the logits' scale. The two sides compute the same dot products with
@@ -91,6 +94,35 @@ fn run<B: llama::Backend, W: llama::WeightSource>(
     all
 }
 
+/// The model in `dir` all on the GPU (`--placement gpu`): the reference.
+fn all_gpu(dir: &Path) -> llama::Llama<llama::CudaBackend, llama::backend::cuda::CudaWeights> {
+    let reference = llama::open(dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
+        .unwrap()
+        .into_cuda()
+        .expect("--placement gpu opens the CUDA model");
+    reference.session.into_parts().0
+}
+
+/// The greedy tokens of `steps` decode steps after [`run`]'s prompt; the model is left empty.
+fn greedy_tokens<B: llama::Backend, W: llama::WeightSource>(
+    model: &mut llama::Llama<B, W>,
+    steps: usize,
+) -> Vec<u32> {
+    let vocab = model.config().vocab_size as u32;
+    let mut tokens = Vec::new();
+    let mut logits = model
+        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
+        .unwrap()
+        .to_vec();
+    for _ in 0..steps {
+        let t = argmax(&logits);
+        tokens.push(t);
+        logits = model.forward(&[t]).unwrap().to_vec();
+    }
+    model.truncate(0);
+    tokens
+}
+
 fn argmax(l: &[f32]) -> u32 {
     l.iter()
         .enumerate()
@@ -105,23 +137,8 @@ fn split_gives_the_gpu_logits(dtype: DType) {
     let steps = 8;
 
     // All on the GPU: the reference, and its greedy tokens.
-    let reference = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
-        .unwrap()
-        .into_cuda()
-        .expect("--placement gpu opens the CUDA model");
-    let (mut gpu, _) = reference.session.into_parts();
-    let vocab = gpu.config().vocab_size as u32;
-    let mut tokens = Vec::new();
-    let mut logits = gpu
-        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
-        .unwrap()
-        .to_vec();
-    for _ in 0..steps {
-        let t = argmax(&logits);
-        tokens.push(t);
-        logits = gpu.forward(&[t]).unwrap().to_vec();
-    }
-    gpu.truncate(0);
+    let mut gpu = all_gpu(&dir);
+    let tokens = greedy_tokens(&mut gpu, steps);
     let want = run(&mut gpu, &tokens);
     let whole = gpu.weights().residency().stats().total;
     drop(gpu);
@@ -233,23 +250,8 @@ fn a_chunk_after_decode_steps_runs_on_the_gpu(dtype: DType) {
     let chunk: Vec<u32> = (0..16).map(|i| (i * 31 + 5) % 512).collect();
 
     // All on the GPU: the reference's greedy tokens, then its logits over the same inputs.
-    let reference = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
-        .unwrap()
-        .into_cuda()
-        .expect("--placement gpu opens the CUDA model");
-    let (mut gpu, _) = reference.session.into_parts();
-    let vocab = gpu.config().vocab_size as u32;
-    let mut tokens = Vec::new();
-    let mut logits = gpu
-        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
-        .unwrap()
-        .to_vec();
-    for _ in 0..steps {
-        let t = argmax(&logits);
-        tokens.push(t);
-        logits = gpu.forward(&[t]).unwrap().to_vec();
-    }
-    gpu.truncate(0);
+    let mut gpu = all_gpu(&dir);
+    let tokens = greedy_tokens(&mut gpu, steps);
     let mut want = run(&mut gpu, &tokens);
     want.push(gpu.forward(&chunk).unwrap().to_vec());
     want.push(gpu.forward(&[1]).unwrap().to_vec());

@@ -381,19 +381,7 @@ impl Residency {
         let Some(mut buffer) = shared.buffer(location).try_write() else {
             return Ok(());
         };
-        let bytes = &block.bytes()[..len as usize];
-        for &(offset, n) in &missing {
-            let piece = offset
-                .checked_add(n)
-                .and_then(|end| bytes.get(offset as usize..end as usize))
-                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
-                    file: shared.names[blob].clone(),
-                    offset,
-                    end: offset.saturating_add(n),
-                    length: len,
-                })?;
-            buffer.fill_range_from_host(offset as usize, piece)?.wait();
-        }
+        shared.copy_ranges(blob, &mut buffer, &block.bytes()[..len as usize], &missing)?;
         let copied: u64 = missing.iter().map(|r| r.1).sum();
         shared.engine.lock().add_completed_fill(blob, copied);
         *fill = tag.map(|tag| PartialFill {
@@ -638,19 +626,12 @@ impl Shared {
                 match host.as_ref() {
                     Some(block) if partial.is_some() => {
                         let (tag, ranges) = partial.expect("matched");
-                        let bytes = &block.bytes()[..len as usize];
-                        for &(offset, n) in &ranges {
-                            let piece = offset
-                                .checked_add(n)
-                                .and_then(|end| bytes.get(offset as usize..end as usize))
-                                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
-                                    file: self.names[blob].clone(),
-                                    offset,
-                                    end: offset.saturating_add(n),
-                                    length: len,
-                                })?;
-                            buffer.fill_range_from_host(offset as usize, piece)?.wait();
-                        }
+                        self.copy_ranges(
+                            blob,
+                            &mut buffer,
+                            &block.bytes()[..len as usize],
+                            &ranges,
+                        )?;
                         copied = Some(ranges.iter().map(|r| r.1).sum());
                         *self.partial_fills[blob].lock() = Some(PartialFill {
                             tag,
@@ -690,6 +671,30 @@ impl Shared {
                 Ok((false, fetched, None))
             }
         }
+    }
+
+    /// Copies byte ranges `(offset, len)` of blob `blob`'s host-tier copy `host` into the
+    /// same offsets of `buffer`; a range outside the blob is an error naming it.
+    fn copy_ranges(
+        &self,
+        blob: usize,
+        buffer: &mut Box<dyn DeviceBuffer>,
+        host: &[u8],
+        ranges: &[(u64, u64)],
+    ) -> Result<(), ResidencyError> {
+        for &(offset, n) in ranges {
+            let piece = offset
+                .checked_add(n)
+                .and_then(|end| host.get(offset as usize..end as usize))
+                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
+                    file: self.names[blob].clone(),
+                    offset,
+                    end: offset.saturating_add(n),
+                    length: host.len() as u64,
+                })?;
+            buffer.fill_range_from_host(offset as usize, piece)?.wait();
+        }
+        Ok(())
     }
 
     /// The checksum blob `blob` must still be checked against: `None` when checking is off,

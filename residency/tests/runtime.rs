@@ -575,12 +575,13 @@ fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
     );
 }
 
-#[test]
-fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let page = 4096u64;
-    let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
-    let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
+const PAGE: u64 = 4096;
+
+/// Four layers of 5, 7, 3 and 6 pages (pattern bytes), all streamed through a ring of two
+/// slots, each kept in the host tier after its first read.
+fn streamed_from_the_host_tier() -> (Residency, ModelLayout, Vec<u64>) {
+    let lengths: Vec<u64> = [4, 5, 7, 3, 6, 1].map(|pages| pages * PAGE).to_vec();
+    let layout = ModelLayout::synthetic(4 * PAGE, &lengths[1..5], PAGE, true);
     let source = Arc::new(PatternSource::new(lengths.clone()));
     let res = Residency::open_with(
         layout.clone(),
@@ -594,6 +595,14 @@ fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
         },
     )
     .unwrap();
+    (res, layout, lengths)
+}
+
+#[test]
+fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let page = PAGE;
+    let (res, layout, lengths) = streamed_from_the_host_tier();
     // Layer 3, 6 pages, streamed from the host tier after its first read: the last layer of
     // the order, so the ring's prefetch never fills it before its own pass starts.
     let blob = 4;
@@ -671,22 +680,8 @@ fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
 #[test]
 fn a_partial_fill_is_completed_to_what_the_ranges_ask_for_when_acquired() {
     use parking_lot::Mutex;
-    let page = 4096u64;
-    let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
-    let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
-    let source = Arc::new(PatternSource::new(lengths.clone()));
-    let res = Residency::open_with(
-        layout.clone(),
-        source,
-        Arc::new(CpuMemory::new(1 << 30)),
-        Arc::new(SystemClock::new()),
-        &ResidencyOptions {
-            resident_layers: Some(0),
-            host_cache: HostCache::Bytes(1 << 30),
-            ..opts(1 << 30, 1)
-        },
-    )
-    .unwrap();
+    let page = PAGE;
+    let (res, layout, lengths) = streamed_from_the_host_tier();
     // Layer 3 (6 pages), the last of the order: filled during its own pass, after the pass
     // has set what its acquire asks for.
     let blob = 4;

@@ -339,7 +339,7 @@ mod tests {
     }
 
     /// Writes `files` (path, contents) under `root`.
-    fn write_tree(root: &std::path::Path, files: &[(&str, &str)]) {
+    fn write_tree(root: &std::path::Path, files: &[(String, String)]) {
         for (path, text) in files {
             let path = root.join(path);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -383,11 +383,7 @@ mod tests {
         }
         files.push(("cpufreq/policy0/scaling_driver".into(), "x".into()));
         files.push(("online".into(), "0-3\n".into()));
-        let refs: Vec<(&str, &str)> = files
-            .iter()
-            .map(|(p, t)| (p.as_str(), t.as_str()))
-            .collect();
-        write_tree(tmp.path(), &refs);
+        write_tree(tmp.path(), &files);
         assert_eq!(last_level_cache_bytes(tmp.path()), Some(64 << 20));
 
         // Without an L3, the L2s: one instance per CPU here.
@@ -397,11 +393,7 @@ mod tests {
             files.extend(cache(cpu, 0, 1, "Data", "32K", &cpu.to_string()));
             files.extend(cache(cpu, 1, 2, "Unified", "1M", &cpu.to_string()));
         }
-        let refs: Vec<(&str, &str)> = files
-            .iter()
-            .map(|(p, t)| (p.as_str(), t.as_str()))
-            .collect();
-        write_tree(tmp2.path(), &refs);
+        write_tree(tmp2.path(), &files);
         assert_eq!(last_level_cache_bytes(tmp2.path()), Some(2 << 20));
 
         // Nothing readable: no figure.
