@@ -32,7 +32,8 @@
 #            with the cache equal alone; BATCH_TEST_BIN or the newest batch-* binary), then
 #            `gdsllm serve --device cuda` on the SmolLM2-shaped q4_1 model and
 #            scripts/prefix_ttft.py: time to first token of a 1,000-token shared prefix, first
-#            request against the later ones, and the hit counter's move.
+#            request against the later ones, and the hit counter's move; then the same server's
+#            decode tokens/s with and without a grammar (scripts/constrained_cost.py).
 #   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
 #            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
 #            as the local directory, every blob fetched in the first run (streamed through the
@@ -362,6 +363,11 @@ if has prefix; then
     note "prefix cache smollm2-135m q4_1 cuda: $(cat "$WORK_DIR/prefix-ttft.json")"
   else
     note "prefix TTFT FAILED"; tail -n 5 "$WORK_DIR/prefix-serve.log" >&2; status=1
+  fi
+  if python3 "$SCRIPTS/constrained_cost.py" --url "$url" --tokens 128 --rounds 3 --vocab 49152 >"$WORK_DIR/constrained.json"; then
+    note "grammar cost smollm2-135m q4_1 cuda: $(cat "$WORK_DIR/constrained.json")"
+  else
+    note "constrained decoding cost FAILED"; tail -n 5 "$WORK_DIR/prefix-serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi
