@@ -1052,6 +1052,42 @@ mod tests {
     }
 
     #[test]
+    fn auto_never_predicts_a_unit_or_a_pass_slower_than_the_gpu_alone() {
+        // Whatever the CPU's speed against the GPU's paths: a unit is split only when that
+        // beats the GPU alone, so no pass of `auto` is predicted slower than `gpu`.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        for (gbps_1, gbps_8, gbps_32) in [
+            (77.0, 25.0, Some(6.0)),
+            (5.0, 1.0, None),
+            (400.0, 390.0, Some(380.0)),
+        ] {
+            let cal = Calibration {
+                cpu: vec![CpuRate {
+                    dtype: DType::F16,
+                    gbps_1,
+                    gbps_8,
+                    gbps_32,
+                }],
+                ..h100()
+            };
+            let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+            let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+            for (a, g) in auto.passes.iter().zip(&gpu.passes) {
+                assert!(a.tokens_per_s >= g.tokens_per_s, "{auto}{gpu}");
+                for (ua, ug) in a.units.iter().zip(&g.units) {
+                    assert!(
+                        ua.seconds <= ug.seconds,
+                        "{} {}: {ua:?} vs {ug:?}",
+                        a.pass,
+                        ua.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_calibration_of_version_2_still_parses() {
         // So that the CLI says it measures again for the new version, not that the file is
         // broken.
