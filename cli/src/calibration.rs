@@ -3,7 +3,9 @@
 //! per weight dtype at this many threads, and on a GPU its matmuls, pinned host→device copies
 //! and the handoff between the two. A dtype not measured yet is measured when a model needs
 //! it; `--calibrate` measures everything again; a file of another version or another thread
-//! count is measured again.
+//! count is measured again. The CPU's probe is four times its last-level caches or more
+//! (`llama::hybrid::calibrate::cpu_probe_bytes`: a fixed 256 MiB one was read from a server's
+//! cache), and the file says how large it was.
 
 use std::path::{Path, PathBuf};
 
@@ -11,9 +13,9 @@ use anyhow::Context;
 use residency::{CALIBRATION_VERSION, Calibration};
 use weights_format::DType;
 
-/// MiB of the probes by default: the CPU's probe weight (far above any CPU cache) and the
-/// disk's probe file (written, read with O_DIRECT, removed); the GPU's weight is twice that
-/// (far above its L2).
+/// MiB of the probes by default: the disk's probe file (written, read with O_DIRECT,
+/// removed) and the least the CPU's probe weight is (more on a CPU whose last-level caches
+/// are larger than a quarter of it); the GPU's weight is twice that (far above its L2).
 pub const DEFAULT_PROBE_MIB: usize = 256;
 
 /// The store's home: `$GDSLLM_HOME`, or the default one.
@@ -78,15 +80,18 @@ fn measure_disk_gbps(home: &Path, len: usize) -> anyhow::Result<f64> {
 
 /// The calibration for planning a model of `dtypes` on this machine (`gpu`: the GPU to
 /// measure when the stored figures have none), measuring what is missing (everything when
-/// `refresh`) and storing the result.
+/// `refresh`) and storing the result. `probe_mib`: the probes' size ([`DEFAULT_PROBE_MIB`]
+/// when `None`, the CPU's then sized from its caches; given, the CPU's is that too).
 pub fn ensure(
     home: &Path,
     dtypes: &[DType],
     gpu: Option<&llama::CudaBackend>,
     refresh: bool,
-    probe_mib: usize,
+    probe_mib: Option<usize>,
 ) -> anyhow::Result<Calibration> {
-    let probe = probe_mib.max(1) << 20;
+    let probe = probe_mib.unwrap_or(DEFAULT_PROBE_MIB).max(1) << 20;
+    let (sized, cpu_cache) = llama::hybrid::calibrate::cpu_probe_bytes(probe);
+    let cpu_probe = if probe_mib.is_some() { probe } else { sized };
     let threads = rayon::current_num_threads();
     let stored = if refresh { None } else { load(home, threads) };
     let mut changed = stored.is_none();
@@ -98,15 +103,24 @@ pub fn ensure(
                 version: CALIBRATION_VERSION,
                 disk_gbps: measure_disk_gbps(home, probe)?,
                 cpu_threads: threads,
+                cpu_probe_bytes: cpu_probe as u64,
+                cpu_cache_bytes: cpu_cache,
                 cpu: Vec::new(),
                 gpu: None,
             }
         }
     };
     for dtype in cal.missing_dtypes(dtypes) {
-        tracing::info!("calibrating: the CPU's {dtype:?} matmuls on {threads} threads");
+        tracing::info!(
+            "calibrating: the CPU's {dtype:?} matmuls on {threads} threads ({} MiB probe; \
+             last-level caches {})",
+            cpu_probe >> 20,
+            cpu_cache.map_or("unknown".into(), |c| format!("{} MiB", c >> 20))
+        );
         cal.cpu
-            .push(llama::hybrid::calibrate::measure_cpu(dtype, probe)?);
+            .push(llama::hybrid::calibrate::measure_cpu(dtype, cpu_probe)?);
+        cal.cpu_probe_bytes = cpu_probe as u64;
+        cal.cpu_cache_bytes = cpu_cache.or(cal.cpu_cache_bytes);
         changed = true;
     }
     if let Some(be) = gpu {
@@ -154,7 +168,7 @@ pub fn predictor(
         let layout = residency::ModelLayout::from_metadata(meta)?;
         let units = residency::units(meta, &layout);
         let dtypes = residency::placement::dtypes_by_bytes(&units);
-        let cal = ensure(&home(), &dtypes, Some(gpu), false, DEFAULT_PROBE_MIB)?;
+        let cal = ensure(&home(), &dtypes, Some(gpu), false, None)?;
         Ok((units, cal))
     })();
     match prepared {

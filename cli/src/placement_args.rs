@@ -58,17 +58,11 @@ impl PlacementArgs {
 pub fn hybrid_options(ordinal: usize) -> llama::hybrid::HybridOptions {
     let calibrate = move |dtypes: &[weights_format::DType]| {
         let gpu = llama::CudaBackend::new(ordinal).map_err(|e| e.to_string())?;
-        crate::calibration::ensure(
-            &crate::calibration::home(),
-            dtypes,
-            Some(&gpu),
-            false,
-            crate::calibration::DEFAULT_PROBE_MIB,
-        )
-        .map_err(|e| format!("{e:#}"))
+        crate::calibration::ensure(&crate::calibration::home(), dtypes, Some(&gpu), false, None)
+            .map_err(|e| format!("{e:#}"))
     };
     llama::hybrid::HybridOptions {
         calibrate: Some(std::sync::Arc::new(calibrate)),
-        force_cpu_fraction: None,
+        ..Default::default()
     }
 }

@@ -79,6 +79,9 @@ fn plan_places_every_matmul_on_the_cpu_without_a_gpu_and_keeps_its_calibration()
     assert_eq!(rates.len(), 1, "{stored}");
     assert_eq!(rates[0]["dtype"], "q8_0", "{stored}");
     assert!(stored["disk_gbps"].as_f64().unwrap() > 0.0);
+    // An explicit probe size is the CPU's probe too; the file says so.
+    assert_eq!(stored["cpu_probe_bytes"], 1 << 20, "{stored}");
+    assert!(rates[0]["gbps_32"].as_f64().unwrap() > 0.0, "{stored}");
 
     // The residency plan shown is the one a run on the GPU has: it reserves what the loader
     // reserves (KV caches, activations, its margin), not the KV caches alone.

@@ -2,7 +2,10 @@
 //! host tier, opened with `--placement auto` and a forced CPU share (the CUDA backend computes
 //! rows `[k, n)` of each streamed layer's matmuls from device memory, the CPU backend rows
 //! `[0, k)` straight from the host tier's pinned RAM), gives the logits of the same model all
-//! on the GPU, and each side computes exactly its share. Opt-in: `GDSLLM_GPU_TESTS=1` (then a
+//! on the GPU, and each side computes exactly its share; after decode steps at that share, a
+//! chunk of more rows than it is forced for (as the planner gives a prefill chunk no share)
+//! has the CPU compute none of its rows, the blobs prefetched at the decode share completed
+//! when the chunk acquires them. Opt-in: `GDSLLM_GPU_TESTS=1` (then a
 //! machine without a usable GPU FAILS this test instead of skipping it). Needs `cuda`.
 //!
 //! Tolerance: 1e-2 of the logits' scale. The two sides compute the same dot products with
@@ -53,6 +56,11 @@ fn synth_model(dir: &Path, dtype: DType) {
 /// slots, so residency may copy up only the GPU's share of each); `hybrid`: `--placement
 /// auto` with the CPU forced to [`CPU_FRACTION`] of every split matmul.
 fn options(hybrid: bool) -> llama::OpenOptions {
+    options_up_to(hybrid, None)
+}
+
+/// [`options`], the forced share given only to passes of at most `max_rows` rows.
+fn options_up_to(hybrid: bool, max_rows: Option<usize>) -> llama::OpenOptions {
     llama::OpenOptions {
         residency: ResidencyOptions {
             resident_layers: Some(1),
@@ -65,6 +73,7 @@ fn options(hybrid: bool) -> llama::OpenOptions {
         hybrid: hybrid.then(|| HybridOptions {
             calibrate: None,
             force_cpu_fraction: Some(CPU_FRACTION),
+            force_max_rows: max_rows,
         }),
         ..llama::OpenOptions::default()
     }
@@ -85,6 +94,35 @@ fn run<B: llama::Backend, W: llama::WeightSource>(
     all
 }
 
+/// The model in `dir` all on the GPU (`--placement gpu`): the reference.
+fn all_gpu(dir: &Path) -> llama::Llama<llama::CudaBackend, llama::backend::cuda::CudaWeights> {
+    let reference = llama::open(dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
+        .unwrap()
+        .into_cuda()
+        .expect("--placement gpu opens the CUDA model");
+    reference.session.into_parts().0
+}
+
+/// The greedy tokens of `steps` decode steps after [`run`]'s prompt; the model is left empty.
+fn greedy_tokens<B: llama::Backend, W: llama::WeightSource>(
+    model: &mut llama::Llama<B, W>,
+    steps: usize,
+) -> Vec<u32> {
+    let vocab = model.config().vocab_size as u32;
+    let mut tokens = Vec::new();
+    let mut logits = model
+        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
+        .unwrap()
+        .to_vec();
+    for _ in 0..steps {
+        let t = argmax(&logits);
+        tokens.push(t);
+        logits = model.forward(&[t]).unwrap().to_vec();
+    }
+    model.truncate(0);
+    tokens
+}
+
 fn argmax(l: &[f32]) -> u32 {
     l.iter()
         .enumerate()
@@ -99,23 +137,8 @@ fn split_gives_the_gpu_logits(dtype: DType) {
     let steps = 8;
 
     // All on the GPU: the reference, and its greedy tokens.
-    let reference = llama::open(&dir, llama::Device::Cuda { ordinal: 0 }, &options(false))
-        .unwrap()
-        .into_cuda()
-        .expect("--placement gpu opens the CUDA model");
-    let (mut gpu, _) = reference.session.into_parts();
-    let vocab = gpu.config().vocab_size as u32;
-    let mut tokens = Vec::new();
-    let mut logits = gpu
-        .forward(&(0..12).map(|i| (i * 7919 + 11) % vocab).collect::<Vec<_>>())
-        .unwrap()
-        .to_vec();
-    for _ in 0..steps {
-        let t = argmax(&logits);
-        tokens.push(t);
-        logits = gpu.forward(&[t]).unwrap().to_vec();
-    }
-    gpu.truncate(0);
+    let mut gpu = all_gpu(&dir);
+    let tokens = greedy_tokens(&mut gpu, steps);
     let want = run(&mut gpu, &tokens);
     let whole = gpu.weights().residency().stats().total;
     drop(gpu);
@@ -212,4 +235,90 @@ fn a_split_q8_0_model_gives_the_gpu_logits_and_each_side_its_share() {
         return;
     }
     split_gives_the_gpu_logits(DType::Q8_0);
+}
+
+/// Decode steps at the forced share, then a chunk of more rows than the forced share is for
+/// (as a prefill chunk gets none from the planner): the blobs prefetched at the decode share
+/// during the last step are completed when the chunk acquires them, so the CPU computes no
+/// row of the chunk, and every logit is the all-GPU run's; the decode step after it is split
+/// again.
+fn a_chunk_after_decode_steps_runs_on_the_gpu(dtype: DType) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth_model(&dir, dtype);
+    let (steps, max_rows) = (6, 8);
+    let chunk: Vec<u32> = (0..16).map(|i| (i * 31 + 5) % 512).collect();
+
+    // All on the GPU: the reference's greedy tokens, then its logits over the same inputs.
+    let mut gpu = all_gpu(&dir);
+    let tokens = greedy_tokens(&mut gpu, steps);
+    let mut want = run(&mut gpu, &tokens);
+    want.push(gpu.forward(&chunk).unwrap().to_vec());
+    want.push(gpu.forward(&[1]).unwrap().to_vec());
+    drop(gpu);
+
+    let hybrid = llama::open(
+        &dir,
+        llama::Device::Cuda { ordinal: 0 },
+        &options_up_to(true, Some(max_rows)),
+    )
+    .unwrap()
+    .into_hybrid()
+    .expect("--placement auto with a host tier opens the split model");
+    let (mut split, _) = hybrid.session.into_parts();
+    let stats = split.backend().stats();
+    let mut got = run(&mut split, &tokens);
+    // The last step's prefetches of the next pass's first blobs (at the decode share) are
+    // made by the residency reader; let it finish them before the chunk's pass starts, so that
+    // the chunk finds them partial and must complete them.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let residency =
+        llama::WeightSource::residency_handle(split.weights()).expect("through residency");
+    let completions = || residency.stats().total.fill_completions;
+    let (decoded, completed) = (stats.counts(), completions());
+    got.push(split.forward(&chunk).unwrap().to_vec());
+    let (chunked, completed_in_chunk) = (stats.counts(), completions() - completed);
+    got.push(split.forward(&[1]).unwrap().to_vec());
+    let after = stats.counts();
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(g, w)| max_rel_diff(g, w))
+        .fold(0f32, f32::max);
+    println!(
+        "{dtype:?}: {steps} decode steps at CPU share {CPU_FRACTION}, a {}-row chunk, a step: \
+         max rel diff {worst:.2e} (tol {TOLERANCE:.0e}) over {} passes; CPU rows after the \
+         steps {}, after the chunk {}, after the last step {}; fills completed by the chunk \
+         {completed_in_chunk}",
+        chunk.len(),
+        got.len(),
+        decoded.helper_rows,
+        chunked.helper_rows,
+        after.helper_rows
+    );
+    assert!(worst < TOLERANCE, "{dtype:?}: {worst}");
+    assert!(
+        decoded.helper_rows > 0,
+        "the decode steps were split: {decoded:?}"
+    );
+    assert_eq!(
+        chunked.helper_rows, decoded.helper_rows,
+        "the CPU computed rows of the chunk: {decoded:?} then {chunked:?}"
+    );
+    assert!(
+        completed_in_chunk > 0,
+        "no blob prefetched at the decode share was completed for the chunk"
+    );
+    assert!(
+        after.helper_rows > chunked.helper_rows,
+        "the step after the chunk is split again: {after:?}"
+    );
+}
+
+#[test]
+fn an_f16_chunk_after_decode_steps_runs_on_the_gpu() {
+    if support::cuda::gpu().is_none() {
+        return;
+    }
+    a_chunk_after_decode_steps_runs_on_the_gpu(DType::F16);
 }

@@ -361,6 +361,14 @@ impl Engine {
         self.current.compute_wait_s += waited.as_secs_f64();
     }
 
+    /// Records `bytes` copied from the host tier to complete a partial fill of `blob` when it
+    /// was acquired ([`crate::Residency::set_fill_ranges`]).
+    pub fn add_completed_fill(&mut self, blob: usize, bytes: u64) {
+        self.current.host_copy_bytes += bytes;
+        self.current.fill_completions += 1;
+        tracing::trace!(blob, bytes, "completed a partial fill");
+    }
+
     /// Records an on-demand range read.
     pub fn add_on_demand(&mut self, bytes: u64) {
         self.current.on_demand_bytes += bytes;

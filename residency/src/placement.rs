@@ -9,9 +9,12 @@
 //! Everything is in seconds per weight byte, from figures measured on this machine
 //! ([`Calibration`]: `gdsllm plan --calibrate`), for a pass of `R` rows:
 //!
-//! - the CPU: `C(R)`, per dtype, through its measured times at 1 and 8 rows (linear in `R`:
-//!   at 1 row it is bound by RAM bandwidth, and each further row adds the compute of one more
-//!   matvec over the same bytes);
+//! - the CPU: `C(R)`, per dtype, between its measured times at 1, 8 and 32 rows (linear in
+//!   `R` on each segment: at 1 row it is bound by RAM bandwidth, and each further row adds the
+//!   compute of one more matvec over the same bytes; the 32-row point is measured because the
+//!   kernels change how they tile rows past 8, so the line through 1 and 8 need not hold
+//!   there). The probe weight is four times the last-level caches or more
+//!   (`llama::hybrid::calibrate`), so these are RAM's figures, not the cache's;
 //! - the GPU's compute: `g(R)`, per dtype, between its measured times at 1, 8, 32 and 512 rows
 //!   of a layer's four matmul calls (a batch's and a prefill chunk's rates are measured, not
 //!   extrapolated from one decode kernel: that overpredicted the f16 7B's prefill 1.53× and
@@ -52,16 +55,33 @@ use crate::error::ResidencyError;
 use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 
 /// Version of the [`Calibration`] file; a file of another version is measured again. (2: the
-/// GPU's matmul figures are per dtype and per row count, from a layer's matmul calls.)
-pub const CALIBRATION_VERSION: u32 = 2;
+/// GPU's matmul figures are per dtype and per row count, from a layer's matmul calls. 3: the
+/// CPU's probe is sized from its last-level caches — a 256 MiB one was read from a server's
+/// cache, and the CPU predicted twice as fast as it ran — and measured at 32 rows too.)
+pub const CALIBRATION_VERSION: u32 = 3;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
-/// row and of 8 rows.
+/// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then
+/// extends the line through 1 and 8 rows).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CpuRate {
     pub dtype: DType,
     pub gbps_1: f64,
     pub gbps_8: f64,
+    #[serde(default)]
+    pub gbps_32: Option<f64>,
+}
+
+impl CpuRate {
+    /// Seconds per weight byte at `rows` rows: linear between the measured row counts, the
+    /// last segment's slope beyond them.
+    fn per_byte(&self, rows: usize) -> f64 {
+        let (p1, p8) = ((1.0, per_byte(self.gbps_1)), (8.0, per_byte(self.gbps_8)));
+        match self.gbps_32 {
+            Some(gbps) if rows > 8 => at_rows(rows, p8, (32.0, per_byte(gbps))),
+            _ => at_rows(rows, p1, p8),
+        }
+    }
 }
 
 /// The GPU's matmul speed for one weight dtype at one row count: weight bytes per second
@@ -142,6 +162,13 @@ pub struct Calibration {
     pub disk_gbps: f64,
     /// The threads the CPU figures were measured with.
     pub cpu_threads: usize,
+    /// The size of the CPU's probe weight (four times its last-level caches, or more).
+    #[serde(default)]
+    pub cpu_probe_bytes: u64,
+    /// The CPU's last-level caches as sysfs described them (summed over instances), when it
+    /// did.
+    #[serde(default)]
+    pub cpu_cache_bytes: Option<u64>,
     pub cpu: Vec<CpuRate>,
     /// `None` on a machine without a usable GPU.
     pub gpu: Option<GpuRates>,
@@ -422,6 +449,9 @@ pub fn plan_placement(
             &format!("the CPU's {dtype:?} matmul at 8 rows"),
             rate.gbps_8,
         )?;
+        if let Some(gbps) = rate.gbps_32 {
+            check_rate(&format!("the CPU's {dtype:?} matmul at 32 rows"), gbps)?;
+        }
     }
     let on_gpu = passes.iter().any(|(_, plan)| plan.is_some());
     let gpu = if on_gpu {
@@ -500,12 +530,9 @@ fn cpu_per_byte(unit: &Unit, cal: &Calibration, rows: usize) -> f64 {
         .iter()
         .map(|(dtype, bytes)| {
             // Checked by plan_placement.
-            let r = cal.cpu_rate(*dtype).copied().unwrap_or(CpuRate {
-                dtype: *dtype,
-                gbps_1: f64::MIN_POSITIVE,
-                gbps_8: f64::MIN_POSITIVE,
-            });
-            let t = at_rows(rows, (1.0, per_byte(r.gbps_1)), (8.0, per_byte(r.gbps_8)));
+            let t = cal
+                .cpu_rate(*dtype)
+                .map_or(f64::INFINITY, |r| r.per_byte(rows));
             t * *bytes as f64 / total
         })
         .sum()
@@ -646,10 +673,13 @@ mod tests {
             version: CALIBRATION_VERSION,
             disk_gbps: 3.0,
             cpu_threads: 16,
+            cpu_probe_bytes: 1 << 30,
+            cpu_cache_bytes: Some(256 << 20),
             cpu: vec![CpuRate {
                 dtype: DType::F16,
                 gbps_1: 77.0,
                 gbps_8: 77.0 / 3.0,
+                gbps_32: None,
             }],
             gpu: Some(GpuRates {
                 name: "test".into(),
@@ -950,6 +980,7 @@ mod tests {
                     dtype: DType::Q8_0,
                     gbps_1: 50.0,
                     gbps_8: 20.0,
+                    gbps_32: None,
                 }],
                 ..h100()
             },
@@ -959,6 +990,117 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("no GPU figure for Q8_0"), "{err}");
+    }
+
+    #[test]
+    fn the_cpu_rate_at_32_rows_is_the_measured_one_when_there_is_one() {
+        let line = CpuRate {
+            dtype: DType::F16,
+            gbps_1: 70.0,
+            gbps_8: 35.0,
+            gbps_32: None,
+        };
+        let at = |r: &CpuRate, rows| 1.0 / r.per_byte(rows) / GB;
+        assert!((at(&line, 1) - 70.0).abs() < 1e-9);
+        assert!((at(&line, 8) - 35.0).abs() < 1e-9);
+        // Without a 32-row figure, the line through 1 and 8 rows: 1/70 + 31·(1/35 − 1/70)/7.
+        let extended = 1.0 / (1.0 / 70.0 + 31.0 / 7.0 * (1.0 / 35.0 - 1.0 / 70.0));
+        assert!((at(&line, 32) - extended).abs() < 1e-9, "{}", at(&line, 32));
+        // With one, that figure, and between 8 and 32 rows between them.
+        let measured = CpuRate {
+            gbps_32: Some(20.0),
+            ..line
+        };
+        assert!((at(&measured, 32) - 20.0).abs() < 1e-9);
+        assert!((at(&measured, 4) - at(&line, 4)).abs() < 1e-9);
+        assert!(at(&measured, 16) < 35.0 && at(&measured, 16) > 20.0);
+        assert!(at(&measured, 64) < 20.0);
+        // The planner's batch-32 time follows it: a slower CPU at 32 rows gets less of each blob.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let share_at_32 = |rate: CpuRate| {
+            let cal = Calibration {
+                cpu: vec![rate],
+                ..h100()
+            };
+            let pass = [(PassKind::Decode { batch: 32 }, Some(&plan))];
+            let p = plan_placement(&units, &cal, PlacementMode::Auto, &pass).unwrap();
+            p.passes[0].cpu_share(5)
+        };
+        let slow = CpuRate {
+            gbps_32: Some(extended / 2.0),
+            ..line
+        };
+        assert!(
+            share_at_32(slow) < share_at_32(line),
+            "{} vs {}",
+            share_at_32(slow),
+            share_at_32(line)
+        );
+        // A broken 32-row figure is an error like the others.
+        let broken = Calibration {
+            cpu: vec![CpuRate {
+                gbps_32: Some(0.0),
+                ..line
+            }],
+            ..h100()
+        };
+        let err = plan_placement(&units, &broken, PlacementMode::Auto, &on(Some(&plan)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("32 rows"), "{err}");
+    }
+
+    #[test]
+    fn auto_never_predicts_a_unit_or_a_pass_slower_than_the_gpu_alone() {
+        // Whatever the CPU's speed against the GPU's paths: a unit is split only when that
+        // beats the GPU alone, so no pass of `auto` is predicted slower than `gpu`.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        for (gbps_1, gbps_8, gbps_32) in [
+            (77.0, 25.0, Some(6.0)),
+            (5.0, 1.0, None),
+            (400.0, 390.0, Some(380.0)),
+        ] {
+            let cal = Calibration {
+                cpu: vec![CpuRate {
+                    dtype: DType::F16,
+                    gbps_1,
+                    gbps_8,
+                    gbps_32,
+                }],
+                ..h100()
+            };
+            let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+            let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+            for (a, g) in auto.passes.iter().zip(&gpu.passes) {
+                assert!(a.tokens_per_s >= g.tokens_per_s, "{auto}{gpu}");
+                for (ua, ug) in a.units.iter().zip(&g.units) {
+                    assert!(
+                        ua.seconds <= ug.seconds,
+                        "{} {}: {ua:?} vs {ug:?}",
+                        a.pass,
+                        ua.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_calibration_of_version_2_still_parses() {
+        // So that the CLI says it measures again for the new version, not that the file is
+        // broken.
+        let mut json = serde_json::to_value(h100()).unwrap();
+        let object = json.as_object_mut().unwrap();
+        object.remove("cpu_probe_bytes");
+        object.remove("cpu_cache_bytes");
+        object["version"] = 2.into();
+        object["cpu"][0].as_object_mut().unwrap().remove("gbps_32");
+        let old: Calibration = serde_json::from_value(json).unwrap();
+        assert_eq!(old.version, 2);
+        assert_eq!(old.cpu[0].gbps_32, None);
+        assert_eq!(old.cpu_probe_bytes, 0);
     }
 
     #[test]

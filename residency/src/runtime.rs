@@ -52,18 +52,24 @@ struct Shared {
     /// Which byte ranges of a blob a fill from the host tier copies
     /// ([`Residency::set_fill_ranges`]).
     fill_ranges: RwLock<Option<Arc<FillRangesFn>>>,
-    /// Per blob: the tag of its last fill when it copied only some ranges, else
-    /// [`WHOLE_FILL`].
-    filled_with: Vec<AtomicU64>,
+    /// Per blob: its last fill when it copied only some ranges, `None` when it copied the
+    /// whole blob.
+    partial_fills: Vec<Mutex<Option<PartialFill>>>,
+}
+
+/// A fill from the host tier that copied only some byte ranges of its blob.
+struct PartialFill {
+    tag: u64,
+    /// Sorted, disjoint `(offset, len)`: what the device holds.
+    ranges: Vec<(u64, u64)>,
 }
 
 /// What a fill from the host tier copies of blob `blob` now: `Some((tag, ranges))` copies only
 /// the byte ranges `(offset, len)` and marks the fill with `tag`
-/// ([`Residency::filled_with`]); `None` copies the whole blob.
+/// ([`Residency::filled_with`]); `None` copies the whole blob. Asked again when a blob whose
+/// last fill was partial is acquired: the ranges it names then that the fill left out are
+/// copied up before the blob is handed out ([`Residency::set_fill_ranges`]).
 pub type FillRangesFn = dyn Fn(usize) -> Option<(u64, Vec<(u64, u64)>)> + Send + Sync;
-
-/// The mark of a fill that copied the whole blob.
-const WHOLE_FILL: u64 = u64::MAX;
 
 /// The planned cache of blobs in device memory. `Send + Sync`; one forward pass at a time
 /// calls [`Residency::acquire`] in plan order.
@@ -260,11 +266,7 @@ impl Residency {
             resident,
             host_tier: layout.blobs.iter().map(|_| RwLock::new(None)).collect(),
             fill_ranges: RwLock::new(None),
-            filled_with: layout
-                .blobs
-                .iter()
-                .map(|_| AtomicU64::new(WHOLE_FILL))
-                .collect(),
+            partial_fills: layout.blobs.iter().map(|_| Mutex::new(None)).collect(),
             host_tier_bytes: AtomicU64::new(0),
             checksum_bytes: AtomicU64::new(0),
             checksum_nanos: AtomicU64::new(0),
@@ -320,16 +322,73 @@ impl Residency {
     /// tensor it reads whole, at the share of the pass being run): the PCIe link carries the
     /// GPU's share alone while the CPU reads its own from the host tier in place. `None`:
     /// whole blobs. A range outside its blob fails the read that asked for it.
+    ///
+    /// A blob is often filled before the pass that reads it starts (the ring prefetches the
+    /// next pass's first blobs during this one), so `ranges` is asked again when a blob whose
+    /// last fill was partial is acquired: the bytes it names now that the fill left out are
+    /// copied from the host tier into the same slot first (a slot holds a whole blob), and the
+    /// fill takes the new tag (none when `ranges` now says the whole blob). Bytes the fill
+    /// holds and `ranges` no longer names stay, under the fill's own tag: the device has them,
+    /// and the caller computes from what it has. `llama::hybrid` relies on this so that a
+    /// prefill after decode steps has the GPU compute every row of the blobs prefetched at the
+    /// decode share, instead of the CPU computing that share at the prefill's rows.
     pub fn set_fill_ranges(&self, ranges: Option<Arc<FillRangesFn>>) {
         *self.shared.fill_ranges.write() = ranges;
     }
 
     /// The tag of blob `blob`'s last fill when it copied only some ranges
-    /// ([`Residency::set_fill_ranges`]): the device then holds only those, and the CPU must
-    /// compute what they leave out; `None` when the whole blob was.
+    /// ([`Residency::set_fill_ranges`]), as completed when it was last acquired: the device
+    /// then holds only those, and the CPU must compute what they leave out; `None` when the
+    /// device holds the whole blob.
     pub fn filled_with(&self, blob: usize) -> Option<u64> {
-        let tag = self.shared.filled_with.get(blob)?.load(Ordering::Acquire);
-        (tag != WHOLE_FILL).then_some(tag)
+        let fill = self.shared.partial_fills.get(blob)?.lock();
+        fill.as_ref().map(|f| f.tag)
+    }
+
+    /// Brings the fill of blob `blob` in `location` up to what the fill ranges ask for now
+    /// ([`Residency::set_fill_ranges`]), when its last fill was partial and left out some of
+    /// it. Left as it is when another guard holds the slot (its bytes cannot change under it).
+    fn complete_fill(&self, blob: usize, location: Location) -> Result<(), ResidencyError> {
+        let shared = &self.shared;
+        let Location::Slot(_) = location else {
+            return Ok(());
+        };
+        if shared.partial_fills[blob].lock().is_none() {
+            return Ok(());
+        }
+        // Asked before taking the fill's lock: the caller's function may look at fills.
+        let want = shared.fill_ranges.read().clone().and_then(|f| f(blob));
+        let mut fill = shared.partial_fills[blob].lock();
+        let Some(have) = fill.as_ref() else {
+            return Ok(());
+        };
+        let len = self.plan.blobs[blob].length;
+        if want.as_ref().is_some_and(|(tag, _)| *tag == have.tag) {
+            return Ok(());
+        }
+        let (tag, want) = match want {
+            Some((tag, ranges)) => (Some(tag), ranges),
+            None => (None, vec![(0, len)]),
+        };
+        let missing = missing_ranges(&want, &have.ranges);
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let host = shared.host_tier[blob].read();
+        let Some(block) = host.as_ref() else {
+            return Ok(());
+        };
+        let Some(mut buffer) = shared.buffer(location).try_write() else {
+            return Ok(());
+        };
+        shared.copy_ranges(blob, &mut buffer, &block.bytes()[..len as usize], &missing)?;
+        let copied: u64 = missing.iter().map(|r| r.1).sum();
+        shared.engine.lock().add_completed_fill(blob, copied);
+        *fill = tag.map(|tag| PartialFill {
+            tag,
+            ranges: union_ranges(&have.ranges, &missing),
+        });
+        Ok(())
     }
 
     /// Returns when blob `blob` is fully in memory; waits only if its read is not finished.
@@ -371,6 +430,10 @@ impl Residency {
             engine.add_compute_wait(shared.clock.now().saturating_sub(waited_from));
         }
         drop(engine);
+        if let Err(err) = self.complete_fill(blob, location) {
+            self.release(location);
+            return Err(err);
+        }
         let buffer = shared.buffer(location).read();
         Ok(BlobGuard {
             owner: self,
@@ -548,7 +611,7 @@ impl Shared {
                 }
             }
         };
-        self.filled_with[blob].store(WHOLE_FILL, Ordering::Release);
+        *self.partial_fills[blob].lock() = None;
         match job.from {
             ReadFrom::HostTier => {
                 let host = self.host_tier[blob].read();
@@ -563,21 +626,17 @@ impl Shared {
                 match host.as_ref() {
                     Some(block) if partial.is_some() => {
                         let (tag, ranges) = partial.expect("matched");
-                        let bytes = &block.bytes()[..len as usize];
-                        for &(offset, n) in &ranges {
-                            let piece = offset
-                                .checked_add(n)
-                                .and_then(|end| bytes.get(offset as usize..end as usize))
-                                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
-                                    file: self.names[blob].clone(),
-                                    offset,
-                                    end: offset.saturating_add(n),
-                                    length: len,
-                                })?;
-                            buffer.fill_range_from_host(offset as usize, piece)?.wait();
-                        }
+                        self.copy_ranges(
+                            blob,
+                            &mut buffer,
+                            &block.bytes()[..len as usize],
+                            &ranges,
+                        )?;
                         copied = Some(ranges.iter().map(|r| r.1).sum());
-                        self.filled_with[blob].store(tag, Ordering::Release);
+                        *self.partial_fills[blob].lock() = Some(PartialFill {
+                            tag,
+                            ranges: union_ranges(&ranges, &[]),
+                        });
                     }
                     Some(block) => buffer
                         .fill_from_host(&block.bytes()[..len as usize])?
@@ -612,6 +671,30 @@ impl Shared {
                 Ok((false, fetched, None))
             }
         }
+    }
+
+    /// Copies byte ranges `(offset, len)` of blob `blob`'s host-tier copy `host` into the
+    /// same offsets of `buffer`; a range outside the blob is an error naming it.
+    fn copy_ranges(
+        &self,
+        blob: usize,
+        buffer: &mut Box<dyn DeviceBuffer>,
+        host: &[u8],
+        ranges: &[(u64, u64)],
+    ) -> Result<(), ResidencyError> {
+        for &(offset, n) in ranges {
+            let piece = offset
+                .checked_add(n)
+                .and_then(|end| host.get(offset as usize..end as usize))
+                .ok_or_else(|| ResidencyError::RangeOutOfBounds {
+                    file: self.names[blob].clone(),
+                    offset,
+                    end: offset.saturating_add(n),
+                    length: host.len() as u64,
+                })?;
+            buffer.fill_range_from_host(offset as usize, piece)?.wait();
+        }
+        Ok(())
     }
 
     /// The checksum blob `blob` must still be checked against: `None` when checking is off,
@@ -684,6 +767,54 @@ fn reader_loop(shared: &Shared, jobs: mpsc::Receiver<Option<Job>>) {
     shared.changed.notify_all();
 }
 
+/// `ranges` sorted by offset, empty ones dropped, overlapping or adjacent ones merged.
+fn normalized(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
+    sorted.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (offset, len) in sorted {
+        match out.last_mut() {
+            Some(last) if offset <= last.0 + last.1 => {
+                last.1 = last.1.max(offset + len - last.0);
+            }
+            _ => out.push((offset, len)),
+        }
+    }
+    out
+}
+
+/// The byte ranges of `a` and `b` together, sorted and merged.
+fn union_ranges(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    normalized(&[a, b].concat())
+}
+
+/// The bytes of `want` that `have` lacks, as sorted disjoint `(offset, len)` ranges.
+fn missing_ranges(want: &[(u64, u64)], have: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let have = normalized(have);
+    let mut out = Vec::new();
+    for (offset, len) in normalized(want) {
+        let end = offset + len;
+        let mut at = offset;
+        for &(h0, hn) in &have {
+            let h1 = h0 + hn;
+            if h1 <= at || h0 >= end {
+                continue;
+            }
+            if h0 > at {
+                out.push((at, h0 - at));
+            }
+            at = at.max(h1);
+            if at >= end {
+                break;
+            }
+        }
+        if at < end {
+            out.push((at, end - at));
+        }
+    }
+    out
+}
+
 /// Allocates the ring, then the resident buffers in plan order. On failure returns how many
 /// bytes had been allocated (everything is freed again).
 #[allow(clippy::type_complexity)]
@@ -748,4 +879,38 @@ fn auto_ram_share(setting: &'static str) -> Result<u64, ResidencyError> {
         reason: "MemAvailable could not be read from /proc/meminfo; give a size instead".into(),
     })?;
     Ok((available as f64 * AUTO_RAM_SHARE) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_ranges_are_the_wanted_bytes_not_held() {
+        // Held: [10, 20) and [30, 40).
+        let have = [(30, 10), (10, 10)];
+        assert_eq!(
+            missing_ranges(&[(0, 50)], &have),
+            [(0, 10), (20, 10), (40, 10)]
+        );
+        assert_eq!(missing_ranges(&[(12, 5), (32, 4)], &have), []);
+        assert_eq!(missing_ranges(&[(15, 20)], &have), [(20, 10)]);
+        assert_eq!(
+            missing_ranges(&[(5, 10), (35, 10)], &have),
+            [(5, 5), (40, 5)]
+        );
+        assert_eq!(missing_ranges(&[(0, 8)], &[]), [(0, 8)]);
+        assert_eq!(missing_ranges(&[(4, 0)], &[]), []);
+        // Overlapping wants are merged first: nothing is copied twice.
+        assert_eq!(missing_ranges(&[(0, 6), (4, 6)], &[]), [(0, 10)]);
+    }
+
+    #[test]
+    fn union_ranges_sort_and_merge() {
+        assert_eq!(
+            union_ranges(&[(30, 10), (10, 10)], &[(20, 10), (50, 0), (60, 1)]),
+            [(10, 30), (60, 1)]
+        );
+        assert_eq!(union_ranges(&[(0, 10)], &[(2, 3)]), [(0, 10)]);
+    }
 }

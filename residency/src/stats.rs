@@ -11,6 +11,9 @@ pub struct PassStats {
     pub disk_reads: u64,
     pub host_copy_bytes: u64,
     pub host_copies: u64,
+    /// Partial fills brought up to more of their blob when acquired
+    /// ([`crate::Residency::set_fill_ranges`]); their bytes count in `host_copy_bytes`.
+    pub fill_completions: u64,
     /// Bytes fetched from the network tier onto local disk (a model served over HTTP), each
     /// blob once; they are counted again in `disk_bytes` when read from there.
     pub network_bytes: u64,
@@ -42,6 +45,7 @@ impl PassStats {
         self.disk_reads += other.disk_reads;
         self.host_copy_bytes += other.host_copy_bytes;
         self.host_copies += other.host_copies;
+        self.fill_completions += other.fill_completions;
         self.network_bytes += other.network_bytes;
         self.network_fetches += other.network_fetches;
         self.device_hits += other.device_hits;

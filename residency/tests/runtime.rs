@@ -575,12 +575,13 @@ fn a_corrupt_or_missing_served_blob_is_an_error_naming_it_and_is_not_kept() {
     );
 }
 
-#[test]
-fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let page = 4096u64;
-    let lengths: Vec<u64> = vec![4 * page, 5 * page, 7 * page, 3 * page, 6 * page, page];
-    let layout = ModelLayout::synthetic(4 * page, &lengths[1..5], page, true);
+const PAGE: u64 = 4096;
+
+/// Four layers of 5, 7, 3 and 6 pages (pattern bytes), all streamed through a ring of two
+/// slots, each kept in the host tier after its first read.
+fn streamed_from_the_host_tier() -> (Residency, ModelLayout, Vec<u64>) {
+    let lengths: Vec<u64> = [4, 5, 7, 3, 6, 1].map(|pages| pages * PAGE).to_vec();
+    let layout = ModelLayout::synthetic(4 * PAGE, &lengths[1..5], PAGE, true);
     let source = Arc::new(PatternSource::new(lengths.clone()));
     let res = Residency::open_with(
         layout.clone(),
@@ -594,6 +595,14 @@ fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
         },
     )
     .unwrap();
+    (res, layout, lengths)
+}
+
+#[test]
+fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let page = PAGE;
+    let (res, layout, lengths) = streamed_from_the_host_tier();
     // Layer 3, 6 pages, streamed from the host tier after its first read: the last layer of
     // the order, so the ring's prefetch never fills it before its own pass starts.
     let blob = 4;
@@ -666,4 +675,101 @@ fn a_fill_from_the_host_tier_copies_only_the_ranges_it_is_given() {
         })
         .expect("the read of a range past the end fails");
     assert!(err.to_string().contains("layer_003"), "{err}");
+}
+
+#[test]
+fn a_partial_fill_is_completed_to_what_the_ranges_ask_for_when_acquired() {
+    use parking_lot::Mutex;
+    let page = PAGE;
+    let (res, layout, lengths) = streamed_from_the_host_tier();
+    // Layer 3 (6 pages), the last of the order: filled during its own pass, after the pass
+    // has set what its acquire asks for.
+    let blob = 4;
+    let len = lengths[blob];
+    // The fill's ranges (a decode step's share) and what the acquire that follows asks for
+    // (the pass being run: a prefill's bytes, the whole blob, a larger share's, the same).
+    let decode = vec![(page, 2 * page), (5 * page, 100)];
+    let prefill = vec![(0, 3 * page), (5 * page, page)];
+    let larger_share = vec![(2 * page, page)];
+    type Ask = Option<(u64, Vec<(u64, u64)>)>;
+    // The ranges function is asked once per fill of `blob` and once more by its acquire while
+    // that fill is partial: fills are the even calls.
+    let state: Arc<Mutex<(u64, Ask)>> = Arc::new(Mutex::new((0, None)));
+    let (asked, fill) = (Arc::clone(&state), decode.clone());
+    res.set_fill_ranges(Some(Arc::new(move |b| {
+        if b != blob {
+            return None;
+        }
+        let mut s = asked.lock();
+        s.0 += 1;
+        if s.0 % 2 == 1 {
+            Some((7, fill.clone()))
+        } else {
+            s.1.clone()
+        }
+    })));
+
+    // One pass over every blob with `ask` at `blob`'s acquire: the tag its fill has then, the
+    // pass's completions, and the slot's bytes checked against the host copy over `held`.
+    let pass = |ask: Ask, held: &[(u64, u64)]| {
+        state.lock().1 = ask;
+        let mut tag = None;
+        for &b in &layout.order {
+            let guard = res.acquire_with_host_copy(b).unwrap();
+            if b == blob {
+                tag = res.filled_with(b);
+                let host = guard.host_copy().expect("after the first pass");
+                let slot = guard.host().unwrap();
+                for &(o, n) in held {
+                    let (o, n) = (o as usize, n as usize);
+                    assert_eq!(slot[o..o + n], host[o..o + n], "range {o}+{n}");
+                }
+            }
+        }
+        res.end_pass();
+        let completions = res.stats().passes.last().unwrap().fill_completions;
+        (tag, completions)
+    };
+    // The first pass reads from disk: whole, the function not asked.
+    state.lock().1 = None;
+    for &b in &layout.order {
+        drop(res.acquire(b).unwrap());
+    }
+    res.end_pass();
+    assert_eq!(state.lock().0, 0);
+
+    // A prefill after decode steps: what the decode fill left out of the prefill's ranges
+    // is copied up, and the fill takes the prefill's tag.
+    let both: Vec<(u64, u64)> = [decode.clone(), prefill.clone()].concat();
+    assert_eq!(pass(Some((9, prefill.clone())), &both), (Some(9), 1));
+    // Asked for the whole blob: completed to whole, no tag.
+    assert_eq!(pass(None, &[(0, len)]), (None, 1));
+    // A larger share asks for less than the fill holds: nothing copied, the fill's tag stays
+    // (the device has the bytes; the CPU computes what the fill left out).
+    assert_eq!(pass(Some((11, larger_share)), &decode), (Some(7), 0));
+    // The same tag: nothing to do.
+    assert_eq!(pass(Some((7, decode.clone())), &decode), (Some(7), 0));
+    assert_eq!(
+        state.lock().0,
+        8,
+        "asked once per fill and once per acquire"
+    );
+
+    // Every byte copied is accounted: whole copies of every other blob, `blob`'s four
+    // partial fills, and the two completions (the prefill's missing page and a bit, the
+    // rest of the blob).
+    let stats = res.stats();
+    assert_eq!(stats.blob_host_copies[blob], 4);
+    assert_eq!(stats.total.fill_completions, 2);
+    let whole: u64 = (0..lengths.len())
+        .filter(|&b| b != blob)
+        .map(|b| stats.blob_host_copies[b] * lengths[b])
+        .sum();
+    let decode_bytes: u64 = decode.iter().map(|r| r.1).sum();
+    let to_prefill = page + (page - 100);
+    let to_whole = len - decode_bytes;
+    assert_eq!(
+        stats.total.host_copy_bytes,
+        whole + 4 * decode_bytes + to_prefill + to_whole
+    );
 }

@@ -37,9 +37,10 @@ pub struct Args {
     #[arg(long)]
     pub calibrate: bool,
     /// Size of the calibration's probes in MiB (the CPU's probe weight and the disk's probe
-    /// file; the GPU's weight is twice that).
-    #[arg(long, value_name = "MIB", default_value_t = crate::calibration::DEFAULT_PROBE_MIB, hide = true)]
-    pub probe_mib: usize,
+    /// file; the GPU's weight is twice that). Default: 256, the CPU's four times its
+    /// last-level caches when that is more.
+    #[arg(long, value_name = "MIB", hide = true)]
+    pub probe_mib: Option<usize>,
     /// Disk read speed for the prediction, in GB/s (10^9 bytes/s). DESIGN.md measured
     /// 2.6–3.0 GB/s O_DIRECT on the lent machines.
     #[arg(long, value_name = "GB/S", default_value_t = 3.0)]

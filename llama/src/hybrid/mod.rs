@@ -54,8 +54,9 @@
 //! ([`crate::weights::WeightBytes::Both`] hands out both copies), and residency copies only
 //! the GPU's byte ranges of it over PCIe ([`primary_ranges`]), so that the bytes the two
 //! sides read per pass are disjoint and the bandwidths add up. The share of each blob is the
-//! planner's for the rows of the pass its fill was made for; `hybrid::cuda` says what that means
-//! for the first blobs of a pass, prefetched during the one before. The split costs the decode CUDA
+//! planner's for the rows of the pass its fill was made for, never more than the planner's for
+//! the pass that reads it: `hybrid::cuda` says how the first blobs of a pass, prefetched during
+//! the one before, are completed when that is less. The split costs the decode CUDA
 //! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
 //! Each handoff is a synchronising read of the activations and an upload of the CPU's output
 //! (pageable memory today; pinned staging would cut a few microseconds from each of the
@@ -91,6 +92,9 @@ pub struct HybridOptions {
     /// For tests: every split matmul gives the CPU this share of its rows, whatever the
     /// planner would (no calibration needed).
     pub force_cpu_fraction: Option<f64>,
+    /// For tests, with `force_cpu_fraction`: passes of more rows than this give the CPU
+    /// nothing (as the planner does a prefill chunk); `None`: every pass gets the forced share.
+    pub force_max_rows: Option<usize>,
 }
 
 impl std::fmt::Debug for HybridOptions {
@@ -98,6 +102,7 @@ impl std::fmt::Debug for HybridOptions {
         f.debug_struct("HybridOptions")
             .field("calibrate", &self.calibrate.is_some())
             .field("force_cpu_fraction", &self.force_cpu_fraction)
+            .field("force_max_rows", &self.force_max_rows)
             .finish()
     }
 }
