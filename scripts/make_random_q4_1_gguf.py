@@ -2,7 +2,9 @@
 # directly (no 13 GB f16 file to quantize first), with the tokenizer of VOCAB.gguf: the
 # 7B-shaped Q4_1 of issue 24's CPU comparisons with llama.cpp (needs the `gguf` and `numpy` packages).
 # usage: make_random_q4_1_gguf.py VOCAB.gguf OUT.gguf [dim ffn layers heads] (default: a 7B)
-import sys, numpy as np, gguf
+import os, sys, numpy as np, gguf
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "families"))
+from fetch_inputs import copy_tokenizer_kvs  # noqa: E402
 vocab_path, out = sys.argv[1:3]
 dim, ffn, layers, heads = (int(x) for x in (sys.argv[3:7] or (4096, 11008, 32, 32)))
 rng = np.random.default_rng(0)
@@ -22,18 +24,7 @@ def q8_0(rows, cols):
 r = gguf.GGUFReader(vocab_path)
 w = gguf.GGUFWriter(out, "llama")
 n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-for f in r.fields.values():
-    if not f.name.startswith("tokenizer."): continue
-    t = f.types[0]
-    if t == gguf.GGUFValueType.ARRAY:
-        it = f.types[1]
-        vals = ([bytes(f.parts[i]).decode("utf-8", "surrogateescape") for i in f.data] if it == gguf.GGUFValueType.STRING
-                else [f.parts[i].tolist()[0] for i in f.data])
-        w.add_key_value(f.name, vals, t, sub_type=it)
-    elif t == gguf.GGUFValueType.STRING:
-        w.add_key_value(f.name, bytes(f.parts[-1]).decode(), t)
-    else:
-        w.add_key_value(f.name, f.parts[-1].tolist()[0], t)
+copy_tokenizer_kvs(r, w)
 w.add_name("random-llama-q4_1"); w.add_context_length(4096); w.add_embedding_length(dim)
 w.add_block_count(layers); w.add_feed_forward_length(ffn); w.add_head_count(heads); w.add_head_count_kv(heads)
 w.add_rope_dimension_count(dim // heads); w.add_rope_freq_base(10000.0); w.add_layer_norm_rms_eps(1e-5)

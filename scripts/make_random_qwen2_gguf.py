@@ -4,10 +4,14 @@
 # draws on the GPU with torch where it can (13 GB of f16 for the default 7B shape).
 # usage: make_random_qwen2_gguf.py VOCAB.gguf OUT.gguf [dim ffn layers heads kv_heads]
 # (default: Qwen2-7B's 3584 18944 28 28 4; the vocabulary is VOCAB's, not Qwen's 152k)
+import os
 import sys
 
 import gguf
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "families"))
+from fetch_inputs import copy_tokenizer_kvs  # noqa: E402
 
 vocab_path, out = sys.argv[1:3]
 dim, ffn, layers, heads, kv_heads = (int(x) for x in (sys.argv[3:8] or (3584, 18944, 28, 28, 4)))
@@ -37,21 +41,7 @@ def norm(n):
 reader = gguf.GGUFReader(vocab_path)
 writer = gguf.GGUFWriter(out, "qwen2")
 n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-for field in reader.fields.values():
-    if not field.name.startswith("tokenizer."):
-        continue
-    kind = field.types[0]
-    if kind == gguf.GGUFValueType.ARRAY:
-        item = field.types[1]
-        if item == gguf.GGUFValueType.STRING:
-            values = [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-        else:
-            values = [field.parts[i].tolist()[0] for i in field.data]
-        writer.add_key_value(field.name, values, kind, sub_type=item)
-    elif kind == gguf.GGUFValueType.STRING:
-        writer.add_key_value(field.name, bytes(field.parts[-1]).decode(), kind)
-    else:
-        writer.add_key_value(field.name, field.parts[-1].tolist()[0], kind)
+copy_tokenizer_kvs(reader, writer)
 
 writer.add_name("random-qwen2")
 writer.add_context_length(32768)
