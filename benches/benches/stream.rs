@@ -36,19 +36,15 @@ fn model() -> (Option<tempfile::TempDir>, Model) {
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
     let tmp = tempfile::tempdir_in(base).expect("bench dir");
-    let shape = SynthShape {
-        n_layers: env_or("GDSLLM_STREAM_LAYERS", 8),
-        hidden_size: 1024,
-        ffn_dim: 2816,
-        n_heads: 8,
-        n_kv_heads: 8,
-        head_dim: 128,
-        vocab_size: 8192,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 2048,
-        tie_word_embeddings: false,
-    };
+    let shape = SynthShape::new(
+        env_or("GDSLLM_STREAM_LAYERS", 8),
+        1024,
+        2816,
+        8,
+        8,
+        8192,
+        2048,
+    );
     let opts = SynthOptions {
         shape,
         dtype: DType::F16,

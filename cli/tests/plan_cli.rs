@@ -10,19 +10,7 @@ use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
 use weights_format::DType;
 
 fn synth_model(dir: &Path) {
-    let shape = SynthShape {
-        n_layers: 2,
-        hidden_size: 256,
-        ffn_dim: 512,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 64,
-        vocab_size: 512,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 256,
-        tie_word_embeddings: false,
-    };
+    let shape = SynthShape::new(2, 256, 512, 4, 2, 512, 256);
     let opts = SynthOptions {
         shape,
         dtype: DType::Q8_0,

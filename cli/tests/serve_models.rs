@@ -17,19 +17,7 @@ const QUESTION: &str = "What is the capital of France? Answer in one sentence.";
 
 /// A 2-layer random model (its own tokenizer and chat template) at `dir`.
 fn synth_tiny(dir: &Path) {
-    let shape = SynthShape {
-        n_layers: 2,
-        hidden_size: 64,
-        ffn_dim: 128,
-        n_heads: 2,
-        n_kv_heads: 1,
-        head_dim: 32,
-        vocab_size: 300,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 256,
-        tie_word_embeddings: false,
-    };
+    let shape = SynthShape::new(2, 64, 128, 2, 1, 300, 256);
     let opts = SynthOptions {
         shape,
         dtype: DType::F32,

@@ -66,6 +66,32 @@ pub struct SynthShape {
 }
 
 impl SynthShape {
+    /// A LLaMA-style shape: `head_dim` = `hidden_size / n_heads`, RoPE θ 10,000, RMSNorm ε 1e-5,
+    /// an untied LM head (set the fields after it for anything else).
+    pub fn new(
+        n_layers: u32,
+        hidden_size: u32,
+        ffn_dim: u32,
+        n_heads: u32,
+        n_kv_heads: u32,
+        vocab_size: u32,
+        context_length: u32,
+    ) -> SynthShape {
+        SynthShape {
+            n_layers,
+            hidden_size,
+            ffn_dim,
+            n_heads,
+            n_kv_heads,
+            head_dim: hidden_size / n_heads,
+            vocab_size,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-5,
+            context_length,
+            tie_word_embeddings: false,
+        }
+    }
+
     /// One of [`PRESETS`] (case-insensitive).
     pub fn preset(name: &str) -> Result<SynthShape, SynthError> {
         #[allow(clippy::too_many_arguments)]
@@ -81,17 +107,9 @@ impl SynthShape {
             tied: bool,
         ) -> SynthShape {
             SynthShape {
-                n_layers,
-                hidden_size: dim,
-                ffn_dim: ffn,
-                n_heads: heads,
-                n_kv_heads: kv,
-                head_dim: dim / heads,
-                vocab_size: vocab,
                 rope_theta: theta,
-                rms_norm_eps: 1e-5,
-                context_length: ctx,
                 tie_word_embeddings: tied,
+                ..SynthShape::new(n_layers, dim, ffn, heads, kv, vocab, ctx)
             }
         }
         Ok(match name.to_ascii_lowercase().as_str() {

@@ -27,17 +27,8 @@ fn synth_model(dir: &Path, dtype: DType, tied: bool) {
 
 fn synth_layers(dir: &Path, dtype: DType, tied: bool, n_layers: u32) {
     let shape = SynthShape {
-        n_layers,
-        hidden_size: 128,
-        ffn_dim: 320,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab_size: 512,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 256,
         tie_word_embeddings: tied,
+        ..SynthShape::new(n_layers, 128, 320, 4, 2, 512, 256)
     };
     let opts = SynthOptions {
         shape,

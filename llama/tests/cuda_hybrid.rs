@@ -29,19 +29,7 @@ const TOLERANCE: f32 = 1e-2;
 const CPU_FRACTION: f64 = 0.5;
 
 fn synth_model(dir: &Path, dtype: DType) {
-    let shape = SynthShape {
-        n_layers: 6,
-        hidden_size: 256,
-        ffn_dim: 512,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 64,
-        vocab_size: 512,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: CONTEXT as u32,
-        tie_word_embeddings: false,
-    };
+    let shape = SynthShape::new(6, 256, 512, 4, 2, 512, CONTEXT as u32);
     let opts = SynthOptions {
         shape,
         dtype,

@@ -793,19 +793,7 @@ fn smollm2_shape() -> gdsllm_convert::synth::SynthShape {
 /// A small GQA model (8 query heads over 2 KV heads) with an untied LM head: the paths the
 /// SmolLM2 shape does not exercise.
 fn small_untied_shape(n_layers: usize) -> gdsllm_convert::synth::SynthShape {
-    gdsllm_convert::synth::SynthShape {
-        n_layers: n_layers as _,
-        hidden_size: 256,
-        ffn_dim: 704,
-        n_heads: 8,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab_size: 2048,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: 512,
-        tie_word_embeddings: false,
-    }
+    gdsllm_convert::synth::SynthShape::new(n_layers as _, 256, 704, 8, 2, 2048, 512)
 }
 
 fn argmax_and_margin(logits: &[f32]) -> (u32, f32) {

@@ -21,19 +21,7 @@ use weights_format::{DType, Metadata, Model};
 const CONTEXT: usize = 64;
 
 fn synth_model(dir: &Path, dtype: DType) {
-    let shape = SynthShape {
-        n_layers: 3,
-        hidden_size: 128,
-        ffn_dim: 320,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 32,
-        vocab_size: 512,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-5,
-        context_length: CONTEXT as u32,
-        tie_word_embeddings: false,
-    };
+    let shape = SynthShape::new(3, 128, 320, 4, 2, 512, CONTEXT as u32);
     let opts = SynthOptions {
         shape,
         dtype,
