@@ -46,6 +46,24 @@ pub(super) fn program_source() -> String {
     src
 }
 
+/// For kernel development: `GDSLLM_CUDA_DEFINES=NAME[=VALUE],...` puts a `#define` per item
+/// before the program, so that variants of a kernel behind `#ifdef`s are compared in one run of
+/// one binary. The defines are part of the source, hence of the PTX cache key.
+pub const DEFINES_ENV: &str = "GDSLLM_CUDA_DEFINES";
+
+fn with_defines(source: String, defines: Option<&str>) -> String {
+    let Some(defines) = defines.filter(|d| !d.trim().is_empty()) else {
+        return source;
+    };
+    let mut out = String::new();
+    for item in defines.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let (name, value) = item.split_once('=').unwrap_or((item, ""));
+        out.push_str(&format!("#define {name} {value}\n"));
+    }
+    tracing::info!(defines, "kernel defines from {DEFINES_ENV}");
+    out + &source
+}
+
 /// FNV-1a: stable across Rust versions and platforms, unlike `DefaultHasher`, so cache file
 /// names stay valid between builds.
 fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -91,7 +109,7 @@ pub fn kernel_cache_dir() -> Option<PathBuf> {
 /// Loads the kernels for `ctx`'s device: from the cache when a PTX file for this exact source,
 /// architecture and NVRTC version exists and loads, else compiled now (and cached).
 pub(super) fn load_module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
-    let source = program_source();
+    let source = with_defines(program_source(), std::env::var(DEFINES_ENV).ok().as_deref());
     let (major, minor) = ctx.compute_capability().map_err(|e| LlamaError::Device {
         message: format!("cuDeviceGetAttribute(compute capability): {e}"),
     })?;
@@ -174,6 +192,14 @@ mod tests {
     fn fnv1a_matches_published_vectors() {
         assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn defines_go_before_the_program() {
+        let src = with_defines("int x;\n".to_string(), Some("A, B=2,"));
+        assert_eq!(src, "#define A \n#define B 2\nint x;\n");
+        assert_eq!(with_defines("int x;\n".to_string(), Some(" ")), "int x;\n");
+        assert_eq!(with_defines("int x;\n".to_string(), None), "int x;\n");
     }
 
     #[test]
