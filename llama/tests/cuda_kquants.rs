@@ -1,8 +1,8 @@
 //! The CUDA kernels of the dtypes added with the k-quants (q5_0, q5_1, iq4_nl, q2_k … q6_k,
 //! iq4_xs; `kernels/kquants.cu`) against the slow reference backend (weights decoded by
 //! `weights_format::quant`) on random blocks: the matmul kernels at one row (decode), a few rows
-//! (batched decode) and many rows (prefill through cuBLAS on a dequantized f16 copy), and the
-//! embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
+//! (batched decode: the tensor-core kernels of `kernels/kquants_mma.cu` on the default paths)
+//! and many rows (prefill through cuBLAS on a dequantized f16 copy), and the embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
 //! `support::cuda::check_matmul`: 1e-4 relative on the kernels — exact integer sums of the levels
 //! with x as 16-bit integers per 32 values, f32 scaling — and 2e-3 through cuBLAS). Opt-in: `GDSLLM_GPU_TESTS=1`
 //! (then a machine without a usable GPU FAILS these tests instead of skipping them). Needs the
@@ -17,7 +17,9 @@ use llama::backend::cuda::CudaPaths;
 use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use support::cuda::{alloc, check_matmul, down, gpu, gpu_new_and_old, on_device, up, view};
+use support::cuda::{
+    MATMUL_TOL, alloc, check_matmul, down, gpu, gpu_new_and_old, on_device, up, view,
+};
 use support::max_rel_diff;
 use weights_format::DType;
 
@@ -117,5 +119,116 @@ fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
             );
             assert_eq!(differing, 0, "superblock {dtype} [{m}x{k}]");
         }
+    }
+}
+
+/// The tensor-core matmuls of these dtypes (`mma` path, `kquants_mma.cu`) for decode batches of
+/// 2 to 70 rows (one sequence a row): against the reference (tolerance of `check_matmul`),
+/// against each row alone through the one-row kernel (within f32 summation order: the same
+/// integer dot products; tol 1e-5), rows 0-1 the same bits whatever the batch size; then two
+/// weights in one launch and the residual add.
+#[test]
+fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        mma: true,
+        ..CudaPaths::none()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(24);
+    let decode_rows = |rows: usize| vec![RowGroup::solo(1); rows];
+    for dtype in kquant_dtypes() {
+        // Ragged weight rows (blocks of 256), one to several column slices.
+        let shapes: &[(usize, usize)] = if dtype.is_super_block() {
+            &[(77, 256), (300, 2048), (130, 5120)]
+        } else {
+            &[(77, 96), (300, 576), (130, 4096)]
+        };
+        for &(m, k) in shapes {
+            let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
+            let host = WeightView::host(dtype, m, k, &w);
+            let dev = on_device(&be, &w);
+            let wd = view(&dev, dtype, m, k);
+            let dev_old = on_device(&old, &w);
+            let wd_old = view(&dev_old, dtype, m, k);
+            let x: Vec<f32> = (0..70 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut first_rows: Option<Vec<f32>> = None;
+            for rows in [2, 3, 9, 17, 33, 64, 70] {
+                let x = &x[..rows * k];
+                let mut want = vec![0f32; rows * m];
+                ReferenceBackend
+                    .matmul_batch(&x.to_vec(), &decode_rows(rows), &[host], &mut [&mut want])
+                    .unwrap();
+                let mut out = alloc(&be, rows * m);
+                be.matmul_batch(&up(&be, x), &decode_rows(rows), &[wd], &mut [&mut out])
+                    .unwrap();
+                let got = down(&be, &out, rows * m);
+                let d = max_rel_diff(&got, &want);
+                let mut alone = Vec::with_capacity(rows * m);
+                for r in 0..rows {
+                    let mut o = alloc(&old, m);
+                    let xr = up(&old, &x[r * k..(r + 1) * k]);
+                    old.matmul_batch(&xr, &decode_rows(1), &[wd_old], &mut [&mut o])
+                        .unwrap();
+                    alone.extend(down(&old, &o, m));
+                }
+                let d_alone = max_rel_diff(&got, &alone);
+                println!(
+                    "mma matmul {dtype} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
+                );
+                assert!(d < MATMUL_TOL, "mma {dtype} {m}x{k} rows={rows}: {d}");
+                assert!(
+                    d_alone < 1e-5,
+                    "mma {dtype} {m}x{k} rows={rows} vs alone: {d_alone}"
+                );
+                match &first_rows {
+                    None => first_rows = Some(got[..2 * m].to_vec()),
+                    Some(f) => assert_eq!(
+                        &got[..2 * m],
+                        &f[..],
+                        "mma {dtype} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
+                    ),
+                }
+            }
+        }
+        // Q/K/V-style: two weights in one launch; and the residual add.
+        let k = if dtype.is_super_block() { 1024 } else { 576 };
+        let (m1, m2, rows) = (200, 72, 12);
+        let w1 = random_blocks(dtype, m1 * k / dtype.block_len(), rng.random());
+        let w2 = random_blocks(dtype, m2 * k / dtype.block_len(), rng.random());
+        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
+        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let base: Vec<f32> = (0..rows * m1)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
+        ReferenceBackend
+            .matmul_batch(
+                &x,
+                &decode_rows(rows),
+                &[
+                    WeightView::host(dtype, m1, k, &w1),
+                    WeightView::host(dtype, m2, k, &w2),
+                ],
+                &mut [&mut want1, &mut want2],
+            )
+            .unwrap();
+        let xd = up(&be, &x);
+        let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
+        be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
+            .unwrap();
+        let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
+            .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
+        let mut acc = up(&be, &base);
+        let mut scratch = alloc(&be, rows * m1);
+        be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
+            .unwrap();
+        let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
+        let d_add = max_rel_diff(&down(&be, &acc, rows * m1), &want);
+        println!(
+            "mma matmul {dtype}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
+        );
+        assert!(d < MATMUL_TOL && d_add < MATMUL_TOL, "{dtype}: {d} {d_add}");
     }
 }

@@ -11,7 +11,9 @@
 // Every kernel works on 32-value blocks: a super-block is 8 of them (its sub-block j = block
 // index % 8). `kq_block<DTYPE>` decodes one into 32 signed 8-bit levels (8 words, value 4t..4t+3
 // in word t) and an affine map per 16 values, value = a[h]·level + c[h] — the shape the integer
-// dot products (`dp2a`, 16-bit activations × 8-bit levels) and the decoders share.
+// dot products (`dp2a`, 16-bit activations × 8-bit levels) and the decoders share. It is made of
+// `kq_block_words` (words t and 4 + t) and `kq_block_scales`, which the tensor-core kernels of
+// kquants_mma.cu call directly (a lane holds only words t and 4 + t of a fragment's rows).
 
 #define KQ_Q5_0 6
 #define KQ_Q5_1 7
