@@ -18,7 +18,8 @@ use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use support::cuda::{
-    MATMUL_TOL, alloc, check_matmul, down, gpu, gpu_new_and_old, on_device, up, view,
+    alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, gpu, gpu_new_and_old,
+    on_device, up, view,
 };
 use support::max_rel_diff;
 use weights_format::DType;
@@ -123,9 +124,8 @@ fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
 }
 
 /// The tensor-core matmuls of these dtypes (`mma` path, `kquants_mma.cu`) for decode batches of
-/// 2 to 70 rows (one sequence a row): against the reference (tolerance of `check_matmul`),
-/// against each row alone through the one-row kernel (within f32 summation order: the same
-/// integer dot products; tol 1e-5), rows 0-1 the same bits whatever the batch size; then two
+/// 2 to 70 rows (one sequence a row): against the reference, against each row alone through the
+/// one-row kernel, rows 0-1 the same bits whatever the batch size (`check_mma_batches`); then two
 /// weights in one launch and the residual add.
 #[test]
 fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
@@ -136,7 +136,6 @@ fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
         return;
     };
     let mut rng = StdRng::seed_from_u64(24);
-    let decode_rows = |rows: usize| vec![RowGroup::solo(1); rows];
     for dtype in kquant_dtypes() {
         // Ragged weight rows (blocks of 256), one to several column slices.
         let shapes: &[(usize, usize)] = if dtype.is_super_block() {
@@ -146,89 +145,11 @@ fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
         };
         for &(m, k) in shapes {
             let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
-            let host = WeightView::host(dtype, m, k, &w);
-            let dev = on_device(&be, &w);
-            let wd = view(&dev, dtype, m, k);
-            let dev_old = on_device(&old, &w);
-            let wd_old = view(&dev_old, dtype, m, k);
-            let x: Vec<f32> = (0..70 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let mut first_rows: Option<Vec<f32>> = None;
-            for rows in [2, 3, 9, 17, 33, 64, 70] {
-                let x = &x[..rows * k];
-                let mut want = vec![0f32; rows * m];
-                ReferenceBackend
-                    .matmul_batch(&x.to_vec(), &decode_rows(rows), &[host], &mut [&mut want])
-                    .unwrap();
-                let mut out = alloc(&be, rows * m);
-                be.matmul_batch(&up(&be, x), &decode_rows(rows), &[wd], &mut [&mut out])
-                    .unwrap();
-                let got = down(&be, &out, rows * m);
-                let d = max_rel_diff(&got, &want);
-                let mut alone = Vec::with_capacity(rows * m);
-                for r in 0..rows {
-                    let mut o = alloc(&old, m);
-                    let xr = up(&old, &x[r * k..(r + 1) * k]);
-                    old.matmul_batch(&xr, &decode_rows(1), &[wd_old], &mut [&mut o])
-                        .unwrap();
-                    alone.extend(down(&old, &o, m));
-                }
-                let d_alone = max_rel_diff(&got, &alone);
-                println!(
-                    "mma matmul {dtype} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
-                );
-                assert!(d < MATMUL_TOL, "mma {dtype} {m}x{k} rows={rows}: {d}");
-                assert!(
-                    d_alone < 1e-5,
-                    "mma {dtype} {m}x{k} rows={rows} vs alone: {d_alone}"
-                );
-                match &first_rows {
-                    None => first_rows = Some(got[..2 * m].to_vec()),
-                    Some(f) => assert_eq!(
-                        &got[..2 * m],
-                        &f[..],
-                        "mma {dtype} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
-                    ),
-                }
-            }
+            check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
         }
-        // Q/K/V-style: two weights in one launch; and the residual add.
-        let k = if dtype.is_super_block() { 1024 } else { 576 };
-        let (m1, m2, rows) = (200, 72, 12);
+        let (m1, m2, k) = (200, 72, if dtype.is_super_block() { 1024 } else { 576 });
         let w1 = random_blocks(dtype, m1 * k / dtype.block_len(), rng.random());
         let w2 = random_blocks(dtype, m2 * k / dtype.block_len(), rng.random());
-        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
-        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
-        let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let base: Vec<f32> = (0..rows * m1)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
-        ReferenceBackend
-            .matmul_batch(
-                &x,
-                &decode_rows(rows),
-                &[
-                    WeightView::host(dtype, m1, k, &w1),
-                    WeightView::host(dtype, m2, k, &w2),
-                ],
-                &mut [&mut want1, &mut want2],
-            )
-            .unwrap();
-        let xd = up(&be, &x);
-        let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
-        be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
-            .unwrap();
-        let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
-            .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
-        let mut acc = up(&be, &base);
-        let mut scratch = alloc(&be, rows * m1);
-        be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
-            .unwrap();
-        let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
-        let d_add = max_rel_diff(&down(&be, &acc, rows * m1), &want);
-        println!(
-            "mma matmul {dtype}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
-        );
-        assert!(d < MATMUL_TOL && d_add < MATMUL_TOL, "{dtype}: {d} {d_add}");
+        check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
     }
 }

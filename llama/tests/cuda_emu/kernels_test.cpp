@@ -311,6 +311,33 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
         }
 }
 
+// One case of the tensor-core matmul: weights `ws` of `dtype` (`ms[j]` rows each, k columns) in
+// one launch, 2-70 input rows (one to two 64-row tiles, partial 8-row tiles), one and three
+// column slices, with and without +=, against the f64 reference within `tol`.
+void check_mma_case(int dtype, const std::string& name, const std::vector<int>& ms, int k,
+                    const std::vector<Weights>& ws, double tol) {
+    std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
+    for (auto& w : ws) wd.emplace_back(new Buf<uint8_t>(w.bytes));
+    std::string shape;
+    for (int m : ms) shape += (shape.empty() ? "" : "+") + std::to_string(m);
+    for (int rows : {2, 3, 8, 9, 17, 33, 64, 70}) {
+        if (quick && rows > 33) continue;
+        auto x = random_vec((size_t)rows * k);
+        Buf<float> xd(x);
+        X16Buf x16(xd, (size_t)rows * k);
+        for (int split : {1, 3}) {
+            if (split > k / 32) continue;
+            for (int accumulate : {0, 1}) {
+                JobOutputs o(wd, ms, rows, accumulate);
+                run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
+                check("mma matmul " + name + " [" + shape + "]x" + std::to_string(k) + " rows=" + std::to_string(rows) +
+                          " split=" + std::to_string(split) + (accumulate ? " +=" : ""),
+                      o.max_err(x, rows, ws, k), tol);
+            }
+        }
+    }
+}
+
 void test_mma_matmul() {
     struct Case {
         std::vector<int> ms;
@@ -318,87 +345,66 @@ void test_mma_matmul() {
     };
     std::vector<Case> cases = {{{1}, 32}, {{77}, 96}, {{130, 40, 7}, 576}, {{256}, 1536}};
     if (quick) cases.pop_back();
-    std::vector<int> row_counts = {2, 3, 8, 9, 17, 33, 64, 70};
     for (int dtype = F16; dtype <= Q4_1; dtype++)
         for (auto& cs : cases) {
-            int k = cs.k;
             std::vector<Weights> ws;
-            std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
-            for (int m : cs.ms) {
-                ws.push_back(random_weights(dtype, m, k));
-                wd.emplace_back(new Buf<uint8_t>(ws.back().bytes));
-            }
-            for (int rows : row_counts) {
-                if (quick && rows > 33) continue;
-                auto x = random_vec((size_t)rows * k);
-                Buf<float> xd(x);
-                X16Buf x16(xd, (size_t)rows * k);
-                for (int split : {1, 3}) {
-                    if (split > k / 32) continue;
-                    for (int accumulate : {0, 1}) {
-                        JobOutputs o(wd, cs.ms, rows, accumulate);
-                        run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
-                        double err = o.max_err(x, rows, ws, k);
-                        std::string ms;
-                        for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
-                        // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts
-                        // within 2^-22 (2^-24) of x; f32 sums in another order than f64.
-                        double tol = dtype >= Q8_0 ? 1e-4 : 1e-5;
-                        check(std::string("mma matmul ") + dtype_name(dtype) + " [" + ms + "]x" + std::to_string(k) +
-                                  " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
-                                  (accumulate ? " +=" : ""),
-                              err, tol);
-                    }
-                }
-            }
+            for (int m : cs.ms) ws.push_back(random_weights(dtype, m, cs.k));
+            // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts within
+            // 2^-22 (2^-24) of x; f32 sums in another order than f64.
+            check_mma_case(dtype, dtype_name(dtype), cs.ms, cs.k, ws, dtype >= Q8_0 ? 1e-4 : 1e-5);
         }
 }
 
-// A row's result does not depend on the rows it is batched with (the same bits), and stays
-// within f32 rounding of the one-row kernel's (the same integer products for quantized weights).
+// A row's result does not depend on the rows it is batched with (rows 0-1 the same bits in
+// batches of 64, 9 and 2), and stays within f32 rounding of the one-row kernel's (the same integer
+// products for quantized weights): weight `w` of `dtype` [m, k]; `one_row(x, x16, jobs)` runs the
+// one-row kernel on one row.
+void check_mma_rows_independent(int dtype, const std::string& name, const Weights& w, int m, int k,
+                                const std::function<void(const Buf<float>&, const X16Buf&, MatmulJobs)>& one_row) {
+    Buf<uint8_t> wd(w.bytes);
+    auto x = random_vec((size_t)64 * k);
+    std::vector<std::vector<float>> results;
+    for (int rows : {64, 9, 2}) {
+        Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
+        X16Buf x16(xd, (size_t)rows * k);
+        Buf<float> out((size_t)rows * m);
+        MatmulJobs jobs{};
+        jobs.n_jobs = 1;
+        jobs.w[0] = wd.p;
+        jobs.out[0] = out.p;
+        jobs.m[0] = m;
+        run_mma(dtype, xd, &x16, rows, k, jobs, 4);
+        results.push_back(std::vector<float>(out.p, out.p + (size_t)2 * m));
+    }
+    bool same = results[1] == results[0] && results[2] == results[0];
+    printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", name.c_str(),
+           same ? "yes" : "NO");
+    if (!same) failures++;
+    // Against the one-row kernel, row by row.
+    std::vector<double> solo((size_t)2 * m);
+    for (int r = 0; r < 2; r++) {
+        Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
+        X16Buf x16(xd, k);
+        Buf<float> out(m);
+        MatmulJobs jobs{};
+        jobs.n_jobs = 1;
+        jobs.w[0] = wd.p;
+        jobs.out[0] = out.p;
+        jobs.m[0] = m;
+        one_row(xd, x16, jobs);
+        for (int i = 0; i < m; i++) solo[(size_t)r * m + i] = out.p[i];
+    }
+    check("mma matmul " + name + " vs the one-row kernel", max_rel(results[2], solo), 2e-6);
+}
+
 void test_mma_rows_independent() {
     int m = 200, k = 1024;
-    for (int dtype = F16; dtype <= Q4_1; dtype++) {
-        Weights w = random_weights(dtype, m, k);
-        Buf<uint8_t> wd(w.bytes);
-        auto x = random_vec((size_t)64 * k);
-        std::vector<std::vector<float>> results;
-        for (int rows : {64, 9, 2}) {
-            Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
-            X16Buf x16(xd, (size_t)rows * k);
-            Buf<float> out((size_t)rows * m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_mma(dtype, xd, &x16, rows, k, jobs, 4);
-            results.push_back(out.vec());
-        }
-        bool same = true;
-        for (size_t v = 1; v < results.size(); v++)
-            for (size_t i = 0; i < results[v].size(); i++) same &= results[v][i] == results[0][i];
-        printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", dtype_name(dtype),
-               same ? "yes" : "NO");
-        if (!same) failures++;
-        // Against the one-row kernel, row by row.
-        std::vector<float> solo((size_t)2 * m);
-        std::vector<double> solo_d(solo.size());
-        for (int r = 0; r < 2; r++) {
-            Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
-            X16Buf x16(xd, k);
-            Buf<float> out(m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_matmul_kernel(dtype, 0, xd.p, x16.xq.p, x16.xs.p, 1, k, jobs, (m + MM_WROWS - 1) / MM_WROWS);
-            for (int i = 0; i < m; i++) solo_d[(size_t)r * m + i] = out.p[i];
-        }
-        check(std::string("mma matmul ") + dtype_name(dtype) + " vs the one-row kernel", 
-              max_rel(results[2], solo_d), 2e-6);
-    }
+    for (int dtype = F16; dtype <= Q4_1; dtype++)
+        check_mma_rows_independent(dtype, dtype_name(dtype), random_weights(dtype, m, k), m, k,
+                                   [&](const Buf<float>& xd, const X16Buf& x16, MatmulJobs jobs) {
+                                       run_matmul_kernel(dtype, 0, xd.p, x16.xq.p, x16.xs.p, 1, k, jobs,
+                                                         (m + MM_WROWS - 1) / MM_WROWS);
+                                   });
 }
 
 // ---- the attention steps of a batch of sequences in one launch ------------------------------
@@ -825,98 +831,39 @@ void test_kq_matmul() {
         }
 }
 
-// The tensor-core matmuls of kquants_mma.cu, every dtype: against the f64 reference of the
-// format for 2-70 rows (one to two 64-row tiles, partial 8-row tiles), ragged weight rows (a
-// partial 256-row tile, three weights per launch), one and three column slices, with and without
-// +=.
+// The tensor-core matmuls of kquants_mma.cu, every dtype, as `test_mma_matmul` (a partial
+// 256-row tile, three weights per launch), blocks of the format's layout.
 void test_kq_mma_matmul() {
     struct Case {
         std::vector<int> ms;
         int blocks;  // (super-)blocks per row
     };
     std::vector<Case> cases = {{{1}, 1}, {{77}, 3}, {{130, 40, 7}, 6}};
-    std::vector<int> row_counts = {2, 3, 9, 17, 33, 64, 70};
     for (int dtype : KQ_ALL)
         for (auto& cs : cases) {
             int k = cs.blocks * kq_len(dtype);
             std::vector<Weights> ws;
-            std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
-            for (int m : cs.ms) {
-                ws.push_back(random_kq_weights(dtype, m, k));
-                wd.emplace_back(new Buf<uint8_t>(ws.back().bytes));
-            }
-            std::string ms;
-            for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
-            for (int rows : row_counts) {
-                if (quick && rows > 33) continue;
-                auto x = random_vec((size_t)rows * k);
-                Buf<float> xd(x);
-                X16Buf x16(xd, (size_t)rows * k);
-                for (int split : {1, 3}) {
-                    if (split > k / 32) continue;
-                    for (int accumulate : {0, 1}) {
-                        JobOutputs o(wd, cs.ms, rows, accumulate);
-                        run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
-                        // x as 16-bit integers per 32-value block (2^-16 of its largest value),
-                        // exact integer sums of the levels, f32 sums in another order than f64:
-                        // the tolerance of the one-row kernels.
-                        check(std::string("mma matmul ") + kq_name(dtype) + " [" + ms + "]x" + std::to_string(k) +
-                                  " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
-                                  (accumulate ? " +=" : ""),
-                              o.max_err(x, rows, ws, k), 1e-4);
-                    }
-                }
-            }
+            for (int m : cs.ms) ws.push_back(random_kq_weights(dtype, m, k));
+            // x as 16-bit integers per 32-value block (2^-16 of its largest value), exact integer
+            // sums of the levels, f32 sums in another order than f64: the one-row kernels' tol.
+            check_mma_case(dtype, kq_name(dtype), cs.ms, k, ws, 1e-4);
         }
 }
 
-// A row's result from kquants_mma.cu does not depend on the rows it is batched with (the same
-// bits in batches of 64, 9 and 2), and is within f32 rounding of the one-row kernel's (the same
-// integer dot products, scaled in another order).
+// The same for kquants_mma.cu's kernels, every dtype (the one-row kernels `matmul_<dtype>_r1`).
 void test_kq_mma_rows_independent() {
     using Kernel1 = void (*)(const short*, const float4*, int, int, MatmulJobs);
     static const Kernel1 one_row[9] = {matmul_q5_0_r1, matmul_q5_1_r1, matmul_q2_k_r1,
                                        matmul_q3_k_r1, matmul_q4_k_r1, matmul_q5_k_r1,
                                        matmul_q6_k_r1, matmul_iq4_nl_r1, matmul_iq4_xs_r1};
     int m = 300, k = 1024;
-    for (int dtype : KQ_ALL) {
-        Weights w = random_kq_weights(dtype, m, k);
-        Buf<uint8_t> wd(w.bytes);
-        auto x = random_vec((size_t)64 * k);
-        std::vector<std::vector<float>> results;
-        for (int rows : {64, 9, 2}) {
-            Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
-            X16Buf x16(xd, (size_t)rows * k);
-            Buf<float> out((size_t)rows * m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_mma(dtype, xd, &x16, rows, k, jobs, 4);
-            results.push_back(std::vector<float>(out.p, out.p + (size_t)2 * m));
-        }
-        bool same = results[1] == results[0] && results[2] == results[0];
-        printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", kq_name(dtype),
-               same ? "yes" : "NO");
-        if (!same) failures++;
-        std::vector<double> solo((size_t)2 * m);
-        for (int r = 0; r < 2; r++) {
-            Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
-            X16Buf x16(xd, k);
-            Buf<float> out(m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            emu::launch(grid3((m + MM_WROWS - 1) / MM_WROWS), MM_WARPS * 32,
-                        [&] { one_row[dtype - KQ50](x16.xq.p, x16.xs.p, 1, k, jobs); });
-            for (int i = 0; i < m; i++) solo[(size_t)r * m + i] = out.p[i];
-        }
-        check(std::string("mma matmul ") + kq_name(dtype) + " vs the one-row kernel", max_rel(results[2], solo),
-              2e-6);
-    }
+    for (int dtype : KQ_ALL)
+        check_mma_rows_independent(dtype, kq_name(dtype), random_kq_weights(dtype, m, k), m, k,
+                                   [&](const Buf<float>&, const X16Buf& x16, MatmulJobs jobs) {
+                                       emu::launch(grid3((m + MM_WROWS - 1) / MM_WROWS), MM_WARPS * 32, [&] {
+                                           one_row[dtype - KQ50](x16.xq.p, x16.xs.p, 1, k, jobs);
+                                       });
+                                   });
 }
 
 }  // namespace
