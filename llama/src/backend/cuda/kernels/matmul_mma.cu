@@ -411,6 +411,13 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
 
+// The dtypes of kquants.cu (codes 6 on): their chunk loop and row size, in kquants_mma.cu.
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
+                                              const float4* xs, int n_chunks, int c0, int c1,
+                                              float (&acc)[MMA_MT][NT][4]);
+template <int DTYPE> __device__ __forceinline__ u64 mma_kq_row_bytes(int n_chunks);
+
 // `x` is f32 rows for f16/bf16 weights, the 16-bit integers of `quantize_x16` (with their
 // records `xs`) for quantized ones; rows of whole 32-value chunks.
 template <int DTYPE, int NT>
@@ -442,7 +449,9 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
         }
     }
     if (wr < t.m) {  // the same for the whole warp
-        const u64 row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
+        u64 row_bytes;
+        if constexpr (DTYPE >= 6) row_bytes = mma_kq_row_bytes<DTYPE>(n_chunks);
+        else row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
         // Rows past the weight's last (a partial tile) read its last row and are never stored.
         const u8* wg[MMA_MT][2];
 #pragma unroll
@@ -452,6 +461,8 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
         }
         if constexpr (DTYPE == 1 || DTYPE == 2)
             mma_chunks_f<DTYPE, NT>(t, wg, (const float*)x, k, c0, c1, acc);
+        else if constexpr (DTYPE >= 6)
+            mma_chunks_kq<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
         else
             mma_chunks_q<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
     }
