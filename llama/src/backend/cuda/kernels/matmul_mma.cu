@@ -427,8 +427,9 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
     if (!mma_tile(jobs, rows, t)) return;  // the whole block, before any barrier
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const int n_chunks = k / 32;
-    // Quantized rows of whole stages take the staged path, its slices made of whole stages.
-    constexpr int G = DTYPE == 1 || DTYPE == 2 ? 1 : mma_stage_chunks<DTYPE>();
+    // q8_0/q4_0/q4_1 rows of whole stages take the staged path, its slices made of whole stages.
+    constexpr bool STAGED_DTYPE = DTYPE >= 3 && DTYPE <= 5;
+    constexpr int G = STAGED_DTYPE ? mma_stage_chunks<DTYPE>() : 1;
     const bool staged = G > 1 && n_chunks % G == 0;
     const int unit = staged ? G : 1, n_units = n_chunks / unit;
     const int c0 = unit * (int)((long long)n_units * blockIdx.z / split);
@@ -441,7 +442,7 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[mt][j][e] = 0.f;
     const int wr = t.i0 + warp * MMA_MT * 16;
-    if constexpr (DTYPE != 1 && DTYPE != 2) {
+    if constexpr (STAGED_DTYPE) {
         if (staged) {  // the same for the whole block: every thread reaches the stage barriers
             mma_chunks_q_staged<DTYPE, NT>(t, wr, (const short*)x, xs, n_chunks, c0, c1, acc);
             mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
