@@ -456,7 +456,7 @@ fi
 if has hybrid; then
   step "CUDA+CPU split test"
   run_test_bin cuda_hybrid "${HYBRID_TEST_BIN:-$(newest cuda_hybrid)}" GDSLLM_GPU_TESTS=1 >/dev/null
-  grep -E "max rel diff|bytes per copy" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
+  grep -E "max rel diff|bytes per copy|beside the copies" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
   threads=(); [ -n "${CPU_THREADS:-}" ] && threads=(--cpu-threads "$CPU_THREADS")
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
     model="$WORK_DIR/llama7b-$dtype"
