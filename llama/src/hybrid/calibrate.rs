@@ -173,9 +173,9 @@ pub fn measure_concurrent(
     dtype: DType,
     probe_bytes: usize,
 ) -> Result<Vec<residency::ConcurrentRate>, LlamaError> {
+    let mut copies = be.pinned_copies(probe_bytes, CONCURRENT_COPY_PIECE)?;
     concurrent_rates(dtype, probe_bytes, &mut |work| {
-        be.pinned_h2d_gbps_during(probe_bytes, CONCURRENT_COPY_PIECE, work)
-            .map(|(gbps, ())| gbps)
+        Ok(copies.during(work).map(|(gbps, ())| gbps)?)
     })
 }
 

@@ -411,19 +411,11 @@ impl Queue {
         Ok(bytes as f64 / best / 1e9)
     }
 
-    /// Pinned host→device copies driven by a thread of their own on a stream of their own (as
-    /// the residency ring's reader copies the host tier), while `work` runs on this thread: the
-    /// GB/s they achieved, and `work`'s result. The copies walk a pinned buffer of `bytes`
-    /// (sized by the caller above the CPU's caches, so that they read DRAM) in pieces of
-    /// `piece` bytes into one device buffer, each piece synchronised like a ring's fill; they
-    /// run from before `work` starts until it returns, and the rate is the bytes of the pieces
-    /// completed over that time.
-    pub fn pinned_h2d_during<R>(
-        &self,
-        bytes: usize,
-        piece: usize,
-        work: impl FnOnce() -> R,
-    ) -> Result<(f64, R), BackendError> {
+    /// Pinned host→device copies to run beside other work ([`PinnedCopies::during`]): a
+    /// pinned buffer of `bytes` (sized by the caller above the CPU's caches, so that the copies
+    /// read DRAM), copied in pieces of `piece` bytes into one device buffer on a stream of
+    /// their own, as the residency ring's reader copies the host tier.
+    pub fn pinned_copies(&self, bytes: usize, piece: usize) -> Result<PinnedCopies, BackendError> {
         const OP: &str = "concurrent H2D benchmark";
         let (bytes, piece) = (bytes.max(1), piece.clamp(1, bytes.max(1)));
         let ctx = self.stream.context().clone();
@@ -434,53 +426,18 @@ impl Queue {
         host.as_mut_slice()
             .map_err(|e| self.error(OP, e))?
             .fill(0x5a);
-        let host = host.as_slice().map_err(|e| self.error(OP, e))?;
-        let mut dst = stream
+        let dst = stream
             .alloc_zeros::<u8>(piece)
             .map_err(|e| self.error(OP, e))?;
         stream.synchronize().map_err(|e| self.error(OP, e))?;
-        let stop = AtomicBool::new(false);
-        /// Stops the copies when `work` returns or unwinds (the scope would wait for them).
-        struct StopOnDrop<'a>(&'a AtomicBool);
-        impl Drop for StopOnDrop<'_> {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::Relaxed);
-            }
-        }
-        let (copied, result) = std::thread::scope(|scope| {
-            let copier = scope.spawn(|| -> Result<(u64, f64), DriverError> {
-                ctx.bind_to_thread()?;
-                let started = std::time::Instant::now();
-                let (mut copied, mut offset) = (0u64, 0usize);
-                while !stop.load(Ordering::Relaxed) {
-                    let len = piece.min(bytes - offset);
-                    stream.memcpy_htod(&host[offset..offset + len], &mut dst)?;
-                    stream.synchronize()?;
-                    copied += len as u64;
-                    offset = if offset + len >= bytes {
-                        0
-                    } else {
-                        offset + len
-                    };
-                }
-                Ok((copied, started.elapsed().as_secs_f64()))
-            });
-            let result = {
-                let _stop = StopOnDrop(&stop);
-                work()
-            };
-            (copier.join(), result)
-        });
-        let (copied, seconds) = match copied {
-            Ok(done) => done.map_err(|e| self.error(OP, e))?,
-            Err(_) => {
-                return Err(BackendError::Unsupported {
-                    op: OP,
-                    message: "the copy thread panicked".into(),
-                });
-            }
-        };
-        Ok((copied as f64 / seconds.max(1e-9) / 1e9, result))
+        Ok(PinnedCopies {
+            ctx,
+            stream,
+            host,
+            dst,
+            piece,
+            device: self.device.clone(),
+        })
     }
 
     /// The shortest of `n` timed runs of `copy`, each from an idle stream to its completion.
@@ -500,6 +457,76 @@ impl Queue {
             best = best.min(t.elapsed().as_secs_f64());
         }
         Ok(best)
+    }
+}
+
+/// Pinned host→device copies that run beside other work: [`Queue::pinned_copies`].
+pub struct PinnedCopies {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    host: cudarc::driver::PinnedHostSlice<u8>,
+    dst: CudaSlice<u8>,
+    piece: usize,
+    /// "NVIDIA H100 80GB HBM3 (0)", for errors.
+    device: String,
+}
+
+impl PinnedCopies {
+    /// Runs the copies on a thread of their own, walking the pinned buffer piece by piece,
+    /// each piece synchronised like a ring's fill, from before `work` starts on this thread
+    /// until it returns (or unwinds): the GB/s of the pieces completed over that time, and
+    /// `work`'s result.
+    pub fn during<R>(&mut self, work: impl FnOnce() -> R) -> Result<(f64, R), BackendError> {
+        const OP: &str = "concurrent H2D benchmark";
+        let error = |source| BackendError::Cuda {
+            device: self.device.clone(),
+            op: OP,
+            source,
+        };
+        let host = self.host.as_slice().map_err(error)?;
+        let (ctx, stream, dst, piece) = (&self.ctx, &self.stream, &mut self.dst, self.piece);
+        let stop = AtomicBool::new(false);
+        /// Stops the copies when `work` returns or unwinds (the scope would wait for them).
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let (copied, result) = std::thread::scope(|scope| {
+            let copier = scope.spawn(|| -> Result<(u64, f64), DriverError> {
+                ctx.bind_to_thread()?;
+                let started = std::time::Instant::now();
+                let (mut copied, mut offset) = (0u64, 0usize);
+                while !stop.load(Ordering::Relaxed) {
+                    let len = piece.min(host.len() - offset);
+                    stream.memcpy_htod(&host[offset..offset + len], dst)?;
+                    stream.synchronize()?;
+                    copied += len as u64;
+                    offset = if offset + len >= host.len() {
+                        0
+                    } else {
+                        offset + len
+                    };
+                }
+                Ok((copied, started.elapsed().as_secs_f64()))
+            });
+            let result = {
+                let _stop = StopOnDrop(&stop);
+                work()
+            };
+            (copier.join(), result)
+        });
+        let (copied, seconds) = match copied {
+            Ok(done) => done.map_err(error)?,
+            Err(_) => {
+                return Err(BackendError::Unsupported {
+                    op: OP,
+                    message: "the copy thread panicked".into(),
+                });
+            }
+        };
+        Ok((copied as f64 / seconds.max(1e-9) / 1e9, result))
     }
 }
 

@@ -36,6 +36,7 @@ use crate::backend::{
 };
 
 pub use compile::kernel_cache_dir;
+pub use device::PinnedCopies;
 pub use matmul::CUBLAS_MIN_ROWS;
 pub use paths::{CudaPaths, PATHS_ENV};
 
@@ -189,17 +190,12 @@ impl CudaBackend {
         Ok(self.queue.measure_pinned_h2d_gbps(bytes)?)
     }
 
-    /// GB/s of pinned host→device copies (from a pinned buffer of `bytes`, in pieces of
-    /// `piece`, on a thread and a stream of their own) achieved while `work` runs on this
-    /// thread, and `work`'s result: what the calibration's concurrent probe measures beside
-    /// the CPU's matmuls (`hybrid::calibrate::measure_concurrent`).
-    pub fn pinned_h2d_gbps_during<R>(
-        &self,
-        bytes: usize,
-        piece: usize,
-        work: impl FnOnce() -> R,
-    ) -> Result<(f64, R), LlamaError> {
-        Ok(self.queue.pinned_h2d_during(bytes, piece, work)?)
+    /// Pinned host→device copies (from a pinned buffer of `bytes`, in pieces of `piece`, on
+    /// a thread and a stream of their own) to run beside other work: what the calibration's
+    /// concurrent probe measures beside the CPU's matmuls
+    /// (`hybrid::calibrate::measure_concurrent`).
+    pub fn pinned_copies(&self, bytes: usize, piece: usize) -> Result<PinnedCopies, LlamaError> {
+        Ok(self.queue.pinned_copies(bytes, piece)?)
     }
 
     /// Passes replayed from a recorded CUDA graph so far (see [`graph`]).
