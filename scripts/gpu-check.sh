@@ -54,8 +54,9 @@
 #            and q4_1 models with --vram-budget 4GiB and the pinned host tier, `gdsllm plan
 #            --calibrate` (measures the GPU's figures: exercises llama::hybrid::calibrate on
 #            CUDA) with --placement gpu and auto, then `gdsllm bench` decode batch 1/8/32 and
-#            pp512; prints predicted (gpu) against achieved with the ratio (target within 25%),
-#            and what the auto placement predicts for the split (not wired to CUDA yet).
+#            pp512; prints the CPU's matmul and the H2D copies measured at once and alone (the
+#            shared-DRAM figures), predicted (gpu) against achieved with the ratio (target
+#            within 25%), and what the auto placement predicts and the CPU's share it picks.
 #   hybrid   (opt-in, issue 24) the split on CUDA: llama/tests/cuda_hybrid.rs with
 #            GDSLLM_GPU_TESTS=1 (a synthetic model streamed from the host tier, the CPU forced
 #            to half of each matmul: logits against all-GPU, each side's rows, fewer bytes
@@ -426,7 +427,7 @@ if has placement; then
     step "gdsllm bench -p 512 on 7b $dtype, ${tier[*]}"
     "$BIN" bench --device cuda -m "$model" "${tier[@]}" -p 512 -n 4 -r 1 --json >"$r" 2>"$r.log" \
       || { tail -n 5 "$r.log" >&2; note "7b $dtype placement pp bench FAILED"; status=1; }
-    python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 5 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
+    python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
 import json, sys
 w, dtype = sys.argv[1], sys.argv[2]
 plan = {m: json.load(open(f"{w}/plan-7b-{dtype}-{m}.json")) for m in ("gpu", "auto")}
@@ -436,14 +437,19 @@ g = plan["gpu"]["calibration"]["gpu"]
 mm = ", ".join(f"{r['rows']}:{r['gbps']:.0f}" for r in g["matmul"] if str(r["dtype"]).lower() == dtype)
 print(f"7b {dtype} calibration: GPU {g['name']} layer matmuls GB/s by rows {mm}, pinned H2D {g['h2d_gbps']:.1f} GB/s, handoff {g['handoff_us']:.1f} us; CPU "
       + ", ".join(f"{c['dtype']} {c['gbps_1']:.1f}/{c['gbps_8']:.1f} GB/s" for c in plan["gpu"]["calibration"]["cpu"]))
-def predicted(mode, kind, n):
+conc = [c for c in g.get("concurrent", []) if str(c["dtype"]).lower() == dtype]
+print(f"7b {dtype} CPU matmul and H2D copies at once (alone), GB/s: "
+      + ("; ".join(f"{c['rows']} rows CPU {c['cpu_gbps']:.1f} ({c['cpu_alone_gbps']:.1f}) copies {c['h2d_gbps']:.1f} ({c['h2d_alone_gbps']:.1f})" for c in conc) or "NOT MEASURED"))
+def placed(mode, kind, n):
     for p in plan[mode]["placement"]["passes"]:
         if p["pass"]["kind"] == kind and p["pass"].get("batch", p["pass"].get("rows")) == n:
-            return p["tokens_per_s"]
+            return p
 for kind, n, achieved in [("decode", 1, batch.get(1)), ("decode", 8, batch.get(8)), ("decode", 32, batch.get(32)), ("prefill", 512, pp)]:
-    pg, pa = predicted("gpu", kind, n), predicted("auto", kind, n)
+    pg, auto = placed("gpu", kind, n)["tokens_per_s"], placed("auto", kind, n)
+    cpu = sum(u["cpu_bytes"] for u in auto["units"])
+    share = cpu / max(1, cpu + sum(u["gpu_bytes"] for u in auto["units"] if u["tier"] == "host"))
     ratio = f"{pg / achieved:.2f}x" if achieved else "n/a"
-    print(f"7b {dtype} host tier 4GiB {kind} {n}: predicted (gpu) {pg:.2f} tok/s, achieved {achieved or float('nan'):.2f} -> predicted/achieved {ratio} (target 0.75-1.25); auto placement predicts {pa:.2f}")
+    print(f"7b {dtype} host tier 4GiB {kind} {n}: predicted (gpu) {pg:.2f} tok/s, achieved {achieved or float('nan'):.2f} -> predicted/achieved {ratio} (target 0.75-1.25); auto placement predicts {auto['tokens_per_s']:.2f} with the CPU on {share:.0%} of the host tier's bytes")
 PY
   done
 fi
@@ -451,7 +457,7 @@ fi
 if has hybrid; then
   step "CUDA+CPU split test"
   run_test_bin cuda_hybrid "${HYBRID_TEST_BIN:-$(newest cuda_hybrid)}" GDSLLM_GPU_TESTS=1 >/dev/null
-  grep -E "max rel diff|bytes per copy" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
+  grep -E "max rel diff|bytes per copy|beside the copies" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
   threads=(); [ -n "${CPU_THREADS:-}" ] && threads=(--cpu-threads "$CPU_THREADS")
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
     model="$WORK_DIR/llama7b-$dtype"

@@ -1,7 +1,9 @@
 //! The machine's figures for the placement planner (`residency::placement`), measured once and
 //! kept in `$GDSLLM_HOME/calibration.json`: the disk's O_DIRECT reads, the CPU's matmul speed
-//! per weight dtype at this many threads, and on a GPU its matmuls, pinned host→device copies
-//! and the handoff between the two. A dtype not measured yet is measured when a model needs
+//! per weight dtype at this many threads, and on a GPU its matmuls, pinned host→device copies,
+//! the handoff between the two, and the CPU's matmuls and the copies at the same time
+//! (`gpu.concurrent`, version 4: on one DRAM they do not add up; without a GPU there is nothing
+//! to measure, and the planner then has the CPU compute everything). A dtype not measured yet is measured when a model needs
 //! it; `--calibrate` measures everything again; a file of another version or another thread
 //! count is measured again. The CPU's probe is four times its last-level caches or more
 //! (`llama::hybrid::calibrate::cpu_probe_bytes`: a fixed 256 MiB one was read from a server's
@@ -145,6 +147,22 @@ pub fn ensure(
                     changed = true;
                 }
             }
+        }
+        let missing = cal
+            .gpu
+            .as_ref()
+            .map_or_else(|| dtypes.to_vec(), |rates| rates.missing_concurrent(dtypes));
+        for dtype in missing {
+            tracing::info!(
+                "calibrating: the CPU's {dtype:?} matmuls and host→device copies at the same \
+                 time ({} MiB each)",
+                cpu_probe >> 20
+            );
+            let measured = llama::hybrid::calibrate::measure_concurrent(be, dtype, cpu_probe)?;
+            if let Some(rates) = cal.gpu.as_mut() {
+                rates.concurrent.extend(measured);
+            }
+            changed = true;
         }
     }
     if changed {

@@ -43,8 +43,8 @@ pub use options::{
     human_bytes, mem_available, parse_bytes,
 };
 pub use placement::{
-    CALIBRATION_VERSION, Calibration, CpuRate, GpuMatmulRate, GpuRates, PassKind, PassPlacement,
-    PlacementMode, PlacementPlan, Tier, Unit, UnitPlacement, plan_placement, units,
+    CALIBRATION_VERSION, Calibration, ConcurrentRate, CpuRate, GpuMatmulRate, GpuRates, PassKind,
+    PassPlacement, PlacementMode, PlacementPlan, Tier, Unit, UnitPlacement, plan_placement, units,
 };
 pub use plan::{
     BlobInfo, BlobKind, ModelLayout, Placement, Plan, PlanInputs, PlannedBlob, kv_cache_bytes,

@@ -22,7 +22,8 @@
 //! - the GPU's copy of a streamed byte: `1 / H2D` from the host tier, `1 / disk` from the disk;
 //!   the ring overlaps it with compute, so the GPU path costs `G = max(copy, g(R))`.
 //!
-//! The CPU and the GPU compute one blob's matmuls at the same time, the CPU rows `[0, k)`, so a
+//! With independent bandwidths (the next section says why they are not, on one DRAM), the
+//! CPU and the GPU compute one blob's matmuls at the same time, the CPU rows `[0, k)`, so a
 //! share `f` of the blob's `B` bytes takes `max(f·B·C, (1−f)·B·G)`, least when both sides take
 //! as long: `f = G / (C + G)`, the time `B·C·G / (C + G)` plus one handoff per split matmul
 //! call (4 per layer, 1 for the LM head). The planner splits a blob only when that beats the
@@ -32,6 +33,62 @@
 //! (llama.cpp's `-ngl 8` there went from 7.9 tok/s at batch 1 to 17.3 at batch 32: 32 rows
 //! cost its CPU 15 times one), so the CPU's share falls to about an eighth, and a prefill chunk
 //! of 512 rows gives it none.
+//!
+//! # On one DRAM the bandwidths do not fully add
+//!
+//! The rule above treats the CPU's reads of RAM and the PCIe copies as independent. On a
+//! machine with one DRAM they are not: the copy engine reads the same memory the CPU's
+//! threads read, and the CPU's threads compete with the thread that drives the copies (and
+//! with the one that issues the GPU's work). Measured on the lent H100 VM (16 vCPUs, one
+//! DRAM, f16 7B, 4 GiB, host tier on; BENCHMARKS.md, 22:10–22:20 UTC), with the CPU's f16
+//! matmul alone at 96.0 / 27.7 / 8.6 GB/s at 1 / 8 / 32 rows and PCIe at 55 GB/s, tok/s:
+//!
+//! | pass | gpu achieved | auto predicted (bandwidths add) | auto achieved |
+//! |---|---|---|---|
+//! | decode b1 | 4.76 | 12.6 | 5.45 (8.59 in another lease) |
+//! | decode b8 | 37.7 | 56.6 | 15.3 |
+//! | decode b32 | 152.2 | 175.4 | 38.5 |
+//!
+//! The GPU path alone is copy-bound and predicted within 3 %, so a pass streams
+//! `S ≈ 55 GB/s / 4.76 ≈ 11.6 GB`. With the CPU's share the ring waited for free slots 14 of
+//! 37 s: the GPU's side was ahead and the CPU's share was the slow one. Solved for the CPU's
+//! rate while the copies run: at b1 the planned share `96 / 151 = 0.64` (7.4 GB) took
+//! `1/5.45 − 3 ms (handoffs) ≈ 0.18 s`, ~41 GB/s (a slowdown of 2.3 against 96); at b8 the
+//! share `27.7 / 82.7 = 0.335` (3.9 GB) took `8/15.3 − 3 ms ≈ 0.52 s`, ~7.5 GB/s (3.7 against
+//! 27.7).
+//!
+//! So the calibration measures it ([`ConcurrentRate`], `llama::hybrid::calibrate`): the CPU's
+//! matmul (the same threads and probe) and the pinned host→device copies (a thread of their
+//! own, from a pinned buffer as large as the CPU's probe), each alone and then both at once,
+//! at 1, 8 and 32 rows. Each side's **slowdown** when both run is its lone rate over its
+//! concurrent one (at least 1), `s_C` and `s_H`, read between the measured row counts (a
+//! prefill chunk reads the 32-row one); the lone figures of [`CpuRate`] and `h2d_gbps` are
+//! divided by them.
+//!
+//! A split unit then runs in two phases: both sides at once, the CPU at `C_b = s_C·C` per
+//! byte and the GPU at `G_b = max(s_H·copy, g(R))` (its compute reads device memory, not
+//! RAM), until one side is done, then the other alone at its lone rate. The time of a share
+//! `f` is piecewise linear in `f` with its only bend where both finish together, so the
+//! fastest share is one of three: `f = 0` (the GPU alone, `B·G`), `f = G_b / (C_b + G_b)`
+//! (both finish together: `B·C_b·G_b / (C_b + G_b)` plus the handoffs), or — from the host
+//! tier, the only one the CPU can read — `f = 1` (the CPU alone, `B·C` plus the handoffs).
+//! The planner takes the fastest, so `auto` is never predicted slower than `gpu`. At the
+//! balanced share this is the shared-DRAM bound `(CPU bytes + PCIe bytes) / DRAM_combined`
+//! with `DRAM_combined = 1/C_b + 1/G_b`, the two rates measured together (when the copies
+//! bound the GPU's side); the two-phase form also prices the shares that are not balanced,
+//! and the CPU's threads starving the copy thread shows in `s_H` as DRAM contention does.
+//!
+//! Worked on the figures above (`s_C` 2.3 at 1 row and 3.7 at 8 and 32, `s_H` 1: what the
+//! runs give; the probe measures both on each machine): at b1 `C_b = 1/41`, `G_b = 1/55`, the
+//! CPU takes `41/96 = 0.43` and a pass takes `11.6/96 + 3 ms ≈ 0.124 s`, 8.1 tok/s (12.6
+//! predicted before, 5.45–8.59 achieved); at b8 `C_b = 1/7.5`: share 0.12, 62.5 GB/s
+//! together, ~42 tok/s against the GPU's 38; at b32 `C_b = 1/2.3`: share 0.04, within a few
+//! % of the GPU alone (`model_on_one_dram_gives_batches_little_or_nothing` checks these). A
+//! pair of concurrent rates whose sum is no more than PCIe's alone gives the CPU nothing.
+//!
+//! Where the concurrent figures are missing — no GPU (the probe needs one; the CPU then
+//! computes everything and shares nothing), or a file from before version 4, which the CLI
+//! measures again — both slowdowns are 1, and the planner adds the lone bandwidths as above.
 //!
 //! A blob streamed from the disk is not in RAM, so the CPU would read its share from the same
 //! disk: no gain, no split. A resident blob is read by the GPU at device-memory speed, far
@@ -57,8 +114,10 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// Version of the [`Calibration`] file; a file of another version is measured again. (2: the
 /// GPU's matmul figures are per dtype and per row count, from a layer's matmul calls. 3: the
 /// CPU's probe is sized from its last-level caches — a 256 MiB one was read from a server's
-/// cache, and the CPU predicted twice as fast as it ran — and measured at 32 rows too.)
-pub const CALIBRATION_VERSION: u32 = 3;
+/// cache, and the CPU predicted twice as fast as it ran — and measured at 32 rows too. 4: the
+/// CPU's matmuls and the pinned host→device copies measured at the same time
+/// ([`ConcurrentRate`]): on one DRAM they do not add up.)
+pub const CALIBRATION_VERSION: u32 = 4;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
 /// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then
@@ -96,22 +155,95 @@ pub struct GpuMatmulRate {
     pub gbps: f64,
 }
 
+/// The CPU's matmul of one dtype at one row count and the pinned host→device copies, each
+/// measured alone and then both at once (the same CPU threads and probe weight as
+/// [`CpuRate`], the copies driven by a thread of their own from a pinned buffer as large as
+/// the CPU's probe, as the ring's reader thread copies the host tier's blobs): weight bytes
+/// per second (10^9) each side achieved, averaged over the same window. The module doc says
+/// how the planner uses them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ConcurrentRate {
+    pub dtype: DType,
+    pub rows: usize,
+    /// The CPU's matmul alone.
+    pub cpu_alone_gbps: f64,
+    /// The CPU's matmul while the copies run.
+    pub cpu_gbps: f64,
+    /// The copies alone.
+    pub h2d_alone_gbps: f64,
+    /// The copies while the CPU's matmul runs.
+    pub h2d_gbps: f64,
+}
+
+impl ConcurrentRate {
+    /// How much slower the CPU's matmul and the copies run at the same time than alone (each
+    /// at least 1: a concurrent figure above the lone one is measurement noise).
+    fn slowdowns(&self) -> (f64, f64) {
+        (
+            (self.cpu_alone_gbps / self.cpu_gbps).max(1.0),
+            (self.h2d_alone_gbps / self.h2d_gbps).max(1.0),
+        )
+    }
+}
+
 /// The GPU's figures: its matmuls per dtype at several row counts ([`GpuMatmulRate`], a
 /// batch's rate and a prefill chunk's measured rather than extrapolated from one kernel),
-/// pinned host→device copies, and the time of one handoff between CPU and GPU (an activation
-/// read back and a share's output copied up, synchronised).
+/// pinned host→device copies, the time of one handoff between CPU and GPU (an activation
+/// read back and a share's output copied up, synchronised), and what the CPU's matmuls and
+/// the copies achieve at the same time ([`ConcurrentRate`]; empty in a file that did not
+/// measure it: the planner then adds the two paths' lone bandwidths).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GpuRates {
     pub name: String,
     pub matmul: Vec<GpuMatmulRate>,
     pub h2d_gbps: f64,
     pub handoff_us: f64,
+    #[serde(default)]
+    pub concurrent: Vec<ConcurrentRate>,
 }
 
 impl GpuRates {
     /// The row counts each dtype is measured at: a decode step of 1, 8 and 32 sequences and a
     /// prefill chunk.
     pub const ROWS: [usize; 4] = [1, 8, 32, 512];
+
+    /// The row counts the CPU's matmul is measured at beside the copies (those of a decode
+    /// step the CPU may take a share of; a prefill chunk reads the 32-row figure).
+    pub const CONCURRENT_ROWS: [usize; 3] = [1, 8, 32];
+
+    /// The dtypes of `dtypes` without a concurrent figure yet.
+    pub fn missing_concurrent(&self, dtypes: &[DType]) -> Vec<DType> {
+        dtypes
+            .iter()
+            .copied()
+            .filter(|d| self.concurrent.iter().all(|r| r.dtype != *d))
+            .collect()
+    }
+
+    /// The CPU's and the copies' slowdowns when both run, for `dtype` at `rows` rows: linear
+    /// between the measured row counts, the nearest one's beyond them; `(1, 1)` (the
+    /// bandwidths add) when none was measured.
+    fn slowdowns(&self, dtype: DType, rows: usize) -> (f64, f64) {
+        let mut points: Vec<(f64, (f64, f64))> = self
+            .concurrent
+            .iter()
+            .filter(|r| r.dtype == dtype)
+            .map(|r| (r.rows as f64, r.slowdowns()))
+            .collect();
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let r = rows as f64;
+        match points.as_slice() {
+            [] => (1.0, 1.0),
+            [(r0, s0), ..] if r <= *r0 => *s0,
+            [.., (rn, sn)] if r >= *rn => *sn,
+            _ => {
+                let i = points.iter().position(|p| r <= p.0).unwrap_or(1).max(1);
+                let ((r0, (c0, h0)), (r1, (c1, h1))) = (points[i - 1], points[i]);
+                let t = (r - r0) / (r1 - r0);
+                (c0 + t * (c1 - c0), h0 + t * (h1 - h0))
+            }
+        }
+    }
 
     /// The figures for `dtype`, fewest rows first.
     pub fn rates(&self, dtype: DType) -> Vec<GpuMatmulRate> {
@@ -482,6 +614,18 @@ pub fn plan_placement(
             }
         }
         check_rate("host→device copies", gpu.h2d_gbps)?;
+        for c in &gpu.concurrent {
+            let what = |side: &str| {
+                format!(
+                    "{side} beside the CPU's {:?} matmul at {} rows",
+                    c.dtype, c.rows
+                )
+            };
+            check_rate(&what("the CPU alone"), c.cpu_alone_gbps)?;
+            check_rate(&what("the CPU"), c.cpu_gbps)?;
+            check_rate(&what("host→device copies alone"), c.h2d_alone_gbps)?;
+            check_rate(&what("host→device copies"), c.h2d_gbps)?;
+        }
         Some(gpu)
     } else {
         None
@@ -538,6 +682,20 @@ fn cpu_per_byte(unit: &Unit, cal: &Calibration, rows: usize) -> f64 {
         .sum()
 }
 
+/// The CPU's and the copies' slowdowns when both run at `rows` rows over `unit` (its dtypes
+/// weighted by their bytes).
+fn concurrent_slowdowns(unit: &Unit, gpu: &GpuRates, rows: usize) -> (f64, f64) {
+    let total = unit.bytes().max(1) as f64;
+    unit.matmul_bytes
+        .iter()
+        .map(|(dtype, bytes)| {
+            let (cpu, copy) = gpu.slowdowns(*dtype, rows);
+            let weight = *bytes as f64 / total;
+            (cpu * weight, copy * weight)
+        })
+        .fold((0.0, 0.0), |(c, h), (dc, dh)| (c + dc, h + dh))
+}
+
 fn place_unit(
     unit: &Unit,
     plan: Option<&Plan>,
@@ -575,18 +733,31 @@ fn place_unit(
         Tier::Host => per_byte(gpu.h2d_gbps),
         Tier::Disk => per_byte(cal.disk_gbps),
     };
-    let g = copy.max(gpu_per_byte(unit, gpu, rows));
+    let compute = gpu_per_byte(unit, gpu, rows);
+    let g = copy.max(compute);
     let gpu_alone = bytes as f64 * g;
     if mode == PlacementMode::Gpu || tier == Tier::Disk || bytes == 0 {
         return placed(tier, 0.0, gpu_alone);
     }
-    let share = g / (c + g);
-    let split = bytes as f64 * c * share + unit.calls as f64 * gpu.handoff_us * 1e-6;
-    if split < gpu_alone {
-        placed(tier, share, split)
-    } else {
-        placed(tier, 0.0, gpu_alone)
+    // While both run: the CPU slower by its slowdown, the copies by theirs (not the GPU's
+    // compute: it reads device memory). A resident blob copies nothing.
+    let (cpu_slowdown, copy_slowdown) = concurrent_slowdowns(unit, gpu, rows);
+    let c_both = c * cpu_slowdown;
+    let g_both = (copy * copy_slowdown).max(compute);
+    let handoffs = unit.calls as f64 * gpu.handoff_us * 1e-6;
+    // The candidates of the module doc: the GPU alone, both sides finishing together, and
+    // (from RAM, which only the host tier is) the CPU alone.
+    let share = g_both / (c_both + g_both);
+    let mut best = (0.0, gpu_alone);
+    let balanced = bytes as f64 * c_both * share + handoffs;
+    if balanced < best.1 {
+        best = (share, balanced);
     }
+    let cpu_alone = bytes as f64 * c + handoffs;
+    if tier == Tier::Host && cpu_alone < best.1 {
+        best = (1.0, cpu_alone);
+    }
+    placed(tier, best.0, best.1)
 }
 
 impl fmt::Display for PlacementPlan {
@@ -692,6 +863,7 @@ mod tests {
                     .to_vec(),
                 h2d_gbps: 55.0,
                 handoff_us: 25.0,
+                concurrent: Vec::new(),
             }),
         }
     }
@@ -1097,8 +1269,10 @@ mod tests {
         object.remove("cpu_cache_bytes");
         object["version"] = 2.into();
         object["cpu"][0].as_object_mut().unwrap().remove("gbps_32");
+        object["gpu"].as_object_mut().unwrap().remove("concurrent");
         let old: Calibration = serde_json::from_value(json).unwrap();
         assert_eq!(old.version, 2);
+        assert!(old.gpu.unwrap().concurrent.is_empty());
         assert_eq!(old.cpu[0].gbps_32, None);
         assert_eq!(old.cpu_probe_bytes, 0);
     }
@@ -1112,6 +1286,264 @@ mod tests {
         assert_eq!(
             cal.missing_dtypes(&[DType::F16, DType::Q4_1]),
             [DType::Q4_1]
+        );
+    }
+
+    /// `cal` with the CPU's and the copies' rates at the same time at 1, 8 and 32 rows:
+    /// `(cpu, h2d)` GB/s at each, against the lone ones of `cal` (the CPU's f16 figure at that
+    /// row count and `h2d_gbps`).
+    fn with_concurrent(mut cal: Calibration, together: [(f64, f64); 3]) -> Calibration {
+        let cpu = *cal.cpu_rate(DType::F16).unwrap();
+        let gpu = cal.gpu.as_mut().unwrap();
+        gpu.concurrent = GpuRates::CONCURRENT_ROWS
+            .iter()
+            .zip(together)
+            .map(|(&rows, (cpu_gbps, h2d_gbps))| ConcurrentRate {
+                dtype: DType::F16,
+                rows,
+                cpu_alone_gbps: 1.0 / cpu.per_byte(rows) / GB,
+                cpu_gbps,
+                h2d_alone_gbps: gpu.h2d_gbps,
+                h2d_gbps,
+            })
+            .collect();
+        cal
+    }
+
+    /// The lent H100 of the module doc's table: the CPU's f16 matmul alone at 96.0 / 27.7 /
+    /// 8.6 GB/s, PCIe 55 GB/s.
+    fn h100_one_dram() -> Calibration {
+        let mut cal = h100();
+        cal.cpu = vec![CpuRate {
+            dtype: DType::F16,
+            gbps_1: 96.0,
+            gbps_8: 27.7,
+            gbps_32: Some(8.6),
+        }];
+        cal
+    }
+
+    #[test]
+    fn concurrent_figures_equal_to_the_lone_ones_split_as_independent_bandwidths_do() {
+        // (a) Both sides as fast together as alone: the shares and times of the bandwidths
+        // adding up, as without concurrent figures (a file from before, or no GPU).
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let lone = h100_one_dram();
+        let together = with_concurrent(lone.clone(), [(96.0, 55.0), (27.7, 55.0), (8.6, 55.0)]);
+        let a = plan_placement(&units, &lone, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let b = plan_placement(&units, &together, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        println!("{b}");
+        for (pa, pb) in a.passes.iter().zip(&b.passes) {
+            assert!((pa.tokens_per_s - pb.tokens_per_s).abs() / pa.tokens_per_s < 1e-9);
+            for (ua, ub) in pa.units.iter().zip(&pb.units) {
+                assert!((ua.cpu_share - ub.cpu_share).abs() < 1e-9, "{ua:?} {ub:?}");
+            }
+        }
+        // And that is a share as before: 96 / (96 + 55) of each streamed layer at batch 1.
+        let decode = b.pass(PassKind::Decode { batch: 1 }).unwrap();
+        let layer = decode.units.iter().find(|u| u.tier == Tier::Host).unwrap();
+        assert!(
+            (layer.cpu_share - 96.0 / 151.0).abs() < 1e-9,
+            "{}",
+            layer.cpu_share
+        );
+    }
+
+    #[test]
+    fn a_combined_rate_no_more_than_pcie_alone_gives_the_cpu_nothing() {
+        // (b) Together the CPU and the copies reach 20 + 35 = 55 GB/s, what PCIe brings alone
+        // (and the CPU alone is slower than that, else it would take whole blobs: the next
+        // test): no share pays, in any pass, and auto predicts what gpu does.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let mut lone = h100();
+        lone.cpu = vec![CpuRate {
+            dtype: DType::F16,
+            gbps_1: 50.0,
+            gbps_8: 20.0,
+            gbps_32: Some(6.0),
+        }];
+        let cal = with_concurrent(lone, [(20.0, 35.0), (5.0, 50.0), (1.0, 54.0)]);
+        let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+        println!("{auto}");
+        for (a, g) in auto.passes.iter().zip(&gpu.passes) {
+            assert_eq!(a.split_units(), 0, "{}", a.pass);
+            assert!(a.units.iter().all(|u| u.cpu_share == 0.0), "{}", a.pass);
+            assert_eq!(a.tokens_per_s, g.tokens_per_s, "{}", a.pass);
+        }
+    }
+
+    #[test]
+    fn predictions_are_monotone_in_the_concurrent_rates_and_never_below_gpu() {
+        // (c) The faster either side runs beside the other, the faster auto is predicted, never
+        // slower than gpu; and more rows never give the CPU more.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let gpu = plan_placement(
+            &units,
+            &h100_one_dram(),
+            PlacementMode::Gpu,
+            &on(Some(&plan)),
+        )
+        .unwrap();
+        let predict = |cpu_1: f64, h2d: f64| {
+            let cal = with_concurrent(
+                h100_one_dram(),
+                [
+                    (cpu_1, h2d),
+                    (cpu_1 * 27.7 / 96.0, h2d),
+                    (cpu_1 * 8.6 / 96.0, h2d),
+                ],
+            );
+            plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap()
+        };
+        let mut previous: Option<PlacementPlan> = None;
+        for h2d in [5.0, 15.0, 25.0, 35.0, 45.0, 55.0] {
+            let mut previous_cpu: Option<PlacementPlan> = None;
+            for cpu_1 in [5.0, 20.0, 40.0, 60.0, 80.0, 96.0] {
+                let p = predict(cpu_1, h2d);
+                for (i, pass) in p.passes.iter().enumerate() {
+                    let g = &gpu.passes[i];
+                    assert!(pass.tokens_per_s >= g.tokens_per_s, "{p}{gpu}");
+                    if let Some(before) = &previous_cpu {
+                        assert!(
+                            pass.tokens_per_s >= before.passes[i].tokens_per_s,
+                            "CPU {cpu_1} GB/s, copies {h2d}: {p}{before}"
+                        );
+                    }
+                }
+                let share = |batch| p.pass(PassKind::Decode { batch }).unwrap().cpu_share(5);
+                assert!(share(1) >= share(8) && share(8) >= share(32), "{p}");
+                previous_cpu = Some(p);
+            }
+            let p = previous_cpu.unwrap();
+            if let Some(before) = &previous {
+                for (a, b) in p.passes.iter().zip(&before.passes) {
+                    assert!(
+                        a.tokens_per_s >= b.tokens_per_s,
+                        "copies {h2d}: {p}{before}"
+                    );
+                }
+            }
+            previous = Some(p);
+        }
+    }
+
+    #[test]
+    fn model_on_one_dram_gives_batches_little_or_nothing() {
+        // The module doc's worked example: the slowdowns the lent H100's runs give (the CPU
+        // 2.3× slower beside the copies at 1 row, 3.7× at 8 and 32, the copies unaffected).
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let cal = with_concurrent(
+            h100_one_dram(),
+            [(96.0 / 2.3, 55.0), (27.7 / 3.7, 55.0), (8.6 / 3.7, 55.0)],
+        );
+        let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+        let independent = plan_placement(
+            &units,
+            &h100_one_dram(),
+            PlacementMode::Auto,
+            &on(Some(&plan)),
+        )
+        .unwrap();
+        println!("{auto}{gpu}{independent}");
+        let tps =
+            |p: &PlacementPlan, batch| p.pass(PassKind::Decode { batch }).unwrap().tokens_per_s;
+        let share = |batch| auto.pass(PassKind::Decode { batch }).unwrap().cpu_share(5);
+        for batch in [1, 8, 32] {
+            println!(
+                "batch {batch}: gpu {:.2}, auto {:.2} (CPU share {:.3}), bandwidths adding {:.2}",
+                tps(&gpu, batch),
+                tps(&auto, batch),
+                share(batch),
+                tps(&independent, batch)
+            );
+        }
+        // Batch 1 still splits: ~41 / 96 of each streamed layer, ~1.7× the GPU alone (the
+        // doc's 8.1 against 4.76), well below the 2.6× of the bandwidths adding up.
+        assert!((share(1) - 41.7 / 96.7).abs() < 0.01, "{}", share(1));
+        let b1 = tps(&auto, 1) / tps(&gpu, 1);
+        assert!((1.5..1.9).contains(&b1), "{b1}");
+        assert!(tps(&independent, 1) / tps(&gpu, 1) > 2.3);
+        // Batches of 8 and 32: little or nothing on the CPU, nearly the GPU alone.
+        assert!(share(8) < 0.15, "{}", share(8));
+        assert!(share(32) < 0.06, "{}", share(32));
+        assert!(tps(&auto, 8) / tps(&gpu, 8) < 1.15);
+        assert!(tps(&auto, 32) / tps(&gpu, 32) < 1.05);
+        // The prefill chunk: nothing.
+        let prefill = auto.pass(PassKind::Prefill { rows: 512 }).unwrap();
+        assert_eq!(prefill.split_units(), 0, "{auto}");
+    }
+
+    #[test]
+    fn the_cpu_alone_takes_a_host_blob_when_both_together_are_slower() {
+        // Together the CPU makes 40 and the copies 10 GB/s: 50 GB/s, less than the CPU's 96
+        // alone. Each host-tier layer goes wholly to the CPU at batch 1; the resident ones stay.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let cal = with_concurrent(h100_one_dram(), [(40.0, 10.0), (10.0, 10.0), (3.0, 10.0)]);
+        let p = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
+        println!("{p}");
+        for u in &decode.units {
+            match u.tier {
+                Tier::Host => {
+                    assert_eq!(u.cpu_share, 1.0, "{}", u.name);
+                    assert_eq!(u.gpu_bytes, 0, "{}", u.name);
+                }
+                _ => assert_eq!(u.cpu_share, 0.0, "{}", u.name),
+            }
+        }
+    }
+
+    #[test]
+    fn the_slowdowns_are_read_between_the_measured_row_counts() {
+        let cal = with_concurrent(
+            h100_one_dram(),
+            [(48.0, 55.0), (27.7 / 4.0, 27.5), (4.3, 11.0)],
+        );
+        let gpu = cal.gpu.unwrap();
+        let close = |(a, b): (f64, f64), (x, y): (f64, f64)| {
+            assert!(
+                (a - x).abs() < 1e-9 && (b - y).abs() < 1e-9,
+                "{a} {b} vs {x} {y}"
+            );
+        };
+        close(gpu.slowdowns(DType::F16, 1), (2.0, 1.0));
+        close(gpu.slowdowns(DType::F16, 8), (4.0, 2.0));
+        close(gpu.slowdowns(DType::F16, 32), (2.0, 5.0));
+        // Between 8 and 32 rows, between theirs; beyond them, the nearest one's.
+        close(gpu.slowdowns(DType::F16, 20), (3.0, 3.5));
+        close(gpu.slowdowns(DType::F16, 512), (2.0, 5.0));
+        // A dtype not measured, or a concurrent figure above the lone one: no slowdown.
+        close(gpu.slowdowns(DType::Q4_1, 8), (1.0, 1.0));
+        assert_eq!(
+            gpu.missing_concurrent(&[DType::F16, DType::Q4_1]),
+            [DType::Q4_1]
+        );
+        let fast = ConcurrentRate {
+            dtype: DType::F16,
+            rows: 1,
+            cpu_alone_gbps: 50.0,
+            cpu_gbps: 51.0,
+            h2d_alone_gbps: 55.0,
+            h2d_gbps: 56.0,
+        };
+        assert_eq!(fast.slowdowns(), (1.0, 1.0));
+        // A broken figure is an error naming it.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = plan_4gib(&layout, true);
+        let broken = with_concurrent(h100_one_dram(), [(0.0, 55.0), (10.0, 50.0), (3.0, 50.0)]);
+        let err = plan_placement(&units, &broken, PlacementMode::Auto, &on(Some(&plan)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("beside the CPU's F16 matmul at 1 rows"),
+            "{err}"
         );
     }
 }

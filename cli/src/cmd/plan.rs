@@ -142,12 +142,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             );
         }
         print!("{}", placement.1);
+        print_concurrent(&placement.0);
         println!(
             "(from this machine's figures in {}; --calibrate measures them again)",
             crate::calibration::path(&crate::calibration::home()).display()
         );
     }
     Ok(())
+}
+
+/// What the CPU's matmuls and the host→device copies achieved at the same time, beside what
+/// each achieved alone (what the planner's shares rest on: `residency::placement`).
+fn print_concurrent(cal: &residency::Calibration) {
+    let Some(gpu) = &cal.gpu else {
+        println!("no GPU: the CPU computes everything, nothing is copied beside it");
+        return;
+    };
+    if gpu.concurrent.is_empty() {
+        println!("the CPU and the copies were not measured together: their bandwidths add up");
+        return;
+    }
+    println!("the CPU's matmul and host→device copies at the same time (alone), GB/s:");
+    for c in &gpu.concurrent {
+        println!(
+            "  {:<5} {:>2} rows  CPU {:>6.1} ({:>6.1})  copies {:>6.1} ({:>6.1})",
+            format!("{:?}", c.dtype),
+            c.rows,
+            c.cpu_gbps,
+            c.cpu_alone_gbps,
+            c.h2d_gbps,
+            c.h2d_alone_gbps
+        );
+    }
 }
 
 /// The placement of the model on this machine (on the GPU when one is usable, else the CPU),

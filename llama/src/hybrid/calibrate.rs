@@ -1,10 +1,14 @@
 //! Measuring what the placement planner (`residency::placement`) needs to know of this
 //! machine's compute: the CPU backend's matmul speed per weight dtype at 1, 8 and 32 rows, and
 //! on CUDA the GPU's per dtype at 1, 8, 32 and 512 rows of a layer's matmul calls, its pinned
-//! host→device copies and the time of one handoff between the two (what a split matmul adds).
+//! host→device copies and the time of one handoff between the two (what a split matmul adds),
+//! and the CPU's matmul and those copies at the same time ([`concurrent_rates`]: on one DRAM
+//! they do not add up; skipped without a GPU, where nothing is copied).
 //!
 //! Each figure is the best of several passes over a weight far larger than the caches (the
-//! planner needs what streaming weights costs, not what a cached one does). The weight's values
+//! planner needs what streaming weights costs, not what a cached one does); the concurrent
+//! ones are averages over one window instead, each side alone and together alike, so that the
+//! two sides cover the same time. The weight's values
 //! are a fixed pattern: speed does not depend on them.
 //!
 //! # The CPU's probe is sized from its caches
@@ -86,6 +90,92 @@ pub fn measure_cpu(dtype: DType, probe_bytes: usize) -> Result<CpuRate, LlamaErr
         gbps_1: matmul_gbps(&be, w, 1, sync)?,
         gbps_8: matmul_gbps(&be, w, 8, sync)?,
         gbps_32: Some(matmul_gbps(&be, w, 32, sync)?),
+    })
+}
+
+/// Weight bytes per second (10^9) the CPU backend's matmul of `rows` rows over `w` sustains:
+/// every pass over [`MEASURE_FOR`] (at least 2) after one to warm up, averaged — not the best
+/// one, so that it covers the same window as copies running beside it.
+fn cpu_sustained_gbps(be: &CpuBackend, w: WeightView<'_>, rows: usize) -> Result<f64, LlamaError> {
+    let x = be.upload(&vec![0.25; rows * w.cols])?;
+    let mut out = be.alloc(rows * w.rows)?;
+    let mut pass = || be.matmul_batch(&x, &[RowGroup::solo(rows)], &[w], &mut [&mut out]);
+    pass()?;
+    let started = Instant::now();
+    let mut passes = 0;
+    while passes < 2 || started.elapsed() < MEASURE_FOR {
+        pass()?;
+        passes += 1;
+    }
+    let bytes = (w.rows * w.row_bytes() * passes) as f64;
+    Ok(bytes / started.elapsed().as_secs_f64() / 1e9)
+}
+
+/// The copies a concurrent probe runs beside the CPU: `copies(work)` runs `work` on this
+/// thread while copies run on another, and returns the GB/s they achieved meanwhile.
+pub type CopiesDuring<'a> = dyn FnMut(&mut dyn FnMut()) -> Result<f64, LlamaError> + 'a;
+
+/// The CPU backend's `dtype` matmul (over a probe weight of about `probe_bytes`, on the
+/// current rayon pool) and the copies of `copies` (pinned host→device ones on a GPU:
+/// [`measure_concurrent`]), each alone and then both at once, at each of
+/// [`residency::GpuRates::CONCURRENT_ROWS`]: on one DRAM the two do not add up
+/// (`residency::placement`'s module doc says how the planner uses these).
+pub fn concurrent_rates(
+    dtype: DType,
+    probe_bytes: usize,
+    copies: &mut CopiesDuring<'_>,
+) -> Result<Vec<residency::ConcurrentRate>, LlamaError> {
+    let (bytes, rows) = probe_weight(dtype, probe_bytes)?;
+    let w = WeightView::host(dtype, rows, PROBE_COLS, &bytes);
+    let cpu = CpuBackend::new();
+    let h2d_alone_gbps = copies(&mut || std::thread::sleep(MEASURE_FOR))?;
+    let mut rates = Vec::new();
+    for rows in residency::GpuRates::CONCURRENT_ROWS {
+        let cpu_alone_gbps = cpu_sustained_gbps(&cpu, w, rows)?;
+        let mut beside = None;
+        let h2d_gbps = copies(&mut || beside = Some(cpu_sustained_gbps(&cpu, w, rows)))?;
+        let cpu_gbps = beside.ok_or_else(|| LlamaError::Config {
+            setting: "calibration",
+            message: "the concurrent probe's copies did not run the CPU's matmul".into(),
+        })??;
+        let rate = residency::ConcurrentRate {
+            dtype,
+            rows,
+            cpu_alone_gbps,
+            cpu_gbps,
+            h2d_alone_gbps,
+            h2d_gbps,
+        };
+        tracing::info!(
+            "{dtype:?} at {rows} rows: the CPU {:.1} GB/s alone, {:.1} beside the copies; the \
+             copies {:.1} GB/s alone, {:.1} beside the CPU",
+            rate.cpu_alone_gbps,
+            rate.cpu_gbps,
+            rate.h2d_alone_gbps,
+            rate.h2d_gbps
+        );
+        rates.push(rate);
+    }
+    Ok(rates)
+}
+
+/// Pieces the concurrent probe's copies are made in: about one matmul weight's share of a
+/// 7B layer, the grain the ring fills a split blob in.
+#[cfg(feature = "cuda")]
+const CONCURRENT_COPY_PIECE: usize = 32 << 20;
+
+/// [`concurrent_rates`] with `be`'s pinned host→device copies, from a pinned buffer as large
+/// as the CPU's probe (`probe_bytes`: above the caches, so both read DRAM), on a thread and
+/// a stream of their own, as the residency ring's reader copies the host tier.
+#[cfg(feature = "cuda")]
+pub fn measure_concurrent(
+    be: &crate::backend::CudaBackend,
+    dtype: DType,
+    probe_bytes: usize,
+) -> Result<Vec<residency::ConcurrentRate>, LlamaError> {
+    let mut copies = be.pinned_copies(probe_bytes, CONCURRENT_COPY_PIECE)?;
+    concurrent_rates(dtype, probe_bytes, &mut |work| {
+        Ok(copies.during(work).map(|(gbps, ())| gbps)?)
     })
 }
 
@@ -311,6 +401,7 @@ pub fn measure_gpu(
         matmul,
         h2d_gbps,
         handoff_us: handoff * 1e6,
+        concurrent: Vec::new(),
     })
 }
 
@@ -336,6 +427,52 @@ mod tests {
         for gbps in [rate.gbps_1, rate.gbps_8, rate.gbps_32.unwrap()] {
             assert!(gbps.is_finite() && gbps > 0.0, "{rate:?}");
         }
+    }
+
+    #[test]
+    fn the_concurrent_probe_measures_each_side_alone_and_together() {
+        // Without a GPU: a thread copying between two host buffers stands in for the PCIe
+        // copies (it reads and writes the same DRAM the CPU's matmul reads).
+        let mut copies = |work: &mut dyn FnMut()| -> Result<f64, LlamaError> {
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let (from, mut to) = (vec![1u8; 16 << 20], vec![0u8; 16 << 20]);
+            std::thread::scope(|scope| {
+                let copier = scope.spawn(|| {
+                    let started = Instant::now();
+                    let mut copied = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        to.copy_from_slice(&from);
+                        copied += from.len() as u64;
+                    }
+                    copied as f64 / started.elapsed().as_secs_f64() / 1e9
+                });
+                work();
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(copier.join().expect("the copy thread"))
+            })
+        };
+        let rates = concurrent_rates(DType::Q8_0, 4 << 20, &mut copies).unwrap();
+        for r in &rates {
+            println!("{r:?}");
+        }
+        let rows: Vec<usize> = rates.iter().map(|r| r.rows).collect();
+        assert_eq!(rows, residency::GpuRates::CONCURRENT_ROWS);
+        for r in &rates {
+            assert_eq!(r.dtype, DType::Q8_0);
+            for gbps in [r.cpu_alone_gbps, r.cpu_gbps, r.h2d_alone_gbps, r.h2d_gbps] {
+                assert!(gbps.is_finite() && gbps > 0.0, "{r:?}");
+            }
+            // One figure of the copies alone serves every row count.
+            assert_eq!(r.h2d_alone_gbps, rates[0].h2d_alone_gbps);
+        }
+        // Copies that fail are an error, not a figure.
+        let mut failing = |_: &mut dyn FnMut()| -> Result<f64, LlamaError> {
+            Err(LlamaError::Config {
+                setting: "test",
+                message: "no copies".into(),
+            })
+        };
+        assert!(concurrent_rates(DType::Q8_0, 1 << 20, &mut failing).is_err());
     }
 
     /// Writes `files` (path, contents) under `root`.

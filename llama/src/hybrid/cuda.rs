@@ -34,6 +34,19 @@
 //! A blob may be refilled only once it is released, so the split needs more streamed blobs
 //! than ring slots; with fewer, the GPU computes everything.
 //!
+//! # The ring's waits
+//!
+//! With `auto` on the lent H100 (f16 7B, 4 GiB, 2 ring slots) the reader sat idle for a free
+//! slot 13.9 of 37 s (`slot_wait_s`: the next blob in plan order had no free slot). That is
+//! the reader having copied ahead while the compute side — there the CPU's share of each
+//! layer, slower beside the copies than its lone calibration said — had not released the slot
+//! it read: a pass bound by the compute side. A deeper ring would not shorten it (and a third
+//! slot of a 404 MB layer costs a resident layer, ~3.5 % more bytes streamed per token);
+//! slots stay sized for whole blobs, since a prefill chunk (no CPU share) needs them whole,
+//! so a share frees no room for more of them either. What shortens the waits is a share the
+//! CPU keeps up with beside the copies: the planner's shared-DRAM model
+//! (`residency::placement`, from the calibration's concurrent probe).
+//!
 //! The decode CUDA graph is off (every op is issued each step: the CPU's work between the
 //! primary's ops cannot be captured). With layers streaming, graphs are not replayed anyway.
 

@@ -13,7 +13,9 @@
 //! matmul's output rows** instead makes both paths work on every layer at once: the CPU
 //! computes rows `[0, k)` straight from the host tier's RAM while the GPU computes rows
 //! `[k, n)` from what streams in, and the time is `10.9 GB / (77 + 55) GB/s = 0.083 s`
-//! (12 tok/s, the CPU taking `77 / 132 = 58 %` of the rows). Rows of a weight are contiguous
+//! (12 tok/s, the CPU taking `77 / 132 = 58 %` of the rows) — where the two paths' bandwidths
+//! add up; on one DRAM they add less, and `residency::placement` plans with what they achieve
+//! together. Rows of a weight are contiguous
 //! bytes of its blob in every dtype (a row is a whole number of blocks), so each side's share
 //! is one byte range: the GPU streams only its share.
 //!

@@ -411,6 +411,35 @@ impl Queue {
         Ok(bytes as f64 / best / 1e9)
     }
 
+    /// Pinned host→device copies to run beside other work ([`PinnedCopies::during`]): a
+    /// pinned buffer of `bytes` (sized by the caller above the CPU's caches, so that the copies
+    /// read DRAM), copied in pieces of `piece` bytes into one device buffer on a stream of
+    /// their own, as the residency ring's reader copies the host tier.
+    pub fn pinned_copies(&self, bytes: usize, piece: usize) -> Result<PinnedCopies, BackendError> {
+        const OP: &str = "concurrent H2D benchmark";
+        let (bytes, piece) = (bytes.max(1), piece.clamp(1, bytes.max(1)));
+        let ctx = self.stream.context().clone();
+        let stream = ctx.new_stream().map_err(|e| self.error(OP, e))?;
+        // SAFETY: `alloc_pinned` leaves the memory uninitialised; it is filled below before
+        // any byte of it is read.
+        let mut host = unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| self.error(OP, e))?;
+        host.as_mut_slice()
+            .map_err(|e| self.error(OP, e))?
+            .fill(0x5a);
+        let dst = stream
+            .alloc_zeros::<u8>(piece)
+            .map_err(|e| self.error(OP, e))?;
+        stream.synchronize().map_err(|e| self.error(OP, e))?;
+        Ok(PinnedCopies {
+            ctx,
+            stream,
+            host,
+            dst,
+            piece,
+            device: self.device.clone(),
+        })
+    }
+
     /// The shortest of `n` timed runs of `copy`, each from an idle stream to its completion.
     fn best_of(
         &self,
@@ -428,6 +457,76 @@ impl Queue {
             best = best.min(t.elapsed().as_secs_f64());
         }
         Ok(best)
+    }
+}
+
+/// Pinned host→device copies that run beside other work: [`Queue::pinned_copies`].
+pub struct PinnedCopies {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    host: cudarc::driver::PinnedHostSlice<u8>,
+    dst: CudaSlice<u8>,
+    piece: usize,
+    /// "NVIDIA H100 80GB HBM3 (0)", for errors.
+    device: String,
+}
+
+impl PinnedCopies {
+    /// Runs the copies on a thread of their own, walking the pinned buffer piece by piece,
+    /// each piece synchronised like a ring's fill, from before `work` starts on this thread
+    /// until it returns (or unwinds): the GB/s of the pieces completed over that time, and
+    /// `work`'s result.
+    pub fn during<R>(&mut self, work: impl FnOnce() -> R) -> Result<(f64, R), BackendError> {
+        const OP: &str = "concurrent H2D benchmark";
+        let error = |source| BackendError::Cuda {
+            device: self.device.clone(),
+            op: OP,
+            source,
+        };
+        let host = self.host.as_slice().map_err(error)?;
+        let (ctx, stream, dst, piece) = (&self.ctx, &self.stream, &mut self.dst, self.piece);
+        let stop = AtomicBool::new(false);
+        /// Stops the copies when `work` returns or unwinds (the scope would wait for them).
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let (copied, result) = std::thread::scope(|scope| {
+            let copier = scope.spawn(|| -> Result<(u64, f64), DriverError> {
+                ctx.bind_to_thread()?;
+                let started = std::time::Instant::now();
+                let (mut copied, mut offset) = (0u64, 0usize);
+                while !stop.load(Ordering::Relaxed) {
+                    let len = piece.min(host.len() - offset);
+                    stream.memcpy_htod(&host[offset..offset + len], dst)?;
+                    stream.synchronize()?;
+                    copied += len as u64;
+                    offset = if offset + len >= host.len() {
+                        0
+                    } else {
+                        offset + len
+                    };
+                }
+                Ok((copied, started.elapsed().as_secs_f64()))
+            });
+            let result = {
+                let _stop = StopOnDrop(&stop);
+                work()
+            };
+            (copier.join(), result)
+        });
+        let (copied, seconds) = match copied {
+            Ok(done) => done.map_err(error)?,
+            Err(_) => {
+                return Err(BackendError::Unsupported {
+                    op: OP,
+                    message: "the copy thread panicked".into(),
+                });
+            }
+        };
+        Ok((copied as f64 / seconds.max(1e-9) / 1e9, result))
     }
 }
 

@@ -36,6 +36,7 @@ use crate::backend::{
 };
 
 pub use compile::kernel_cache_dir;
+pub use device::PinnedCopies;
 pub use matmul::CUBLAS_MIN_ROWS;
 pub use paths::{CudaPaths, PATHS_ENV};
 
@@ -187,6 +188,14 @@ impl CudaBackend {
     /// few copies: the reference for the pinned host tier.
     pub fn measure_pinned_h2d_gbps(&self, bytes: usize) -> Result<f64, LlamaError> {
         Ok(self.queue.measure_pinned_h2d_gbps(bytes)?)
+    }
+
+    /// Pinned host→device copies (from a pinned buffer of `bytes`, in pieces of `piece`, on
+    /// a thread and a stream of their own) to run beside other work: what the calibration's
+    /// concurrent probe measures beside the CPU's matmuls
+    /// (`hybrid::calibrate::measure_concurrent`).
+    pub fn pinned_copies(&self, bytes: usize, piece: usize) -> Result<PinnedCopies, LlamaError> {
+        Ok(self.queue.pinned_copies(bytes, piece)?)
     }
 
     /// Passes replayed from a recorded CUDA graph so far (see [`graph`]).
