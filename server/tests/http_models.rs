@@ -230,6 +230,8 @@ async fn requests_for_a_loading_model_wait_for_one_load() {
 /// Three models of 400 bytes of device memory each (300 at the least, all streamed) in a
 /// budget of 1000: two fit as they would alone; the third needs one of them gone.
 struct SizedSource {
+    /// The server's budget.
+    budget: TierBytes,
     /// Each load's name and the budget it was given.
     loads: Mutex<Vec<(String, Option<TierBytes>)>>,
 }
@@ -268,7 +270,7 @@ impl ModelSource for SizedSource {
         _model: &SourceModel,
         budget: TierBytes,
     ) -> Result<Option<MemoryNeed>, String> {
-        assert_eq!(budget, BUDGET);
+        assert_eq!(budget, self.budget);
         Ok(Some(MemoryNeed {
             full: FULL,
             minimum: MINIMUM,
@@ -315,24 +317,31 @@ fn keep_busy(ts: &TestServer, model: &str) -> tokio::task::JoinHandle<String> {
     })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_memory_budget_across_models_unloads_idle_ones_and_refuses_while_busy_ones_hold_it() {
+/// A server with a memory budget of `budget` over [`SizedSource`]'s models, the default
+/// loaded (holding [`FULL`]).
+async fn start_sized(budget: TierBytes) -> (TestServer, Arc<SizedSource>) {
     let config = ServerConfig {
         max_models: 3,
-        max_batch: 4,
         memory_budget: Some(MemoryBudget {
-            device: Some(BUDGET.device),
-            host: Some(BUDGET.host),
+            device: Some(budget.device),
+            host: Some(budget.host),
         }),
         ..Default::default()
     };
     let ts = TestServer::start_loading(config).await;
     let source = Arc::new(SizedSource {
+        budget,
         loads: Mutex::new(Vec::new()),
     });
     ts.server
         .set_model_source(source.clone(), source_model("fake-model"));
     ts.server.set_engine(Arc::new(sized_engine(FULL, 100)));
+    (ts, source)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_budget_across_models_unloads_idle_ones_and_refuses_while_busy_ones_hold_it() {
+    let (ts, source) = start_sized(BUDGET).await;
 
     // The second model fits beside the default, as it would alone.
     let (status, body, _) = post(&ts, "/v1/chat/completions", &chat("b", 2)).await;
@@ -451,5 +460,48 @@ async fn a_memory_budget_across_models_unloads_idle_ones_and_refuses_while_busy_
     );
     let streamed = busy_c.await.unwrap();
     assert!(streamed.contains("[DONE]"), "{streamed}");
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_loads_smaller_when_busy_models_leave_less_than_it_would_take_alone() {
+    // 700: the default's 400 leaves 300 of device memory, the least `b` runs with.
+    let (ts, source) = start_sized(TierBytes::new(700, 100)).await;
+    let busy = keep_busy(&ts, "fake-model");
+    assert_eq!(
+        common::wait_for_metric(&ts, "gdsllm_requests_running", 1.0).await,
+        1.0
+    );
+    let (status, body, _) = post(&ts, "/v1/chat/completions", &chat("b", 2)).await;
+    assert_eq!(status, 200, "{body}");
+    // Given what is left of the device budget, and what it wants of the host tier.
+    assert_eq!(
+        source.loads.lock().last(),
+        Some(&("b".to_string(), Some(TierBytes::new(300, 40))))
+    );
+    let models: Value = reqwest::get(ts.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        models["memory"]["held_bytes"],
+        json!({"device": 700, "host": 80})
+    );
+    let text = metrics_text(&ts).await;
+    assert_eq!(
+        metric(
+            &text,
+            "gdsllm_model_memory_bytes{model=\"b\",tier=\"device\"}"
+        ),
+        Some(300.0)
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_model_evictions_total{reason=\"memory\"}"),
+        None,
+        "nothing was unloaded"
+    );
+    assert!(busy.await.unwrap().contains("[DONE]"));
     ts.shutdown().await;
 }

@@ -88,7 +88,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let memory = &server["memory"];
         if memory.is_object() {
             let budget = if memory["budget_bytes"].is_object() {
-                format!(" of {}", tiers(&memory["budget_bytes"]))
+                format!(" (budget {})", tiers(&memory["budget_bytes"]))
             } else {
                 String::new()
             };
