@@ -24,8 +24,8 @@
 //! with, a loaded one what its engine reports ([`Engine::memory`]: resident weights, staging
 //! ring, KV caches and scratch on the device; its host tier); the registry keeps the sum.
 //! `auto` budgets are what the default model was planned with at its first load (the free
-//! device memory, or the share of RAM, then), so until that load ends no other model loads
-//! (503). Loading a model:
+//! device memory, or the share of RAM, then); until that load ends no other model loads
+//! (503), as what the default takes is not known before. Loading a model:
 //! - The source says what it needs for the whole budget ([`MemoryNeed`]): `full`, what it
 //!   would take with the whole budget to itself (capped by what it needs to be fully
 //!   resident), and `minimum`, the smallest plan residency accepts (everything streamed
@@ -338,9 +338,12 @@ impl AppState {
         if self.config.memory_budget.is_none() {
             return Budget::Unlimited;
         }
+        // Until the default model has loaded, what it holds is not known.
+        if !self.models.default_ready_once.load(Ordering::SeqCst) {
+            return Budget::Pending;
+        }
         match *self.models.budget.lock() {
             Some(known) => Budget::Known(known),
-            // Set at start when both tiers are given in bytes.
             None => Budget::Pending,
         }
     }
@@ -550,8 +553,8 @@ impl AppState {
             Budget::Unlimited => None,
             Budget::Pending => {
                 return Err(ApiError::unavailable(format!(
-                    "cannot load model {} yet: the default model is still loading, and the \
-                     memory budget (auto) is known once it has loaded; retry later",
+                    "cannot load model {} yet: the default model is still loading, and what it \
+                     takes of the memory budget is known once it has loaded; retry later",
                     model.name
                 )));
             }

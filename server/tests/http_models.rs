@@ -320,6 +320,14 @@ fn keep_busy(ts: &TestServer, model: &str) -> tokio::task::JoinHandle<String> {
 /// A server with a memory budget of `budget` over [`SizedSource`]'s models, the default
 /// loaded (holding [`FULL`]).
 async fn start_sized(budget: TierBytes) -> (TestServer, Arc<SizedSource>) {
+    let (ts, source, _) = start_sized_with_default(budget).await;
+    (ts, source)
+}
+
+/// [`start_sized`], and the default model's engine.
+async fn start_sized_with_default(
+    budget: TierBytes,
+) -> (TestServer, Arc<SizedSource>, Arc<dyn Engine>) {
     let config = ServerConfig {
         max_models: 3,
         memory_budget: Some(MemoryBudget {
@@ -335,8 +343,9 @@ async fn start_sized(budget: TierBytes) -> (TestServer, Arc<SizedSource>) {
     });
     ts.server
         .set_model_source(source.clone(), source_model("fake-model"));
-    ts.server.set_engine(Arc::new(sized_engine(FULL, 100)));
-    (ts, source)
+    let default: Arc<dyn Engine> = Arc::new(sized_engine(FULL, 100));
+    ts.server.set_engine(default.clone());
+    (ts, source, default)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -503,5 +512,52 @@ async fn a_model_loads_smaller_when_busy_models_leave_less_than_it_would_take_al
         "nothing was unloaded"
     );
     assert!(busy.await.unwrap().contains("[DONE]"));
+    ts.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_waits_until_the_model_unloaded_for_it_is_gone() {
+    // The test keeps a handle on the default's engine: unloaded, it is not freed until that
+    // handle goes too.
+    let (ts, source, default) = start_sized_with_default(BUDGET).await;
+    let (status, body, _) = post(&ts, "/v1/chat/completions", &chat("b", 2)).await;
+    assert_eq!(status, 200, "{body}");
+    let third = tokio::spawn({
+        let url = ts.url("/v1/chat/completions");
+        async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .json(&chat("c", 2))
+                .send()
+                .await
+                .unwrap();
+            r.status().as_u16()
+        }
+    });
+    // The default is unloaded for `c`, but its memory still counts as held.
+    assert_eq!(
+        common::wait_for_metric(&ts, "gdsllm_model_evictions_total{reason=\"memory\"}", 1.0).await,
+        1.0
+    );
+    let text = metrics_text(&ts).await;
+    assert_eq!(
+        metric(&text, "gdsllm_memory_held_bytes{tier=\"device\"}"),
+        Some(1200.0),
+        "the default (being freed), b, and c's budget"
+    );
+    assert!(
+        source.loads.lock().iter().all(|(name, _)| name != "c"),
+        "c loaded while the default's engine was still held"
+    );
+    drop(default);
+    assert_eq!(third.await.unwrap(), 200);
+    assert_eq!(
+        source.loads.lock().last(),
+        Some(&("c".to_string(), Some(FULL)))
+    );
+    assert_eq!(
+        common::wait_for_metric(&ts, "gdsllm_memory_held_bytes{tier=\"device\"}", 800.0).await,
+        800.0
+    );
     ts.shutdown().await;
 }
