@@ -404,7 +404,10 @@ for i, name in enumerate(["7b-q4_1-2", "7b-q4_1-1"] * 3):
     loaded = [m["id"] for m in listed["data"] if m["loaded"]]
     assert loaded == [name], f"asked {name}, loaded {loaded}"
     device = [m["memory_bytes"]["device"] for m in listed["data"] if m["id"] == name][0]
-    used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    try:
+        used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError as e:
+        used = f"n/a ({e})"
     print(f"request {i} {name}: loaded {loaded}, it holds {device / 2**30:.2f} GiB; server {listed['memory']['held_bytes']['device'] / 2**30:.2f} of {listed['memory']['budget_bytes']['device'] / 2**30:.2f} GiB; nvidia-smi {used}")
 evictions = [l for l in get("/metrics").splitlines() if l.startswith("gdsllm_model_evictions_total")]
 print("; ".join(evictions))
