@@ -139,13 +139,21 @@ fn run_reply(dir: &Path) -> String {
     run_greedy(dir, &render_chat(dir, &[("user", QUESTION)]), 16).0
 }
 
-#[test]
-fn two_models_listed_chatted_loaded_and_unloaded() {
-    let Some(model) = model_dir() else { return };
-    let home = two_model_store(&model);
-    let home_str = home.path().to_str().unwrap();
+/// The store of [`two_model_store`] and its two model directories (`None`: model tests
+/// skipped).
+fn two_models() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let home = two_model_store(&model_dir()?);
     let smollm2 = home.path().join("models/smollm2");
     let tiny = home.path().join("models/tiny");
+    Some((home, smollm2, tiny))
+}
+
+#[test]
+fn two_models_listed_chatted_loaded_and_unloaded() {
+    let Some((home, smollm2, tiny)) = two_models() else {
+        return;
+    };
+    let home_str = home.path().to_str().unwrap();
     let c = Client::new();
     let served = Served::start(
         &smollm2,
@@ -277,11 +285,10 @@ fn device_bytes(c: &Client, served: &Served, id: &str) -> u64 {
 
 #[test]
 fn a_budget_that_holds_one_model_serves_both_one_at_a_time() {
-    let Some(model) = model_dir() else { return };
-    let home = two_model_store(&model);
+    let Some((home, smollm2, tiny)) = two_models() else {
+        return;
+    };
     let home_str = home.path().to_str().unwrap();
-    let smollm2 = home.path().join("models/smollm2");
-    let tiny = home.path().join("models/tiny");
     let c = Client::new();
     // No prefix cache: the weights make most of what each holds.
     let flags = [

@@ -97,13 +97,18 @@ fn chat(model: &str, max_tokens: usize) -> Value {
            "max_tokens": max_tokens})
 }
 
-async fn loaded(ts: &TestServer) -> Vec<(String, bool)> {
-    let v: Value = reqwest::get(ts.url("/v1/models"))
+/// `/v1/models`.
+async fn models_json(ts: &TestServer) -> Value {
+    reqwest::get(ts.url("/v1/models"))
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn loaded(ts: &TestServer) -> Vec<(String, bool)> {
+    let v = models_json(ts).await;
     v["data"]
         .as_array()
         .unwrap()
@@ -363,12 +368,7 @@ async fn a_memory_budget_across_models_unloads_idle_ones_and_refuses_while_busy_
             ("c".into(), false)
         ]
     );
-    let models: Value = reqwest::get(ts.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = models_json(&ts).await;
     assert_eq!(
         models["data"][1]["memory_bytes"],
         json!({"device": 400, "host": 40})
@@ -488,12 +488,7 @@ async fn a_model_loads_smaller_when_busy_models_leave_less_than_it_would_take_al
         source.loads.lock().last(),
         Some(&("b".to_string(), Some(TierBytes::new(300, 40))))
     );
-    let models: Value = reqwest::get(ts.url("/v1/models"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = models_json(&ts).await;
     assert_eq!(
         models["memory"]["held_bytes"],
         json!({"device": 700, "host": 80})
