@@ -34,6 +34,12 @@
 #            scripts/prefix_ttft.py: time to first token of a 1,000-token shared prefix, first
 #            request against the later ones, and the hit counter's move; then the same server's
 #            decode tokens/s with and without a grammar (scripts/constrained_cost.py).
+#   models   (opt-in, issue 19) two 7B-shaped q4_1 models (`synth`, seeds 1 and 2) in the store,
+#            served by one `gdsllm serve --device cuda --vram-budget 7GiB --host-cache off`
+#            (MODELS_BUDGET), which holds one of them resident, not both: six completions
+#            alternating between them, each a 200, /v1/models showing only the one asked for
+#            loaded, its device bytes, the totals against the budget, nvidia-smi's memory used;
+#            then the eviction counter (reason memory).
 #   remote   (opt-in) a SmolLM2-shaped q4_1 model served over HTTP (python3 -m http.server, which
 #            ignores Range) and run with `run --device cuda -m http://…/`: the same greedy tokens
 #            as the local directory, every blob fetched in the first run (streamed through the
@@ -370,6 +376,49 @@ if has prefix; then
     note "grammar cost smollm2-135m q4_1 cuda: $(cat "$WORK_DIR/constrained.json")"
   else
     note "constrained decoding cost FAILED"; tail -n 5 "$WORK_DIR/prefix-serve.log" >&2; status=1
+  fi
+  kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+fi
+
+if has models; then
+  step "two 7B q4_1 models in one serve, --vram-budget ${MODELS_BUDGET:-7GiB} for one: alternating requests"
+  for seed in 1 2; do
+    model="$GDSLLM_HOME/models/7b-q4_1-$seed"
+    [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype q4_1 --seed "$seed" "$model" >&2 || status=1
+  done
+  "$BIN" serve --device cuda -m "$GDSLLM_HOME/models/7b-q4_1-1" --vram-budget "${MODELS_BUDGET:-7GiB}" \
+      --host-cache off --port 0 -c 512 --max-batch 1 --prefix-cache-bytes 0 \
+      >"$WORK_DIR/models-serve.out" 2>"$WORK_DIR/models-serve.log" &
+  spid=$!
+  url=$(server_url "$WORK_DIR/models-serve.out")
+  if python3 - "$url" >"$WORK_DIR/models.txt" <<'PY'
+import json, subprocess, sys, urllib.request
+url = sys.argv[1]
+def get(path):
+    return urllib.request.urlopen(url + path, timeout=600).read().decode()
+def post(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=600).read())
+for i, name in enumerate(["7b-q4_1-2", "7b-q4_1-1"] * 3):
+    r = post("/v1/completions", {"model": name, "prompt": "hello", "max_tokens": 8, "temperature": 0})
+    assert r["model"] == name, r
+    listed = json.loads(get("/v1/models"))
+    loaded = [m["id"] for m in listed["data"] if m["loaded"]]
+    assert loaded == [name], f"asked {name}, loaded {loaded}"
+    device = [m["memory_bytes"]["device"] for m in listed["data"] if m["id"] == name][0]
+    try:
+        used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except OSError as e:
+        used = f"n/a ({e})"
+    print(f"request {i} {name}: loaded {loaded}, it holds {device / 2**30:.2f} GiB; server {listed['memory']['held_bytes']['device'] / 2**30:.2f} of {listed['memory']['budget_bytes']['device'] / 2**30:.2f} GiB; nvidia-smi {used}")
+evictions = [l for l in get("/metrics").splitlines() if l.startswith("gdsllm_model_evictions_total")]
+print("; ".join(evictions))
+assert any('reason="memory"} 6' in l for l in evictions), evictions
+PY
+  then
+    while read -r l; do note "models 7b q4_1 x2: $l"; done <"$WORK_DIR/models.txt"
+  else
+    note "models stage FAILED"; cat "$WORK_DIR/models.txt" >&2; tail -n 5 "$WORK_DIR/models-serve.log" >&2; status=1
   fi
   kill -INT "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
 fi

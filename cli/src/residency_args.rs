@@ -7,12 +7,14 @@ use residency::{BlobChecksums, Budget, HostCache, Policy, ResidencyOptions};
 pub struct ResidencyArgs {
     /// Device memory budget for weights, e.g. 4GiB, 512MiB, 1.5G (G = GiB; GB = 10^9), or
     /// `auto` (GPU: free device memory; CPU: 60% of available RAM). KV cache, activations and
-    /// a safety margin are taken off it first.
+    /// a safety margin are taken off it first. For `serve`: the whole server's, across the
+    /// models it has loaded (`auto`: as the default model finds it at its load).
     #[arg(long, value_name = "BYTES|auto", default_value = "auto")]
     pub vram_budget: Budget,
     /// Host-memory tier for streamed layers (pinned on GPU): they stay in RAM after their
     /// first read and are copied up instead of re-read from disk. `auto`: 60% of available
     /// RAM minus what the device tier already takes from it; `off`: always read from disk.
+    /// For `serve`: the whole server's, across the models it has loaded.
     #[arg(long, value_name = "BYTES|auto|off", default_value = "auto")]
     pub host_cache: HostCache,
     /// Prefetch depth: how many blobs are read ahead of the one being computed. The staging

@@ -1,13 +1,16 @@
 //! The models `gdsllm serve` can load besides its default: the store's, found by name (a store
 //! name, alias or tag, as `-m NAME` finds them; never a path, URL or pull, which a client must
-//! not be able to make the server fetch), each opened with the server's own settings.
+//! not be able to make the server fetch), each opened with the server's own settings, within
+//! the part of the server's memory budgets the registry gives it (`gdsllm_server::models`): what
+//! a model needs is its residency plan, computed here as the loader will compute it.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
-use gdsllm_server::{Engine, ModelSource, SourceModel};
+use gdsllm_server::{Engine, MemoryNeed, ModelSource, SourceModel, TierBytes};
 use gdsllm_store::Store;
+use residency::{Budget, HostCache};
 use weights_format::Model;
 
 use crate::device_args::OpenArgs;
@@ -31,6 +34,80 @@ pub struct Prepared {
 }
 
 impl OpenSettings {
+    /// These settings with `budget` (the part of the server's budgets a model is given) as
+    /// its --vram-budget and --host-cache.
+    fn within(&self, budget: Option<TierBytes>) -> OpenSettings {
+        let mut settings = self.clone();
+        if let Some(budget) = budget {
+            let residency = &mut settings.open.residency;
+            residency.vram_budget = Budget::Bytes(budget.device);
+            residency.host_cache = match budget.host {
+                0 => HostCache::Off,
+                bytes => HostCache::Bytes(bytes),
+            };
+        }
+        settings
+    }
+
+    /// KV-cache bytes the model's sequences and prefix cache may hold together.
+    fn kv_bytes(&self, config: &weights_format::ModelConfig, context: usize) -> u64 {
+        let sequences = self.kv_budget.unwrap_or_else(|| {
+            residency::kv_cache_bytes(config, context as u64, 4) * self.max_batch as u64
+        });
+        sequences.saturating_add(self.prefix_cache_bytes)
+    }
+
+    /// What the model in `dir` needs out of the server's whole `budget` on `backend` (`cpu`,
+    /// `cuda`, `split`): its residency plan with the whole budget (`full`) and with the least
+    /// budget a plan accepts, every weight streamed through the staging ring and no host tier
+    /// (`minimum`), each with what the loader reserves besides the weights.
+    pub fn memory_need(
+        &self,
+        dir: &Path,
+        backend: &str,
+        budget: TierBytes,
+    ) -> anyhow::Result<MemoryNeed> {
+        let model =
+            Model::open(dir).with_context(|| format!("{}: invalid model", dir.display()))?;
+        let config = model.config();
+        let context = llama::clamp_context(self.ctx_size, config);
+        // As `llama::open` reserves it: f32 KV caches on the CPU; f16 caches, activations
+        // and a margin on a GPU.
+        let reserved = if backend == "cpu" {
+            self.kv_bytes(config, context)
+        } else {
+            llama::load::gpu_reserved_bytes(config, context, self.max_batch)?
+        };
+        let layout = residency::ModelLayout::from_metadata(model.metadata())?;
+        let options = self.open.residency.options(reserved);
+        let plan = |device: u64, host: u64| {
+            let inputs = residency::PlanInputs {
+                device_budget: device,
+                reserved_bytes: reserved,
+                host_budget: host,
+                ring_slots: options.prefetch + 1,
+                resident_layers: options.resident_layers,
+                policy: options.policy,
+            };
+            let plan = residency::Plan::compute(&layout, &inputs)?;
+            anyhow::Ok(TierBytes::new(
+                reserved + plan.device_bytes(),
+                plan.host_cached_bytes,
+            ))
+        };
+        let largest = layout
+            .order
+            .iter()
+            .map(|&b| layout.blobs[b].length)
+            .max()
+            .unwrap_or(0);
+        let ring = largest.saturating_mul(options.prefetch as u64 + 1);
+        let minimum = plan(reserved.saturating_add(ring), 0)?;
+        // A budget too small for even that: the registry says so with the numbers.
+        let full = plan(budget.device, budget.host).unwrap_or(minimum);
+        Ok(MemoryNeed { full, minimum })
+    }
+
     /// The device and options for the model in `dir`.
     pub fn prepare(&self, dir: &Path) -> anyhow::Result<Prepared> {
         let model_config = Model::open(dir)
@@ -38,15 +115,12 @@ impl OpenSettings {
             .config()
             .clone();
         let context = llama::clamp_context(self.ctx_size, &model_config);
-        let kv_budget = self.kv_budget.unwrap_or_else(|| {
-            residency::kv_cache_bytes(&model_config, context as u64, 4) * self.max_batch as u64
-        });
         // The model reserves device memory for the running sequences and the prefix cache
         // together; `open_serving` gives the sequences their part.
         let (device, options) = self.open.options(
             context,
             self.max_batch,
-            Some(kv_budget.saturating_add(self.prefix_cache_bytes)),
+            Some(self.kv_bytes(&model_config, context)),
         )?;
         Ok(Prepared {
             device,
@@ -85,11 +159,34 @@ pub fn model_key(dir: &Path) -> String {
 pub struct StoreModels {
     store: Store,
     settings: OpenSettings,
+    /// The backend the default model computes on (`Engine::memory`), which the others will
+    /// too: it decides what a model reserves besides its weights.
+    backend: OnceLock<&'static str>,
 }
 
 impl StoreModels {
     pub fn new(store: Store, settings: OpenSettings) -> StoreModels {
-        StoreModels { store, settings }
+        StoreModels {
+            store,
+            settings,
+            backend: OnceLock::new(),
+        }
+    }
+
+    /// Records the backend the default model was loaded on.
+    pub fn set_backend(&self, backend: &'static str) {
+        let _ = self.backend.set(backend);
+    }
+
+    /// The backend models load on: the default's, else what --device says.
+    fn backend(&self) -> &'static str {
+        self.backend.get().copied().unwrap_or(
+            if self.settings.open.device.device == crate::device_args::DeviceArg::Cpu {
+                "cpu"
+            } else {
+                "cuda"
+            },
+        )
     }
 
     /// Every model in the store, one per directory: its first name, the others as aliases.
@@ -153,6 +250,15 @@ impl StoreModels {
     }
 }
 
+impl StoreModels {
+    fn dir_of(&self, model: &SourceModel) -> anyhow::Result<PathBuf> {
+        let (_, dir) = self
+            .find_dir(&model.name)?
+            .with_context(|| format!("{} is no longer in the store", model.name))?;
+        Ok(dir)
+    }
+}
+
 impl ModelSource for StoreModels {
     fn list(&self) -> Result<Vec<SourceModel>, String> {
         self.models()
@@ -166,13 +272,28 @@ impl ModelSource for StoreModels {
             .map_err(|e| format!("{e:#}"))
     }
 
-    fn load(&self, model: &SourceModel) -> Result<Arc<dyn Engine>, String> {
+    fn memory_need(
+        &self,
+        model: &SourceModel,
+        budget: TierBytes,
+    ) -> Result<Option<MemoryNeed>, String> {
+        let need = (|| {
+            let dir = self.dir_of(model)?;
+            self.settings.memory_need(&dir, self.backend(), budget)
+        })();
+        need.map(Some).map_err(|e| format!("{e:#}"))
+    }
+
+    fn load(
+        &self,
+        model: &SourceModel,
+        budget: Option<TierBytes>,
+    ) -> Result<Arc<dyn Engine>, String> {
         let loaded = (|| {
-            let (_, dir) = self
-                .find_dir(&model.name)?
-                .with_context(|| format!("{} is no longer in the store", model.name))?;
-            let prepared = self.settings.prepare(&dir)?;
-            self.settings.load(&dir, model.name.clone(), &prepared)
+            let dir = self.dir_of(model)?;
+            let settings = self.settings.within(budget);
+            let prepared = settings.prepare(&dir)?;
+            settings.load(&dir, model.name.clone(), &prepared)
         })();
         loaded.map_err(|e| format!("{e:#}"))
     }

@@ -1,7 +1,8 @@
 //! Several models in one `gdsllm serve`: a store holding the real SmolLM2 and a tiny random
 //! model; both listed, both answering (each as `gdsllm run` does), loaded and unloaded through
 //! the operator endpoints, the least recently used one unloaded at --max-models 1, an idle one
-//! unloaded after --model-idle-timeout, an unknown one a 404.
+//! unloaded after --model-idle-timeout, an unknown one a 404; with a --vram-budget that holds
+//! only one of them, requests alternating between them, one model loaded at a time.
 
 mod serve_common;
 
@@ -138,13 +139,21 @@ fn run_reply(dir: &Path) -> String {
     run_greedy(dir, &render_chat(dir, &[("user", QUESTION)]), 16).0
 }
 
-#[test]
-fn two_models_listed_chatted_loaded_and_unloaded() {
-    let Some(model) = model_dir() else { return };
-    let home = two_model_store(&model);
-    let home_str = home.path().to_str().unwrap();
+/// The store of [`two_model_store`] and its two model directories (`None`: model tests
+/// skipped).
+fn two_models() -> Option<(tempfile::TempDir, std::path::PathBuf, std::path::PathBuf)> {
+    let home = two_model_store(&model_dir()?);
     let smollm2 = home.path().join("models/smollm2");
     let tiny = home.path().join("models/tiny");
+    Some((home, smollm2, tiny))
+}
+
+#[test]
+fn two_models_listed_chatted_loaded_and_unloaded() {
+    let Some((home, smollm2, tiny)) = two_models() else {
+        return;
+    };
+    let home_str = home.path().to_str().unwrap();
     let c = Client::new();
     let served = Served::start(
         &smollm2,
@@ -258,4 +267,114 @@ fn two_models_listed_chatted_loaded_and_unloaded() {
     assert_eq!(listed(&c, &served).iter().filter(|(_, l)| *l).count(), 0);
     assert_eq!(chat(&c, &served, None), first);
     assert!(loaded(&c, &served, "smollm2"));
+}
+
+/// What `/v1/models` says model `id` holds on the device.
+fn device_bytes(c: &Client, served: &Served, id: &str) -> u64 {
+    let v = c.get_json(served.url("/v1/models"));
+    let row = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == id)
+        .unwrap_or_else(|| panic!("{id} not listed: {v}"));
+    row["memory_bytes"]["device"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{id} holds no device memory: {v}"))
+}
+
+#[test]
+fn a_budget_that_holds_one_model_serves_both_one_at_a_time() {
+    let Some((home, smollm2, tiny)) = two_models() else {
+        return;
+    };
+    let home_str = home.path().to_str().unwrap();
+    let c = Client::new();
+    // No prefix cache: the weights make most of what each holds.
+    let flags = [
+        "-c",
+        "256",
+        "--max-batch",
+        "2",
+        "--prefix-cache-bytes",
+        "0",
+        "--host-cache",
+        "off",
+    ];
+
+    // What each needs alone, with room for both.
+    let served = Served::start(
+        &smollm2,
+        &[&flags[..], &["--vram-budget", "16GiB"]].concat(),
+        &[("GDSLLM_HOME", home_str)],
+    );
+    let (status, r) = c.post(served.url("/v1/models/tiny/load"), &json!({}));
+    assert_eq!(status, 200, "{r}");
+    let big = device_bytes(&c, &served, "smollm2");
+    let small = device_bytes(&c, &served, "tiny");
+    let v = c.get_json(served.url("/v1/models"));
+    assert_eq!(
+        v["memory"]["held_bytes"]["device"],
+        json!(big + small),
+        "{v}"
+    );
+    assert_eq!(
+        v["memory"]["budget_bytes"]["device"],
+        json!(16u64 << 30),
+        "{v}"
+    );
+    drop(served);
+    println!("smollm2 holds {big} bytes, tiny {small}");
+    assert!(small < big, "tiny {small} >= smollm2 {big}");
+
+    // A budget for the larger one and half the smaller: each fits alone, never both.
+    let budget = (big + small / 2).to_string();
+    let served = Served::start(
+        &smollm2,
+        &[&flags[..], &["--vram-budget", &budget]].concat(),
+        &[("GDSLLM_HOME", home_str)],
+    );
+    let smollm2_reply = run_reply(&smollm2);
+    let tiny_reply = run_reply(&tiny);
+    let one_loaded = |id: &str| {
+        let models = listed(&c, &served);
+        let loaded: Vec<&str> = models
+            .iter()
+            .filter(|(_, l)| *l)
+            .map(|(m, _)| m.as_str())
+            .collect();
+        assert_eq!(loaded, [id], "{models:?}");
+    };
+    one_loaded("smollm2");
+    for round in 0..2 {
+        let reply = chat(&c, &served, Some("tiny"));
+        assert!(
+            !reply.is_empty() && tiny_reply.starts_with(&reply),
+            "round {round}: served {reply:?}, gdsllm run {tiny_reply:?}"
+        );
+        one_loaded("tiny");
+        assert_eq!(device_bytes(&c, &served, "tiny"), small);
+        assert_eq!(chat(&c, &served, Some("smollm2")), smollm2_reply);
+        one_loaded("smollm2");
+        // Loaded with what it would have alone: all resident, as before.
+        assert_eq!(device_bytes(&c, &served, "smollm2"), big);
+    }
+    let text = c.get_text(served.url("/metrics"));
+    assert_eq!(
+        metric(&text, "gdsllm_model_evictions_total{reason=\"memory\"}"),
+        4.0
+    );
+    assert_eq!(
+        metric(&text, "gdsllm_memory_budget_bytes{tier=\"device\"}"),
+        (big + small / 2) as f64
+    );
+    // `gdsllm ps` says the same.
+    let out = gdsllm()
+        .env("GDSLLM_HOME", home_str)
+        .args(["ps", "--url", &served.base])
+        .output()
+        .unwrap();
+    let ps = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && ps.contains("memory"), "{ps}");
+    println!("{ps}");
 }

@@ -168,6 +168,59 @@ pub struct EngineStats {
     pub passes: u64,
 }
 
+/// Bytes per memory tier: `device` is the compute device's memory (GPU memory; on the CPU, the
+/// RAM its resident weights, staging ring, KV cache and scratch take) and `host` the host tier
+/// streamed layers are kept in (`--host-cache`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierBytes {
+    pub device: u64,
+    pub host: u64,
+}
+
+impl TierBytes {
+    pub const fn new(device: u64, host: u64) -> TierBytes {
+        TierBytes { device, host }
+    }
+
+    /// Whether `self` fits in `room` on both tiers.
+    pub fn fits_in(self, room: TierBytes) -> bool {
+        self.device <= room.device && self.host <= room.host
+    }
+
+    pub fn saturating_add(self, other: TierBytes) -> TierBytes {
+        TierBytes::new(
+            self.device.saturating_add(other.device),
+            self.host.saturating_add(other.host),
+        )
+    }
+
+    pub fn saturating_sub(self, other: TierBytes) -> TierBytes {
+        TierBytes::new(
+            self.device.saturating_sub(other.device),
+            self.host.saturating_sub(other.host),
+        )
+    }
+
+    /// The smaller of the two on each tier.
+    pub fn min(self, other: TierBytes) -> TierBytes {
+        TierBytes::new(self.device.min(other.device), self.host.min(other.host))
+    }
+}
+
+/// What a loaded model holds in memory, as its residency plan and engine know it, for the
+/// server's budgets across models ([`crate::models`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelMemory {
+    /// Held per tier: on the device its resident weights, staging ring, KV caches and
+    /// scratch (the plan's reserve); on the host its host tier.
+    pub held: TierBytes,
+    /// The budgets the model was planned with (after `auto` was resolved at its load): a
+    /// server whose budgets are `auto` takes its first model's as the whole server's.
+    pub budget: TierBytes,
+    /// The backend that computes: `"cpu"`, `"cuda"` or `"split"` (GPU with CPU help).
+    pub backend: &'static str,
+}
+
 /// How full a batch's KV memory is, and what its prefix cache has served, for `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheUsage {
@@ -303,6 +356,12 @@ pub trait Engine: Send + Sync + 'static {
     /// Weight-streaming counters for `/metrics`.
     fn stats(&self) -> EngineStats {
         EngineStats::default()
+    }
+
+    /// The memory this model holds per tier, for the server's budgets; `None`: not known (it
+    /// then counts as holding what it was given to load with).
+    fn memory(&self) -> Option<ModelMemory> {
+        None
     }
 
     /// A batch of up to `max_batch` sequences decoded together, when the engine can do that.

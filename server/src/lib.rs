@@ -27,10 +27,11 @@ mod ws;
 
 pub use engine::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
-    EngineStats, GeneratedToken, GenerationRequest, GrammarSpec, SamplingParams, TokenLogprob,
+    EngineStats, GeneratedToken, GenerationRequest, GrammarSpec, ModelMemory, SamplingParams,
+    TierBytes, TokenLogprob,
 };
 pub use error::{ApiError, ServerError};
 pub use llama_engine::{LlamaEngine, open, open_serving};
-pub use models::{ModelSource, SourceModel};
+pub use models::{MemoryNeed, ModelSource, SourceModel};
 pub use server::{Server, load_api_key_file, shutdown_signal};
-pub use state::ServerConfig;
+pub use state::{MemoryBudget, ServerConfig};

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 
 use crate::engine::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
-    EngineStats, GeneratedToken, GenerationRequest, TokenLogprob,
+    EngineStats, GeneratedToken, GenerationRequest, ModelMemory, TierBytes, TokenLogprob,
 };
 use crate::tools::{self, ToolFormat};
 
@@ -59,6 +59,8 @@ pub struct LlamaEngine<B: Backend, W: WeightSource> {
     /// Weight-streaming counters, read without the session's lock (the worker holds that
     /// while it generates, and `/metrics` must not wait for a sequence to end).
     residency: Option<Arc<residency::Residency>>,
+    /// The backend that computes (`Backend::name`), for [`Engine::memory`].
+    backend: &'static str,
     /// KV-cache bytes a batch's sequences may hold together; `None`: room for every sequence
     /// of the batch at the full context.
     kv_budget: Option<u64>,
@@ -81,6 +83,7 @@ impl<B: Backend, W: WeightSource + Send> LlamaEngine<B, W> {
             vocab: config.vocab_size,
             grammars: std::sync::OnceLock::new(),
             residency: llama.weights().residency_handle(),
+            backend: llama.backend().name(),
             tokenizer: model.session.tokenizer().clone(),
             session: Mutex::new(model.session),
             chat_template: model.chat_template,
@@ -525,5 +528,17 @@ where
             .as_deref()
             .map(residency_stats)
             .unwrap_or_default()
+    }
+
+    fn memory(&self) -> Option<ModelMemory> {
+        let plan = self.residency.as_deref()?.plan();
+        Some(ModelMemory {
+            held: TierBytes::new(
+                plan.reserved_bytes + plan.device_bytes(),
+                plan.host_cached_bytes,
+            ),
+            budget: TierBytes::new(plan.device_budget, plan.host_budget),
+            backend: self.backend,
+        })
     }
 }

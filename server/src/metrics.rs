@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::engine::{CacheUsage, EngineStats};
+use crate::engine::{CacheUsage, EngineStats, TierBytes};
 
 pub const REQUESTS: &str = "gdsllm_requests_total";
 pub const CANCELLED: &str = "gdsllm_requests_cancelled_total";
@@ -43,6 +43,10 @@ pub const MODELS_LOADED: &str = "gdsllm_models_loaded";
 pub const MODEL_LOADED: &str = "gdsllm_model_loaded";
 pub const MODEL_LOADS: &str = "gdsllm_model_loads_total";
 pub const MODEL_UNLOADS: &str = "gdsllm_model_unloads_total";
+pub const MODEL_MEMORY: &str = "gdsllm_model_memory_bytes";
+pub const MODEL_EVICTIONS: &str = "gdsllm_model_evictions_total";
+pub const MEMORY_HELD: &str = "gdsllm_memory_held_bytes";
+pub const MEMORY_BUDGET: &str = "gdsllm_memory_budget_bytes";
 // The per-model parts of the series above that are per model (the unlabelled ones are the
 // server's totals).
 pub const MODEL_RUNNING: &str = "gdsllm_model_requests_running";
@@ -170,6 +174,23 @@ impl Metrics {
             describe_gauge!(MODEL_LOADED, "Whether the model is loaded (1) or not (0)");
             describe_counter!(MODEL_LOADS, "Times the model was loaded");
             describe_counter!(MODEL_UNLOADS, "Times the model was unloaded");
+            describe_gauge!(
+                MODEL_MEMORY,
+                "Bytes the model holds, by tier (device: weights resident and staging, KV cache \
+                 and scratch; host: its host tier)"
+            );
+            describe_counter!(
+                MODEL_EVICTIONS,
+                "Models unloaded, by reason (idle_timeout, memory, count, operator)"
+            );
+            describe_gauge!(
+                MEMORY_HELD,
+                "Bytes the loaded and loading models hold together, by tier"
+            );
+            describe_gauge!(
+                MEMORY_BUDGET,
+                "The server's memory budget across models, by tier (--vram-budget, --host-cache)"
+            );
             describe_gauge!(MODEL_RUNNING, "Sequences of the model being generated");
             describe_gauge!(MODEL_WAITING, "Requests queued for the model");
             describe_gauge!(
@@ -333,6 +354,33 @@ impl Metrics {
             counter!(MODEL_UNLOADS, "model" => model.clone()).increment(1);
             gauge!(MODEL_LOADED, "model" => model).set(0.0);
         });
+    }
+
+    /// The bytes `model` holds per tier (0 once it is unloaded).
+    pub fn set_model_memory(&self, model: &str, held: TierBytes) {
+        let model = model.to_string();
+        self.with(|| {
+            gauge!(MODEL_MEMORY, "model" => model.clone(), "tier" => "device")
+                .set(held.device as f64);
+            gauge!(MODEL_MEMORY, "model" => model, "tier" => "host").set(held.host as f64);
+        });
+    }
+
+    /// What the models hold together, and the budgets (when the server has them).
+    pub fn set_memory(&self, held: TierBytes, budget: Option<TierBytes>) {
+        self.with(|| {
+            gauge!(MEMORY_HELD, "tier" => "device").set(held.device as f64);
+            gauge!(MEMORY_HELD, "tier" => "host").set(held.host as f64);
+            if let Some(budget) = budget {
+                gauge!(MEMORY_BUDGET, "tier" => "device").set(budget.device as f64);
+                gauge!(MEMORY_BUDGET, "tier" => "host").set(budget.host as f64);
+            }
+        });
+    }
+
+    /// A model was unloaded for `reason` (`idle_timeout`, `memory`, `count`, `operator`).
+    pub fn model_evicted(&self, reason: &'static str) {
+        self.with(|| counter!(MODEL_EVICTIONS, "reason" => reason).increment(1));
     }
 
     pub fn set_models_loaded(&self, n: usize) {

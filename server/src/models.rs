@@ -17,15 +17,40 @@
 //!   it; the next request that names it loads it again).
 //! - `unload` of a model that is busy or still loading answers 409: the operator retries
 //!   once its requests are done (nothing new is refused meanwhile).
+//!
+//! Memory (with [`ServerConfig::memory_budget`](crate::ServerConfig), the CLI's
+//! `--vram-budget` and `--host-cache`): the budgets are the whole server's, across models.
+//! Each slot holds bytes per tier ([`TierBytes`]): a loading model what it was given to load
+//! with, a loaded one what its engine reports ([`Engine::memory`]: resident weights, staging
+//! ring, KV caches and scratch on the device; its host tier); the registry keeps the sum.
+//! `auto` budgets are what the default model was planned with at its first load (the free
+//! device memory, or the share of RAM, then); until that load ends no other model loads
+//! (503), as what the default takes is not known before. Loading a model:
+//! - The source says what it needs for the whole budget ([`MemoryNeed`]): `full`, what it
+//!   would take with the whole budget to itself (capped by what it needs to be fully
+//!   resident), and `minimum`, the smallest plan residency accepts (everything streamed
+//!   through the staging ring, no host tier).
+//! - Idle models are unloaded, least recently used first, until `full` fits in what is left
+//!   (and the count is below `max_models`): a model is not started smaller than it would be
+//!   alone while idle models hold the memory. With only busy models left and `full` still not
+//!   fitting, it loads with what is left if that is at least `minimum` (it streams more);
+//!   otherwise nothing is unloaded and the request gets 429 with `Retry-After` naming the
+//!   budget (an operator's load gets 409). A model whose `minimum` exceeds the whole budget
+//!   gets 503.
+//! - It loads with `min(left, full)` per tier as its budget.
+//! - An unloaded model's memory counts as held until its engine is dropped (its worker
+//!   stopped and every handle gone): loads wait for that before they start, so that a model
+//!   evicted for memory has freed it before the next takes it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
+use residency::human_bytes;
 use tokio::sync::watch;
 
-use crate::engine::Engine;
+use crate::engine::{Engine, TierBytes};
 use crate::error::ApiError;
 use crate::scheduler::Scheduler;
 use crate::state::AppState;
@@ -47,6 +72,16 @@ impl SourceModel {
     }
 }
 
+/// What a model needs of the server's memory budgets (see the module's rules).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryNeed {
+    /// What it would hold with the whole budget to itself, at most what it needs to be fully
+    /// resident.
+    pub full: TierBytes,
+    /// The least it can run with (everything streamed).
+    pub minimum: TierBytes,
+}
+
 /// Where models other than the default come from (the CLI implements it over the store).
 /// Errors are messages: they go to the client (503) and the log.
 pub trait ModelSource: Send + Sync {
@@ -54,8 +89,23 @@ pub trait ModelSource: Send + Sync {
     fn list(&self) -> Result<Vec<SourceModel>, String>;
     /// The model `name` names, or `None` when there is none by that name.
     fn find(&self, name: &str) -> Result<Option<SourceModel>, String>;
-    /// Loads `model` (blocking; called on a blocking thread).
-    fn load(&self, model: &SourceModel) -> Result<Arc<dyn Engine>, String>;
+    /// What `model` needs out of the server's whole `budget`; `None`: not known (it is then
+    /// given all that is left).
+    fn memory_need(
+        &self,
+        model: &SourceModel,
+        budget: TierBytes,
+    ) -> Result<Option<MemoryNeed>, String> {
+        let _ = (model, budget);
+        Ok(None)
+    }
+    /// Loads `model` (blocking; called on a blocking thread) within `budget` per tier, the
+    /// memory left for it; `None`: the server has no budget (the model sizes itself).
+    fn load(
+        &self,
+        model: &SourceModel,
+        budget: Option<TierBytes>,
+    ) -> Result<Arc<dyn Engine>, String>;
 }
 
 pub(crate) enum SlotState {
@@ -76,6 +126,9 @@ pub(crate) struct Slot {
     /// Requests between finding the model and queueing on its scheduler (after that the
     /// scheduler's own count says the model is busy).
     leases: usize,
+    /// Memory it holds per tier: while loading, its budget; once loaded, what its engine
+    /// reports (or still its budget when the engine does not say).
+    pub held: TierBytes,
 }
 
 impl Slot {
@@ -93,6 +146,50 @@ impl Slot {
     }
 }
 
+/// Memory of unloaded models whose engines are still being dropped.
+#[derive(Default)]
+pub(crate) struct Freeing {
+    bytes: Mutex<TierBytes>,
+    freed: Condvar,
+}
+
+impl Freeing {
+    fn add(&self, bytes: TierBytes) {
+        let mut held = self.bytes.lock();
+        *held = held.saturating_add(bytes);
+    }
+
+    fn done(&self, bytes: TierBytes) {
+        let mut held = self.bytes.lock();
+        *held = held.saturating_sub(bytes);
+        self.freed.notify_all();
+    }
+
+    pub fn held(&self) -> TierBytes {
+        *self.bytes.lock()
+    }
+
+    /// Waits until every unloaded engine is gone, or `deadline`; false at the deadline.
+    fn wait(&self, deadline: Instant) -> bool {
+        let mut held = self.bytes.lock();
+        while *held != TierBytes::default() {
+            if self.freed.wait_until(&mut held, deadline).timed_out() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// The server's budgets across models, as far as they are known.
+enum Budget {
+    /// No server-wide budget.
+    Unlimited,
+    /// `auto`: known once the default model's first load ends.
+    Pending,
+    Known(TierBytes),
+}
+
 /// The slots and the default model's identity.
 pub(crate) struct Registry {
     pub slots: Mutex<Vec<Slot>>,
@@ -101,11 +198,15 @@ pub(crate) struct Registry {
     /// Set once the default model's first load ended well.
     pub default_ready_once: std::sync::atomic::AtomicBool,
     pub source: std::sync::OnceLock<Arc<dyn ModelSource>>,
+    /// The budgets once `auto` is resolved (set at start when both are given in bytes).
+    pub budget: Mutex<Option<TierBytes>>,
+    pub freeing: Arc<Freeing>,
 }
 
 impl Registry {
-    /// A registry whose default model is loading.
-    pub fn new() -> Registry {
+    /// A registry whose default model is loading, with `budget`.
+    pub fn new(budget: Option<crate::MemoryBudget>) -> Registry {
+        let known = budget.and_then(|b| Some(TierBytes::new(b.device?, b.host?)));
         let (_, loading) = watch::channel(false);
         Registry {
             slots: Mutex::new(vec![Slot {
@@ -118,6 +219,7 @@ impl Registry {
                 is_default: true,
                 last_used: Instant::now(),
                 leases: 0,
+                held: TierBytes::default(),
             }]),
             default: Mutex::new(SourceModel {
                 name: String::new(),
@@ -126,6 +228,8 @@ impl Registry {
             }),
             default_ready_once: std::sync::atomic::AtomicBool::new(false),
             source: std::sync::OnceLock::new(),
+            budget: Mutex::new(known),
+            freeing: Arc::new(Freeing::default()),
         }
     }
 }
@@ -155,24 +259,66 @@ impl Drop for ModelLease {
 pub(crate) struct ListedModel {
     pub id: String,
     pub loaded: bool,
+    /// What it holds per tier, when loaded.
+    pub held: Option<TierBytes>,
 }
 
-/// Closes a removed slot's scheduler and frees its engine once the worker has stopped.
-fn retire(slot: Slot, state: &AppState) {
+/// How long an unloaded engine may take to be dropped before its memory counts as free
+/// anyway (a handle kept somewhere it should not be; logged).
+const FREE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Closes a removed slot's scheduler and frees its engine once the worker has stopped and the
+/// last handle on it is gone; its memory counts as held ([`Freeing`]) until then. `reason`
+/// labels the eviction counter.
+fn retire(slot: Slot, state: &AppState, reason: &'static str) {
     if let SlotState::Ready { engine, scheduler } = slot.state {
         scheduler.close();
         state.metrics.model_unloaded(&slot.model.name);
-        tracing::info!(model = slot.model.name, "model unloaded");
+        state
+            .metrics
+            .set_model_memory(&slot.model.name, TierBytes::default());
+        state.metrics.model_evicted(reason);
+        tracing::info!(model = slot.model.name, reason, "model unloaded");
+        let held = slot.held;
+        let freeing = state.models.freeing.clone();
+        freeing.add(held);
+        let name = slot.model.name;
         let spawned = std::thread::Builder::new()
             .name("gdsllm-unload".into())
-            .spawn(move || {
-                scheduler.join();
-                drop(engine);
+            .spawn({
+                let freeing = freeing.clone();
+                move || {
+                    scheduler.join();
+                    drop(scheduler);
+                    let deadline = Instant::now() + FREE_TIMEOUT;
+                    while Arc::strong_count(&engine) > 1 && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    if Arc::strong_count(&engine) > 1 {
+                        tracing::warn!(
+                            model = name,
+                            "the unloaded model is still referenced after {} s; counting its \
+                             memory as free",
+                            FREE_TIMEOUT.as_secs()
+                        );
+                    }
+                    drop(engine);
+                    freeing.done(held);
+                }
             });
         if let Err(err) = spawned {
             tracing::warn!("cannot start a thread to unload a model: {err}");
+            freeing.done(held);
         }
     }
+}
+
+fn describe(bytes: TierBytes) -> String {
+    format!(
+        "{} of device memory and {} of host tier",
+        human_bytes(bytes.device),
+        human_bytes(bytes.host)
+    )
 }
 
 impl AppState {
@@ -182,6 +328,46 @@ impl AppState {
             .filter(|s| matches!(s.state, SlotState::Ready { .. }))
             .count();
         self.metrics.set_models_loaded(loaded);
+        let held = slots.iter().fold(self.models.freeing.held(), |sum, s| {
+            sum.saturating_add(s.held)
+        });
+        self.metrics.set_memory(held, *self.models.budget.lock());
+    }
+
+    fn budget(&self) -> Budget {
+        if self.config.memory_budget.is_none() {
+            return Budget::Unlimited;
+        }
+        // Until the default model has loaded, what it holds is not known.
+        if !self.models.default_ready_once.load(Ordering::SeqCst) {
+            return Budget::Pending;
+        }
+        match *self.models.budget.lock() {
+            Some(known) => Budget::Known(known),
+            None => Budget::Pending,
+        }
+    }
+
+    /// The memory the models hold together (unloaded ones still being freed included) against
+    /// the budgets (`null` until `auto` is known), for `/v1/models` and `/api/ps`; `None` when
+    /// the server has no budget.
+    pub(crate) fn memory_report(&self) -> Option<serde_json::Value> {
+        use serde_json::json;
+        self.config.memory_budget?;
+        let tiers = |b: TierBytes| json!({"device": b.device, "host": b.host});
+        let held = self
+            .models
+            .slots
+            .lock()
+            .iter()
+            .fold(self.models.freeing.held(), |sum, s| {
+                sum.saturating_add(s.held)
+            });
+        let budget = match self.budget() {
+            Budget::Known(b) => tiers(b),
+            Budget::Unlimited | Budget::Pending => serde_json::Value::Null,
+        };
+        Some(json!({"held_bytes": tiers(held), "budget_bytes": budget}))
     }
 
     /// `/health`: 503 while the default model first loads, after it failed, or in shutdown.
@@ -249,18 +435,21 @@ impl AppState {
             None => Vec::new(),
         };
         let slots = self.models.slots.lock();
-        let loaded = |key: &str| {
+        let held = |key: &str| {
             slots
                 .iter()
-                .any(|s| s.model.key == key && matches!(s.state, SlotState::Ready { .. }))
+                .find(|s| s.model.key == key && matches!(s.state, SlotState::Ready { .. }))
+                .map(|s| s.held)
         };
         let mut rows: Vec<ListedModel> = Vec::new();
         let mut add = |model: &SourceModel| {
             for id in std::iter::once(&model.name).chain(&model.aliases) {
                 if !id.is_empty() && !rows.iter().any(|r| &r.id == id) {
+                    let held = held(&model.key);
                     rows.push(ListedModel {
                         id: id.clone(),
-                        loaded: loaded(&model.key),
+                        loaded: held.is_some(),
+                        held,
                     });
                 }
             }
@@ -360,31 +549,106 @@ impl AppState {
             )));
         };
         slots.retain(|s| s.model.key != model.key);
-        let occupied = slots.iter().filter(|s| s.occupies()).count();
-        if occupied >= self.config.max_models {
-            let victim = slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.occupies() && s.idle())
-                .min_by_key(|(_, s)| s.last_used)
-                .map(|(i, _)| i);
-            let Some(victim) = victim else {
-                self.metrics.rejected();
-                return Err(ApiError::busy(format!(
-                    "cannot load model {}: all {} loaded models are busy (--max-models); \
-                     retry later",
-                    model.name, self.config.max_models
+        let budget = match self.budget() {
+            Budget::Unlimited => None,
+            Budget::Pending => {
+                return Err(ApiError::unavailable(format!(
+                    "cannot load model {} yet: the default model is still loading, and what it \
+                     takes of the memory budget is known once it has loaded; retry later",
+                    model.name
                 )));
+            }
+            Budget::Known(budget) => Some(budget),
+        };
+        let whole = budget.unwrap_or(TierBytes::new(u64::MAX, u64::MAX));
+        let need = match budget {
+            Some(budget) => source.memory_need(model, budget).map_err(|err| {
+                ApiError::unavailable(format!("cannot load model {}: {err}", model.name))
+            })?,
+            None => None,
+        };
+        if let Some(need) = need
+            && !need.minimum.fits_in(whole)
+        {
+            return Err(ApiError::unavailable(format!(
+                "model {} needs at least {}, more than the server's whole memory budget ({}; \
+                 --vram-budget, --host-cache)",
+                model.name,
+                describe(need.minimum),
+                describe(whole)
+            )));
+        }
+        // What it would have alone; with no need known, everything left.
+        let wanted = need.map_or(whole, |n| {
+            TierBytes::new(
+                n.full.device.max(n.minimum.device),
+                n.full.host.max(n.minimum.host),
+            )
+            .min(whole)
+        });
+        let minimum = need.map_or(TierBytes::default(), |n| n.minimum);
+
+        // Unload idle models, least recently used first, until the count allows one more and
+        // what it would have alone fits; decide first, unload only if it then loads.
+        let occupied = slots.iter().filter(|s| s.occupies()).count();
+        let held = slots
+            .iter()
+            .filter(|s| s.occupies())
+            .fold(TierBytes::default(), |sum, s| sum.saturating_add(s.held));
+        let mut idle: Vec<usize> = (0..slots.len())
+            .filter(|&i| slots[i].occupies() && slots[i].idle())
+            .collect();
+        idle.sort_by_key(|&i| slots[i].last_used);
+        let mut idle = idle.into_iter();
+        let mut evict: Vec<(usize, &'static str)> = Vec::new();
+        let mut freed = TierBytes::default();
+        let left = |freed: TierBytes| whole.saturating_sub(held.saturating_sub(freed));
+        loop {
+            let count_ok = occupied - evict.len() < self.config.max_models;
+            // With no need known, any memory left will do.
+            let memory_ok = match need {
+                Some(_) => wanted.fits_in(left(freed)),
+                None => true,
             };
+            if count_ok && memory_ok {
+                break;
+            }
+            let Some(victim) = idle.next() else { break };
+            evict.push((victim, if count_ok { "memory" } else { "count" }));
+            freed = freed.saturating_add(slots[victim].held);
+        }
+        if occupied - evict.len() >= self.config.max_models {
+            self.metrics.rejected();
+            return Err(ApiError::busy(format!(
+                "cannot load model {}: all {} loaded models are busy (--max-models); \
+                 retry later",
+                model.name, self.config.max_models
+            )));
+        }
+        let left = left(freed);
+        if !minimum.fits_in(left) {
+            self.metrics.rejected();
+            return Err(ApiError::busy(format!(
+                "cannot load model {}: it needs at least {}, and the busy models hold {} of \
+                 the server's memory budget ({}; --vram-budget, --host-cache); retry later",
+                model.name,
+                describe(minimum),
+                describe(held.saturating_sub(freed)),
+                describe(whole)
+            )));
+        }
+        evict.sort_by_key(|&(i, _)| std::cmp::Reverse(i));
+        for (victim, reason) in evict {
             let evicted = slots.remove(victim);
             tracing::info!(
                 model = evicted.model.name,
                 loading = model.name,
+                reason,
                 "unloading the least recently used idle model to make room"
             );
-            retire(evicted, self);
-            self.set_loaded_gauge(slots);
+            retire(evicted, self, reason);
         }
+        let granted = budget.map(|_| left.min(wanted));
         let (done, loading) = watch::channel(false);
         let is_default = model.key == self.models.default.lock().key;
         slots.push(Slot {
@@ -393,13 +657,28 @@ impl AppState {
             is_default,
             last_used: Instant::now(),
             leases: 0,
+            held: granted.unwrap_or_default(),
         });
-        tracing::info!(model = model.name, "loading model on demand");
+        self.set_loaded_gauge(slots);
+        tracing::info!(
+            model = model.name,
+            budget = granted.map(describe),
+            "loading model on demand"
+        );
         let state = self.clone();
         let model = model.clone();
         tokio::task::spawn_blocking(move || {
+            // The memory of models unloaded to make room is free only once their engines
+            // are gone.
+            let deadline = Instant::now() + state.config.model_load_timeout;
+            if !state.models.freeing.wait(deadline) {
+                tracing::warn!(
+                    model = model.name,
+                    "unloaded models still hold memory; loading anyway"
+                );
+            }
             let started = Instant::now();
-            let loaded = source.load(&model);
+            let loaded = source.load(&model, granted);
             match &loaded {
                 Ok(_) => tracing::info!(
                     model = model.name,
@@ -449,6 +728,30 @@ impl AppState {
             }
         }
         let ok = loaded.is_ok();
+        if let (Some(configured), Ok(engine)) = (self.config.memory_budget, &loaded) {
+            let mut budget = self.models.budget.lock();
+            if budget.is_none() {
+                // `auto`: what the default model was planned with; a tier it does not report
+                // is not limited.
+                let planned = engine.memory().map(|m| m.budget);
+                let resolved = TierBytes::new(
+                    configured
+                        .device
+                        .or(planned.map(|b| b.device))
+                        .unwrap_or(u64::MAX),
+                    configured
+                        .host
+                        .or(planned.map(|b| b.host))
+                        .unwrap_or(u64::MAX),
+                );
+                tracing::info!(
+                    device = resolved.device,
+                    host = resolved.host,
+                    "the server's memory budget across models"
+                );
+                *budget = Some(resolved);
+            }
+        }
         self.finish_load(&key.key, loaded);
         if ok {
             self.models.default_ready_once.store(true, Ordering::SeqCst);
@@ -476,17 +779,31 @@ impl AppState {
                     self.config.max_queue,
                 ));
                 self.metrics.model_loaded(&slot.model.name);
+                if let Some(memory) = engine.memory() {
+                    slot.held = memory.held;
+                }
+                self.metrics.set_model_memory(&slot.model.name, slot.held);
                 slot.state = SlotState::Ready { engine, scheduler };
                 slot.last_used = Instant::now();
             }
-            Err(message) => slot.state = SlotState::Failed(message),
+            Err(message) => {
+                slot.state = SlotState::Failed(message);
+                slot.held = TierBytes::default();
+            }
         }
         self.set_loaded_gauge(&slots);
     }
 
-    /// `POST /v1/models/{name}/load`: loads the model (or finds it loaded) and waits for it.
+    /// `POST /v1/models/{name}/load`: loads the model (or finds it loaded) and waits for it;
+    /// 409 where a request would get 429 (the models that hold the memory are busy).
     pub(crate) async fn load_model(self: &Arc<Self>, name: &str) -> Result<SourceModel, ApiError> {
-        let lease = self.model(Some(name)).await?;
+        let lease = self.model(Some(name)).await.map_err(|err| {
+            if err.status == axum::http::StatusCode::TOO_MANY_REQUESTS {
+                ApiError::conflict(err.message)
+            } else {
+                err
+            }
+        })?;
         let model = self.find_model(Some(name))?;
         drop(lease);
         Ok(model)
@@ -518,7 +835,7 @@ impl AppState {
         }
         let was_loaded = matches!(slot.state, SlotState::Ready { .. });
         let slot = slots.remove(index);
-        retire(slot, self);
+        retire(slot, self, "operator");
         self.set_loaded_gauge(&slots);
         Ok((model, was_loaded))
     }
@@ -548,12 +865,12 @@ impl AppState {
         if expired.is_empty() {
             return;
         }
-        self.set_loaded_gauge(&slots);
         drop(slots);
         for slot in expired {
             tracing::info!(model = slot.model.name, "idle for the idle timeout");
-            retire(slot, self);
+            retire(slot, self, "idle_timeout");
         }
+        self.set_loaded_gauge(&self.models.slots.lock());
     }
 
     /// `/api/ps`: every slot, the default first.
@@ -590,6 +907,10 @@ impl AppState {
                 };
                 if !slot.model.name.is_empty() {
                     row["model"] = json!(slot.model.name);
+                }
+                if matches!(slot.state, SlotState::Ready { .. }) {
+                    row["memory_bytes"] =
+                        json!({"device": slot.held.device, "host": slot.held.host});
                 }
                 row
             })

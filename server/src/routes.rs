@@ -107,9 +107,14 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /api/ps`: what the server holds (`gdsllm ps`): each model slot, the default first, with
-/// its state, the weight bytes held per tier and read per tier so far.
+/// its state, the memory it holds per tier, the weight bytes held per tier and read per tier so
+/// far; and with a memory budget, the totals against it (`memory`).
 pub async fn ps(State(state): State<Arc<AppState>>) -> Response {
-    Json(json!({"models": state.slots_report()})).into_response()
+    let mut body = json!({"models": state.slots_report()});
+    if let Some(memory) = state.memory_report() {
+        body["memory"] = memory;
+    }
+    Json(body).into_response()
 }
 
 pub async fn fallback(method: Method, uri: Uri) -> ApiError {
@@ -124,11 +129,16 @@ pub(crate) fn model_object(id: &str, created: u64) -> Value {
 fn listed_object(state: &AppState, model: &ListedModel) -> Value {
     let mut object = model_object(&model.id, state.started);
     object["loaded"] = json!(model.loaded);
+    if let Some(held) = model.held {
+        object["memory_bytes"] = json!({"device": held.device, "host": held.host});
+    }
     object
 }
 
 /// `GET /v1/models`: the default model's names, the loaded models and every model the server
-/// can load (the store's, with their aliases), each with `loaded`.
+/// can load (the store's, with their aliases), each with `loaded` (and, when loaded, the bytes
+/// it holds per tier, `memory_bytes`); with a memory budget, `memory` has the server's totals
+/// against it.
 pub async fn models(State(state): State<Arc<AppState>>) -> AppResult {
     state.health()?;
     let data: Vec<Value> = state
@@ -136,7 +146,11 @@ pub async fn models(State(state): State<Arc<AppState>>) -> AppResult {
         .iter()
         .map(|m| listed_object(&state, m))
         .collect();
-    Ok(Json(json!({"object": "list", "data": data})).into_response())
+    let mut body = json!({"object": "list", "data": data});
+    if let Some(memory) = state.memory_report() {
+        body["memory"] = memory;
+    }
+    Ok(Json(body).into_response())
 }
 
 pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> AppResult {

@@ -55,11 +55,12 @@ impl Server {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let models = Registry::new(config.memory_budget);
         Server {
             state: Arc::new(AppState {
                 config,
                 metrics: Arc::new(Metrics::new()),
-                models: Registry::new(),
+                models,
                 shutting_down: AtomicBool::new(false),
                 started,
             }),

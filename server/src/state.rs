@@ -55,6 +55,17 @@ pub struct ServerConfig {
     pub model_idle_timeout: Option<Duration>,
     /// A request for a model that is loading waits this long for it (503 after).
     pub model_load_timeout: Duration,
+    /// The memory every loaded model together may hold (`--vram-budget`, `--host-cache`);
+    /// `None`: no server-wide budget (each model sizes itself).
+    pub memory_budget: Option<MemoryBudget>,
+}
+
+/// The server-wide memory budgets per tier; a tier's `None` is `auto`: the budget the first
+/// (default) model was planned with at its load ([`crate::ModelMemory::budget`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryBudget {
+    pub device: Option<u64>,
+    pub host: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -75,6 +86,7 @@ impl Default for ServerConfig {
             max_models: 3,
             model_idle_timeout: Some(Duration::from_secs(300)),
             model_load_timeout: Duration::from_secs(600),
+            memory_budget: None,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The real engine on SmolLM2: hidden states against the LM head, log-probabilities against
 //! an independent log-softmax of the model's logits, cancellation, and batched requests
-//! against one-at-a-time ones.
+//! against one-at-a-time ones; the memory it reports for the server's budgets.
 
 mod common;
 
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::model_dir;
 use gdsllm_server::{
     CancelToken, Engine, EngineFinish, GeneratedToken, GenerationRequest, GrammarSpec,
-    SamplingParams,
+    SamplingParams, TierBytes,
 };
 use llama::{CpuBackend, InMemoryWeights, Llama};
 use weights_format::{Model, names};
@@ -31,6 +31,69 @@ fn open_cpu(
         ..llama::OpenOptions::default()
     };
     gdsllm_server::open(dir, "smol", llama::Device::Cpu, &options).unwrap()
+}
+
+/// What the engine says it holds, against the model's own sizes: all of its weights and its
+/// f32 KV caches when the budget has room, at most the budget when it streams.
+#[test]
+fn memory_is_the_weights_held_and_the_kv_caches() {
+    let Some(dir) = model_dir() else { return };
+    let model = Model::open(&dir).unwrap();
+    let (context, max_batch) = (128, 2);
+    let kv = residency::kv_cache_bytes(model.config(), context as u64, 4) * max_batch as u64;
+    let open = |device: u64, host: residency::HostCache| {
+        let options = llama::OpenOptions {
+            context,
+            sequences: max_batch,
+            residency: residency::ResidencyOptions {
+                device_budget: residency::Budget::Bytes(device),
+                host_cache: host,
+                ..Default::default()
+            },
+            ..llama::OpenOptions::default()
+        };
+        gdsllm_server::open(&dir, "smol", llama::Device::Cpu, &options).unwrap()
+    };
+    let roomy = 4u64 << 30;
+    let memory = open(roomy, residency::HostCache::Off).memory().unwrap();
+    assert_eq!(memory.backend, "cpu");
+    assert_eq!(memory.budget, TierBytes::new(roomy, 0));
+    // SmolLM2 ties its LM head: every blob is in the pass, all resident.
+    assert_eq!(memory.held, TierBytes::new(kv + model.total_bytes(), 0));
+
+    // Half the weights: the rest streams through the ring, and the host tier takes what
+    // streams (up to its budget).
+    let tight = kv + model.total_bytes() / 2;
+    let host = 1u64 << 30;
+    let engine = open(tight, residency::HostCache::Bytes(host));
+    let memory = engine.memory().unwrap();
+    println!("{memory:?} (budget {tight} + host {host})");
+    assert_eq!(memory.budget, TierBytes::new(tight, host));
+    assert!(
+        memory.held.device <= tight && memory.held.device > kv,
+        "{memory:?}"
+    );
+    // The device part is the KV caches and the weights `/api/ps` lists as resident and
+    // staging; what is not resident is streamed, and the host tier keeps it all (1 GiB).
+    let stats = engine.stats();
+    let tier = |name: &str| {
+        stats
+            .held_by_tier
+            .iter()
+            .find(|(t, _)| *t == name)
+            .map(|&(_, b)| b)
+            .unwrap()
+    };
+    assert_eq!(
+        memory.held.device,
+        kv + tier("resident") + tier("staging"),
+        "{stats:?}"
+    );
+    assert_eq!(
+        memory.held.host,
+        model.total_bytes() - tier("resident"),
+        "{stats:?}"
+    );
 }
 
 fn greedy() -> SamplingParams {

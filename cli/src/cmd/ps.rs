@@ -8,9 +8,11 @@ use serde_json::Value;
 use crate::running::running;
 
 /// Show what each running `gdsllm serve` on this machine holds: each loaded model (the default
-/// first; others loaded on demand), and the weight bytes held per tier (resident in device
+/// first; others loaded on demand) with the memory it holds per tier (device: weights, staging
+/// ring, KV cache and scratch; host tier), the weight bytes held per tier (resident in device
 /// memory, the staging ring, the host tier) and read per tier so far (disk, host tier, on
-/// demand, network). With --url, ask that server only (it may run
+/// demand, network); and the server's totals against its budgets (--vram-budget,
+/// --host-cache, shared by its models). With --url, ask that server only (it may run
 /// elsewhere).
 #[derive(clap::Args)]
 pub struct Args {
@@ -18,7 +20,8 @@ pub struct Args {
     /// store knows is running).
     #[arg(long)]
     pub url: Option<String>,
-    /// Print a JSON array of {url, pid, dir, models: [...]}, as each server's /api/ps says.
+    /// Print a JSON array of {url, pid, dir, models: [...], memory: {held_bytes, budget_bytes}},
+    /// as each server's /api/ps says.
     #[arg(long)]
     pub json: bool,
 }
@@ -71,6 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         out.push(serde_json::json!({
             "url": url, "pid": pid, "dir": dir, "models": answer["models"],
+            "memory": answer["memory"],
         }));
     }
     if args.json {
@@ -81,11 +85,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("no gdsllm server is running (start one with `gdsllm serve`)");
     }
     for server in &out {
+        let memory = &server["memory"];
+        if memory.is_object() {
+            let budget = if memory["budget_bytes"].is_object() {
+                format!(" (budget {})", tiers(&memory["budget_bytes"]))
+            } else {
+                String::new()
+            };
+            println!(
+                "{}  memory  {}{budget}",
+                server["url"].as_str().unwrap_or(""),
+                tiers(&memory["held_bytes"])
+            );
+        }
         for model in server["models"].as_array().into_iter().flatten() {
             let name = model["model"].as_str().unwrap_or("-");
             let state = model["state"].as_str().unwrap_or("?");
             println!("{}  {name}  {state}", server["url"].as_str().unwrap_or(""));
             if state == "ready" {
+                println!("  memory {}", tiers(&model["memory_bytes"]));
                 println!("  holds  {}", tiers(&model["held_bytes"]));
                 println!("  read   {}", tiers(&model["read_bytes"]));
             } else if let Some(error) = model["error"].as_str() {

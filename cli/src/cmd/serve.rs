@@ -163,7 +163,10 @@ pub struct Args {
     /// NAME`, a store name, alias or tag) loads it on demand; at the limit the least recently
     /// used idle model is unloaded first, and when every loaded model is busy the request
     /// gets 429 with `Retry-After`. Each loaded model has its own --max-batch, --kv-budget and
-    /// prefix cache.
+    /// prefix cache, but --vram-budget and --host-cache are the whole server's: a model is
+    /// loaded with what the others leave, idle models are unloaded (least recently used
+    /// first) to leave it what it would take alone, and when busy models hold too much for
+    /// even its smallest (all streamed) plan the request gets 429 with `Retry-After`.
     #[arg(long, value_name = "N", env = "GDSLLM_MAX_MODELS", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub max_models: u64,
     /// Unload a model other than the default (-m) after it has had no request for this long,
@@ -220,6 +223,22 @@ fn parse_kv_budget(s: &str) -> Result<KvBudget, residency::ParseBytesError> {
         return Ok(KvBudget(None));
     }
     residency::parse_bytes(s).map(|b| KvBudget(Some(b)))
+}
+
+/// `--vram-budget` and `--host-cache` as the server's budgets across models (`auto`: what the
+/// default model is planned with at its load).
+fn memory_budget(residency: &crate::residency_args::ResidencyArgs) -> gdsllm_server::MemoryBudget {
+    gdsllm_server::MemoryBudget {
+        device: match residency.vram_budget {
+            residency::Budget::Bytes(bytes) => Some(bytes),
+            residency::Budget::Auto => None,
+        },
+        host: match residency.host_cache {
+            residency::HostCache::Bytes(bytes) => Some(bytes),
+            residency::HostCache::Off => Some(0),
+            residency::HostCache::Auto => None,
+        },
+    }
 }
 
 /// The server's system prompts: the default one and each model's own (name, prompt).
@@ -289,6 +308,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         max_models: args.max_models as usize,
         model_idle_timeout: Some(args.model_idle_timeout).filter(|d| !d.is_zero()),
         model_load_timeout: seconds("--model-load-timeout", args.model_load_timeout)?,
+        memory_budget: Some(memory_budget(&args.open.residency)),
     };
     // Resolve the model before listening, so that a wrong -m fails at once.
     let dir = super::run::model_dir(args.model.as_deref())?;
@@ -351,14 +371,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         // For `gdsllm ps`; removed when the server stops.
         let _registered = crate::running::register(&format!("http://{bound}"), &model_id, &dir);
         let server = Server::new(config);
-        match Store::from_env() {
+        let store_models = match Store::from_env() {
             Ok(store) => {
-                let models = StoreModels::new(store, settings.clone());
+                let models = Arc::new(StoreModels::new(store, settings.clone()));
                 let default = models.default_model(&dir, &model_id);
-                server.set_model_source(Arc::new(models), default);
+                server.set_model_source(models.clone(), default);
+                Some(models)
             }
-            Err(err) => tracing::warn!("no model store, serving {model_id} only: {err}"),
-        }
+            Err(err) => {
+                tracing::warn!("no model store, serving {model_id} only: {err}");
+                None
+            }
+        };
         let loader = server.clone();
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         tokio::task::spawn_blocking(move || {
@@ -367,6 +391,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             match engine {
                 Ok(engine) => {
                     tracing::info!(seconds = started.elapsed().as_secs_f64(), "model loaded");
+                    if let (Some(models), Some(memory)) = (&store_models, engine.memory()) {
+                        models.set_backend(memory.backend);
+                    }
                     loader.set_engine(engine);
                 }
                 Err(err) => {

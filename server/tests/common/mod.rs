@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use gdsllm_server::{
     CacheUsage, CancelToken, ChatMessage, Engine, EngineBatch, EngineError, EngineFinish,
-    EngineStats, GeneratedToken, GenerationRequest, Server, ServerConfig, TokenLogprob,
+    EngineStats, GeneratedToken, GenerationRequest, ModelMemory, Server, ServerConfig,
+    TokenLogprob,
 };
 use parking_lot::Mutex;
 
@@ -54,6 +55,8 @@ pub struct FakeEngine {
     /// When set, the first `embed` call waits for a message on it (or 10 s) before it works:
     /// tests submit more requests while the worker is held there.
     pub embed_gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    /// What [`Engine::memory`] reports (`None`: nothing, as an engine that does not know).
+    pub memory: Option<ModelMemory>,
 }
 
 impl FakeEngine {
@@ -68,6 +71,7 @@ impl FakeEngine {
             most_running: Mutex::new(0),
             events: Mutex::new(Vec::new()),
             embed_gate: Mutex::new(None),
+            memory: None,
         }
     }
 
@@ -338,6 +342,10 @@ impl Engine for FakeEngine {
             cache: CacheUsage::default(),
             seen_prompts: Vec::new(),
         })))
+    }
+
+    fn memory(&self) -> Option<ModelMemory> {
+        self.memory
     }
 
     fn stats(&self) -> EngineStats {
