@@ -724,51 +724,66 @@ mod tests {
     use super::super::kquants::{QuantizedActs, reference_dot};
     use super::*;
 
-    /// Every variant this CPU can run, by name, each computing `dot_rows` over `w`.
-    #[allow(clippy::type_complexity)]
-    fn variants() -> Vec<(
-        &'static str,
-        fn(DType, &[u8], usize, ActRow<'_>, &mut [f32], usize),
-    )> {
-        let mut v: Vec<(
-            &'static str,
-            fn(DType, &[u8], usize, ActRow<'_>, &mut [f32], usize),
-        )> = vec![("portable", portable::dot_rows), ("dispatched", dot_rows)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                v.push(("avx2", x86_avx2));
+    /// `$list()`: `$kernel` of every instruction set this CPU runs, by name, after `$first`;
+    /// each ISA's behind its own multiversioned entry point (the dispatch checks the CPU).
+    macro_rules! variants_on_this_cpu {
+        (
+            fn $list:ident() for $kernel:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?,
+            first: [$($first:expr),*]
+        ) => {
+            #[allow(clippy::type_complexity)]
+            fn $list() -> Vec<(&'static str, fn($($ty),*) $(-> $ret)?)> {
+                #[cfg(target_arch = "x86_64")]
+                #[multiversion(targets("x86_64+avx2+fma+f16c"))]
+                fn x86_avx2($($arg: $ty),*) $(-> $ret)? {
+                    match_target! {
+                        "x86_64+avx2+fma+f16c" => avx2::$kernel($($arg),*),
+                        _ => {
+                            let _ = ($($arg),*);
+                            unreachable!("registered only where the CPU has AVX2")
+                        }
+                    }
+                }
+
+                #[cfg(target_arch = "x86_64")]
+                #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
+                fn x86_avxvnni($($arg: $ty),*) $(-> $ret)? {
+                    match_target! {
+                        "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::$kernel($($arg),*),
+                        _ => {
+                            let _ = ($($arg),*);
+                            unreachable!("registered only where the CPU has AVX-VNNI")
+                        }
+                    }
+                }
+
+                let mut v: Vec<(&'static str, fn($($ty),*) $(-> $ret)?)> = vec![$($first),*];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        v.push(("avx2", x86_avx2));
+                    }
+                    if std::arch::is_x86_feature_detected!("avxvnni") {
+                        v.push(("avxvnni", x86_avxvnni));
+                    }
+                }
+                v
             }
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                v.push(("avxvnni", x86_avxvnni));
-            }
-        }
-        v
+        };
     }
 
-    // Each variant behind its own multiversioned entry point (the dispatch checks the CPU).
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c"))]
-    fn x86_avx2(dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize) {
-        match_target! {
-            "x86_64+avx2+fma+f16c" => avx2::dot_rows(dtype, w, rb, x, out, st),
-            _ => {
-                let _ = (dtype, w, rb, x, out, st);
-                unreachable!("registered only where the CPU has AVX2")
-            }
-        }
+    variants_on_this_cpu! {
+        fn variants() for dot_rows(
+            dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize
+        ),
+        first: [("portable", portable::dot_rows), ("dispatched", dot_rows)]
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
-    fn x86_avxvnni(dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize) {
-        match_target! {
-            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::dot_rows(dtype, w, rb, x, out, st),
-            _ => {
-                let _ = (dtype, w, rb, x, out, st);
-                unreachable!("registered only where the CPU has AVX-VNNI")
-            }
-        }
+    variants_on_this_cpu! {
+        fn gemm8_variants() for gemm8(
+            dtype: DType, w: &[u8], rb: usize, x: &[ActRow<'_>], out: Columns<'_>, packed: bool
+        ) -> usize,
+        first: [("dispatched", gemm8_layout)]
     }
 
     /// `rows` random weight rows of `cols` values of `dtype` and `n` activation rows whose
@@ -805,66 +820,6 @@ mod tests {
             .sum();
         let bound = rounding * 1.001 + 1e-5 * magnitude;
         (reference_dot(dtype, wr, x), bound, magnitude)
-    }
-
-    /// The `gemm8` of every instruction set this CPU runs, by name.
-    #[allow(clippy::type_complexity)]
-    fn gemm8_variants() -> Vec<(
-        &'static str,
-        fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
-    )> {
-        let mut v: Vec<(
-            &'static str,
-            fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
-        )> = vec![("dispatched", gemm8_layout)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                v.push(("avx2", x86_avx2_gemm8));
-            }
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                v.push(("avxvnni", x86_avxvnni_gemm8));
-            }
-        }
-        v
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c"))]
-    fn x86_avx2_gemm8(
-        dtype: DType,
-        w: &[u8],
-        rb: usize,
-        x: &[ActRow<'_>],
-        out: Columns<'_>,
-        packed: bool,
-    ) -> usize {
-        match_target! {
-            "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, rb, x, out, packed),
-            _ => {
-                let _ = (dtype, w, rb, x, out, packed);
-                unreachable!("registered only where the CPU has AVX2")
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
-    fn x86_avxvnni_gemm8(
-        dtype: DType,
-        w: &[u8],
-        rb: usize,
-        x: &[ActRow<'_>],
-        out: Columns<'_>,
-        packed: bool,
-    ) -> usize {
-        match_target! {
-            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, rb, x, out, packed),
-            _ => {
-                let _ = (dtype, w, rb, x, out, packed);
-                unreachable!("registered only where the CPU has AVX-VNNI")
-            }
-        }
     }
 
     #[test]
