@@ -724,8 +724,9 @@ mod tests {
     use super::super::kquants::{QuantizedActs, reference_dot};
     use super::*;
 
-    /// `$list()`: `$kernel` of every instruction set this CPU runs, by name, after `$first`;
-    /// each ISA's behind its own multiversioned entry point (the dispatch checks the CPU).
+    /// `$list()`: `$kernel` of every instruction set this CPU runs, by name, after `$first`
+    /// (the names printed, so that a test's output says which ran); each ISA's behind its own
+    /// multiversioned entry point (the dispatch checks the CPU).
     macro_rules! variants_on_this_cpu {
         (
             fn $list:ident() for $kernel:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?,
@@ -767,6 +768,8 @@ mod tests {
                         v.push(("avxvnni", x86_avxvnni));
                     }
                 }
+                let names: Vec<&str> = v.iter().map(|v| v.0).collect();
+                println!("{} variants: {names:?}", stringify!($kernel));
                 v
             }
         };
@@ -787,20 +790,23 @@ mod tests {
     }
 
     /// `rows` random weight rows of `cols` values of `dtype` and `n` activation rows whose
-    /// magnitudes vary by block (one block in three 16× the others).
+    /// magnitudes vary by block (one block in three 16× the others), in f32 and quantized as
+    /// the kernels take them.
     fn random_case(
         rng: &mut Rng,
         dtype: DType,
         rows: usize,
         cols: usize,
         n: usize,
-    ) -> (Vec<u8>, Vec<f32>) {
+    ) -> (Vec<u8>, Vec<f32>, QuantizedActs) {
         let blocks = rows * cols / dtype.block_len();
         let w = gdsllm_convert::testing::random_blocks(dtype, blocks, rng.next());
-        let x = (0..n * cols)
+        let x: Vec<f32> = (0..n * cols)
             .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
             .collect();
-        (w, x)
+        let mut xq = QuantizedActs::default();
+        xq.prepare(&x, cols, dtype);
+        (w, x, xq)
     }
 
     /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
@@ -832,16 +838,10 @@ mod tests {
         let (rows, cols) = (43, 512);
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let variants = gemm8_variants();
-        println!(
-            "gemm8 variants: {:?}",
-            variants.iter().map(|v| v.0).collect::<Vec<_>>()
-        );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             let n_acts = 9;
-            let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+            let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, n_acts);
             let row_bytes = w.len() / rows;
-            let mut xq = QuantizedActs::default();
-            xq.prepare(&x, cols, dtype);
             let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
             for (name, f) in &variants {
                 let mut worst = 0f64;
@@ -914,7 +914,7 @@ mod tests {
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             for (rows, cols) in [(8, 96), (21, 512), (43, 96), (5, 512)] {
                 let n_acts = 9;
-                let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+                let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, n_acts);
                 let row_bytes = w.len() / rows;
                 let mut packed = vec![0u8; w.len()];
                 repack8(dtype, &w, row_bytes, &mut packed);
@@ -923,8 +923,6 @@ mod tests {
                     w[rows / 8 * 8 * row_bytes..],
                     "the rows after the last group stay as stored"
                 );
-                let mut xq = QuantizedActs::default();
-                xq.prepare(&x, cols, dtype);
                 let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
                 for (name, f) in &variants {
                     let mut worst = 0f64;
@@ -981,14 +979,8 @@ mod tests {
         let (rows, cols) = (40, 1024);
         let mut rng = Rng(0x2545_F491_4F6C_DD1D);
         let variants = variants();
-        println!(
-            "variants: {:?}",
-            variants.iter().map(|v| v.0).collect::<Vec<_>>()
-        );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            let (w, x) = random_case(&mut rng, dtype, rows, cols, 1);
-            let mut xq = QuantizedActs::default();
-            xq.prepare(&x, cols, dtype);
+            let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, 1);
             let row_bytes = w.len() / rows;
             let results: Vec<Vec<f32>> = variants
                 .iter()
