@@ -44,7 +44,8 @@
 #            each blob's XXH3 on its first read: `gdsllm bench` on the 7B f16 model streamed
 #            with 4 GiB (--host-cache off), with and without --no-checksums, alternated.
 #   kquants  (opt-in) llama/tests/cuda_kquants.rs with GDSLLM_GPU_TESTS=1 (every k-quant-era
-#            dtype's matmuls and embedding against the reference); then for each GGUF in
+#            dtype's matmuls — one row, tensor-core batches, cuBLAS — and embedding against the
+#            reference); then for each GGUF in
 #            KQUANT_GGUFS (e.g. llama-quantize Q4_K_M, Q5_K_M and Q6_K files of the random 7B):
 #            `gdsllm convert`, `gdsllm verify --against` (every tensor's bytes equal the GGUF's),
 #            resident pp512/tg128 (default kernels, then GDSLLM_CUDA_PATHS=superblock) and

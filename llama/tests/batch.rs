@@ -355,9 +355,9 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
         synth_model(&dir, dtype, tied);
         cuda_ragged_batches_match_solo(&dir, 256, &format!("cuda {dtype} tied={tied}"));
     }
-    // The k-quant dtypes have no tensor-core kernels: on every path their matmuls keep the
-    // one-row and eight-row kernels, so a Q4_K_M mix is bit for bit alone with the default
-    // paths and within the attention paths' rounding with all of them.
+    // A Q4_K_M mix (q4_k, q6_k and the 32-value types it uses): bit for bit alone with no new
+    // path, and with all of them its batched matmuls on the tensor cores of `kquants_mma.cu`,
+    // within the tolerance above.
     let dir = tmp.path().join("q4km");
     let config = gdsllm_convert::testing::small_kquant_config(3);
     gdsllm_convert::testing::write_q4_k_m_model(&dir, &config, 0.05, 3).unwrap();

@@ -1,8 +1,8 @@
 //! The CUDA kernels of the dtypes added with the k-quants (q5_0, q5_1, iq4_nl, q2_k … q6_k,
 //! iq4_xs; `kernels/kquants.cu`) against the slow reference backend (weights decoded by
 //! `weights_format::quant`) on random blocks: the matmul kernels at one row (decode), a few rows
-//! (batched decode) and many rows (prefill through cuBLAS on a dequantized f16 copy), and the
-//! embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
+//! (batched decode: the tensor-core kernels of `kernels/kquants_mma.cu` on the default paths)
+//! and many rows (prefill through cuBLAS on a dequantized f16 copy), and the embedding lookup. Max difference printed, tolerance stated (the matmul tolerances are those of
 //! `support::cuda::check_matmul`: 1e-4 relative on the kernels — exact integer sums of the levels
 //! with x as 16-bit integers per 32 values, f32 scaling — and 2e-3 through cuBLAS). Opt-in: `GDSLLM_GPU_TESTS=1`
 //! (then a machine without a usable GPU FAILS these tests instead of skipping them). Needs the
@@ -17,7 +17,10 @@ use llama::backend::cuda::CudaPaths;
 use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use support::cuda::{alloc, check_matmul, down, gpu, gpu_new_and_old, on_device, up, view};
+use support::cuda::{
+    alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, gpu, gpu_new_and_old,
+    on_device, up, view,
+};
 use support::max_rel_diff;
 use weights_format::DType;
 
@@ -117,5 +120,36 @@ fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
             );
             assert_eq!(differing, 0, "superblock {dtype} [{m}x{k}]");
         }
+    }
+}
+
+/// The tensor-core matmuls of these dtypes (`mma` path, `kquants_mma.cu`) for decode batches of
+/// 2 to 70 rows (one sequence a row): against the reference, against each row alone through the
+/// one-row kernel, rows 0-1 the same bits whatever the batch size (`check_mma_batches`); then two
+/// weights in one launch and the residual add.
+#[test]
+fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        mma: true,
+        ..CudaPaths::none()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(24);
+    for dtype in kquant_dtypes() {
+        // Ragged weight rows (blocks of 256), one to several column slices.
+        let shapes: &[(usize, usize)] = if dtype.is_super_block() {
+            &[(77, 256), (300, 2048), (130, 5120)]
+        } else {
+            &[(77, 96), (300, 576), (130, 4096)]
+        };
+        for &(m, k) in shapes {
+            let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
+            check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
+        }
+        let (m1, m2, k) = (200, 72, if dtype.is_super_block() { 1024 } else { 576 });
+        let w1 = random_blocks(dtype, m1 * k / dtype.block_len(), rng.random());
+        let w2 = random_blocks(dtype, m2 * k / dtype.block_len(), rng.random());
+        check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
     }
 }

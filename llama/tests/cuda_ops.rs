@@ -18,8 +18,8 @@ use llama::{
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use support::cuda::{
-    MATMUL_TOL, alloc, check_matmul, down, down_kv, gpu, gpu_new_and_old, on_device, up, via_f16,
-    view,
+    MATMUL_TOL, alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, down_kv,
+    gpu, gpu_new_and_old, on_device, up, via_f16, view,
 };
 use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
@@ -485,11 +485,6 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
     }
 }
 
-/// `rows` rows of a batch of one-row sequences (decoding): the rows the batched matmuls get.
-fn decode_rows(rows: usize) -> Vec<RowGroup> {
-    vec![RowGroup::solo(1); rows]
-}
-
 /// The tensor-core matmuls (`mma` path) of a decode batch against the reference, against each
 /// row alone through the one-row kernel (within f32 summation order: the quantized products are
 /// the same integers), and a row's bits the same whatever the batch size.
@@ -506,98 +501,19 @@ fn mma_matmul_matches_reference_and_the_row_alone() {
         // Ragged weight rows (blocks of 128), several column splits, rows across blocks of 64.
         for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
             let w = weights(&mut rng, dtype, m, k);
-            let host = WeightView::host(dtype, m, k, &w);
-            let dev = on_device(&be, &w);
-            let wd = view(&dev, dtype, m, k);
-            let dev_old = on_device(&old, &w);
-            let wd_old = view(&dev_old, dtype, m, k);
-            let x = random(&mut rng, 70 * k);
-            let mut first_rows: Option<Vec<f32>> = None;
-            for rows in [2, 3, 8, 9, 16, 17, 33, 64, 70] {
-                let x = x[..rows * k].to_vec();
-                let mut want = vec![0f32; rows * m];
-                matmul(&ReferenceBackend, &x, rows, host, &mut want);
-                let xd = up(&be, &x);
-                let mut out = alloc(&be, rows * m);
-                be.matmul_batch(&xd, &decode_rows(rows), &[wd], &mut [&mut out])
-                    .unwrap();
-                let got = down(&be, &out, rows * m);
-                let d = max_rel_diff(&got, &want);
-                // Each row alone through the one-row kernel of the old path.
-                let mut alone = Vec::with_capacity(rows * m);
-                for r in 0..rows {
-                    let xr = up(&old, &x[r * k..(r + 1) * k]);
-                    let mut o = alloc(&old, m);
-                    matmul(&old, &xr, 1, wd_old, &mut o);
-                    alone.extend(down(&old, &o, m));
-                }
-                let d_alone = max_rel_diff(&got, &alone);
-                println!(
-                    "mma matmul {dtype:?} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
-                );
-                assert!(d < MATMUL_TOL, "mma {dtype:?} {m}x{k} rows={rows}: {d}");
-                assert!(
-                    d_alone < 1e-5,
-                    "mma {dtype:?} {m}x{k} rows={rows} vs alone: {d_alone}"
-                );
-                match &first_rows {
-                    None => first_rows = Some(got[..2 * m].to_vec()),
-                    Some(f) => assert_eq!(
-                        &got[..2 * m],
-                        &f[..],
-                        "mma {dtype:?} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
-                    ),
-                }
-            }
+            check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
         }
     }
     println!("mma matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
 
     // Q/K/V-style weights in one launch, and the residual add, on the mma path.
     for dtype in [DType::F16, DType::Q4_1, DType::Q8_0] {
-        let (m1, m2, k, rows) = (200, 72, 576, 12);
+        let (m1, m2, k) = (200, 72, 576);
         let (w1, w2) = (
             weights(&mut rng, dtype, m1, k),
             weights(&mut rng, dtype, m2, k),
         );
-        let (d1, d2) = (on_device(&be, &w1), on_device(&be, &w2));
-        let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
-        let x = random(&mut rng, rows * k);
-        let base = random(&mut rng, rows * m1);
-        let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
-        matmul(
-            &ReferenceBackend,
-            &x,
-            rows,
-            WeightView::host(dtype, m1, k, &w1),
-            &mut want1,
-        );
-        matmul(
-            &ReferenceBackend,
-            &x,
-            rows,
-            WeightView::host(dtype, m2, k, &w2),
-            &mut want2,
-        );
-        let xd = up(&be, &x);
-        let (mut o1, mut o2) = (alloc(&be, rows * m1), alloc(&be, rows * m2));
-        be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
-            .unwrap();
-        let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
-            .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
-        let mut acc = up(&be, &base);
-        let mut scratch = alloc(&be, rows * m1);
-        be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
-            .unwrap();
-        let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
-        let d_add = max_rel_diff(&down(&be, &acc, rows * m1), &want);
-        println!(
-            "mma matmul {dtype:?}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
-        );
-        assert!(
-            d < MATMUL_TOL && d_add < MATMUL_TOL,
-            "{dtype:?}: {d} {d_add}"
-        );
+        check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
     }
 }
 

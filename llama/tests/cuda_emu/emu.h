@@ -423,6 +423,21 @@ inline void mma_m16n8k32_i8(const uint32_t a[4], const uint32_t b[2], const int 
     for (int i = 0; i < 4; i++) d[i] = (int)dd[i];
 }
 
+// m16n8k16 with 8-bit integers: A reg0 (row g, k 4t..4t+3), reg1 (row g+8, same k); B reg0 (k
+// 4t..4t+3, col g).
+inline void mma_m16n8k16_i8(const uint32_t a[2], const uint32_t b[1], const int c[4], int d[4],
+                            bool a_signed, bool b_signed) {
+    auto a_at = [&](uint32_t (*s)[16], int row, int k) {
+        return int8_elem(s[(row % 8) * 4 + k / 4][row >= 8 ? 1 : 0], k % 4, a_signed);
+    };
+    auto b_at = [&](uint32_t (*s)[16], int k, int col, int na) {
+        return int8_elem(s[col * 4 + k / 4][na], k % 4, b_signed);
+    };
+    double cd[4] = {(double)c[0], (double)c[1], (double)c[2], (double)c[3]}, dd[4];
+    mma_f64(a, 2, b, 1, 16, a_at, b_at, cd, dd);
+    for (int i = 0; i < 4; i++) d[i] = (int)dd[i];
+}
+
 // m16n8k16 with 16-bit floats (f16 or bf16): A reg0 (row g, k 2t, 2t+1), reg1 (row g+8, k 2t..),
 // reg2 (row g, k 2t+8, 2t+9), reg3 (row g+8, k 2t+8..); B reg0 (k 2t, 2t+1, col g), reg1 (k 2t+8,
 // 2t+9); the lower half of a register holds the even k.

@@ -17,6 +17,7 @@
 #include "matmul.cu"
 #include "matmul_mma.cu"
 #include "kquants.cu"
+#include "kquants_mma.cu"
 // KERNEL FILES END
 
 #include <memory>
@@ -266,12 +267,22 @@ void test_existing_matmul() {
 using MmaKernel = void (*)(const void*, const float4*, int, int, MatmulJobs, float*, int*, int);
 MmaKernel mma_kernel(int dtype, int nt) {
 #define MMA_ROW(NAME) {NAME##_n1, NAME##_n2, NAME##_n4, NAME##_n8}
-    static const MmaKernel table[6][4] = {{nullptr, nullptr, nullptr, nullptr},
-                                          MMA_ROW(matmul_mma_f16),
-                                          MMA_ROW(matmul_mma_bf16),
-                                          MMA_ROW(matmul_mma_q8_0),
-                                          MMA_ROW(matmul_mma_q4_0),
-                                          MMA_ROW(matmul_mma_q4_1)};
+    // By dtype code (kquants_mma.cu's from 6 on).
+    static const MmaKernel table[15][4] = {{nullptr, nullptr, nullptr, nullptr},
+                                           MMA_ROW(matmul_mma_f16),
+                                           MMA_ROW(matmul_mma_bf16),
+                                           MMA_ROW(matmul_mma_q8_0),
+                                           MMA_ROW(matmul_mma_q4_0),
+                                           MMA_ROW(matmul_mma_q4_1),
+                                           MMA_ROW(matmul_mma_q5_0),
+                                           MMA_ROW(matmul_mma_q5_1),
+                                           MMA_ROW(matmul_mma_q2_k),
+                                           MMA_ROW(matmul_mma_q3_k),
+                                           MMA_ROW(matmul_mma_q4_k),
+                                           MMA_ROW(matmul_mma_q5_k),
+                                           MMA_ROW(matmul_mma_q6_k),
+                                           MMA_ROW(matmul_mma_iq4_nl),
+                                           MMA_ROW(matmul_mma_iq4_xs)};
     int v = nt <= 1 ? 0 : nt <= 2 ? 1 : nt <= 4 ? 2 : 3;
     return table[dtype][v];
 }
@@ -300,6 +311,33 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
         }
 }
 
+// One case of the tensor-core matmul: weights `ws` of `dtype` (`ms[j]` rows each, k columns) in
+// one launch, 2-70 input rows (one to two 64-row tiles, partial 8-row tiles), one and three
+// column slices, with and without +=, against the f64 reference within `tol`.
+void check_mma_case(int dtype, const std::string& name, const std::vector<int>& ms, int k,
+                    const std::vector<Weights>& ws, double tol) {
+    std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
+    for (auto& w : ws) wd.emplace_back(new Buf<uint8_t>(w.bytes));
+    std::string shape;
+    for (int m : ms) shape += (shape.empty() ? "" : "+") + std::to_string(m);
+    for (int rows : {2, 3, 8, 9, 17, 33, 64, 70}) {
+        if (quick && rows > 33) continue;
+        auto x = random_vec((size_t)rows * k);
+        Buf<float> xd(x);
+        X16Buf x16(xd, (size_t)rows * k);
+        for (int split : {1, 3}) {
+            if (split > k / 32) continue;
+            for (int accumulate : {0, 1}) {
+                JobOutputs o(wd, ms, rows, accumulate);
+                run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
+                check("mma matmul " + name + " [" + shape + "]x" + std::to_string(k) + " rows=" + std::to_string(rows) +
+                          " split=" + std::to_string(split) + (accumulate ? " +=" : ""),
+                      o.max_err(x, rows, ws, k), tol);
+            }
+        }
+    }
+}
+
 void test_mma_matmul() {
     struct Case {
         std::vector<int> ms;
@@ -307,87 +345,66 @@ void test_mma_matmul() {
     };
     std::vector<Case> cases = {{{1}, 32}, {{77}, 96}, {{130, 40, 7}, 576}, {{256}, 1536}};
     if (quick) cases.pop_back();
-    std::vector<int> row_counts = {2, 3, 8, 9, 17, 33, 64, 70};
     for (int dtype = F16; dtype <= Q4_1; dtype++)
         for (auto& cs : cases) {
-            int k = cs.k;
             std::vector<Weights> ws;
-            std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
-            for (int m : cs.ms) {
-                ws.push_back(random_weights(dtype, m, k));
-                wd.emplace_back(new Buf<uint8_t>(ws.back().bytes));
-            }
-            for (int rows : row_counts) {
-                if (quick && rows > 33) continue;
-                auto x = random_vec((size_t)rows * k);
-                Buf<float> xd(x);
-                X16Buf x16(xd, (size_t)rows * k);
-                for (int split : {1, 3}) {
-                    if (split > k / 32) continue;
-                    for (int accumulate : {0, 1}) {
-                        JobOutputs o(wd, cs.ms, rows, accumulate);
-                        run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
-                        double err = o.max_err(x, rows, ws, k);
-                        std::string ms;
-                        for (int m : cs.ms) ms += (ms.empty() ? "" : "+") + std::to_string(m);
-                        // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts
-                        // within 2^-22 (2^-24) of x; f32 sums in another order than f64.
-                        double tol = dtype >= Q8_0 ? 1e-4 : 1e-5;
-                        check(std::string("mma matmul ") + dtype_name(dtype) + " [" + ms + "]x" + std::to_string(k) +
-                                  " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
-                                  (accumulate ? " +=" : ""),
-                              err, tol);
-                    }
-                }
-            }
+            for (int m : cs.ms) ws.push_back(random_weights(dtype, m, cs.k));
+            // x as 16-bit integers per block (quantized weights) or as f16/bf16 parts within
+            // 2^-22 (2^-24) of x; f32 sums in another order than f64.
+            check_mma_case(dtype, dtype_name(dtype), cs.ms, cs.k, ws, dtype >= Q8_0 ? 1e-4 : 1e-5);
         }
 }
 
-// A row's result does not depend on the rows it is batched with (the same bits), and stays
-// within f32 rounding of the one-row kernel's (the same integer products for quantized weights).
+// A row's result does not depend on the rows it is batched with (rows 0-1 the same bits in
+// batches of 64, 9 and 2), and stays within f32 rounding of the one-row kernel's (the same integer
+// products for quantized weights): weight `w` of `dtype` [m, k]; `one_row(x, x16, jobs)` runs the
+// one-row kernel on one row.
+void check_mma_rows_independent(int dtype, const std::string& name, const Weights& w, int m, int k,
+                                const std::function<void(const Buf<float>&, const X16Buf&, MatmulJobs)>& one_row) {
+    Buf<uint8_t> wd(w.bytes);
+    auto x = random_vec((size_t)64 * k);
+    std::vector<std::vector<float>> results;
+    for (int rows : {64, 9, 2}) {
+        Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
+        X16Buf x16(xd, (size_t)rows * k);
+        Buf<float> out((size_t)rows * m);
+        MatmulJobs jobs{};
+        jobs.n_jobs = 1;
+        jobs.w[0] = wd.p;
+        jobs.out[0] = out.p;
+        jobs.m[0] = m;
+        run_mma(dtype, xd, &x16, rows, k, jobs, 4);
+        results.push_back(std::vector<float>(out.p, out.p + (size_t)2 * m));
+    }
+    bool same = results[1] == results[0] && results[2] == results[0];
+    printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", name.c_str(),
+           same ? "yes" : "NO");
+    if (!same) failures++;
+    // Against the one-row kernel, row by row.
+    std::vector<double> solo((size_t)2 * m);
+    for (int r = 0; r < 2; r++) {
+        Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
+        X16Buf x16(xd, k);
+        Buf<float> out(m);
+        MatmulJobs jobs{};
+        jobs.n_jobs = 1;
+        jobs.w[0] = wd.p;
+        jobs.out[0] = out.p;
+        jobs.m[0] = m;
+        one_row(xd, x16, jobs);
+        for (int i = 0; i < m; i++) solo[(size_t)r * m + i] = out.p[i];
+    }
+    check("mma matmul " + name + " vs the one-row kernel", max_rel(results[2], solo), 2e-6);
+}
+
 void test_mma_rows_independent() {
     int m = 200, k = 1024;
-    for (int dtype = F16; dtype <= Q4_1; dtype++) {
-        Weights w = random_weights(dtype, m, k);
-        Buf<uint8_t> wd(w.bytes);
-        auto x = random_vec((size_t)64 * k);
-        std::vector<std::vector<float>> results;
-        for (int rows : {64, 9, 2}) {
-            Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
-            X16Buf x16(xd, (size_t)rows * k);
-            Buf<float> out((size_t)rows * m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_mma(dtype, xd, &x16, rows, k, jobs, 4);
-            results.push_back(out.vec());
-        }
-        bool same = true;
-        for (size_t v = 1; v < results.size(); v++)
-            for (size_t i = 0; i < results[v].size(); i++) same &= results[v][i] == results[0][i];
-        printf("mma matmul %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", dtype_name(dtype),
-               same ? "yes" : "NO");
-        if (!same) failures++;
-        // Against the one-row kernel, row by row.
-        std::vector<float> solo((size_t)2 * m);
-        std::vector<double> solo_d(solo.size());
-        for (int r = 0; r < 2; r++) {
-            Buf<float> xd(std::vector<float>(x.begin() + (size_t)r * k, x.begin() + (size_t)(r + 1) * k));
-            X16Buf x16(xd, k);
-            Buf<float> out(m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_matmul_kernel(dtype, 0, xd.p, x16.xq.p, x16.xs.p, 1, k, jobs, (m + MM_WROWS - 1) / MM_WROWS);
-            for (int i = 0; i < m; i++) solo_d[(size_t)r * m + i] = out.p[i];
-        }
-        check(std::string("mma matmul ") + dtype_name(dtype) + " vs the one-row kernel", 
-              max_rel(results[2], solo_d), 2e-6);
-    }
+    for (int dtype = F16; dtype <= Q4_1; dtype++)
+        check_mma_rows_independent(dtype, dtype_name(dtype), random_weights(dtype, m, k), m, k,
+                                   [&](const Buf<float>& xd, const X16Buf& x16, MatmulJobs jobs) {
+                                       run_matmul_kernel(dtype, 0, xd.p, x16.xq.p, x16.xs.p, 1, k, jobs,
+                                                         (m + MM_WROWS - 1) / MM_WROWS);
+                                   });
 }
 
 // ---- the attention steps of a batch of sequences in one launch ------------------------------
@@ -618,26 +635,87 @@ void test_flash_attention() {
 
 // ---- k-quant matvecs: the 32-value-block kernels and the super-block lane kernels ----------
 
-enum { KQ4 = 10, KQ5 = 11, KQ6 = 12 };
-const char* kq_name(int d) { return d == KQ4 ? "q4_k" : d == KQ5 ? "q5_k" : "q6_k"; }
-int kq_bytes(int d) { return d == KQ4 ? 144 : d == KQ5 ? 176 : 210; }
+// Dtype codes of kquants.cu (`KQ_*`): the 32-value types q5_0, q5_1, iq4_nl and the
+// super-block types q2_k .. q6_k, iq4_xs.
+enum { KQ50 = 6, KQ51 = 7, KQ2 = 8, KQ3 = 9, KQ4 = 10, KQ5 = 11, KQ6 = 12, KQNL = 13, KQXS = 14 };
+const int KQ_ALL[] = {KQ50, KQ51, KQNL, KQ2, KQ3, KQ4, KQ5, KQ6, KQXS};
+const char* kq_name(int d) {
+    static const char* names[] = {"q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"};
+    return names[d - KQ50];
+}
+int kq_bytes(int d) {
+    static const int bytes[] = {22, 24, 84, 110, 144, 176, 210, 18, 136};
+    return bytes[d - KQ50];
+}
+int kq_len(int d) { return d == KQ50 || d == KQ51 || d == KQNL ? 32 : 256; }
+const int IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// Random super-blocks of q4_k / q5_k / q6_k and their values as weights-format/FORMAT.md
+// Random blocks of the dtypes of kquants.cu and their values as weights-format/FORMAT.md
 // defines them (written from that text, not from the kernels).
 Weights random_kq_weights(int dtype, int m, int k) {
     Weights w;
-    int bb = kq_bytes(dtype), n_sb = k / 256;
+    int bb = kq_bytes(dtype), len = kq_len(dtype), n_sb = k / len;
     w.bytes.resize((size_t)m * n_sb * bb);
     w.values.resize((size_t)m * k);
     for (auto& b : w.bytes) b = (uint8_t)(rng() & 0xFF);
     auto get16 = [&](size_t at) { return (uint16_t)(w.bytes[at] | (w.bytes[at + 1] << 8)); };
     auto put16 = [&](size_t at, uint16_t h) { w.bytes[at] = h & 0xFF; w.bytes[at + 1] = h >> 8; };
+    auto scale16 = [&](float lo, float hi) { return emu_f2h(uniform(lo, hi) * (uniform(0, 1) < 0.5f ? -1 : 1)); };
     for (int i = 0; i < m; i++)
         for (int sb = 0; sb < n_sb; sb++) {
             size_t at = ((size_t)i * n_sb + sb) * bb;
             const uint8_t* blk = &w.bytes[at];
-            double* out = &w.values[(size_t)i * k + (size_t)sb * 256];
-            if (dtype == KQ6) {
+            double* out = &w.values[(size_t)i * k + (size_t)sb * len];
+            if (dtype == KQ50 || dtype == KQ51) {
+                put16(at, scale16(0.002f, 0.02f));
+                if (dtype == KQ51) put16(at + 2, emu_f2h(uniform(-0.1f, 0.1f)));
+                double d = emu_h2f(get16(at)), mn = dtype == KQ51 ? emu_h2f(get16(at + 2)) : 0;
+                int q0 = dtype == KQ51 ? 8 : 6;
+                uint32_t qh = 0;
+                for (int b = 0; b < 4; b++) qh |= (uint32_t)blk[q0 - 4 + b] << (8 * b);
+                for (int e = 0; e < 32; e++) {
+                    int q = (e < 16 ? blk[q0 + e] & 0xF : blk[q0 + e - 16] >> 4) | (((qh >> e) & 1) << 4);
+                    out[e] = dtype == KQ51 ? q * d + mn : (q - 16) * d;
+                }
+            } else if (dtype == KQNL) {
+                put16(at, scale16(0.0002f, 0.002f));
+                double d = emu_h2f(get16(at));
+                for (int e = 0; e < 32; e++)
+                    out[e] = d * IQ4_LEVELS[e < 16 ? blk[2 + e] & 0xF : blk[2 + e - 16] >> 4];
+            } else if (dtype == KQXS) {
+                put16(at, scale16(0.00002f, 0.0001f));
+                double d = emu_h2f(get16(at));
+                int scales_h = get16(at + 2);
+                for (int e = 0; e < 256; e++) {
+                    int b = e / 32, j = e % 32;
+                    int ls = ((blk[4 + b / 2] >> (4 * (b % 2))) & 0xF) | (((scales_h >> (2 * b)) & 3) << 4);
+                    int byte = blk[8 + 16 * b + j % 16];
+                    out[e] = d * (ls - 32) * IQ4_LEVELS[j < 16 ? byte & 0xF : byte >> 4];
+                }
+            } else if (dtype == KQ2) {
+                put16(at + 80, scale16(0.002f, 0.01f));
+                put16(at + 82, emu_f2h(uniform(0.0005f, 0.004f)));
+                double d = emu_h2f(get16(at + 80)), dmin = emu_h2f(get16(at + 82));
+                for (int e = 0; e < 256; e++) {
+                    int n = e / 128, j = (e % 128) / 32, l = e % 32;
+                    int level = (blk[16 + 32 * n + l] >> (2 * j)) & 3;
+                    int sc = blk[8 * n + 2 * j + l / 16];
+                    out[e] = d * (sc & 0xF) * level - dmin * (sc >> 4);
+                }
+            } else if (dtype == KQ3) {
+                put16(at + 108, scale16(0.0002f, 0.002f));
+                double d = emu_h2f(get16(at + 108));
+                const uint8_t* scales = blk + 96;
+                for (int e = 0; e < 256; e++) {
+                    int n = e / 128, j = (e % 128) / 32, l = e % 32;
+                    int level = (blk[32 + 32 * n + l] >> (2 * j)) & 3;
+                    if (!((blk[l] >> (4 * n + j)) & 1)) level -= 4;
+                    int i = 8 * n + 2 * j + l / 16;
+                    int low = i < 8 ? scales[i] & 0xF : scales[i - 8] >> 4;
+                    int high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
+                    out[e] = d * ((low | (high << 4)) - 32) * level;
+                }
+            } else if (dtype == KQ6) {
                 put16(at + 208, emu_f2h(uniform(0.0005f, 0.002f) * (uniform(0, 1) < 0.5f ? -1 : 1)));
                 double d = emu_h2f(get16(at + 208));
                 for (int e = 0; e < 256; e++) {
@@ -648,7 +726,7 @@ Weights random_kq_weights(int dtype, int m, int k) {
                     int sc = (int8_t)blk[192 + 8 * n + 2 * kk + l / 16];
                     out[e] = d * sc * ((low | (high << 4)) - 32);
                 }
-            } else {
+            } else {  // q4_k, q5_k
                 put16(at, emu_f2h(uniform(0.0005f, 0.002f) * (uniform(0, 1) < 0.5f ? -1 : 1)));
                 put16(at + 2, emu_f2h(uniform(0.0005f, 0.004f)));
                 double d = emu_h2f(get16(at)), dmin = emu_h2f(get16(at + 2));
@@ -753,6 +831,41 @@ void test_kq_matmul() {
         }
 }
 
+// The tensor-core matmuls of kquants_mma.cu, every dtype, as `test_mma_matmul` (a partial
+// 256-row tile, three weights per launch), blocks of the format's layout.
+void test_kq_mma_matmul() {
+    struct Case {
+        std::vector<int> ms;
+        int blocks;  // (super-)blocks per row
+    };
+    std::vector<Case> cases = {{{1}, 1}, {{77}, 3}, {{130, 40, 7}, 6}};
+    for (int dtype : KQ_ALL)
+        for (auto& cs : cases) {
+            int k = cs.blocks * kq_len(dtype);
+            std::vector<Weights> ws;
+            for (int m : cs.ms) ws.push_back(random_kq_weights(dtype, m, k));
+            // x as 16-bit integers per 32-value block (2^-16 of its largest value), exact integer
+            // sums of the levels, f32 sums in another order than f64: the one-row kernels' tol.
+            check_mma_case(dtype, kq_name(dtype), cs.ms, k, ws, 1e-4);
+        }
+}
+
+// The same for kquants_mma.cu's kernels, every dtype (the one-row kernels `matmul_<dtype>_r1`).
+void test_kq_mma_rows_independent() {
+    using Kernel1 = void (*)(const short*, const float4*, int, int, MatmulJobs);
+    static const Kernel1 one_row[9] = {matmul_q5_0_r1, matmul_q5_1_r1, matmul_q2_k_r1,
+                                       matmul_q3_k_r1, matmul_q4_k_r1, matmul_q5_k_r1,
+                                       matmul_q6_k_r1, matmul_iq4_nl_r1, matmul_iq4_xs_r1};
+    int m = 300, k = 1024;
+    for (int dtype : KQ_ALL)
+        check_mma_rows_independent(dtype, kq_name(dtype), random_kq_weights(dtype, m, k), m, k,
+                                   [&](const Buf<float>&, const X16Buf& x16, MatmulJobs jobs) {
+                                       emu::launch(grid3((m + MM_WROWS - 1) / MM_WROWS), MM_WARPS * 32, [&] {
+                                           one_row[dtype - KQ50](x16.xq.p, x16.xs.p, 1, k, jobs);
+                                       });
+                                   });
+}
+
 }  // namespace
 
 // The prompt path's conversion of q4_k / q5_k / q6_k weights to f16 for cuBLAS: the per-block
@@ -818,6 +931,8 @@ int main(int argc, char** argv) {
     test_seq_kernels();
     test_flash_attention();
     test_kq_matmul();
+    test_kq_mma_matmul();
+    test_kq_mma_rows_independent();
     test_kq_dequant();
     test_block_dequant();
     if (failures) {

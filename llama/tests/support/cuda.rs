@@ -1,6 +1,8 @@
 //! Helpers of the CUDA tests (`cuda_ops.rs`, `cuda_kquants.rs`): the opt-in backend, buffers
-//! and weights on the device, and a matmul checked against the reference backend.
+//! and weights on the device, and matmuls (one launch, tensor-core decode batches) checked
+//! against the reference backend.
 
+use llama::backend::RowGroup;
 use llama::backend::cuda::{CUBLAS_MIN_ROWS, CudaBuf, CudaKvBuf, CudaPaths, DeviceWeights};
 use llama::{Backend, CudaBackend, ReferenceBackend, WeightSource, WeightView};
 use rand::rngs::StdRng;
@@ -117,4 +119,113 @@ pub fn check_matmul(
         if via_cublas { " (cuBLAS)" } else { "" }
     );
     assert!(d < tol, "matmul {dtype} {m}x{k} rows={rows}: {d}");
+}
+
+/// `rows` rows of a batch of one-row sequences (decoding): the rows the batched matmuls get.
+pub fn decode_rows(rows: usize) -> Vec<RowGroup> {
+    vec![RowGroup::solo(1); rows]
+}
+
+/// Decode batches of 2 to 70 rows times the `dtype` weight `w` [m, k] through `be`'s tensor-core
+/// matmuls (`mma` path): against the reference (tol [`MATMUL_TOL`]), against each row alone
+/// through `old`'s one-row kernel (within f32 summation order, the quantized products being the
+/// same integers: tol 1e-5), and rows 0-1 the same bits whatever the batch size.
+pub fn check_mma_batches(
+    be: &CudaBackend,
+    old: &CudaBackend,
+    dtype: DType,
+    (m, k): (usize, usize),
+    w: &[u8],
+    rng: &mut StdRng,
+) {
+    let host = WeightView::host(dtype, m, k, w);
+    let dev = on_device(be, w);
+    let wd = view(&dev, dtype, m, k);
+    let dev_old = on_device(old, w);
+    let wd_old = view(&dev_old, dtype, m, k);
+    let x = random(rng, 70 * k);
+    let mut first_rows: Option<Vec<f32>> = None;
+    for rows in [2, 3, 8, 9, 16, 17, 33, 64, 70] {
+        let x = x[..rows * k].to_vec();
+        let mut want = vec![0f32; rows * m];
+        matmul(&ReferenceBackend, &x, rows, host, &mut want);
+        let xd = up(be, &x);
+        let mut out = alloc(be, rows * m);
+        be.matmul_batch(&xd, &decode_rows(rows), &[wd], &mut [&mut out])
+            .unwrap();
+        let got = down(be, &out, rows * m);
+        let d = max_rel_diff(&got, &want);
+        let mut alone = Vec::with_capacity(rows * m);
+        for r in 0..rows {
+            let xr = up(old, &x[r * k..(r + 1) * k]);
+            let mut o = alloc(old, m);
+            matmul(old, &xr, 1, wd_old, &mut o);
+            alone.extend(down(old, &o, m));
+        }
+        let d_alone = max_rel_diff(&got, &alone);
+        println!(
+            "mma matmul {dtype} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
+        );
+        assert!(d < MATMUL_TOL, "mma {dtype} {m}x{k} rows={rows}: {d}");
+        assert!(
+            d_alone < 1e-5,
+            "mma {dtype} {m}x{k} rows={rows} vs alone: {d_alone}"
+        );
+        match &first_rows {
+            None => first_rows = Some(got[..2 * m].to_vec()),
+            Some(f) => assert_eq!(
+                &got[..2 * m],
+                &f[..],
+                "mma {dtype} {m}x{k}: rows 0-1 differ between batches of 2 and {rows}"
+            ),
+        }
+    }
+}
+
+/// Q/K/V-style weights `w1` [m1, k] and `w2` [m2, k] of `dtype` in one launch of `be`'s batched
+/// matmul, and the residual add, for a decode batch of 12 rows, against the reference (tol
+/// [`MATMUL_TOL`]).
+pub fn check_two_weights_and_add(
+    be: &CudaBackend,
+    dtype: DType,
+    (m1, m2, k): (usize, usize, usize),
+    (w1, w2): (&[u8], &[u8]),
+    rng: &mut StdRng,
+) {
+    let rows = 12;
+    let (d1, d2) = (on_device(be, w1), on_device(be, w2));
+    let (v1, v2) = (view(&d1, dtype, m1, k), view(&d2, dtype, m2, k));
+    let x = random(rng, rows * k);
+    let base = random(rng, rows * m1);
+    let (mut want1, mut want2) = (vec![0f32; rows * m1], vec![0f32; rows * m2]);
+    matmul(
+        &ReferenceBackend,
+        &x,
+        rows,
+        WeightView::host(dtype, m1, k, w1),
+        &mut want1,
+    );
+    matmul(
+        &ReferenceBackend,
+        &x,
+        rows,
+        WeightView::host(dtype, m2, k, w2),
+        &mut want2,
+    );
+    let xd = up(be, &x);
+    let (mut o1, mut o2) = (alloc(be, rows * m1), alloc(be, rows * m2));
+    be.matmul_batch(&xd, &decode_rows(rows), &[v1, v2], &mut [&mut o1, &mut o2])
+        .unwrap();
+    let d = max_rel_diff(&down(be, &o1, rows * m1), &want1)
+        .max(max_rel_diff(&down(be, &o2, rows * m2), &want2));
+    let mut acc = up(be, &base);
+    let mut scratch = alloc(be, rows * m1);
+    be.matmul_add_batch(&xd, &decode_rows(rows), v1, &mut scratch, &mut acc)
+        .unwrap();
+    let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
+    let d_add = max_rel_diff(&down(be, &acc, rows * m1), &want);
+    println!(
+        "mma matmul {dtype}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
+    );
+    assert!(d < MATMUL_TOL && d_add < MATMUL_TOL, "{dtype}: {d} {d_add}");
 }

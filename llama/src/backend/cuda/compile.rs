@@ -31,6 +31,9 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("matmul_mma.cu", include_str!("kernels/matmul_mma.cu")),
     // The dtypes added with the k-quants; after matmul.cu, whose tile and loads they use.
     ("kquants.cu", include_str!("kernels/kquants.cu")),
+    // Their tensor-core batched matmuls; after matmul_mma.cu (tiles, store) and kquants.cu
+    // (block decoder).
+    ("kquants_mma.cu", include_str!("kernels/kquants_mma.cu")),
 ];
 
 /// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
@@ -44,6 +47,24 @@ pub(super) fn program_source() -> String {
         }
     }
     src
+}
+
+/// For kernel development: `GDSLLM_CUDA_DEFINES=NAME[=VALUE],...` puts a `#define` per item
+/// before the program, so that variants of a kernel behind `#ifdef`s are compared in one run of
+/// one binary. The defines are part of the source, hence of the PTX cache key.
+pub const DEFINES_ENV: &str = "GDSLLM_CUDA_DEFINES";
+
+fn with_defines(source: String, defines: Option<&str>) -> String {
+    let Some(defines) = defines.filter(|d| !d.trim().is_empty()) else {
+        return source;
+    };
+    let mut out = String::new();
+    for item in defines.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let (name, value) = item.split_once('=').unwrap_or((item, ""));
+        out.push_str(&format!("#define {name} {value}\n"));
+    }
+    tracing::info!(defines, "kernel defines from {DEFINES_ENV}");
+    out + &source
 }
 
 /// FNV-1a: stable across Rust versions and platforms, unlike `DefaultHasher`, so cache file
@@ -91,7 +112,7 @@ pub fn kernel_cache_dir() -> Option<PathBuf> {
 /// Loads the kernels for `ctx`'s device: from the cache when a PTX file for this exact source,
 /// architecture and NVRTC version exists and loads, else compiled now (and cached).
 pub(super) fn load_module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
-    let source = program_source();
+    let source = with_defines(program_source(), std::env::var(DEFINES_ENV).ok().as_deref());
     let (major, minor) = ctx.compute_capability().map_err(|e| LlamaError::Device {
         message: format!("cuDeviceGetAttribute(compute capability): {e}"),
     })?;
@@ -177,6 +198,14 @@ mod tests {
     }
 
     #[test]
+    fn defines_go_before_the_program() {
+        let src = with_defines("int x;\n".to_string(), Some("A, B=2,"));
+        assert_eq!(src, "#define A \n#define B 2\nint x;\n");
+        assert_eq!(with_defines("int x;\n".to_string(), Some(" ")), "int x;\n");
+        assert_eq!(with_defines("int x;\n".to_string(), None), "int x;\n");
+    }
+
+    #[test]
     fn kernel_sources_are_embedded_with_line_markers() {
         let src = program_source();
         // The matmul kernels are stamped out by a macro, the others written out.
@@ -217,22 +246,35 @@ mod tests {
             assert_eq!(defined, 1, "kernel {name}");
         }
         // Kernels looked up per dtype through `lookup("dtype")`, each dtype's stamped out once
-        // by `macro_name(prefix_dtype, ...)`; returns how many dtypes the loader names.
-        let stamped_once = |lookup: &str, macro_name: &str, prefix: &str| {
+        // by one of `macro_names` (`macro_name(prefix_dtype, ...)`); returns how many dtypes
+        // the loader names.
+        let stamped_once = |lookup: &str, macro_names: &[&str], prefix: &str| {
             let mut dtypes = 0;
             for part in loader.split(&format!("{lookup}(\"")).skip(1) {
                 let dtype = part.split('"').next().unwrap();
-                let stamp = format!("{macro_name}({prefix}_{dtype}, ");
-                assert_eq!(src.matches(&stamp).count(), 1, "{stamp}");
+                let stamps = macro_names
+                    .iter()
+                    .map(|m| src.matches(&format!("{m}({prefix}_{dtype}, ")).count())
+                    .sum::<usize>();
+                assert_eq!(stamps, 1, "{prefix}_{dtype} by one of {macro_names:?}");
                 dtypes += 1;
             }
             dtypes
         };
-        // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each.
-        let mma = stamped_once("mma", "MATMUL_MMA_KERNELS", "matmul_mma");
-        assert_eq!(mma, 5, "f16, bf16, q8_0, q4_0, q4_1");
+        // The tensor-core matmuls, by dtype: `_n1` .. `_n8` stamped out by one macro each
+        // (`matmul_mma.cu`'s, or `kquants_mma.cu`'s for the k-quant-era dtypes).
+        let mma = stamped_once(
+            "mma",
+            &["MATMUL_MMA_KERNELS", "MATMUL_MMA_KQ_KERNELS"],
+            "matmul_mma",
+        );
+        assert_eq!(
+            mma,
+            weights_format::DType::ALL.len() - 1,
+            "every dtype but f32"
+        );
         // The `superblock` path's k-quant matmuls: `_r1` and `_r8` stamped out by one macro each.
-        let superblock = stamped_once("sb", "MATMUL_KQ_SB_KERNELS", "matmul_sb");
+        let superblock = stamped_once("sb", &["MATMUL_KQ_SB_KERNELS"], "matmul_sb");
         assert_eq!(superblock, 3, "q4_k, q5_k, q6_k");
     }
 
@@ -270,6 +312,8 @@ mod tests {
                 "matmul_sb_q6_k_r8",
                 "matmul_mma_q4_1_n8",
                 "matmul_mma_bf16_n1",
+                "matmul_mma_q4_k_n8",
+                "matmul_mma_q6_k_n4",
                 "attention_flash_hd128",
                 "attention_decode_seqs",
                 "rope_store_kv_seqs",

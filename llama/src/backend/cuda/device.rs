@@ -529,9 +529,8 @@ pub(super) struct Kernels {
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
     pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
     /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16, 32 and 64 input
-    /// rows per block (`matmul_mma.cu`). Only the six dtype codes before the k-quants have them;
-    /// a dtype past the table keeps the one-row kernels (`CudaBackend::mma_kernels`).
-    pub matmul_mma: [Option<[CudaFunction; 4]>; 6],
+    /// rows per block (`matmul_mma.cu`, and `kquants_mma.cu` for the k-quant-era dtypes).
+    pub matmul_mma: [Option<[CudaFunction; 4]>; DType::ALL.len()],
     /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
     /// row and `MM_ROWS` rows per block, as `matmul`.
     pub matmul_superblock: [[CudaFunction; 2]; 3],
@@ -599,6 +598,7 @@ impl Kernels {
                 .collect::<Result<Vec<_>, LlamaError>>()?
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
+            // In dtype-code order (`DType::ALL`).
             matmul_mma: [
                 None,
                 Some(mma("f16")?),
@@ -606,6 +606,15 @@ impl Kernels {
                 Some(mma("q8_0")?),
                 Some(mma("q4_0")?),
                 Some(mma("q4_1")?),
+                Some(mma("q5_0")?),
+                Some(mma("q5_1")?),
+                Some(mma("q2_k")?),
+                Some(mma("q3_k")?),
+                Some(mma("q4_k")?),
+                Some(mma("q5_k")?),
+                Some(mma("q6_k")?),
+                Some(mma("iq4_nl")?),
+                Some(mma("iq4_xs")?),
             ],
             matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],
         })

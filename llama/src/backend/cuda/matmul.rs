@@ -234,7 +234,7 @@ impl CudaBackend {
     }
 
     /// Whether `rows` rows (fewer than a prompt's) times `w` go to the tensor-core kernels of
-    /// `matmul_mma.cu`: when that path is on, for two rows or more (one row is the decode
+    /// `matmul_mma.cu` (and `kquants_mma.cu`): when that path is on, for two rows or more (one row is the decode
     /// step of a single sequence, which the one-row kernel reads at full bandwidth), on a
     /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks
     /// and a 16-byte aligned weight (tensors start 4096-aligned; the f16 path loads 16 bytes).
@@ -247,8 +247,9 @@ impl CudaBackend {
             && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))
     }
 
-    /// The tensor-core kernels of `dtype`, if `matmul_mma.cu` has them (a dtype without them,
-    /// whatever its code, keeps the one-row kernels).
+    /// The tensor-core kernels of `dtype`, if it has them (every dtype but f32: `matmul_mma.cu`
+    /// and, for the k-quant-era dtypes, `kquants_mma.cu`; a dtype without them keeps the
+    /// one-row and eight-row kernels).
     fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction; 4]> {
         self.kernels
             .matmul_mma

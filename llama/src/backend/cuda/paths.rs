@@ -29,7 +29,8 @@ pub struct CudaPaths {
     /// q4_k, q5_k and q6_k matmuls below a prompt's rows (decoding) with 16 lanes per
     /// super-block reading its quant bytes as consecutive words (`matmul_sb_*` of
     /// `kquants.cu`; off: one lane per 32-value block, `matmul_kq_impl`). One-row q6_k matmuls
-    /// take the super-block kernel whether this is on or not (the GPU run showed it faster).
+    /// take the super-block kernel whether this is on or not (the GPU run showed it faster);
+    /// with `mma` on, matmuls of two rows or more take the tensor cores instead.
     pub superblock: bool,
 }
 

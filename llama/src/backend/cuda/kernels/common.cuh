@@ -214,4 +214,40 @@ __device__ __forceinline__ void mma_bf16(const u32 (&a)[4], const u32 (&b)[2], f
 }
 
 // Two values as the halves of one register (the first in the low half).
+// An asynchronous copy of N bytes (4, 8 or 16; both addresses N-aligned) from global to shared
+// memory (`cp.async`, compute capability 8.0 and later): the bytes travel without passing through
+// registers, so a block can issue all of a stage's copies at once. `cp_async_wait` waits for
+// this thread's copies (`cp_async_commit` closes a group, `cp_async_wait<N>` waits for all but
+// the last N groups); a `__syncthreads` after it makes every thread's visible to the block.
+// Elsewhere (older devices, the CPU emulator) a plain load and store.
+template <int N>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+    static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    if constexpr (N == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(s), "l"(gmem), "n"(N));
+#else
+    if constexpr (N == 16) *(uint4*)smem = *(const uint4*)gmem;
+    else if constexpr (N == 8) *(uint2*)smem = *(const uint2*)gmem;
+    else *(u32*)smem = *(const u32*)gmem;
+#endif
+}
+// Closes the group of this thread's copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 __device__ __forceinline__ u32 pack_halves(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }

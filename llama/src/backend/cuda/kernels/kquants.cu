@@ -11,7 +11,9 @@
 // Every kernel works on 32-value blocks: a super-block is 8 of them (its sub-block j = block
 // index % 8). `kq_block<DTYPE>` decodes one into 32 signed 8-bit levels (8 words, value 4t..4t+3
 // in word t) and an affine map per 16 values, value = a[h]·level + c[h] — the shape the integer
-// dot products (`dp2a`, 16-bit activations × 8-bit levels) and the decoders share.
+// dot products (`dp2a`, 16-bit activations × 8-bit levels) and the decoders share. It is made of
+// `kq_block_words` (words t and 4 + t) and `kq_block_scales`, which the tensor-core kernels of
+// kquants_mma.cu call directly (a lane holds only words t and 4 + t of a fragment's rows).
 
 #define KQ_Q5_0 6
 #define KQ_Q5_1 7
@@ -73,103 +75,142 @@ __device__ __forceinline__ void kq_scale_min_k4(int j, const u8* s, int& sc, int
     }
 }
 
-// 32-value block `b` of a weight row starting at `row`.
+// Block `b` of a weight row starting at `row`: the bytes of its (super-)block, and `j`, its
+// sub-block there (0 for the 32-value types).
 template <int DTYPE>
-__device__ __forceinline__ void kq_block(const u8* row, u64 b, KqBlock& q) {
+__device__ __forceinline__ const u8* kq_block_at(const u8* row, u64 b, int& j) {
     constexpr int len = kq_block_len<DTYPE>(), bytes = kq_block_bytes<DTYPE>();
-    const u8* blk = row + (b * 32 / len) * bytes;
-    const int j = (int)(b % (len / 32));  // sub-block of a super-block
+    j = (int)(b % (len / 32));
+    return row + (b * 32 / len) * bytes;
+}
+
+// The affine maps of sub-block j of `blk`: value = a[h]·level + c[h] for values 16h..16h+15.
+template <int DTYPE>
+__device__ __forceinline__ void kq_block_scales(const u8* blk, int j, float (&a)[2], float (&c)[2]) {
     if constexpr (DTYPE == KQ_Q5_0 || DTYPE == KQ_Q5_1) {
-        constexpr bool one = DTYPE == KQ_Q5_1;
-        constexpr int qs = one ? 8 : 6;
-        float d = h2f(load_u16(blk));
-        u32 qh = kq_u32<one>(blk + qs - 4);
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-            u32 v = kq_u32<one>(blk + qs + 4 * t);
-            u32 lo = (v & 0x0F0F0F0Fu) | (kq_spread4(qh >> (4 * t)) << 4);
-            u32 hi = ((v >> 4) & 0x0F0F0F0Fu) | (kq_spread4(qh >> (16 + 4 * t)) << 4);
-            q.w[t] = one ? (int)lo : (int)__vsub4(lo, 0x10101010u);
-            q.w[4 + t] = one ? (int)hi : (int)__vsub4(hi, 0x10101010u);
-        }
-        q.a[0] = q.a[1] = d;
-        q.c[0] = q.c[1] = one ? h2f(load_u16(blk + 2)) : 0.f;
+        a[0] = a[1] = h2f(load_u16(blk));
+        c[0] = c[1] = DTYPE == KQ_Q5_1 ? h2f(load_u16(blk + 2)) : 0.f;
     } else if constexpr (DTYPE == KQ_IQ4_NL || DTYPE == KQ_IQ4_XS) {
-        constexpr bool xs = DTYPE == KQ_IQ4_XS;
-        const u8* qs = xs ? blk + 8 + 16 * j : blk + 2;
-        float a = h2f(load_u16(blk));
-        if constexpr (xs) {
+        float d = h2f(load_u16(blk));
+        if constexpr (DTYPE == KQ_IQ4_XS) {
             int ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((load_u16(blk + 2) >> (2 * j)) & 3) << 4);
-            a *= (float)(ls - 32);
+            d *= (float)(ls - 32);
         }
-#pragma unroll
-        for (int t = 0; t < 4; t++) {
-            u32 v = kq_u32<xs>(qs + 4 * t);
-            q.w[t] = (int)kq_iq4_levels(v & 0x0F0F0F0Fu);
-            q.w[4 + t] = (int)kq_iq4_levels((v >> 4) & 0x0F0F0F0Fu);
-        }
-        q.a[0] = q.a[1] = a;
-        q.c[0] = q.c[1] = 0.f;
+        a[0] = a[1] = d;
+        c[0] = c[1] = 0.f;
     } else if constexpr (DTYPE == KQ_Q4_K || DTYPE == KQ_Q5_K) {
-        constexpr bool five = DTYPE == KQ_Q5_K;
         float d = h2f(load_u16(blk)), dmin = h2f(load_u16(blk + 2));
         int sc, m;
         kq_scale_min_k4(j, blk + 4, sc, m);
-        const u8* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
-        int shift = 4 * (j % 2);
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            u32 v = (kq_u32<true>(qs + 4 * t) >> shift) & 0x0F0F0F0Fu;
-            if constexpr (five) v |= ((kq_u32<true>(blk + 16 + 4 * t) >> j) & 0x01010101u) << 4;
-            q.w[t] = (int)v;
-        }
-        q.a[0] = q.a[1] = d * (float)sc;
-        q.c[0] = q.c[1] = -(dmin * (float)m);
+        a[0] = a[1] = d * (float)sc;
+        c[0] = c[1] = -(dmin * (float)m);
     } else if constexpr (DTYPE == KQ_Q6_K) {
         const int n = j / 4, k = j % 4;
         float d = h2f(load_u16(blk + 208));
-        const u8* ql = blk + 64 * n + 32 * (k & 1);
-        const u8* qh = blk + 128 + 32 * n;
-        int shift = k < 2 ? 0 : 4;
-#pragma unroll
-        for (int t = 0; t < 8; t++) {
-            u32 low = (kq_u32<false>(ql + 4 * t) >> shift) & 0x0F0F0F0Fu;
-            u32 high = ((kq_u32<false>(qh + 4 * t) >> (2 * k)) & 0x03030303u) << 4;
-            q.w[t] = (int)__vsub4(low | high, 0x20202020u);
-        }
-        q.a[0] = d * (float)(signed char)blk[192 + 8 * n + 2 * k];
-        q.a[1] = d * (float)(signed char)blk[192 + 8 * n + 2 * k + 1];
-        q.c[0] = q.c[1] = 0.f;
+        a[0] = d * (float)(signed char)blk[192 + 8 * n + 2 * k];
+        a[1] = d * (float)(signed char)blk[192 + 8 * n + 2 * k + 1];
+        c[0] = c[1] = 0.f;
     } else if constexpr (DTYPE == KQ_Q3_K) {
         const int n = j / 4, k = j % 4;
         float d = h2f(load_u16(blk + 108));
         const u8* scales = blk + 96;
 #pragma unroll
-        for (int t = 0; t < 8; t++) {
-            u32 q2 = (kq_u32<false>(blk + 32 + 32 * n + 4 * t) >> (2 * k)) & 0x03030303u;
-            u32 h = (kq_u32<false>(blk + 4 * t) >> (4 * n + k)) & 0x01010101u;
-            q.w[t] = (int)__vsub4(q2 | (h << 2), 0x04040404u);
-        }
-#pragma unroll
         for (int h = 0; h < 2; h++) {
             int i = 8 * n + 2 * k + h;
             int low = i < 8 ? (scales[i] & 0xF) : (scales[i - 8] >> 4);
             int high = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
-            q.a[h] = d * (float)((low | (high << 4)) - 32);
-            q.c[h] = 0.f;
+            a[h] = d * (float)((low | (high << 4)) - 32);
+            c[h] = 0.f;
         }
     } else {  // KQ_Q2_K
         const int n = j / 4, k = j % 4;
         float d = h2f(load_u16(blk + 80)), dmin = h2f(load_u16(blk + 82));
 #pragma unroll
-        for (int t = 0; t < 8; t++) q.w[t] = (int)((kq_u32<true>(blk + 16 + 32 * n + 4 * t) >> (2 * k)) & 0x03030303u);
-#pragma unroll
         for (int h = 0; h < 2; h++) {
             int sc = blk[8 * n + 2 * k + h];
-            q.a[h] = d * (float)(sc & 0xF);
-            q.c[h] = -(dmin * (float)(sc >> 4));
+            a[h] = d * (float)(sc & 0xF);
+            c[h] = -(dmin * (float)(sc >> 4));
         }
     }
+}
+
+// Words t and 4 + t (t < 4) of sub-block j's levels: values 4t..4t+3 (`lo`) and 16+4t..16+4t+3
+// (`hi`) as signed bytes — the two k-sets a lane holds in a tensor-core fragment, and half of
+// what `kq_block` decodes.
+template <int DTYPE>
+__device__ __forceinline__ void kq_block_words(const u8* blk, int j, int t, u32& lo, u32& hi) {
+    if constexpr (DTYPE == KQ_Q5_0 || DTYPE == KQ_Q5_1) {
+        constexpr bool one = DTYPE == KQ_Q5_1;
+        constexpr int qs = one ? 8 : 6;
+        u32 qh = kq_u32<one>(blk + qs - 4);
+        u32 v = kq_u32<one>(blk + qs + 4 * t);
+        lo = (v & 0x0F0F0F0Fu) | (kq_spread4(qh >> (4 * t)) << 4);
+        hi = ((v >> 4) & 0x0F0F0F0Fu) | (kq_spread4(qh >> (16 + 4 * t)) << 4);
+        if constexpr (!one) {
+            lo = __vsub4(lo, 0x10101010u);
+            hi = __vsub4(hi, 0x10101010u);
+        }
+    } else if constexpr (DTYPE == KQ_IQ4_NL || DTYPE == KQ_IQ4_XS) {
+        constexpr bool xs = DTYPE == KQ_IQ4_XS;
+        const u8* qs = xs ? blk + 8 + 16 * j : blk + 2;
+        u32 v = kq_u32<xs>(qs + 4 * t);
+        lo = kq_iq4_levels(v & 0x0F0F0F0Fu);
+        hi = kq_iq4_levels((v >> 4) & 0x0F0F0F0Fu);
+    } else if constexpr (DTYPE == KQ_Q4_K || DTYPE == KQ_Q5_K) {
+        constexpr bool five = DTYPE == KQ_Q5_K;
+        const u8* qs = blk + (five ? 48 : 16) + 32 * (j / 2);
+        int shift = 4 * (j % 2);
+        lo = (kq_u32<true>(qs + 4 * t) >> shift) & 0x0F0F0F0Fu;
+        hi = (kq_u32<true>(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0Fu;
+        if constexpr (five) {
+            lo |= ((kq_u32<true>(blk + 16 + 4 * t) >> j) & 0x01010101u) << 4;
+            hi |= ((kq_u32<true>(blk + 32 + 4 * t) >> j) & 0x01010101u) << 4;
+        }
+    } else if constexpr (DTYPE == KQ_Q6_K) {
+        const int n = j / 4, k = j % 4;
+        const u8* ql = blk + 64 * n + 32 * (k & 1);
+        const u8* qh = blk + 128 + 32 * n;
+        int shift = k < 2 ? 0 : 4;
+        u32 w[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 low = (kq_u32<false>(ql + 16 * h + 4 * t) >> shift) & 0x0F0F0F0Fu;
+            u32 high = ((kq_u32<false>(qh + 16 * h + 4 * t) >> (2 * k)) & 0x03030303u) << 4;
+            w[h] = __vsub4(low | high, 0x20202020u);
+        }
+        lo = w[0];
+        hi = w[1];
+    } else if constexpr (DTYPE == KQ_Q3_K) {
+        const int n = j / 4, k = j % 4;
+        u32 w[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 q2 = (kq_u32<false>(blk + 32 + 32 * n + 16 * h + 4 * t) >> (2 * k)) & 0x03030303u;
+            u32 m = (kq_u32<false>(blk + 16 * h + 4 * t) >> (4 * n + k)) & 0x01010101u;
+            w[h] = __vsub4(q2 | (m << 2), 0x04040404u);
+        }
+        lo = w[0];
+        hi = w[1];
+    } else {  // KQ_Q2_K
+        const int n = j / 4, k = j % 4;
+        lo = (kq_u32<true>(blk + 16 + 32 * n + 4 * t) >> (2 * k)) & 0x03030303u;
+        hi = (kq_u32<true>(blk + 16 + 32 * n + 16 + 4 * t) >> (2 * k)) & 0x03030303u;
+    }
+}
+
+// 32-value block `b` of a weight row starting at `row`.
+template <int DTYPE>
+__device__ __forceinline__ void kq_block(const u8* row, u64 b, KqBlock& q) {
+    int j;
+    const u8* blk = kq_block_at<DTYPE>(row, b, j);
+#pragma unroll
+    for (int t = 0; t < 4; t++) {
+        u32 lo, hi;
+        kq_block_words<DTYPE>(blk, j, t, lo, hi);
+        q.w[t] = (int)lo;
+        q.w[4 + t] = (int)hi;
+    }
+    kq_block_scales<DTYPE>(blk, j, q.a, q.c);
 }
 
 // Value i (0..31) of a decoded block.

@@ -176,6 +176,125 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (
     }
 }
 
+// The staged path of quantized weights, taken when the row's chunks split into whole stages: a
+// stage is G chunks (`mma_stage_chunks`) of all MMA_BROWS weight rows and of all the block's
+// input rows (levels and the scale and Σx of their records), copied into shared memory by the
+// whole block with `cp_async` (consecutive threads take consecutive 4-16 byte pieces of a row),
+// then every warp reads its fragments from there. With two buffers (`mma_stage_buffers`) the
+// next stage's copies are in flight while the warps multiply the current one. Loading the
+// fragments straight from global memory (the loop above) made each warp issue 8-row gathers for
+// its weights and load every input fragment itself: ncu showed that kernel stalled on L1 (54 %
+// of its cycles waiting for loads, L1 57 % busy, DRAM 16 %) at 32 rows. Same products, same
+// order per output.
+#ifdef MMA_STAGE_SINGLE
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_chunks() { return DTYPE == 3 ? 2 : 4; }
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_buffers() { return 1; }
+#else
+// Two buffers of 2 chunks fit the 48 KB of static shared memory for the 4-bit types (q8_0's
+// 34-byte blocks do not: one buffer).
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_chunks() { return 2; }
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_buffers() { return DTYPE == 3 ? 1 : 2; }
+#endif
+// Bytes of a weight row's stage: its G blocks, padded to a multiple of 16 (48 or 80): 16-byte
+// aligned, and the 8 rows a fragment load reads fall in distinct banks.
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_wrow() {
+    return (mma_stage_chunks<DTYPE>() * mma_block_bytes<DTYPE>() + 15) / 16 * 16;
+}
+// The copy size: the largest that divides a stage's bytes, so that the stage's offset (c·block
+// bytes, c a multiple of G) and the row's length (n_chunks a multiple of G) keep it aligned.
+template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_copy() {
+    constexpr int b = mma_stage_chunks<DTYPE>() * mma_block_bytes<DTYPE>();
+    return b % 16 == 0 ? 16 : b % 8 == 0 ? 8 : 4;
+}
+
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, const short* xq, const float4* xs,
+                                                    int n_chunks, int c0, int c1, float (&acc)[MMA_MT][NT][4]) {
+    constexpr int G = mma_stage_chunks<DTYPE>(), NB = mma_stage_buffers<DTYPE>(), BB = mma_block_bytes<DTYPE>();
+    constexpr int CP = mma_stage_copy<DTYPE>(), WROW = mma_stage_wrow<DTYPE>();
+    constexpr int W_COPIES = G * BB / CP;  // per weight row
+    // An input row's G chunks (64·G bytes) plus 32: the 8 rows of a fragment load in distinct banks.
+    constexpr int XROW = G * 64 + 32, XR = NT * 8;
+    constexpr int W_BYTES = MMA_BROWS * WROW, X_BYTES = XR * XROW;
+    __shared__ uint4 sw4[NB * W_BYTES / 16];
+    __shared__ uint4 sx4[NB * X_BYTES / 16];
+    __shared__ float2 sr[NB * XR * G];
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, warp = threadIdx.x / 32;
+    const u64 row_bytes = (u64)n_chunks * BB;
+    // Stage c's copies into buffer b.
+    auto copy_stage = [&](int c, int b) {
+        u8* sw = (u8*)sw4 + b * W_BYTES;
+        u8* sx = (u8*)sx4 + b * X_BYTES;
+        for (int i = threadIdx.x; i < MMA_BROWS * W_COPIES; i += MMA_WARPS * 32) {
+            const int r = i / W_COPIES, p = i % W_COPIES;
+            // Rows past the weight's last (a partial tile) copy its last row; never stored.
+            const u8* src = t.w + (u64)min(t.i0 + r, t.m - 1) * row_bytes + (u64)c * BB + p * CP;
+            cp_async<CP>(sw + r * WROW + p * CP, src);
+        }
+        for (int i = threadIdx.x; i < XR * G * 4; i += MMA_WARPS * 32) {
+            const int r = i / (G * 4), p = i % (G * 4);
+            const short* src = xq + ((u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c) * 32 + p * 8;
+            cp_async<16>(sx + r * XROW + p * 16, src);
+        }
+        for (int i = threadIdx.x; i < XR * G; i += MMA_WARPS * 32) {
+            const int r = i / G, u = i % G;
+            cp_async<8>(&sr[b * XR * G + i], &xs[(u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c + u]);
+        }
+        cp_async_commit();
+    };
+    if (c0 < c1) copy_stage(c0, 0);  // an empty slice (more slices than stages) copies nothing
+    for (int c = c0, s = 0; c < c1; c += G, s++) {
+        const int b = NB == 1 ? 0 : s & 1;
+        if (NB == 2 && c + G < c1) {
+            copy_stage(c + G, b ^ 1);  // its buffer was last read before the barrier that ended stage s-1
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u8* sw = (const u8*)sw4 + b * W_BYTES;
+        const u8* sx = (const u8*)sx4 + b * X_BYTES;
+        const float2* srb = sr + b * XR * G;
+        if (wr < t.m) {  // the same for the whole warp
+#pragma unroll
+            for (int u = 0; u < G; u++) {
+                MmaQ a[MMA_MT][2];
+#pragma unroll
+                for (int mt = 0; mt < MMA_MT; mt++) {
+                    const u8* row = sw + ((warp * MMA_MT + mt) * 16 + g) * WROW;
+                    mma_qload<DTYPE>(row, u, tq, a[mt][0]);
+                    mma_qload<DTYPE>(row + 8 * WROW, u, tq, a[mt][1]);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    if (j * 8 >= t.nr) break;
+                    const u8* xp = sx + (j * 8 + g) * XROW + u * 64;
+                    uint2 v0 = *(const uint2*)(xp + 8 * tq), v1 = *(const uint2*)(xp + 32 + 8 * tq);
+                    const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
+                    const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
+                    const float2 s0 = srb[(j * 8 + 2 * tq) * G + u], s1 = srb[(j * 8 + 2 * tq + 1) * G + u];
+#pragma unroll
+                    for (int mt = 0; mt < MMA_MT; mt++) {
+                        const MmaQ(&q)[2] = a[mt];
+                        const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
+                        int d[4] = {0, 0, 0, 0};
+                        mma_s8s8(A, bh, d);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) d[e] *= 256;
+                        mma_s8u8(A, bl, d);
+                        acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
+                        acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
+                        acc[mt][j][2] = mma_qacc<DTYPE>(q[1], d[2], s0, acc[mt][j][2]);
+                        acc[mt][j][3] = mma_qacc<DTYPE>(q[1], d[3], s1, acc[mt][j][3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the buffer is read before a later stage's copies overwrite it
+        if (NB == 1 && c + G < c1) copy_stage(c + G, 0);
+    }
+}
+
 // f16 (DTYPE 1) or bf16 (2) weights: lane t takes values 8t..8t+7 of each 32-value chunk (one
 // 16-byte load per row), two k16 steps: values 8t+4s, +1 as k-set (2t, 2t+1) and 8t+4s+2, +3 as
 // (2t+8, 2t+9) of step s, for A and B alike.
@@ -292,6 +411,13 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
 
+// The dtypes of kquants.cu (codes 6 on): their chunk loop and row size, in kquants_mma.cu.
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
+                                              const float4* xs, int n_chunks, int c0, int c1,
+                                              float (&acc)[MMA_MT][NT][4]);
+template <int DTYPE> __device__ __forceinline__ u64 mma_kq_row_bytes(int n_chunks);
+
 // `x` is f32 rows for f16/bf16 weights, the 16-bit integers of `quantize_x16` (with their
 // records `xs`) for quantized ones; rows of whole 32-value chunks.
 template <int DTYPE, int NT>
@@ -301,8 +427,13 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
     if (!mma_tile(jobs, rows, t)) return;  // the whole block, before any barrier
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const int n_chunks = k / 32;
-    const int c0 = (int)((long long)n_chunks * blockIdx.z / split);
-    const int c1 = (int)((long long)n_chunks * (blockIdx.z + 1) / split);
+    // q8_0/q4_0/q4_1 rows of whole stages take the staged path, its slices made of whole stages.
+    constexpr bool STAGED_DTYPE = DTYPE >= 3 && DTYPE <= 5;
+    constexpr int G = STAGED_DTYPE ? mma_stage_chunks<DTYPE>() : 1;
+    const bool staged = G > 1 && n_chunks % G == 0;
+    const int unit = staged ? G : 1, n_units = n_chunks / unit;
+    const int c0 = unit * (int)((long long)n_units * blockIdx.z / split);
+    const int c1 = unit * (int)((long long)n_units * (blockIdx.z + 1) / split);
     float acc[MMA_MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MMA_MT; mt++)
@@ -311,8 +442,17 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[mt][j][e] = 0.f;
     const int wr = t.i0 + warp * MMA_MT * 16;
+    if constexpr (STAGED_DTYPE) {
+        if (staged) {  // the same for the whole block: every thread reaches the stage barriers
+            mma_chunks_q_staged<DTYPE, NT>(t, wr, (const short*)x, xs, n_chunks, c0, c1, acc);
+            mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
+            return;
+        }
+    }
     if (wr < t.m) {  // the same for the whole warp
-        const u64 row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
+        u64 row_bytes;
+        if constexpr (DTYPE >= 6) row_bytes = mma_kq_row_bytes<DTYPE>(n_chunks);
+        else row_bytes = (u64)n_chunks * mma_block_bytes<DTYPE>();
         // Rows past the weight's last (a partial tile) read its last row and are never stored.
         const u8* wg[MMA_MT][2];
 #pragma unroll
@@ -322,6 +462,8 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
         }
         if constexpr (DTYPE == 1 || DTYPE == 2)
             mma_chunks_f<DTYPE, NT>(t, wg, (const float*)x, k, c0, c1, acc);
+        else if constexpr (DTYPE >= 6)
+            mma_chunks_kq<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
         else
             mma_chunks_q<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
     }
