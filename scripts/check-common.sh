@@ -16,6 +16,18 @@ prepare_work_dir() {
   WORK_DIR=$(cd "$WORK_DIR" && pwd)
   BIN=$(realpath "$BIN")
 }
+# `gdsllm synth --shape SHAPE --dtype DTYPE DIR` unless DIR holds a model already (stages share
+# the synthetic models they need).
+synth_once() { # shape dtype dir
+  [ -f "$3/metadata.json" ] || "$BIN" synth --shape "$1" --dtype "$2" "$3" >&2
+}
+# Runs CMD with its stdout (a JSON result) into OUT and its stderr into OUT.log; on failure the
+# log's tail on stderr, "LABEL FAILED" in the summary, status=1 and a non-zero return.
+json_run() { # out label cmd...
+  local out=$1 label=$2; shift 2
+  "$@" >"$out" 2>"$out.log" && return 0
+  tail -n 5 "$out.log" >&2; note "$label FAILED"; status=1; return 1
+}
 jq_py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
 
 # A test binary with --test-threads=1 --nocapture, its output in $WORK_DIR/LABEL.log and on

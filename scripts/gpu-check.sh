@@ -187,7 +187,7 @@ fi
 if has smollm2; then
   for dtype in q4_1 f16; do
     model="$WORK_DIR/smollm2-$dtype"
-    [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype "$dtype" "$model" >&2 || { status=1; continue; }
+    synth_once smollm2-135m "$dtype" "$model" || { status=1; continue; }
     for device in cuda cpu; do
       step "gdsllm bench --device $device on smollm2-135m $dtype"
       json="$WORK_DIR/bench-smollm2-$dtype-$device.json"
@@ -220,19 +220,15 @@ if has kquants; then
     for paths in none superblock; do
       r="$WORK_DIR/bench-$name-resident-$paths.json"
       step "gdsllm bench --device cuda $name resident, GDSLLM_CUDA_PATHS=$paths"
-      if GDSLLM_CUDA_PATHS=$paths "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json >"$r" 2>"$r.log"; then
+      if json_run "$r" "$name resident bench ($paths)" env GDSLLM_CUDA_PATHS="$paths" "$BIN" bench --device cuda -m "$model" -p 512 -n 128 -r 2 --json; then
         note "$name resident ($paths): pp512 $(jq_py "$r" "'%.0f' % d['pp']['best']") tok/s, tg128 $(jq_py "$r" "'%.1f' % d['tg']['best']") tok/s, $(jq_py "$r" "'%.0f kernels, %.0f stream calls' % (d['tg']['kernels_per_token'], d['tg']['stream_calls_per_token'])") per token"
-      else
-        tail -n 5 "$r.log" >&2; note "$name resident bench ($paths) FAILED"; status=1
       fi
     done
     s="$WORK_DIR/bench-$name-streamed.json"
     step "gdsllm bench --device cuda $name streamed, --vram-budget 4GiB"
     drop_caches
-    if "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json >"$s" 2>"$s.log"; then
+    if json_run "$s" "$name streamed bench" "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1 --json; then
       note "$name streamed 4GiB: tg $(jq_py "$s" "'%.3f tok/s, %.2f GB streamed/token' % (d['tg']['best'], d['tg']['bytes_per_token'] / 1e9)")"
-    else
-      tail -n 5 "$s.log" >&2; note "$name streamed bench FAILED"; status=1
     fi
     rm -rf "$model"
   done
@@ -257,9 +253,7 @@ if has 7b; then
       local name=$1 out=$2; shift 2
       step "gdsllm bench --device cuda 7b $dtype: $name"
       drop_caches
-      if ! "$BIN" bench --device cuda -m "$model" --json "$@" >"$out" 2>"$out.log"; then
-        tail -n 5 "$out.log" >&2; note "7b $dtype $name: FAILED"; status=1; return 1
-      fi
+      json_run "$out" "7b $dtype $name:" "$BIN" bench --device cuda -m "$model" --json "$@"
     }
     s="$WORK_DIR/bench-7b-$dtype-streamed.json"
     if bench "streamed, --vram-budget 4GiB" "$s" --vram-budget 4GiB --host-cache off -p 16 -n "$TG_STREAMED" -r 1; then
@@ -295,10 +289,8 @@ PY
       step "time to first token, cold page cache, 7b $dtype, --vram-budget $budget"
       drop_caches
       t="$WORK_DIR/ttft-7b-$dtype-$budget.json"
-      if "$BIN" run --device cuda -m "$model" -p "the quick brown fox" -n 1 --temp 0 -c 64 --vram-budget "$budget" --host-cache off --json >"$t" 2>"$t.log"; then
+      if json_run "$t" "7b $dtype TTFT:" "$BIN" run --device cuda -m "$model" -p "the quick brown fox" -n 1 --temp 0 -c 64 --vram-budget "$budget" --host-cache off --json; then
         note "7b $dtype TTFT cold (--vram-budget $budget): $(jq_py "$t" "'%.2f s (load %.2f s, prompt %.2f s)' % (d['timings']['time_to_first_token_s'], d['timings']['load_s'], d['timings']['prompt_s'])")"
-      else
-        tail -n 5 "$t.log" >&2; note "7b $dtype TTFT: FAILED"; status=1
       fi
     done
     step "same greedy tokens resident and with --vram-budget 2GiB, 7b $dtype"
@@ -316,7 +308,7 @@ fi
 if has batch; then
   # Issue 7: batched decoding on the 7B-shaped f16 model streamed with a 4 GiB budget.
   model="$WORK_DIR/llama7b-f16"
-  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype f16 "$model" >&2 || status=1
+  synth_once llama-7b f16 "$model" || status=1
   if [ -n "${BATCH_TEST_BIN:-}" ]; then
     step "batched forward equals solo on CUDA ($BATCH_TEST_BIN)"
     run_test_bin batch_cuda "$BATCH_TEST_BIN" GDSLLM_GPU_TESTS=1 >/dev/null
@@ -324,7 +316,7 @@ if has batch; then
   step "gdsllm bench --batch ${BATCHES:-1,8,32} on 7b f16, --vram-budget 4GiB"
   j="$WORK_DIR/bench-batch-7b-f16.json"
   drop_caches
-  if "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off --batch "${BATCHES:-1,8,32}" -p 16 -n "${TG_BATCH:-4}" -r 1 --json >"$j" 2>"$j.log"; then
+  if json_run "$j" "batch bench" "$BIN" bench --device cuda -m "$model" --vram-budget 4GiB --host-cache off --batch "${BATCHES:-1,8,32}" -p 16 -n "${TG_BATCH:-4}" -r 1 --json; then
     python3 - "$j" >>"$WORK_DIR/lines" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -335,15 +327,13 @@ for r in rows:
     print(f"7b f16 streamed 4GiB batch {r['batch']}: {r['mean']:.3f} tok/s aggregate ({x}), {r['per_seq_tok_per_s']:.3f} per sequence, {r['bytes_per_token']/1e9:.3f} GB streamed per generated token")
 PY
     tail -n 3 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
-  else
-    tail -n 5 "$j.log" >&2; note "batch bench FAILED"; status=1
   fi
 fi
 
 if has serve; then
   # Issue 8: requests/s and tokens/s of `gdsllm serve` on the GPU with a streamed 7B model.
   model="$WORK_DIR/llama7b-${SERVE_DTYPE:-q4_1}"
-  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "${SERVE_DTYPE:-q4_1}" "$model" >&2 || status=1
+  synth_once llama-7b "${SERVE_DTYPE:-q4_1}" "$model" || status=1
   step "gdsllm serve --device cuda on 7b ${SERVE_DTYPE:-q4_1}, --vram-budget 4GiB"
   "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 256 \
       --max-batch "${SERVE_MAX_BATCH:-8}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
@@ -362,7 +352,7 @@ if has prefix; then
   TEST_FILTER=cuda_prefix run_test_bin batch-prefix "${BATCH_TEST_BIN:-$(newest batch)}" GDSLLM_GPU_TESTS=1 >/dev/null
   grep -E "PrefixCacheStats" "$WORK_DIR/batch-prefix.log" | sed 's/^/  /' >&2
   model="$WORK_DIR/smollm2-q4_1"
-  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  synth_once smollm2-135m q4_1 "$model" || status=1
   "$BIN" serve --device cuda -m "$model" --port 0 -c 2048 --max-batch 4 \
       >"$WORK_DIR/prefix-serve.out" 2>"$WORK_DIR/prefix-serve.log" &
   spid=$!
@@ -427,7 +417,7 @@ if has remote; then
   # Issue 18: the network tier on CUDA: blobs fetched into the cache before the I/O path reads
   # the files, the same tokens as the local model, nothing fetched once everything is local.
   model="$WORK_DIR/smollm2-q4_1"
-  [ -f "$model/metadata.json" ] || "$BIN" synth --shape smollm2-135m --dtype q4_1 "$model" >&2 || status=1
+  synth_once smollm2-135m q4_1 "$model" || status=1
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   (cd "$model" && exec python3 -m http.server "$port" --bind 127.0.0.1) >"$WORK_DIR/remote-http.log" 2>&1 &
   hpid=$!
@@ -459,23 +449,20 @@ fi
 if has placement; then
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
     model="$WORK_DIR/llama7b-$dtype"
-    [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "$dtype" "$model" >&2 || { note "7b $dtype: synth FAILED"; status=1; continue; }
+    synth_once llama-7b "$dtype" "$model" || { note "7b $dtype: synth FAILED"; status=1; continue; }
     tier=(--vram-budget 4GiB --host-cache 24GiB)
     for mode in gpu auto; do
       p="$WORK_DIR/plan-7b-$dtype-$mode.json"
       step "gdsllm plan --placement $mode on 7b $dtype, ${tier[*]}"
       calibrate=(); [ "$mode" = gpu ] && calibrate=(--calibrate)
-      "$BIN" plan -m "$model" "${tier[@]}" --context 128 --placement "$mode" "${calibrate[@]}" --json >"$p" 2>"$p.log" \
-        || { tail -n 5 "$p.log" >&2; note "7b $dtype plan --placement $mode FAILED"; status=1; }
+      json_run "$p" "7b $dtype plan --placement $mode" "$BIN" plan -m "$model" "${tier[@]}" --context 128 --placement "$mode" "${calibrate[@]}" --json
     done
     b="$WORK_DIR/bench-placement-7b-$dtype-batch.json"
     step "gdsllm bench --batch 1,8,32 on 7b $dtype, ${tier[*]}"
-    "$BIN" bench --device cuda -m "$model" "${tier[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json >"$b" 2>"$b.log" \
-      || { tail -n 5 "$b.log" >&2; note "7b $dtype placement batch bench FAILED"; status=1; }
+    json_run "$b" "7b $dtype placement batch bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
     r="$WORK_DIR/bench-placement-7b-$dtype-pp.json"
     step "gdsllm bench -p 512 on 7b $dtype, ${tier[*]}"
-    "$BIN" bench --device cuda -m "$model" "${tier[@]}" -p 512 -n 4 -r 1 --json >"$r" 2>"$r.log" \
-      || { tail -n 5 "$r.log" >&2; note "7b $dtype placement pp bench FAILED"; status=1; }
+    json_run "$r" "7b $dtype placement pp bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" -p 512 -n 4 -r 1 --json
     python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
 import json, sys
 w, dtype = sys.argv[1], sys.argv[2]
@@ -510,17 +497,15 @@ if has hybrid; then
   threads=(); [ -n "${CPU_THREADS:-}" ] && threads=(--cpu-threads "$CPU_THREADS")
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
     model="$WORK_DIR/llama7b-$dtype"
-    [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype "$dtype" "$model" >&2 || { note "7b $dtype: synth FAILED"; status=1; continue; }
+    synth_once llama-7b "$dtype" "$model" || { note "7b $dtype: synth FAILED"; status=1; continue; }
     tier=(--vram-budget 4GiB --host-cache 24GiB)
     for mode in gpu auto; do
       b="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-batch.json"
       step "gdsllm bench --placement $mode --batch 1,8,32 on 7b $dtype, ${tier[*]}"
-      "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json >"$b" 2>"$b.log" \
-        || { tail -n 5 "$b.log" >&2; note "7b $dtype --placement $mode batch bench FAILED"; status=1; }
+      json_run "$b" "7b $dtype --placement $mode batch bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
       r="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-pp.json"
       step "gdsllm bench --placement $mode -p 512 on 7b $dtype, ${tier[*]}"
-      "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" -p 512 -n 4 -r 1 --json >"$r" 2>"$r.log" \
-        || { tail -n 5 "$r.log" >&2; note "7b $dtype --placement $mode pp bench FAILED"; status=1; }
+      json_run "$r" "7b $dtype --placement $mode pp bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" -p 512 -n 4 -r 1 --json
     done
     python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
 import json, sys
@@ -573,7 +558,7 @@ PY
     fi
   done
   model="$WORK_DIR/llama7b-f16"
-  [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype f16 "$model" >&2 || status=1
+  synth_once llama-7b f16 "$model" || status=1
   for rep in 1 2; do
     for check in on off; do
       extra=""; [ "$check" = off ] && extra="--no-checksums"

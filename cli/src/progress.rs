@@ -1,5 +1,5 @@
 //! Progress bars on stderr for long work (convert, pull, fetch, load, synth). xtask compiles
-//! this file too (`#[path]`), for `cargo xtask convert | fetch`.
+//! this file too (`#[path]`), with the `convert` and `pull` commands.
 
 use indicatif::{ProgressBar, ProgressStyle};
 

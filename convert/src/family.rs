@@ -117,82 +117,94 @@ const HF_GLOBAL: [Entry; 3] = [
     e(OUTPUT, "lm_head.weight"),
 ];
 
+/// LLaMA's layer, which the other families extend (or, where they store it otherwise, write
+/// out in full).
+const GGUF_LLAMA_LAYER: [Entry; 9] = [
+    e(ATTN_NORM, "blk.{l}.attn_norm.weight"),
+    e(ATTN_Q, "blk.{l}.attn_q.weight"),
+    e(ATTN_K, "blk.{l}.attn_k.weight"),
+    e(ATTN_V, "blk.{l}.attn_v.weight"),
+    e(ATTN_OUTPUT, "blk.{l}.attn_output.weight"),
+    e(FFN_NORM, "blk.{l}.ffn_norm.weight"),
+    e(FFN_GATE, "blk.{l}.ffn_gate.weight"),
+    e(FFN_UP, "blk.{l}.ffn_up.weight"),
+    e(FFN_DOWN, "blk.{l}.ffn_down.weight"),
+];
+const HF_LLAMA_LAYER: [Entry; 9] = [
+    e(ATTN_NORM, "model.layers.{l}.input_layernorm.weight"),
+    e(ATTN_Q, "model.layers.{l}.self_attn.q_proj.weight"),
+    e(ATTN_K, "model.layers.{l}.self_attn.k_proj.weight"),
+    e(ATTN_V, "model.layers.{l}.self_attn.v_proj.weight"),
+    e(ATTN_OUTPUT, "model.layers.{l}.self_attn.o_proj.weight"),
+    e(FFN_NORM, "model.layers.{l}.post_attention_layernorm.weight"),
+    e(FFN_GATE, "model.layers.{l}.mlp.gate_proj.weight"),
+    e(FFN_UP, "model.layers.{l}.mlp.up_proj.weight"),
+    e(FFN_DOWN, "model.layers.{l}.mlp.down_proj.weight"),
+];
+
+/// `parts` one after the other, as an array of `N` entries (a const, so that a table is
+/// `'static`).
+const fn concat<const N: usize>(parts: &[&[Entry]]) -> [Entry; N] {
+    let mut out = [e("", ""); N];
+    let (mut n, mut p) = (0, 0);
+    while p < parts.len() {
+        let mut i = 0;
+        while i < parts[p].len() {
+            out[n] = parts[p][i];
+            n += 1;
+            i += 1;
+        }
+        p += 1;
+    }
+    assert!(n == N, "the parts fill the table");
+    out
+}
+
+/// A table of the given parts (arrays of entries; the order does not matter).
 macro_rules! table {
-    ($global:expr, [$($entry:expr),* $(,)?]) => {{
-        const T: &[Entry] = &[$global[0], $global[1], $global[2], $($entry),*];
-        T
+    ($($part:expr),+ $(,)?) => {{
+        const PARTS: &[&[Entry]] = &[$(&$part),+];
+        const N: usize = {
+            let (mut n, mut p) = (0, 0);
+            while p < PARTS.len() {
+                n += PARTS[p].len();
+                p += 1;
+            }
+            n
+        };
+        const T: [Entry; N] = concat::<N>(PARTS);
+        &T
     }};
 }
 
 pub const LLAMA: FamilyTable = FamilyTable {
     arch: Architecture::Llama,
-    gguf: table!(
-        GGUF_GLOBAL,
-        [
-            e(ATTN_NORM, "blk.{l}.attn_norm.weight"),
-            e(ATTN_Q, "blk.{l}.attn_q.weight"),
-            e(ATTN_K, "blk.{l}.attn_k.weight"),
-            e(ATTN_V, "blk.{l}.attn_v.weight"),
-            e(ATTN_OUTPUT, "blk.{l}.attn_output.weight"),
-            e(FFN_NORM, "blk.{l}.ffn_norm.weight"),
-            e(FFN_GATE, "blk.{l}.ffn_gate.weight"),
-            e(FFN_UP, "blk.{l}.ffn_up.weight"),
-            e(FFN_DOWN, "blk.{l}.ffn_down.weight"),
-        ]
-    ),
-    hf: table!(
-        HF_GLOBAL,
-        [
-            e(ATTN_NORM, "model.layers.{l}.input_layernorm.weight"),
-            e(ATTN_Q, "model.layers.{l}.self_attn.q_proj.weight"),
-            e(ATTN_K, "model.layers.{l}.self_attn.k_proj.weight"),
-            e(ATTN_V, "model.layers.{l}.self_attn.v_proj.weight"),
-            e(ATTN_OUTPUT, "model.layers.{l}.self_attn.o_proj.weight"),
-            e(FFN_NORM, "model.layers.{l}.post_attention_layernorm.weight"),
-            e(FFN_GATE, "model.layers.{l}.mlp.gate_proj.weight"),
-            e(FFN_UP, "model.layers.{l}.mlp.up_proj.weight"),
-            e(FFN_DOWN, "model.layers.{l}.mlp.down_proj.weight"),
-        ]
-    ),
+    gguf: table!(GGUF_GLOBAL, GGUF_LLAMA_LAYER),
+    hf: table!(HF_GLOBAL, HF_LLAMA_LAYER),
     gguf_permutes_qk: true,
     hf_norms_minus_one: false,
     hf_classes: &["LlamaForCausalLM", "MistralForCausalLM"],
 };
 
+/// LLaMA's layer with biases on the Q, K and V projections.
 pub const QWEN2: FamilyTable = FamilyTable {
     arch: Architecture::Qwen2,
     gguf: table!(
         GGUF_GLOBAL,
+        GGUF_LLAMA_LAYER,
         [
-            e(ATTN_NORM, "blk.{l}.attn_norm.weight"),
-            e(ATTN_Q, "blk.{l}.attn_q.weight"),
-            e(ATTN_K, "blk.{l}.attn_k.weight"),
-            e(ATTN_V, "blk.{l}.attn_v.weight"),
             e(ATTN_Q_BIAS, "blk.{l}.attn_q.bias"),
             e(ATTN_K_BIAS, "blk.{l}.attn_k.bias"),
             e(ATTN_V_BIAS, "blk.{l}.attn_v.bias"),
-            e(ATTN_OUTPUT, "blk.{l}.attn_output.weight"),
-            e(FFN_NORM, "blk.{l}.ffn_norm.weight"),
-            e(FFN_GATE, "blk.{l}.ffn_gate.weight"),
-            e(FFN_UP, "blk.{l}.ffn_up.weight"),
-            e(FFN_DOWN, "blk.{l}.ffn_down.weight"),
         ]
     ),
     hf: table!(
         HF_GLOBAL,
+        HF_LLAMA_LAYER,
         [
-            e(ATTN_NORM, "model.layers.{l}.input_layernorm.weight"),
-            e(ATTN_Q, "model.layers.{l}.self_attn.q_proj.weight"),
-            e(ATTN_K, "model.layers.{l}.self_attn.k_proj.weight"),
-            e(ATTN_V, "model.layers.{l}.self_attn.v_proj.weight"),
             e(ATTN_Q_BIAS, "model.layers.{l}.self_attn.q_proj.bias"),
             e(ATTN_K_BIAS, "model.layers.{l}.self_attn.k_proj.bias"),
             e(ATTN_V_BIAS, "model.layers.{l}.self_attn.v_proj.bias"),
-            e(ATTN_OUTPUT, "model.layers.{l}.self_attn.o_proj.weight"),
-            e(FFN_NORM, "model.layers.{l}.post_attention_layernorm.weight"),
-            e(FFN_GATE, "model.layers.{l}.mlp.gate_proj.weight"),
-            e(FFN_UP, "model.layers.{l}.mlp.up_proj.weight"),
-            e(FFN_DOWN, "model.layers.{l}.mlp.down_proj.weight"),
         ]
     ),
     gguf_permutes_qk: false,
@@ -200,38 +212,23 @@ pub const QWEN2: FamilyTable = FamilyTable {
     hf_classes: &["Qwen2ForCausalLM"],
 };
 
+/// LLaMA's layer with a norm of each Q and K head.
 pub const QWEN3: FamilyTable = FamilyTable {
     arch: Architecture::Qwen3,
     gguf: table!(
         GGUF_GLOBAL,
+        GGUF_LLAMA_LAYER,
         [
-            e(ATTN_NORM, "blk.{l}.attn_norm.weight"),
-            e(ATTN_Q, "blk.{l}.attn_q.weight"),
-            e(ATTN_K, "blk.{l}.attn_k.weight"),
-            e(ATTN_V, "blk.{l}.attn_v.weight"),
             e(ATTN_Q_NORM, "blk.{l}.attn_q_norm.weight"),
             e(ATTN_K_NORM, "blk.{l}.attn_k_norm.weight"),
-            e(ATTN_OUTPUT, "blk.{l}.attn_output.weight"),
-            e(FFN_NORM, "blk.{l}.ffn_norm.weight"),
-            e(FFN_GATE, "blk.{l}.ffn_gate.weight"),
-            e(FFN_UP, "blk.{l}.ffn_up.weight"),
-            e(FFN_DOWN, "blk.{l}.ffn_down.weight"),
         ]
     ),
     hf: table!(
         HF_GLOBAL,
+        HF_LLAMA_LAYER,
         [
-            e(ATTN_NORM, "model.layers.{l}.input_layernorm.weight"),
-            e(ATTN_Q, "model.layers.{l}.self_attn.q_proj.weight"),
-            e(ATTN_K, "model.layers.{l}.self_attn.k_proj.weight"),
-            e(ATTN_V, "model.layers.{l}.self_attn.v_proj.weight"),
             e(ATTN_Q_NORM, "model.layers.{l}.self_attn.q_norm.weight"),
             e(ATTN_K_NORM, "model.layers.{l}.self_attn.k_norm.weight"),
-            e(ATTN_OUTPUT, "model.layers.{l}.self_attn.o_proj.weight"),
-            e(FFN_NORM, "model.layers.{l}.post_attention_layernorm.weight"),
-            e(FFN_GATE, "model.layers.{l}.mlp.gate_proj.weight"),
-            e(FFN_UP, "model.layers.{l}.mlp.up_proj.weight"),
-            e(FFN_DOWN, "model.layers.{l}.mlp.down_proj.weight"),
         ]
     ),
     gguf_permutes_qk: false,
@@ -239,25 +236,18 @@ pub const QWEN3: FamilyTable = FamilyTable {
     hf_classes: &["Qwen3ForCausalLM"],
 };
 
-/// Gemma 3's Hugging Face names: note that its `post_attention_layernorm` is the norm of the
+/// Gemma 3: in GGUF, LLaMA's layer with Q/K head norms and norms of the attention and FFN
+/// outputs. Its Hugging Face names differ: its `post_attention_layernorm` is the norm of the
 /// attention output, and `pre_feedforward_layernorm` the FFN's input norm.
 pub const GEMMA3: FamilyTable = FamilyTable {
     arch: Architecture::Gemma3,
     gguf: table!(
         GGUF_GLOBAL,
+        GGUF_LLAMA_LAYER,
         [
-            e(ATTN_NORM, "blk.{l}.attn_norm.weight"),
-            e(ATTN_Q, "blk.{l}.attn_q.weight"),
-            e(ATTN_K, "blk.{l}.attn_k.weight"),
-            e(ATTN_V, "blk.{l}.attn_v.weight"),
             e(ATTN_Q_NORM, "blk.{l}.attn_q_norm.weight"),
             e(ATTN_K_NORM, "blk.{l}.attn_k_norm.weight"),
-            e(ATTN_OUTPUT, "blk.{l}.attn_output.weight"),
             e(ATTN_POST_NORM, "blk.{l}.post_attention_norm.weight"),
-            e(FFN_NORM, "blk.{l}.ffn_norm.weight"),
-            e(FFN_GATE, "blk.{l}.ffn_gate.weight"),
-            e(FFN_UP, "blk.{l}.ffn_up.weight"),
-            e(FFN_DOWN, "blk.{l}.ffn_down.weight"),
             e(FFN_POST_NORM, "blk.{l}.post_ffw_norm.weight"),
         ]
     ),

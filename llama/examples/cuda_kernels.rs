@@ -295,18 +295,8 @@ fn main() -> Result<(), Error> {
                     .collect();
                 be.rope_store_kv_batch(&mut q, &mut k, &v, &mut stores, shape, &invd)
                     .unwrap();
-                drop(stores);
-                let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> = caches
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (kc, vc))| AttentionSeq {
-                        row0: i,
-                        rows: 1,
-                        pos0: ctx,
-                        k_cache: kc,
-                        v_cache: vc,
-                    })
-                    .collect();
+                let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> =
+                    stores.iter().map(KvStoreSeq::attention).collect();
                 be.attention_batch(&q, &seqs, shape, AttentionParams::causal(shape), &mut out)
                     .unwrap();
             }));

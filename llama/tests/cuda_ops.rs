@@ -578,26 +578,14 @@ fn batch_attention_steps_in_one_launch_equal_per_sequence_launches() {
         }
         be.rope_store_kv_batch(&mut qd, &mut kd, &vd, &mut stores, shape, &up(be, &inv))
             .unwrap();
-        drop(stores);
-        let mut row0 = 0;
-        let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> = specs
-            .iter()
-            .zip(&kv)
-            .map(|(s, (kc, vc))| {
-                let seq = AttentionSeq {
-                    row0,
-                    rows: s.0,
-                    pos0: s.1,
-                    k_cache: kc,
-                    v_cache: vc,
-                };
-                row0 += s.0;
-                seq
-            })
-            .collect();
+        let seqs: Vec<AttentionSeq<'_, CudaKvBuf>> =
+            stores.iter().map(KvStoreSeq::attention).collect();
         let mut out = alloc(be, total * q_w);
         be.attention_batch(&qd, &seqs, shape, AttentionParams::causal(shape), &mut out)
             .unwrap();
+        // The caches are read back below.
+        drop(seqs);
+        drop(stores);
         let cache_values: Vec<Vec<f32>> = kv
             .iter()
             .zip(&specs)

@@ -178,6 +178,22 @@ pub struct PlanInputs {
     pub policy: Policy,
 }
 
+impl PlanInputs {
+    /// The planned policy on `device_budget` bytes with `ring_slots` slots: nothing reserved,
+    /// no host tier, the resident layers chosen by the plan (set the fields after it for
+    /// anything else).
+    pub fn new(device_budget: u64, ring_slots: usize) -> PlanInputs {
+        PlanInputs {
+            device_budget,
+            reserved_bytes: 0,
+            host_budget: 0,
+            ring_slots,
+            resident_layers: None,
+            policy: Policy::Planned,
+        }
+    }
+}
+
 /// The static plan for a run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Plan {
@@ -674,17 +690,6 @@ impl fmt::Display for Plan {
 mod tests {
     use super::*;
 
-    fn inputs(budget: u64, k: usize) -> PlanInputs {
-        PlanInputs {
-            device_budget: budget,
-            reserved_bytes: 0,
-            host_budget: 0,
-            ring_slots: k,
-            resident_layers: None,
-            policy: Policy::Planned,
-        }
-    }
-
     /// Gemma 3 270M's layout: 18 layers, 15 of them with a 512-position window, one KV head of
     /// 256 values. Its global layers cost the whole context, the windowed ones 1024 positions.
     #[test]
@@ -720,7 +725,7 @@ mod tests {
     fn output_first_then_spread_layers() {
         let layout = ModelLayout::synthetic(1000, &[100; 10], 10, false);
         // Ring 2×100, output 10, then 3 layers.
-        let plan = Plan::compute(&layout, &inputs(200 + 10 + 300 + 50, 2)).unwrap();
+        let plan = Plan::compute(&layout, &PlanInputs::new(200 + 10 + 300 + 50, 2)).unwrap();
         assert_eq!(plan.placement(0), Placement::OnDemand);
         assert_eq!(plan.placement(11), Placement::Resident);
         assert_eq!(plan.resident_layers, 3);
@@ -735,7 +740,7 @@ mod tests {
         // Tied embedding of 500 bytes, 4 layers of 100: keeping the embedding resident makes
         // the slots 100 bytes instead of 500.
         let layout = ModelLayout::synthetic(500, &[100; 4], 10, true);
-        let plan = Plan::compute(&layout, &inputs(500 + 10 + 200, 2)).unwrap();
+        let plan = Plan::compute(&layout, &PlanInputs::new(500 + 10 + 200, 2)).unwrap();
         assert!(plan.is_resident(0));
         assert_eq!(plan.slot_bytes, 100);
         assert_eq!(plan.ring_bytes, 200);
@@ -745,7 +750,7 @@ mod tests {
     #[test]
     fn everything_fits_means_no_ring() {
         let layout = ModelLayout::synthetic(500, &[100; 4], 10, true);
-        let plan = Plan::compute(&layout, &inputs(910, 3)).unwrap();
+        let plan = Plan::compute(&layout, &PlanInputs::new(910, 3)).unwrap();
         assert_eq!(plan.ring_bytes, 0);
         assert_eq!(plan.disk_bytes_per_pass, 0);
         assert!(plan.predict_tokens_per_s(3.0, 50.0, 0.0).is_infinite());
@@ -754,7 +759,7 @@ mod tests {
     #[test]
     fn too_small_names_the_numbers() {
         let layout = ModelLayout::synthetic(500, &[100; 4], 10, false);
-        let err = Plan::compute(&layout, &inputs(150, 2)).unwrap_err();
+        let err = Plan::compute(&layout, &PlanInputs::new(150, 2)).unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("150") && text.contains("needs 200 bytes"),
@@ -764,7 +769,7 @@ mod tests {
             &layout,
             &PlanInputs {
                 resident_layers: Some(4),
-                ..inputs(300, 2)
+                ..PlanInputs::new(300, 2)
             },
         )
         .unwrap_err();
@@ -781,7 +786,7 @@ mod tests {
             &layout,
             &PlanInputs {
                 host_budget: 2_000_000_000,
-                ..inputs(2_000_004_096, 2)
+                ..PlanInputs::new(2_000_004_096, 2)
             },
         )
         .unwrap();

@@ -6,17 +6,6 @@ use residency::{ModelLayout, Placement, Plan, PlanInputs, Policy};
 
 const MIB: u64 = 1 << 20;
 
-fn inputs(budget: u64, k: usize) -> PlanInputs {
-    PlanInputs {
-        device_budget: budget,
-        reserved_bytes: 0,
-        host_budget: 0,
-        ring_slots: k,
-        resident_layers: None,
-        policy: Policy::Planned,
-    }
-}
-
 /// `passes` passes at 1 ns a disk byte with no host tier, each blob computed for its
 /// `compute_ns`, in plan order and without jitter.
 fn disk_sim(compute_ns: Vec<u64>, passes: usize) -> SimConfig {
@@ -43,7 +32,7 @@ fn streaming_setup(
         &layout,
         &PlanInputs {
             resident_layers: Some(resident_layers),
-            ..inputs(k as u64 * layer + 4096 + resident_layers as u64 * layer, k)
+            ..PlanInputs::new(k as u64 * layer + 4096 + resident_layers as u64 * layer, k)
         },
     )
     .unwrap();
@@ -162,12 +151,12 @@ fn lru_collapses_under_cyclic_access_planned_does_not() {
     // Room for 6 layer-sized blobs: less than the 11 blobs of a pass.
     let budget = 6 * layer;
     let config = |plan: &Plan| disk_sim(vec![500_000; plan.blobs.len()], 8);
-    let planned = Plan::compute(&layout, &inputs(budget, 2)).unwrap();
+    let planned = Plan::compute(&layout, &PlanInputs::new(budget, 2)).unwrap();
     let lru = Plan::compute(
         &layout,
         &PlanInputs {
             policy: Policy::Lru,
-            ..inputs(budget, 2)
+            ..PlanInputs::new(budget, 2)
         },
     )
     .unwrap();
@@ -212,7 +201,7 @@ fn host_tier_serves_streamed_blobs_after_the_first_pass() {
         &layout,
         &PlanInputs {
             host_budget: 3 * layer,
-            ..inputs(2 * layer + 4096 + 2 * layer, 2)
+            ..PlanInputs::new(2 * layer + 4096 + 2 * layer, 2)
         },
     )
     .unwrap();
@@ -254,7 +243,7 @@ fn host_tier_serves_streamed_blobs_after_the_first_pass() {
 #[test]
 fn out_of_order_access_is_correct_and_counted_as_misses() {
     let layout = ModelLayout::synthetic(0, &[MIB; 8], 4096, false);
-    let plan = Plan::compute(&layout, &inputs(3 * MIB + 4096, 3)).unwrap();
+    let plan = Plan::compute(&layout, &PlanInputs::new(3 * MIB + 4096, 3)).unwrap();
     // Skip forward, go back, repeat a blob, then resume the plan order.
     let access = vec![vec![1, 2, 5, 3, 3, 8, 9], vec![1, 2, 3, 4, 5, 6, 7, 8, 9]];
     let report = simulate(
@@ -290,7 +279,7 @@ proptest! {
         let layers: Vec<u64> = sizes[..n].iter().map(|s| s * unit).collect();
         let layout = ModelLayout::synthetic(embed * unit, &layers, unit, tied);
         let budget = budget_blocks * unit;
-        let Ok(plan) = Plan::compute(&layout, &inputs(budget, k)) else {
+        let Ok(plan) = Plan::compute(&layout, &PlanInputs::new(budget, k)) else {
             // Only when even the ring does not fit.
             let largest = layout.order.iter().map(|&b| layout.blobs[b].length).max().unwrap();
             prop_assert!(largest * k as u64 > budget);
@@ -318,7 +307,7 @@ proptest! {
         // Against LRU with the same budget, on the same cyclic access.
         let total: u64 = layout.order.iter().map(|&b| layout.blobs[b].length).sum();
         let largest = layout.order.iter().map(|&b| layout.blobs[b].length).max().unwrap();
-        if let Ok(lru) = Plan::compute(&layout, &PlanInputs { policy: Policy::Lru, ..inputs(budget, k) })
+        if let Ok(lru) = Plan::compute(&layout, &PlanInputs { policy: Policy::Lru, ..PlanInputs::new(budget, k) })
             && total > budget
             && budget >= plan.ring_slots as u64 * largest + layout.order.iter().map(|&b| layout.blobs[b].length).min().unwrap()
         {

@@ -2,11 +2,15 @@
 
 mod bindgen;
 mod ci;
+// `cargo xtask convert | fetch` are `gdsllm convert | pull` for developers who have not built
+// the CLI: the CLI is a binary crate, so its command modules (and the progress bars they use)
+// are compiled here as well.
+#[path = "../../cli/src/cmd/convert.rs"]
 mod convert;
-// The CLI's progress bars, so that `cargo xtask convert | fetch` show what `gdsllm convert |
-// pull` show (the CLI is a binary crate; its module is compiled here as well).
 #[path = "../../cli/src/progress.rs"]
 mod progress;
+#[path = "../../cli/src/cmd/pull.rs"]
+mod pull;
 
 use clap::{Parser, Subcommand};
 
@@ -23,18 +27,18 @@ enum Command {
     Bindgen(bindgen::Args),
     /// The whole test suite as CI runs it: build, pull the default model, test everything.
     Ci(ci::Args),
-    /// Convert a GGUF file or Hugging Face directory (same code as `gdsllm convert`).
-    Convert(convert::ConvertArgs),
-    /// Pull a known model into the model store (same code as `gdsllm pull`).
-    Fetch(convert::FetchArgs),
+    /// Convert a GGUF file or Hugging Face directory (`gdsllm convert`).
+    Convert(convert::Args),
+    /// Pull a model into the model store (`gdsllm pull`).
+    Fetch(pull::Args),
 }
 
 fn main() -> std::process::ExitCode {
     let result = match Cli::parse().command {
         Command::Bindgen(args) => bindgen::run(args),
         Command::Ci(args) => ci::run(args),
-        Command::Convert(args) => convert::run_convert(args),
-        Command::Fetch(args) => convert::run_fetch(args),
+        Command::Convert(args) => convert::run(args),
+        Command::Fetch(args) => pull::run(args),
     };
     // The message chain is what a developer needs; a backtrace of xtask itself is noise.
     match result {

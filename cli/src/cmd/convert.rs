@@ -1,4 +1,5 @@
 //! `gdsllm convert IN OUT`: GGUF file or Hugging Face directory → GdsLLM model directory.
+//! xtask compiles this file too (`#[path]`), as `cargo xtask convert`.
 
 use std::path::PathBuf;
 use std::time::Instant;

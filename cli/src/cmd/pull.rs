@@ -1,5 +1,6 @@
 //! `gdsllm pull SPEC`: get a model from Hugging Face, any HTTP(S) server, a local GGUF file or
 //! the catalog of known models, converted into the local model store under a name.
+//! xtask compiles this file too (`#[path]`), as `cargo xtask fetch`.
 
 use anyhow::Context;
 use gdsllm_store::{DEFAULT_MODEL, PullOptions, Store};

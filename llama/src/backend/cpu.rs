@@ -215,6 +215,15 @@ fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
 }
 
+/// A gated unit: `gate[i] = act(gate[i]) · up[i]` for the first `len` values.
+fn gated(gate: &mut [f32], up: &[f32], len: usize, act: impl Fn(f32) -> f32 + Sync) {
+    zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
+        for (g, u) in gate.iter_mut().zip(up) {
+            *g = act(*g) * u;
+        }
+    });
+}
+
 /// `rows` rows of `weight.cols` values of `x`, each RMS-normalised and multiplied by the
 /// weight, handed to `store(normed value, output slot)`.
 fn rmsnorm_rows(
@@ -641,20 +650,12 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
-            for (g, u) in gate.iter_mut().zip(up) {
-                *g = silu(*g) * u;
-            }
-        });
+        gated(gate, up, len, silu);
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
-            for (g, u) in gate.iter_mut().zip(up) {
-                *g = gelu_tanh(*g) * u;
-            }
-        });
+        gated(gate, up, len, gelu_tanh);
         Ok(())
     }
 

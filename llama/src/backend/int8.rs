@@ -724,68 +724,89 @@ mod tests {
     use super::super::kquants::{QuantizedActs, reference_dot};
     use super::*;
 
-    /// Every variant this CPU can run, by name, each computing `dot_rows` over `w`.
-    #[allow(clippy::type_complexity)]
-    fn variants() -> Vec<(
-        &'static str,
-        fn(DType, &[u8], usize, ActRow<'_>, &mut [f32], usize),
-    )> {
-        let mut v: Vec<(
-            &'static str,
-            fn(DType, &[u8], usize, ActRow<'_>, &mut [f32], usize),
-        )> = vec![("portable", portable::dot_rows), ("dispatched", dot_rows)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                v.push(("avx2", x86_avx2));
+    /// `$list()`: `$kernel` of every instruction set this CPU runs, by name, after `$first`
+    /// (the names printed, so that a test's output says which ran); each ISA's behind its own
+    /// multiversioned entry point (the dispatch checks the CPU).
+    macro_rules! variants_on_this_cpu {
+        (
+            fn $list:ident() for $kernel:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)?,
+            first: [$($first:expr),*]
+        ) => {
+            #[allow(clippy::type_complexity)]
+            fn $list() -> Vec<(&'static str, fn($($ty),*) $(-> $ret)?)> {
+                #[cfg(target_arch = "x86_64")]
+                #[multiversion(targets("x86_64+avx2+fma+f16c"))]
+                fn x86_avx2($($arg: $ty),*) $(-> $ret)? {
+                    match_target! {
+                        "x86_64+avx2+fma+f16c" => avx2::$kernel($($arg),*),
+                        _ => {
+                            let _ = ($($arg),*);
+                            unreachable!("registered only where the CPU has AVX2")
+                        }
+                    }
+                }
+
+                #[cfg(target_arch = "x86_64")]
+                #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
+                fn x86_avxvnni($($arg: $ty),*) $(-> $ret)? {
+                    match_target! {
+                        "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::$kernel($($arg),*),
+                        _ => {
+                            let _ = ($($arg),*);
+                            unreachable!("registered only where the CPU has AVX-VNNI")
+                        }
+                    }
+                }
+
+                let mut v: Vec<(&'static str, fn($($ty),*) $(-> $ret)?)> = vec![$($first),*];
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        v.push(("avx2", x86_avx2));
+                    }
+                    if std::arch::is_x86_feature_detected!("avxvnni") {
+                        v.push(("avxvnni", x86_avxvnni));
+                    }
+                }
+                let names: Vec<&str> = v.iter().map(|v| v.0).collect();
+                println!("{} variants: {names:?}", stringify!($kernel));
+                v
             }
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                v.push(("avxvnni", x86_avxvnni));
-            }
-        }
-        v
+        };
     }
 
-    // Each variant behind its own multiversioned entry point (the dispatch checks the CPU).
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c"))]
-    fn x86_avx2(dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize) {
-        match_target! {
-            "x86_64+avx2+fma+f16c" => avx2::dot_rows(dtype, w, rb, x, out, st),
-            _ => {
-                let _ = (dtype, w, rb, x, out, st);
-                unreachable!("registered only where the CPU has AVX2")
-            }
-        }
+    variants_on_this_cpu! {
+        fn variants() for dot_rows(
+            dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize
+        ),
+        first: [("portable", portable::dot_rows), ("dispatched", dot_rows)]
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
-    fn x86_avxvnni(dtype: DType, w: &[u8], rb: usize, x: ActRow<'_>, out: &mut [f32], st: usize) {
-        match_target! {
-            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::dot_rows(dtype, w, rb, x, out, st),
-            _ => {
-                let _ = (dtype, w, rb, x, out, st);
-                unreachable!("registered only where the CPU has AVX-VNNI")
-            }
-        }
+    variants_on_this_cpu! {
+        fn gemm8_variants() for gemm8(
+            dtype: DType, w: &[u8], rb: usize, x: &[ActRow<'_>], out: Columns<'_>, packed: bool
+        ) -> usize,
+        first: [("dispatched", gemm8_layout)]
     }
 
     /// `rows` random weight rows of `cols` values of `dtype` and `n` activation rows whose
-    /// magnitudes vary by block (one block in three 16× the others).
+    /// magnitudes vary by block (one block in three 16× the others), in f32 and quantized as
+    /// the kernels take them.
     fn random_case(
         rng: &mut Rng,
         dtype: DType,
         rows: usize,
         cols: usize,
         n: usize,
-    ) -> (Vec<u8>, Vec<f32>) {
+    ) -> (Vec<u8>, Vec<f32>, QuantizedActs) {
         let blocks = rows * cols / dtype.block_len();
         let w = gdsllm_convert::testing::random_blocks(dtype, blocks, rng.next());
-        let x = (0..n * cols)
+        let x: Vec<f32> = (0..n * cols)
             .map(|i| rng.uniform() * if i % 96 < 32 { 4.0 } else { 0.25 })
             .collect();
-        (w, x)
+        let mut xq = QuantizedActs::default();
+        xq.prepare(&x, cols, dtype);
+        (w, x, xq)
     }
 
     /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
@@ -807,66 +828,6 @@ mod tests {
         (reference_dot(dtype, wr, x), bound, magnitude)
     }
 
-    /// The `gemm8` of every instruction set this CPU runs, by name.
-    #[allow(clippy::type_complexity)]
-    fn gemm8_variants() -> Vec<(
-        &'static str,
-        fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
-    )> {
-        let mut v: Vec<(
-            &'static str,
-            fn(DType, &[u8], usize, &[ActRow<'_>], Columns<'_>, bool) -> usize,
-        )> = vec![("dispatched", gemm8_layout)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                v.push(("avx2", x86_avx2_gemm8));
-            }
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                v.push(("avxvnni", x86_avxvnni_gemm8));
-            }
-        }
-        v
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c"))]
-    fn x86_avx2_gemm8(
-        dtype: DType,
-        w: &[u8],
-        rb: usize,
-        x: &[ActRow<'_>],
-        out: Columns<'_>,
-        packed: bool,
-    ) -> usize {
-        match_target! {
-            "x86_64+avx2+fma+f16c" => avx2::gemm8(dtype, w, rb, x, out, packed),
-            _ => {
-                let _ = (dtype, w, rb, x, out, packed);
-                unreachable!("registered only where the CPU has AVX2")
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[multiversion(targets("x86_64+avx2+fma+f16c+avxvnni"))]
-    fn x86_avxvnni_gemm8(
-        dtype: DType,
-        w: &[u8],
-        rb: usize,
-        x: &[ActRow<'_>],
-        out: Columns<'_>,
-        packed: bool,
-    ) -> usize {
-        match_target! {
-            "x86_64+avx2+fma+f16c+avxvnni" => avxvnni::gemm8(dtype, w, rb, x, out, packed),
-            _ => {
-                let _ = (dtype, w, rb, x, out, packed);
-                unreachable!("registered only where the CPU has AVX-VNNI")
-            }
-        }
-    }
-
     #[test]
     fn eight_row_kernel_is_within_the_8_bit_bound_and_the_same_for_any_row_count() {
         // Each (weight row, activation row) against the f64 reference of the stored weights
@@ -877,16 +838,10 @@ mod tests {
         let (rows, cols) = (43, 512);
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let variants = gemm8_variants();
-        println!(
-            "gemm8 variants: {:?}",
-            variants.iter().map(|v| v.0).collect::<Vec<_>>()
-        );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             let n_acts = 9;
-            let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+            let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, n_acts);
             let row_bytes = w.len() / rows;
-            let mut xq = QuantizedActs::default();
-            xq.prepare(&x, cols, dtype);
             let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
             for (name, f) in &variants {
                 let mut worst = 0f64;
@@ -959,7 +914,7 @@ mod tests {
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
             for (rows, cols) in [(8, 96), (21, 512), (43, 96), (5, 512)] {
                 let n_acts = 9;
-                let (w, x) = random_case(&mut rng, dtype, rows, cols, n_acts);
+                let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, n_acts);
                 let row_bytes = w.len() / rows;
                 let mut packed = vec![0u8; w.len()];
                 repack8(dtype, &w, row_bytes, &mut packed);
@@ -968,8 +923,6 @@ mod tests {
                     w[rows / 8 * 8 * row_bytes..],
                     "the rows after the last group stay as stored"
                 );
-                let mut xq = QuantizedActs::default();
-                xq.prepare(&x, cols, dtype);
                 let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
                 for (name, f) in &variants {
                     let mut worst = 0f64;
@@ -1026,14 +979,8 @@ mod tests {
         let (rows, cols) = (40, 1024);
         let mut rng = Rng(0x2545_F491_4F6C_DD1D);
         let variants = variants();
-        println!(
-            "variants: {:?}",
-            variants.iter().map(|v| v.0).collect::<Vec<_>>()
-        );
         for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            let (w, x) = random_case(&mut rng, dtype, rows, cols, 1);
-            let mut xq = QuantizedActs::default();
-            xq.prepare(&x, cols, dtype);
+            let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, 1);
             let row_bytes = w.len() / rows;
             let results: Vec<Vec<f32>> = variants
                 .iter()

@@ -111,6 +111,19 @@ pub struct KvStoreSeq<'a, Kv> {
     pub v_cache: &'a mut Kv,
 }
 
+impl<Kv> KvStoreSeq<'_, Kv> {
+    /// The same sequence for the attention that reads what was stored.
+    pub fn attention(&self) -> AttentionSeq<'_, Kv> {
+        AttentionSeq {
+            row0: self.row0,
+            rows: self.rows,
+            pos0: self.pos0,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+        }
+    }
+}
+
 /// What a backend is told about the pass that begins ([`Backend::begin_pass`]): enough to
 /// decide whether the ops that follow can be recorded once and replayed (the CUDA backend's
 /// graphs) without knowing anything about the model.

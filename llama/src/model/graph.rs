@@ -272,18 +272,8 @@ impl<B: Backend> Graph<'_, '_, B> {
             })
             .collect();
         be.rope_store_kv_batch(&mut s.q, &mut s.k, &s.v, &mut stores, shape, inv_freq)?;
-        drop(stores);
-        let seqs: Vec<AttentionSeq<'_, B::KvBuf>> = self
-            .segs
-            .iter()
-            .map(|g| AttentionSeq {
-                row0: g.row0,
-                rows: g.rows,
-                pos0: g.pos0,
-                k_cache: &g.kv[l].0,
-                v_cache: &g.kv[l].1,
-            })
-            .collect();
+        let seqs: Vec<AttentionSeq<'_, B::KvBuf>> =
+            stores.iter().map(KvStoreSeq::attention).collect();
         be.attention_batch(&s.q, &seqs, shape, params, &mut s.att)?;
         let wo = w.w(LayerRole::AttnOutput)?; // [dim, n_heads·hd]
         let post = w.w_if(LayerRole::AttnPostNorm)?; // [dim]

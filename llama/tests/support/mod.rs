@@ -15,16 +15,12 @@ use weights_format::quant::quantize;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-/// The dtypes of format version 1 (those of the CUDA kernel files before `kquants.cu`;
-/// `cuda_kquants.rs` and the CPU kernel tests of `backend/kquants.rs` cover the others).
-pub const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::Bf16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
+/// The dtypes of format version 1, the first six of `DType::ALL` (which lists them in the order
+/// of their introduction): those of the CUDA kernel files before `kquants.cu`;
+/// `cuda_kquants.rs` and the CPU kernel tests of `backend/kquants.rs` cover the others.
+pub const ALL: [DType; 6] = *DType::ALL
+    .first_chunk()
+    .expect("format version 1 has 6 dtypes");
 
 pub fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
