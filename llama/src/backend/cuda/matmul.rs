@@ -70,6 +70,23 @@ const MMA_MT: usize = 2;
 const MMA_BROWS: usize = 16 * MMA_MT * MMA_WARPS as usize;
 const MMA_NMAX: usize = 64;
 
+/// The fewest rows the k-quant dtypes (q5_0 … iq4_xs) take to the tensor cores: measured on the
+/// H100 (synth 7B q4_k, `bench --batch 8`), the eight-row kernel decodes 8 rows at 825 tok/s
+/// and `kquants_mma.cu` at 550 (each lane decodes its block's scales per chunk); from 9 rows
+/// on the tensor cores win (32 rows: 1,159 against 974).
+const MMA_KQUANT_MIN_ROWS: usize = 9;
+
+/// The fewest rows of a decode batch that `dtype`'s matmuls take to the tensor cores (when the
+/// `mma` path is on): 2, or [`MMA_KQUANT_MIN_ROWS`] for the dtypes of `kquants_mma.cu`. Fewer
+/// rows run the row kernels, whose results are the one-row kernel's bits.
+pub fn mma_min_rows(dtype: DType) -> usize {
+    if dtype_code(dtype) >= 6 {
+        MMA_KQUANT_MIN_ROWS
+    } else {
+        2
+    }
+}
+
 /// How many slices the columns of a tensor-core matmul are split into (grid.z): enough blocks
 /// for two per multiprocessor, at least 8 chunks of 32 columns per slice, at most 16 slices.
 /// From the weights' shape and the device alone (not the row count), so that a row's result
@@ -238,10 +255,12 @@ impl CudaBackend {
     /// step of a single sequence, which the one-row kernel reads at full bandwidth), on a
     /// device with the instructions, for the dtypes it has kernels for, whole 32-value chunks
     /// and a 16-byte aligned weight (tensors start 4096-aligned; the f16 path loads 16 bytes).
+    /// The k-quant dtypes start at more rows ([`mma_min_rows`]).
     fn mma_applies(&self, rows: usize, w: &WeightView<'_>) -> bool {
+        let min_rows = mma_min_rows(w.dtype);
         self.paths.mma
             && self.tensor_cores
-            && rows >= 2
+            && rows >= min_rows
             && w.cols.is_multiple_of(32)
             && self.mma_kernels(w.dtype).is_some()
             && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))

@@ -37,7 +37,7 @@ use crate::backend::{
 
 pub use compile::kernel_cache_dir;
 pub use device::PinnedCopies;
-pub use matmul::CUBLAS_MIN_ROWS;
+pub use matmul::{CUBLAS_MIN_ROWS, mma_min_rows};
 pub use paths::{CudaPaths, PATHS_ENV};
 
 /// Counts of the work a [`CudaBackend`] has done on the device ([`CudaBackend::launch_counts`]).
