@@ -372,6 +372,7 @@ fi
 
 if has models; then
   step "two 7B q4_1 models in one serve, --vram-budget ${MODELS_BUDGET:-7GiB} for one: alternating requests"
+  mkdir -p "$GDSLLM_HOME/models"
   for seed in 1 2; do
     model="$GDSLLM_HOME/models/7b-q4_1-$seed"
     [ -f "$model/metadata.json" ] || "$BIN" synth --shape llama-7b --dtype q4_1 --seed "$seed" "$model" >&2 || status=1
