@@ -72,10 +72,16 @@ fn main() -> std::process::ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Run(_) | Command::Bench(_)) {
+    let cpu_threads = match &cli.command {
+        Command::Run(args) => Some(args.open.placement.cpu_threads),
+        Command::Bench(args) => Some(args.open.placement.cpu_threads),
+        _ => None,
+    };
+    if let Some(threads) = cpu_threads {
         // Their CPU passes run on this thread: make it one of rayon's workers, so that each
-        // parallel region starts at once instead of waking the pool and sleeping.
-        llama::CpuBackend::adopt_current_thread(None);
+        // parallel region starts at once instead of waking the pool and sleeping. The pool is
+        // built once, so it takes --cpu-threads here.
+        llama::CpuBackend::adopt_current_thread(threads.map(|n| n as usize));
     }
     let result: anyhow::Result<()> = match cli.command {
         Command::Convert(args) => cmd::convert::run(args),

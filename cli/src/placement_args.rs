@@ -42,10 +42,15 @@ impl PlacementArgs {
             if APPLIED.get() == Some(&n) {
                 return Ok(());
             }
-            rayon::ThreadPoolBuilder::new()
+            if let Err(e) = rayon::ThreadPoolBuilder::new()
                 .num_threads(n as usize)
                 .build_global()
-                .map_err(|e| anyhow::anyhow!("--cpu-threads {n}: {e}"))?;
+            {
+                // `run` and `bench` size the pool at start-up (`main`), from this flag.
+                if rayon::current_num_threads() != n as usize {
+                    anyhow::bail!("--cpu-threads {n}: {e}");
+                }
+            }
             let _ = APPLIED.set(n);
         }
         Ok(())

@@ -220,6 +220,29 @@ fn run_file_decodes_every_line_in_one_batch_and_prints_them_in_order() {
 }
 
 #[test]
+fn bench_cpu_threads_sizes_the_pool_it_reports() {
+    let Some(dir) = model_dir() else { return };
+    for threads in ["1", "2", "3"] {
+        let stdout = stdout_of(gdsllm().args(["bench", "-m"]).arg(&dir).args([
+            "--device",
+            "cpu",
+            "--cpu-threads",
+            threads,
+            "-p",
+            "8",
+            "-n",
+            "2",
+            "-r",
+            "1",
+            "--json",
+        ]));
+        let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
+        assert_eq!(v["threads"].to_string(), threads, "{v}");
+        assert!(v["tg"]["mean"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
 fn bench_batch_reports_aggregate_per_sequence_and_bytes_per_token() {
     let Some(dir) = model_dir() else { return };
     let stdout = stdout_of(gdsllm().args(["bench", "-m"]).arg(&dir).args([
