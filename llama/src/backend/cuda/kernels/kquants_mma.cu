@@ -92,9 +92,8 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
                 if (j * 8 >= t.nr) break;
                 const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c + u) * 32;
                 uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
-                // x = 256·hi + lo: hi the signed high bytes, lo the unsigned low bytes.
-                const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
-                const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
+                u32 bh[2], bl[2];
+                mma_xfrag(v0, v1, bh, bl);
                 float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
                 float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
                 // q2_k: Σ of x's integers over values 0-15 (xsum[0], [1]: columns 2t, 2t+1) and
@@ -102,10 +101,7 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
                 int xsum[4] = {0, 0, 0, 0};
                 if constexpr (DTYPE == KQ_Q2_K) {
                     const u32 ones[4] = {0x01010101u, 0u, 0u, 0x01010101u};
-                    mma_s8s8(ones, bh, xsum);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) xsum[e] *= 256;
-                    mma_s8u8(ones, bl, xsum);
+                    mma_dot16(ones, bh, bl, xsum);
                 }
 #pragma unroll
                 for (int mt = 0; mt < MMA_MT; mt++) {
@@ -135,11 +131,8 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
                         }
                     } else {
                         const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
-                        int d[4] = {0, 0, 0, 0};
-                        mma_s8s8(A, bh, d);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) d[e] *= 256;
-                        mma_s8u8(A, bl, d);
+                        int d[4];
+                        mma_dot16(A, bh, bl, d);
 #pragma unroll
                         for (int e = 0; e < 4; e++) {
                             const MmaKq& r = q[e / 2];

@@ -118,6 +118,47 @@ __device__ __forceinline__ float mma_qacc(const MmaQ& q, int dot, float2 s, floa
     return acc;
 }
 
+// An 8-row input tile's B fragments from this lane's 16-bit levels (v0: values 4t..4t+3 of the
+// chunk, v1: 16+4t..16+4t+3): x = 256·hi + lo, hi the signed high bytes, lo the unsigned low ones.
+__device__ __forceinline__ void mma_xfrag(uint2 v0, uint2 v1, u32 (&bh)[2], u32 (&bl)[2]) {
+    bh[0] = __byte_perm(v0.x, v0.y, 0x7531);
+    bh[1] = __byte_perm(v1.x, v1.y, 0x7531);
+    bl[0] = __byte_perm(v0.x, v0.y, 0x6420);
+    bl[1] = __byte_perm(v1.x, v1.y, 0x6420);
+}
+
+// d = A·x over a 32-value chunk, exactly: two 8-bit integer products (the high bytes, signed,
+// times 256, plus the low bytes, unsigned), the integers of the one-row kernel's `dp2a`.
+__device__ __forceinline__ void mma_dot16(const u32 (&A)[4], const u32 (&bh)[2], const u32 (&bl)[2], int (&d)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; e++) d[e] = 0;
+    mma_s8s8(A, bh, d);
+#pragma unroll
+    for (int e = 0; e < 4; e++) d[e] *= 256;
+    mma_s8u8(A, bl, d);
+}
+
+// Input tile j (this lane's levels v0, v1 and the scale and Σx s0, s1 of columns 2t and 2t+1)
+// times the warp's MMA_MT weight tiles `a`, added to acc[..][j].
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_q_tile(const MmaQ (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1, int j,
+                                           float (&acc)[MMA_MT][NT][4]) {
+    u32 bh[2], bl[2];
+    mma_xfrag(v0, v1, bh, bl);
+#pragma unroll
+    for (int mt = 0; mt < MMA_MT; mt++) {
+        const MmaQ(&q)[2] = a[mt];
+        const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
+        int d[4];
+        mma_dot16(A, bh, bl, d);
+        // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
+        acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
+        acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
+        acc[mt][j][2] = mma_qacc<DTYPE>(q[1], d[2], s0, acc[mt][j][2]);
+        acc[mt][j][3] = mma_qacc<DTYPE>(q[1], d[3], s1, acc[mt][j][3]);
+    }
+}
+
 template <int DTYPE> __device__ __forceinline__ constexpr int mma_block_bytes() {
     return DTYPE == 1 || DTYPE == 2 ? 64 : DTYPE == 3 ? 34 : DTYPE == 4 ? 18 : 20;
 }
@@ -150,27 +191,10 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (
                 if (j * 8 >= t.nr) break;
                 const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c + u) * 32;
                 uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
-                // x = 256·hi + lo: hi the signed high bytes, lo the unsigned low bytes.
-                const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
-                const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
                 // Only the scale and Σx of each record: half the bytes of the float4.
                 float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
                 float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
-#pragma unroll
-                for (int mt = 0; mt < MMA_MT; mt++) {
-                    const MmaQ(&q)[2] = a[u][mt];
-                    const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
-                    int d[4] = {0, 0, 0, 0};
-                    mma_s8s8(A, bh, d);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) d[e] *= 256;
-                    mma_s8u8(A, bl, d);
-                    // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
-                    acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
-                    acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
-                    acc[mt][j][2] = mma_qacc<DTYPE>(q[1], d[2], s0, acc[mt][j][2]);
-                    acc[mt][j][3] = mma_qacc<DTYPE>(q[1], d[3], s1, acc[mt][j][3]);
-                }
+                mma_q_tile<DTYPE, NT>(a[u], v0, v1, s0, s1, j, acc);
             }
         }
     }
@@ -270,23 +294,8 @@ __device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, co
                     if (j * 8 >= t.nr) break;
                     const u8* xp = sx + (j * 8 + g) * XROW + u * 64;
                     uint2 v0 = *(const uint2*)(xp + 8 * tq), v1 = *(const uint2*)(xp + 32 + 8 * tq);
-                    const u32 bh[2] = {__byte_perm(v0.x, v0.y, 0x7531), __byte_perm(v1.x, v1.y, 0x7531)};
-                    const u32 bl[2] = {__byte_perm(v0.x, v0.y, 0x6420), __byte_perm(v1.x, v1.y, 0x6420)};
                     const float2 s0 = srb[(j * 8 + 2 * tq) * G + u], s1 = srb[(j * 8 + 2 * tq + 1) * G + u];
-#pragma unroll
-                    for (int mt = 0; mt < MMA_MT; mt++) {
-                        const MmaQ(&q)[2] = a[mt];
-                        const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
-                        int d[4] = {0, 0, 0, 0};
-                        mma_s8s8(A, bh, d);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) d[e] *= 256;
-                        mma_s8u8(A, bl, d);
-                        acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
-                        acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
-                        acc[mt][j][2] = mma_qacc<DTYPE>(q[1], d[2], s0, acc[mt][j][2]);
-                        acc[mt][j][3] = mma_qacc<DTYPE>(q[1], d[3], s1, acc[mt][j][3]);
-                    }
+                    mma_q_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
                 }
             }
         }
