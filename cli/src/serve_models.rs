@@ -33,6 +33,15 @@ pub struct Prepared {
     pub context: usize,
 }
 
+/// A model's part of the server's budgets as its --vram-budget and --host-cache.
+fn budget_flags(budget: TierBytes) -> (Budget, HostCache) {
+    let host = match budget.host {
+        0 => HostCache::Off,
+        bytes => HostCache::Bytes(bytes),
+    };
+    (Budget::Bytes(budget.device), host)
+}
+
 impl OpenSettings {
     /// These settings with `budget` (the part of the server's budgets a model is given) as
     /// its --vram-budget and --host-cache.
@@ -40,11 +49,7 @@ impl OpenSettings {
         let mut settings = self.clone();
         if let Some(budget) = budget {
             let residency = &mut settings.open.residency;
-            residency.vram_budget = Budget::Bytes(budget.device);
-            residency.host_cache = match budget.host {
-                0 => HostCache::Off,
-                bytes => HostCache::Bytes(bytes),
-            };
+            (residency.vram_budget, residency.host_cache) = budget_flags(budget);
         }
         settings
     }
@@ -81,14 +86,10 @@ impl OpenSettings {
         let layout = residency::ModelLayout::from_metadata(model.metadata())?;
         let options = self.open.residency.options(reserved);
         let plan = |device: u64, host: u64| {
-            let inputs = residency::PlanInputs {
-                device_budget: device,
-                reserved_bytes: reserved,
-                host_budget: host,
-                ring_slots: options.prefetch + 1,
-                resident_layers: options.resident_layers,
-                policy: options.policy,
-            };
+            let mut options = options.clone();
+            (options.device_budget, options.host_cache) =
+                budget_flags(TierBytes::new(device, host));
+            let inputs = residency::plan_inputs(&options, None)?;
             let plan = residency::Plan::compute(&layout, &inputs)?;
             anyhow::Ok(TierBytes::new(
                 reserved + plan.device_bytes(),

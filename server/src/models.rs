@@ -328,10 +328,15 @@ impl AppState {
             .filter(|s| matches!(s.state, SlotState::Ready { .. }))
             .count();
         self.metrics.set_models_loaded(loaded);
-        let held = slots.iter().fold(self.models.freeing.held(), |sum, s| {
+        self.metrics
+            .set_memory(self.held_total(slots), *self.models.budget.lock());
+    }
+
+    /// What the models hold together, the unloaded ones still being freed included.
+    fn held_total(&self, slots: &[Slot]) -> TierBytes {
+        slots.iter().fold(self.models.freeing.held(), |sum, s| {
             sum.saturating_add(s.held)
-        });
-        self.metrics.set_memory(held, *self.models.budget.lock());
+        })
     }
 
     fn budget(&self) -> Budget {
@@ -355,14 +360,7 @@ impl AppState {
         use serde_json::json;
         self.config.memory_budget?;
         let tiers = |b: TierBytes| json!({"device": b.device, "host": b.host});
-        let held = self
-            .models
-            .slots
-            .lock()
-            .iter()
-            .fold(self.models.freeing.held(), |sum, s| {
-                sum.saturating_add(s.held)
-            });
+        let held = self.held_total(&self.models.slots.lock());
         let budget = match self.budget() {
             Budget::Known(b) => tiers(b),
             Budget::Unlimited | Budget::Pending => serde_json::Value::Null,
