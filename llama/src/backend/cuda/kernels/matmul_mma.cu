@@ -210,15 +210,11 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (
 // its weights and load every input fragment itself: ncu showed that kernel stalled on L1 (54 %
 // of its cycles waiting for loads, L1 57 % busy, DRAM 16 %) at 32 rows. Same products, same
 // order per output.
-#ifdef MMA_STAGE_SINGLE
-template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_chunks() { return DTYPE == 3 ? 2 : 4; }
-template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_buffers() { return 1; }
-#else
 // Two buffers of 2 chunks fit the 48 KB of static shared memory for the 4-bit types (q8_0's
-// 34-byte blocks do not: one buffer).
+// 34-byte blocks do not: one buffer). One buffer of 4 chunks measured the same on the H100
+// (BENCHMARKS.md, 2026-11-25).
 template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_chunks() { return 2; }
 template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_buffers() { return DTYPE == 3 ? 1 : 2; }
-#endif
 // Bytes of a weight row's stage: its G blocks, padded to a multiple of 16 (48 or 80): 16-byte
 // aligned, and the 8 rows a fragment load reads fall in distinct banks.
 template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_wrow() {
