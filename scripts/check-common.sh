@@ -1,6 +1,6 @@
 # Shell helpers shared by the GPU check scripts (gpu-check.sh, kernel-check.sh,
-# gpu-io-check.sh); sourced, not run. They expect WORK_DIR and STAGES to be set, and append to
-# `summary` and set `status`.
+# gpu-io-check.sh, python-gpu-check.sh); sourced, not run. They expect STAGES to be set and
+# prepare_work_dir to have run, and append to `summary` and set `status`.
 
 status=0
 declare -a summary
@@ -8,13 +8,21 @@ step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
 note() { summary+=("$*"); echo "[note] $*" >&2; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -n1 || true; }
-# CUDA's libraries on the loader's path, WORK_DIR created and made absolute, and BIN (the
-# gdsllm binary) made absolute, so that the stages can change directory.
-prepare_work_dir() {
+# WORK_DIR: the script's first argument, else $WORK_DIR, else $PWD/DEFAULT_NAME; BIN (the gdsllm
+# binary): $GDSLLM_BIN, else the release build. CUDA's libraries on the loader's path, WORK_DIR
+# created, and both made absolute, so that the stages can change directory.
+prepare_work_dir() { # default_name [the script's arguments...]
+  WORK_DIR="${2:-${WORK_DIR:-$PWD/$1}}"
+  BIN="${GDSLLM_BIN:-target/release/gdsllm}"
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
   mkdir -p "$WORK_DIR"
   WORK_DIR=$(cd "$WORK_DIR" && pwd)
   BIN=$(realpath "$BIN")
+}
+# gdsllm's home (the NVRTC kernel cache among it) in the work dir, not the user's.
+home_in_work_dir() {
+  export GDSLLM_HOME="$WORK_DIR/home"
+  mkdir -p "$GDSLLM_HOME"
 }
 # `gdsllm synth --shape SHAPE --dtype DTYPE DIR` unless DIR holds a model already (stages share
 # the synthetic models they need).

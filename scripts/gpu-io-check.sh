@@ -27,8 +27,6 @@
 # LD_LIBRARY_PATH should include /usr/local/cuda/lib64. Budget: ~4–6 minutes on the H100 VM.
 set -uo pipefail
 
-WORK_DIR="${1:-${WORK_DIR:-$PWD/gpu-io-work}}"
-BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 GPU_TEST_MIB="${GPU_TEST_MIB:-1024}"
 LAYERS="${LAYERS:-32}"
 LAYER_MIB="${LAYER_MIB:-386}"
@@ -36,7 +34,7 @@ BOUNCE_MIB="${BOUNCE_MIB:-1,4,8,16}"
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
 source "$SCRIPTS/check-common.sh"
-prepare_work_dir
+prepare_work_dir gpu-io-work "$@"
 RESULTS="${OUT:-$WORK_DIR/results}"
 mkdir -p "$RESULTS"
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -35,16 +35,13 @@
 # LD_LIBRARY_PATH defaults to /usr/local/cuda/lib64 (libcuda, libnvrtc, libcublas).
 set -uo pipefail
 
-WORK_DIR="${1:-${WORK_DIR:-$PWD/kernel-check-work}}"
-BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 STAGES="${STAGES:-tests models kernels profile}"
 BATCHES="${BATCHES:-1,8,32}"
 SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
 source "$SCRIPTS/check-common.sh"
-prepare_work_dir
-export GDSLLM_HOME="$WORK_DIR/home"   # the NVRTC kernel cache
-mkdir -p "$GDSLLM_HOME"
+prepare_work_dir kernel-check-work "$@"
+home_in_work_dir
 
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-225}"

@@ -28,25 +28,16 @@
 # LD_LIBRARY_PATH defaults to /usr/local/cuda/lib64. Budget: ~5-7 minutes on the H100 VM.
 set -uo pipefail
 
-WORK_DIR="${1:-${WORK_DIR:-$PWD/python-gpu-work}}"
-BIN="${GDSLLM_BIN:-target/release/gdsllm}"
 STAGES="${STAGES:-tests demo bench}"
 DEMO_DTYPES="${DEMO_DTYPES:-float16 bfloat16}"
 DEMO_TOKENS="${DEMO_TOKENS:-32}"
-export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-/usr/local/cuda/lib64}"
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$WORK_DIR"
-WORK_DIR=$(cd "$WORK_DIR" && pwd)
-export GDSLLM_HOME="$WORK_DIR/home"
-mkdir -p "$GDSLLM_HOME"
-BIN=$(realpath "$BIN")
+# shellcheck source=scripts/check-common.sh
+source "$REPO/scripts/check-common.sh"
+prepare_work_dir python-gpu-work "$@"
+home_in_work_dir
 export GDSLLM_BIN="$BIN"
 WHEEL="${GDSLLM_WHEEL:-$(ls -t "$REPO"/target/wheels/gdsllm-*.whl 2>/dev/null | head -n1)}"
-status=0
-declare -a summary
-step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }
-note() { summary+=("$*"); echo "[note] $*" >&2; }
-has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # --- the wheel: unpacked onto PYTHONPATH (no pip, no venv, no network needed) --------------
 step "gdsllm wheel: $WHEEL"
