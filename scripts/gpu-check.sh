@@ -119,6 +119,10 @@ server_url() {
   echo "$url"
 }
 drop_caches() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(cannot drop the page cache)" >&2; }
+# The synthetic 7B of dtype $1 in $model, made by the first stage that needs it.
+synth_7b() { model="$WORK_DIR/llama7b-$1"; synth_once llama-7b "$1" "$model"; }
+# The host-tier setting of the 7B stages: 4 GiB of VRAM, the rest held in host memory.
+HOST_TIER_7B=(--vram-budget 4GiB --host-cache 24GiB)
 
 if has tests; then
   step "CUDA op, model and streaming tests"
@@ -263,7 +267,7 @@ PY
       note "$(tail -n1 "$WORK_DIR/lines")"
     fi
     h="$WORK_DIR/bench-7b-$dtype-host.json"
-    if bench "host tier, --vram-budget 4GiB --host-cache 24GiB" "$h" --vram-budget 4GiB --host-cache 24GiB -p 16 -n 16 -r 1; then
+    if bench "host tier, ${HOST_TIER_7B[*]}" "$h" "${HOST_TIER_7B[@]}" -p 16 -n 16 -r 1; then
       python3 - "$h" "7b $dtype host tier" >>"$WORK_DIR/lines" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1])); tg = d["tg"]["best"]; b = d["tg"]["bytes_per_token"]; h2d = d["references"]["pinned_h2d_gbps"]
@@ -304,8 +308,7 @@ fi
 
 if has batch; then
   # Issue 7: batched decoding on the 7B-shaped f16 model streamed with a 4 GiB budget.
-  model="$WORK_DIR/llama7b-f16"
-  synth_once llama-7b f16 "$model" || status=1
+  synth_7b f16 || status=1
   if [ -n "${BATCH_TEST_BIN:-}" ]; then
     step "batched forward equals solo on CUDA ($BATCH_TEST_BIN)"
     run_test_bin batch_cuda "$BATCH_TEST_BIN" GDSLLM_GPU_TESTS=1 >/dev/null
@@ -329,8 +332,7 @@ fi
 
 if has serve; then
   # Issue 8: requests/s and tokens/s of `gdsllm serve` on the GPU with a streamed 7B model.
-  model="$WORK_DIR/llama7b-${SERVE_DTYPE:-q4_1}"
-  synth_once llama-7b "${SERVE_DTYPE:-q4_1}" "$model" || status=1
+  synth_7b "${SERVE_DTYPE:-q4_1}" || status=1
   step "gdsllm serve --device cuda on 7b ${SERVE_DTYPE:-q4_1}, --vram-budget 4GiB"
   "$BIN" serve --device cuda -m "$model" --vram-budget 4GiB --host-cache off --port 0 -c 256 \
       --max-batch "${SERVE_MAX_BATCH:-8}" >"$WORK_DIR/serve.out" 2>"$WORK_DIR/serve.log" &
@@ -446,21 +448,19 @@ fi
 
 if has placement; then
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
-    model="$WORK_DIR/llama7b-$dtype"
-    synth_once llama-7b "$dtype" "$model" || { note "7b $dtype: synth FAILED"; status=1; continue; }
-    tier=(--vram-budget 4GiB --host-cache 24GiB)
+    synth_7b "$dtype" || { note "7b $dtype: synth FAILED"; status=1; continue; }
     for mode in gpu auto; do
       p="$WORK_DIR/plan-7b-$dtype-$mode.json"
-      step "gdsllm plan --placement $mode on 7b $dtype, ${tier[*]}"
+      step "gdsllm plan --placement $mode on 7b $dtype, ${HOST_TIER_7B[*]}"
       calibrate=(); [ "$mode" = gpu ] && calibrate=(--calibrate)
-      json_run "$p" "7b $dtype plan --placement $mode" "$BIN" plan -m "$model" "${tier[@]}" --context 128 --placement "$mode" "${calibrate[@]}" --json
+      json_run "$p" "7b $dtype plan --placement $mode" "$BIN" plan -m "$model" "${HOST_TIER_7B[@]}" --context 128 --placement "$mode" "${calibrate[@]}" --json
     done
     b="$WORK_DIR/bench-placement-7b-$dtype-batch.json"
-    step "gdsllm bench --batch 1,8,32 on 7b $dtype, ${tier[*]}"
-    json_run "$b" "7b $dtype placement batch bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
+    step "gdsllm bench --batch 1,8,32 on 7b $dtype, ${HOST_TIER_7B[*]}"
+    json_run "$b" "7b $dtype placement batch bench" "$BIN" bench --device cuda -m "$model" "${HOST_TIER_7B[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
     r="$WORK_DIR/bench-placement-7b-$dtype-pp.json"
-    step "gdsllm bench -p 512 on 7b $dtype, ${tier[*]}"
-    json_run "$r" "7b $dtype placement pp bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" -p 512 -n 4 -r 1 --json
+    step "gdsllm bench -p 512 on 7b $dtype, ${HOST_TIER_7B[*]}"
+    json_run "$r" "7b $dtype placement pp bench" "$BIN" bench --device cuda -m "$model" "${HOST_TIER_7B[@]}" -p 512 -n 4 -r 1 --json
     python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
 import json, sys
 w, dtype = sys.argv[1], sys.argv[2]
@@ -494,16 +494,14 @@ if has hybrid; then
   grep -E "max rel diff|bytes per copy|beside the copies" "$WORK_DIR/cuda_hybrid.log" | sed 's/^/  /' | while read -r l; do note "$l"; done
   threads=(); [ -n "${CPU_THREADS:-}" ] && threads=(--cpu-threads "$CPU_THREADS")
   for dtype in ${DTYPES_7B:-f16 q4_1}; do
-    model="$WORK_DIR/llama7b-$dtype"
-    synth_once llama-7b "$dtype" "$model" || { note "7b $dtype: synth FAILED"; status=1; continue; }
-    tier=(--vram-budget 4GiB --host-cache 24GiB)
+    synth_7b "$dtype" || { note "7b $dtype: synth FAILED"; status=1; continue; }
     for mode in gpu auto; do
       b="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-batch.json"
-      step "gdsllm bench --placement $mode --batch 1,8,32 on 7b $dtype, ${tier[*]}"
-      json_run "$b" "7b $dtype --placement $mode batch bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
+      step "gdsllm bench --placement $mode --batch 1,8,32 on 7b $dtype, ${HOST_TIER_7B[*]}"
+      json_run "$b" "7b $dtype --placement $mode batch bench" "$BIN" bench --device cuda -m "$model" "${HOST_TIER_7B[@]}" --placement "$mode" "${threads[@]}" --batch 1,8,32 -p 16 -n "${TG_BATCH:-8}" -r 1 --json
       r="$WORK_DIR/bench-hybrid-7b-$dtype-$mode-pp.json"
-      step "gdsllm bench --placement $mode -p 512 on 7b $dtype, ${tier[*]}"
-      json_run "$r" "7b $dtype --placement $mode pp bench" "$BIN" bench --device cuda -m "$model" "${tier[@]}" --placement "$mode" "${threads[@]}" -p 512 -n 4 -r 1 --json
+      step "gdsllm bench --placement $mode -p 512 on 7b $dtype, ${HOST_TIER_7B[*]}"
+      json_run "$r" "7b $dtype --placement $mode pp bench" "$BIN" bench --device cuda -m "$model" "${HOST_TIER_7B[@]}" --placement "$mode" "${threads[@]}" -p 512 -n 4 -r 1 --json
     done
     python3 - "$WORK_DIR" "$dtype" >>"$WORK_DIR/lines" <<'PY' && tail -n 6 "$WORK_DIR/lines" | while read -r l; do note "$l"; done
 import json, sys
@@ -555,8 +553,7 @@ PY
       note "checksums $name: FAILED (error without the checksum message)"; tail -n 3 "$WORK_DIR/flip-$name.log" >&2; status=1
     fi
   done
-  model="$WORK_DIR/llama7b-f16"
-  synth_once llama-7b f16 "$model" || status=1
+  synth_7b f16 || status=1
   for rep in 1 2; do
     for check in on off; do
       extra=""; [ "$check" = off ] && extra="--no-checksums"
