@@ -16,8 +16,8 @@ Usage: scripts/constrained_cost.py --url http://127.0.0.1:8080 [--tokens 128] [-
 import argparse
 import json
 import statistics
-import time
-import urllib.request
+
+from serve_client import add_server_args, stream
 
 GRAMMAR = 'start: /[a-z]+( [a-z]+)*/'
 
@@ -26,18 +26,8 @@ def decode_rate(url, prompt, tokens, grammar, key):
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     if grammar:
         body["grammar"] = grammar
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    if key:
-        req.add_header("authorization", f"Bearer {key}")
-    stamps = []
-    with urllib.request.urlopen(req) as r:
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    stamps.append(time.perf_counter())
+    stamps = [t for t, chunk in stream(url, "/v1/completions", body, key)
+              if chunk.get("choices") and chunk["choices"][0].get("text")]
     if len(stamps) < 8:
         raise SystemExit(f"only {len(stamps)} text chunks came back (grammar={bool(grammar)})")
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]), len(stamps)
@@ -45,8 +35,7 @@ def decode_rate(url, prompt, tokens, grammar, key):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8080")
-    ap.add_argument("--key", default=None)
+    add_server_args(ap)
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     ap.add_argument("--rounds", type=int, default=3, help="free/constrained pairs")
     ap.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")

@@ -17,6 +17,8 @@ import statistics
 import time
 import urllib.request
 
+from serve_client import add_server_args, stream
+
 
 def metric(url, name):
     with urllib.request.urlopen(url + "/metrics") as r:
@@ -27,19 +29,13 @@ def metric(url, name):
 
 
 def ttft(url, prompt, key):
-    body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    if key:
-        req.add_header("authorization", f"Bearer {key}")
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
     start = time.perf_counter()
     first = None
     # Read to the end: the server updates its counters before it ends a stream.
-    with urllib.request.urlopen(req) as r:
-        for line in r:
-            line = line.decode().strip()
-            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                first = time.perf_counter() - start
+    for t, chunk in stream(url, "/v1/completions", body, key):
+        if first is None and chunk["choices"]:
+            first = t - start
     if first is None:
         raise SystemExit("the stream ended without a token")
     return first
@@ -47,8 +43,7 @@ def ttft(url, prompt, key):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8080")
-    ap.add_argument("--key", default=None)
+    add_server_args(ap)
     ap.add_argument("--prefix", type=int, default=1000, help="shared prompt tokens")
     ap.add_argument("--suffix", type=int, default=8, help="distinct tokens after it")
     ap.add_argument("--requests", type=int, default=4, help="requests in all (>= 2)")

@@ -12,31 +12,23 @@ import argparse
 import json
 import threading
 import time
-import urllib.request
+
+from serve_client import stream
 
 
 def one_request(url, key, max_tokens, i):
-    body = json.dumps({
+    body = {
         "messages": [{"role": "user", "content": f"Tell me a fact about the number {i}."}],
         "temperature": 0, "max_tokens": max_tokens, "stream": True,
         "stream_options": {"include_usage": True},
-    }).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                 headers={"content-type": "application/json"})
-    if key:
-        req.add_header("authorization", f"Bearer {key}")
+    }
     start = time.perf_counter()
     ttft, tokens = None, 0
-    with urllib.request.urlopen(req) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - start
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    for t, chunk in stream(url, "/v1/chat/completions", body, key):
+        if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            ttft = t - start
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     return ttft or 0.0, tokens
 
 
