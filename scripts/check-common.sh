@@ -2,6 +2,8 @@
 # gpu-io-check.sh, python-gpu-check.sh); sourced, not run. They expect STAGES to be set and
 # prepare_work_dir to have run, and append to `summary` and set `status`.
 
+# This directory (absolute), for the scripts beside it.
+SCRIPTS=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 status=0
 declare -a summary
 step() { echo >&2; echo "=== $* ($(date -u +%T)) ===" >&2; }

@@ -102,9 +102,8 @@ STAGES="${STAGES:-tests hf smollm2 7b}"
 HF_CASES="${HF_CASES:-small:float16 small:bfloat16 llama-7b:float16 llama-7b:bfloat16}"
 FAMILY_HF_CASES="${FAMILY_HF_CASES:-qwen2:float16 qwen2:bfloat16 qwen3:float16 qwen3:bfloat16 gemma3:float16 gemma3:bfloat16 phi3:float16 phi3:bfloat16 llama3:float16 llama3:bfloat16}"
 TG_STREAMED="${TG_STREAMED:-8}"
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
-source "$SCRIPTS/check-common.sh"
+source "$(dirname "$0")/check-common.sh"
 prepare_work_dir gpu-check-work "$@"
 home_in_work_dir
 # The URL a `gdsllm serve` started with its stdout in $1 prints, once its /health answers

@@ -31,9 +31,8 @@ GPU_TEST_MIB="${GPU_TEST_MIB:-1024}"
 LAYERS="${LAYERS:-32}"
 LAYER_MIB="${LAYER_MIB:-386}"
 BOUNCE_MIB="${BOUNCE_MIB:-1,4,8,16}"
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
-source "$SCRIPTS/check-common.sh"
+source "$(dirname "$0")/check-common.sh"
 prepare_work_dir gpu-io-work "$@"
 RESULTS="${OUT:-$WORK_DIR/results}"
 mkdir -p "$RESULTS"

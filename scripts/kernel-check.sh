@@ -37,9 +37,8 @@ set -uo pipefail
 
 STAGES="${STAGES:-tests models kernels profile}"
 BATCHES="${BATCHES:-1,8,32}"
-SCRIPTS=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=scripts/check-common.sh
-source "$SCRIPTS/check-common.sh"
+source "$(dirname "$0")/check-common.sh"
 prepare_work_dir kernel-check-work "$@"
 home_in_work_dir
 

@@ -31,9 +31,9 @@ set -uo pipefail
 STAGES="${STAGES:-tests demo bench}"
 DEMO_DTYPES="${DEMO_DTYPES:-float16 bfloat16}"
 DEMO_TOKENS="${DEMO_TOKENS:-32}"
-REPO=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=scripts/check-common.sh
-source "$REPO/scripts/check-common.sh"
+source "$(dirname "$0")/check-common.sh"
+REPO=$(dirname "$SCRIPTS")
 prepare_work_dir python-gpu-work "$@"
 home_in_work_dir
 export GDSLLM_BIN="$BIN"
