@@ -169,6 +169,17 @@ impl<'a> Fields<'a> {
 /// Most entries of `logit_bias` (OpenAI's limit).
 pub const MAX_LOGIT_BIAS: usize = 300;
 
+/// A 400 naming `field` when it holds more than `max` `things` (`len` of them).
+fn at_most(field: &str, len: usize, max: usize, things: &str) -> Result<(), ApiError> {
+    if len > max {
+        return Err(ApiError::invalid_param(
+            field,
+            format!("`{field}` has {len} {things}; at most {max} are allowed"),
+        ));
+    }
+    Ok(())
+}
+
 /// `logit_bias`: an object from token ids (as strings, JSON keys) to biases in [-100, 100].
 fn logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
     const NAME: &str = "logit_bias";
@@ -177,15 +188,7 @@ fn logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
         Some(Value::Object(map)) => map,
         Some(v) => return Err(type_error(NAME, "an object of token id -> bias", v)),
     };
-    if map.len() > MAX_LOGIT_BIAS {
-        return Err(ApiError::invalid_param(
-            NAME,
-            format!(
-                "`{NAME}` has {} entries; at most {MAX_LOGIT_BIAS} are allowed",
-                map.len()
-            ),
-        ));
-    }
+    at_most(NAME, map.len(), MAX_LOGIT_BIAS, "entries")?;
     map.iter()
         .map(|(key, value)| {
             let id: u32 = key.trim().parse().map_err(|_| {
@@ -338,15 +341,7 @@ fn common(f: &Fields<'_>) -> Result<CommonParams, ApiError> {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) => {
-            if items.len() > MAX_STOP_STRINGS {
-                return Err(ApiError::invalid_param(
-                    "stop",
-                    format!(
-                        "`stop` has {} strings; at most {MAX_STOP_STRINGS} are allowed",
-                        items.len()
-                    ),
-                ));
-            }
+            at_most("stop", items.len(), MAX_STOP_STRINGS, "strings")?;
             items
                 .iter()
                 .map(|v| match v {
@@ -702,15 +697,7 @@ pub fn embeddings_request(body: &Value) -> Result<EmbeddingsRequest, ApiError> {
         None => return Err(ApiError::invalid_param("input", "`input` is required")),
         Some(v) => prompt_list("input", v)?,
     };
-    if inputs.len() > MAX_EMBEDDING_INPUTS {
-        return Err(ApiError::invalid_param(
-            "input",
-            format!(
-                "`input` has {} items; at most {MAX_EMBEDDING_INPUTS} are allowed",
-                inputs.len()
-            ),
-        ));
-    }
+    at_most("input", inputs.len(), MAX_EMBEDDING_INPUTS, "items")?;
     let base64 = match f.string("encoding_format")? {
         None | Some("float") => false,
         Some("base64") => true,
@@ -998,6 +985,32 @@ mod tests {
         assert_eq!(err.param.as_deref(), Some("prompt"));
         let err = completion_request(&json!({"prompt": "x", "echo": true})).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("echo"));
+    }
+
+    #[test]
+    fn lists_over_their_limit_are_refused_by_name() {
+        let strings = |n: usize| Value::from_iter((0..n).map(|i| i.to_string()));
+        let bias = |n: usize| Value::Object((0..n).map(|i| (i.to_string(), json!(1))).collect());
+        for (err, message) in [
+            (
+                chat(json!({"stop": strings(MAX_STOP_STRINGS + 1)})).unwrap_err(),
+                "`stop` has 17 strings; at most 16 are allowed",
+            ),
+            (
+                chat(json!({"logit_bias": bias(MAX_LOGIT_BIAS + 1)})).unwrap_err(),
+                "`logit_bias` has 301 entries; at most 300 are allowed",
+            ),
+            (
+                embeddings_request(&json!({"input": strings(MAX_EMBEDDING_INPUTS + 1)}))
+                    .unwrap_err(),
+                "`input` has 2049 items; at most 2048 are allowed",
+            ),
+        ] {
+            assert_eq!(err.message, message);
+        }
+        chat(json!({"stop": strings(MAX_STOP_STRINGS), "logit_bias": bias(MAX_LOGIT_BIAS)}))
+            .unwrap();
+        embeddings_request(&json!({"input": strings(MAX_EMBEDDING_INPUTS)})).unwrap();
     }
 
     #[test]
