@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::{FakeEngine, TestServer, metric, sse_data, wait_for_metric};
+use common::{FakeEngine, TestServer, metric, metrics_text, sse_data, wait_for_metric};
 use gdsllm_server::{ChatMessage, ServerConfig};
 use serde_json::{Value, json};
 
@@ -683,14 +683,7 @@ async fn metrics_count(engine: FakeEngine) {
     post(&ts, "/v1/chat/completions", &body).await;
     body["model"] = json!("missing");
     post(&ts, "/v1/chat/completions", &body).await;
-    let text = client()
-        .get(ts.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&ts).await;
     let prompt = chat_prompt(&user("hi")).len() as f64;
     let expected = [
         (

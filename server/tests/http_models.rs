@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::{FakeEngine, TestServer, metric};
+use common::{FakeEngine, TestServer, metric, metrics_text};
 use gdsllm_server::{
     Engine, MemoryBudget, MemoryNeed, ModelMemory, ModelSource, ServerConfig, SourceModel,
     TierBytes,
@@ -176,12 +176,7 @@ async fn busy_models_are_not_unloaded_and_idle_ones_make_room() {
         loaded(&ts).await,
         [("fake-model".into(), false), ("other".into(), true)]
     );
-    let text = reqwest::get(ts.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&ts).await;
     assert_eq!(metric(&text, "gdsllm_models_loaded"), Some(1.0));
     assert_eq!(
         metric(&text, "gdsllm_model_unloads_total{model=\"fake-model\"}"),
@@ -294,15 +289,6 @@ impl ModelSource for SizedSource {
         let token_ms = if model.name == "c" { 500 } else { 100 };
         Ok(Arc::new(sized_engine(FULL.min(budget), token_ms)))
     }
-}
-
-async fn metrics_text(ts: &TestServer) -> String {
-    reqwest::get(ts.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// Starts a streamed request for `model` long enough to keep it busy; returns its body.

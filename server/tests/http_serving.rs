@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{FakeEngine, TestServer};
+use common::{FakeEngine, TestServer, metrics_text};
 use gdsllm_server::cors::CorsOrigins;
 use gdsllm_server::{ChatMessage, ServerConfig};
 use serde_json::json;
@@ -138,17 +138,6 @@ async fn a_model_named_system_prompt_replaces_the_default_for_that_name() {
     assert_eq!(rendered[1][0], system("Helper's own."));
     assert_eq!(rendered[1][1].role, "user");
     ts.shutdown().await;
-}
-
-async fn metrics_text(ts: &TestServer) -> String {
-    client()
-        .get(ts.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 /// The value of the sample `name` (no labels) in a Prometheus text exposition.

@@ -434,17 +434,21 @@ pub fn metric(text: &str, name_and_labels: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
+/// The server's `/metrics` text.
+pub async fn metrics_text(ts: &TestServer) -> String {
+    reqwest::get(ts.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// Polls `/metrics` until `name` is `want` (5 s at most); returns the last value seen.
 pub async fn wait_for_metric(ts: &TestServer, name: &str, want: f64) -> f64 {
     let mut last = f64::NAN;
     for _ in 0..200 {
-        let text = reqwest::get(ts.url("/metrics"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        last = metric(&text, name).unwrap_or(f64::NAN);
+        last = metric(&metrics_text(ts).await, name).unwrap_or(f64::NAN);
         if last == want {
             break;
         }
