@@ -12,17 +12,11 @@ use llama::{ChatTemplate, ChatValue};
 use serde_json::{Value, json};
 
 fn family_templates() -> Option<PathBuf> {
-    match std::env::var_os("GDSLLM_FAMILY_INPUTS") {
-        Some(dir) => Some(PathBuf::from(dir).join("templates")),
-        None if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") => {
-            eprintln!("skipped: GDSLLM_FAMILY_INPUTS is unset and GDSLLM_SKIP_MODEL_TESTS=1");
-            None
-        }
-        None => panic!(
-            "GDSLLM_FAMILY_INPUTS is unset: run `python3 scripts/families/fetch_inputs.py DIR` \
-             and set it to DIR (or GDSLLM_SKIP_MODEL_TESTS=1 to skip)"
-        ),
-    }
+    let inputs = gdsllm_convert::testing::env_path(
+        "GDSLLM_FAMILY_INPUTS",
+        "run `python3 scripts/families/fetch_inputs.py DIR` and set it to DIR",
+    )?;
+    Some(inputs.join("templates"))
 }
 
 fn template(dir: &Path, name: &str) -> ChatTemplate {

@@ -9,17 +9,7 @@ use std::time::{Duration, Instant};
 /// The converted SmolLM2 directory from `GDSLLM_TEST_MODEL`, or `None` (after saying so) when
 /// `GDSLLM_SKIP_MODEL_TESTS=1`. Panics with instructions when neither is set.
 pub fn model_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
-        return Some(PathBuf::from(dir));
-    }
-    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
-        return None;
-    }
-    panic!(
-        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
-         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
-    );
+    gdsllm_convert::testing::model_path("GDSLLM_TEST_MODEL")
 }
 
 pub fn gdsllm() -> Command {

@@ -15,17 +15,7 @@ use parking_lot::Mutex;
 /// The converted SmolLM2 of `GDSLLM_TEST_MODEL`; `None` (skip) only when
 /// `GDSLLM_SKIP_MODEL_TESTS=1`, a panic otherwise.
 pub fn model_dir() -> Option<std::path::PathBuf> {
-    if let Some(dir) = std::env::var_os("GDSLLM_TEST_MODEL") {
-        return Some(std::path::PathBuf::from(dir));
-    }
-    if std::env::var("GDSLLM_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("skipped: GDSLLM_SKIP_MODEL_TESTS=1 and GDSLLM_TEST_MODEL is unset");
-        return None;
-    }
-    panic!(
-        "GDSLLM_TEST_MODEL is not set: run `gdsllm pull smollm2` and set GDSLLM_TEST_MODEL to the \
-         converted model directory (or set GDSLLM_SKIP_MODEL_TESTS=1 to skip model tests)"
-    );
+    gdsllm_convert::testing::model_path("GDSLLM_TEST_MODEL")
 }
 
 /// The words the fake model "generates", in order, starting at an offset taken from the prompt.
