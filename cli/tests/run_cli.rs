@@ -1,27 +1,15 @@
 //! `gdsllm run` and `gdsllm bench` end to end on the real SmolLM2 model.
 
-use std::path::PathBuf;
+mod serve_common;
+
 use std::process::Command;
 
-use gdsllm_convert::testing::{golden, model_path};
+use gdsllm_convert::testing::golden;
+use serve_common::{model_dir, stdout_of};
 
-fn model_dir() -> Option<PathBuf> {
-    model_path("GDSLLM_TEST_MODEL")
-}
-
+/// This build's gdsllm with the caller's environment (unlike the serve tests' `gdsllm`).
 fn gdsllm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gdsllm"))
-}
-
-/// Runs `cmd`, asserts it succeeded (showing its stderr if not) and returns its stdout.
-fn stdout_of(cmd: &mut Command) -> Vec<u8> {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out.stdout
 }
 
 #[test]

@@ -207,17 +207,13 @@ fn two_models_listed_chatted_loaded_and_unloaded() {
         2.0
     );
     // `gdsllm ps` shows both.
-    let out = gdsllm()
-        .env("GDSLLM_HOME", home_str)
-        .args(["ps", "--json", "--url", &served.base])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ps: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = stdout_of(gdsllm().env("GDSLLM_HOME", home_str).args([
+        "ps",
+        "--json",
+        "--url",
+        &served.base,
+    ]));
+    let ps: Value = serde_json::from_slice(&stdout).unwrap();
     let held: Vec<&str> = ps[0]["models"]
         .as_array()
         .unwrap()

@@ -23,6 +23,17 @@ pub fn gdsllm() -> Command {
     c
 }
 
+/// Runs `cmd`, asserts it succeeded (showing its stderr if not) and returns its stdout.
+pub fn stdout_of(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
 /// Runs `python3 scripts/SCRIPT --gdsllm <this build's gdsllm> --model DIR --venv V` and
 /// expects it to succeed and print `marker`. The script pip-installs its Python packages into
 /// the virtual environment V (a temporary directory, or `$venv_env` to reuse one) when they
@@ -198,28 +209,18 @@ pub fn streamed_text(body: &str) -> (String, Option<String>, Vec<serde_json::Val
 /// `gdsllm run -p PROMPT --temp 0 -n N --json` on the same model: (text, prompt_tokens,
 /// finish_reason).
 pub fn run_greedy(dir: &std::path::Path, prompt: &str, n: usize) -> (String, usize, String) {
-    let out = gdsllm()
-        .args(["run", "-m"])
-        .arg(dir)
-        .args([
-            "-p",
-            prompt,
-            "--temp",
-            "0",
-            "-n",
-            &n.to_string(),
-            "--json",
-            "-c",
-            "1024",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stdout = stdout_of(gdsllm().args(["run", "-m"]).arg(dir).args([
+        "-p",
+        prompt,
+        "--temp",
+        "0",
+        "-n",
+        &n.to_string(),
+        "--json",
+        "-c",
+        "1024",
+    ]));
+    let v: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
     let prompt_tokens = match &v["prompt_tokens"] {
         serde_json::Value::Array(a) => a.len(),
         other => other.as_u64().unwrap() as usize,
