@@ -17,20 +17,9 @@ pub fn gemma3_q4km() -> Option<PathBuf> {
         eprintln!("skipped: GDSLLM_TEST_GEMMA3_GGUF is unset and GDSLLM_SKIP_MODEL_TESTS=1");
         return None;
     }
-    let script = script("fetch_gemma3_q4km.py");
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gemma3-q4km");
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(&dir)
-        .output()
-        .unwrap_or_else(|e| panic!("running python3 {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "{} failed:\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(PathBuf::from(String::from_utf8(out.stdout).unwrap().trim()))
+    let stdout = run_script("fetch_gemma3_q4km.py", &[dir.as_os_str()]);
+    Some(PathBuf::from(String::from_utf8(stdout).unwrap().trim()))
 }
 
 /// A script in the repository's `scripts/`.
@@ -40,10 +29,9 @@ pub fn script(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Runs scripts/gguf_py_dequant.py (llama.cpp's gguf-py, installed into a virtual environment
-/// when missing) with `args`, failing the test with its output if it fails.
-pub fn gguf_py_dequant(args: &[&std::ffi::OsStr]) {
-    let script = script("gguf_py_dequant.py");
+/// `python3 scripts/NAME ARGS`: its stdout, or the test fails with its output.
+fn run_script(name: &str, args: &[&std::ffi::OsStr]) -> Vec<u8> {
+    let script = script(name);
     let out = std::process::Command::new("python3")
         .arg(&script)
         .args(args)
@@ -56,6 +44,13 @@ pub fn gguf_py_dequant(args: &[&std::ffi::OsStr]) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    out.stdout
+}
+
+/// Runs scripts/gguf_py_dequant.py (llama.cpp's gguf-py, installed into a virtual environment
+/// when missing) with `args`, failing the test with its output if it fails.
+pub fn gguf_py_dequant(args: &[&std::ffi::OsStr]) {
+    run_script("gguf_py_dequant.py", args);
 }
 
 /// Little-endian f32 values of a file.
