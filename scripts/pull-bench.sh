@@ -34,7 +34,8 @@ rate() {
     started=$(date +%s.%N)
     "$@" >/dev/null
     ended=$(date +%s.%N)
-    python3 -c "import sys; print(f'{$size_mib * 1048576 / ($ended - $started) / 1e9:.2f} GB/s')"
+    awk -v b="$((size_mib << 20))" -v s="$started" -v e="$ended" \
+        'BEGIN { printf "%.2f GB/s\n", b / (e - s) / 1e9 }'
 }
 echo "sha256sum: $(rate sha256sum "$file")"
 if command -v openssl >/dev/null; then
@@ -47,11 +48,9 @@ echo "| run | curl | gdsllm download | ratio |"
 echo "|---|---|---|---|"
 for run in $(seq "$runs"); do
     line="$("$bin" "$file" "$rounds" | grep '^pull-bench ')"
-    python3 - "$run" "$line" <<'PY'
-import sys
-run, line = sys.argv[1], sys.argv[2]
-fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-print(f"| {run} | {float(fields['curl_gbps']):.2f} GB/s | {float(fields['ours_gbps']):.2f} GB/s "
-      f"| {float(fields['ratio']):.2f}× |")
-PY
+    # pull-bench bytes=… rounds=… curl_gbps=… ours_gbps=… ratio=…
+    echo "$line" | awk -v run="$run" '{
+        for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+        printf "| %s | %.2f GB/s | %.2f GB/s | %.2f× |\n", run, f["curl_gbps"], f["ours_gbps"], f["ratio"]
+    }'
 done
