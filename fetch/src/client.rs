@@ -4,6 +4,8 @@
 //! retried from where the bytes stopped.
 
 use std::io::Read;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, SyncSender};
 use std::time::Duration;
 
 use crate::error::FetchError;
@@ -62,6 +64,59 @@ pub trait Sink {
     fn restart(&mut self) -> std::io::Result<()>;
     /// The next bytes of the file.
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<()>;
+    /// The next bytes of the file, as the socket reader's buffer: a sink that hands the bytes
+    /// to another thread (a hasher) keeps a clone instead of copying them.
+    fn write_piece(&mut self, piece: &Piece) -> std::io::Result<()> {
+        self.write(piece)
+    }
+}
+
+/// A piece of a transfer's body, shared by whoever still needs it (a sink's file write, its
+/// hasher on another thread); its buffer goes back to the socket reader for the next piece
+/// when the last holder drops it, so a transfer copies each byte once, socket to buffer.
+#[derive(Clone)]
+pub struct Piece(Arc<PieceBuffer>);
+
+struct PieceBuffer {
+    bytes: Vec<u8>,
+    /// The socket reader's pool of empty buffers (None: freed when dropped).
+    home: Option<Sender<Vec<u8>>>,
+}
+
+impl Piece {
+    /// A piece not drawn from a reader's pool.
+    pub(crate) fn new(bytes: Vec<u8>) -> Piece {
+        Piece(Arc::new(PieceBuffer { bytes, home: None }))
+    }
+
+    fn pooled(bytes: Vec<u8>, home: Sender<Vec<u8>>) -> Piece {
+        Piece(Arc::new(PieceBuffer {
+            bytes,
+            home: Some(home),
+        }))
+    }
+}
+
+impl std::fmt::Debug for Piece {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Piece({} bytes)", self.len())
+    }
+}
+
+impl std::ops::Deref for Piece {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0.bytes
+    }
+}
+
+impl Drop for PieceBuffer {
+    fn drop(&mut self) {
+        if let Some(home) = self.home.take() {
+            // The reader may have finished and gone; then the buffer is simply freed.
+            let _ = home.send(std::mem::take(&mut self.bytes));
+        }
+    }
 }
 
 /// What a server says about a file in its response headers.
@@ -94,11 +149,12 @@ pub struct ExpectedSize {
     pub according_to: &'static str,
 }
 
-/// Bytes handed from the socket reader to the sink at a time; large enough that the hand-over
-/// costs nothing next to the copies.
-const READ_CHUNK: usize = 1 << 20;
+/// Bytes handed from the socket reader to the sink at a time: large enough that the hand-over
+/// costs nothing next to the copies, small enough that the pieces in flight stay in the CPU's
+/// cache while the sink writes and hashes them.
+const READ_CHUNK: usize = 256 << 10;
 /// Pieces read ahead of the sink.
-const PIPELINE_DEPTH: usize = 4;
+const PIPELINE_DEPTH: usize = 8;
 
 impl Client {
     pub fn new(options: ClientOptions) -> Client {
@@ -343,10 +399,10 @@ impl Client {
         std::thread::scope(|scope| -> Result<(), FetchError> {
             let (full_tx, full_rx) = std::sync::mpsc::sync_channel(PIPELINE_DEPTH);
             let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-            scope.spawn(move || read_pieces(body, &full_tx, &empty_rx));
+            scope.spawn(move || read_pieces(body, &full_tx, &empty_tx, &empty_rx));
             for piece in full_rx {
-                let buf = match piece {
-                    Ok(buf) => buf,
+                let piece = match piece {
+                    Ok(piece) => piece,
                     Err(e) => {
                         return Err(FetchError::Truncated {
                             url: url.to_string(),
@@ -356,7 +412,7 @@ impl Client {
                         });
                     }
                 };
-                let n = buf.len() as u64;
+                let n = piece.len() as u64;
                 if let Some(size) = state.size
                     && state.offset + n > size
                 {
@@ -366,11 +422,9 @@ impl Client {
                         expected: size,
                     });
                 }
-                sink.write(&buf).map_err(|e| sink_error(url, e))?;
+                sink.write_piece(&piece).map_err(|e| sink_error(url, e))?;
                 state.offset += n;
                 state.fetched += n;
-                // The reader may have finished and gone; then the buffer is simply freed.
-                let _ = empty_tx.send(buf);
             }
             Ok(())
         })?;
@@ -393,13 +447,14 @@ enum Pass {
     Again,
 }
 
-/// Reads `body` into pieces of [`READ_CHUNK`] bytes (reusing the buffers that come back on
-/// `empty`) and sends them in order; ends after the last piece, or an error, or when nobody
-/// listens any more.
+/// Reads `body` into pieces of [`READ_CHUNK`] bytes (reusing the buffers that come back to
+/// `empty` once their pieces are dropped) and sends them in order; ends after the last piece,
+/// or an error, or when nobody listens any more.
 fn read_pieces(
     mut body: impl Read,
-    full: &std::sync::mpsc::SyncSender<std::io::Result<Vec<u8>>>,
-    empty: &std::sync::mpsc::Receiver<Vec<u8>>,
+    full: &SyncSender<std::io::Result<Piece>>,
+    home: &Sender<Vec<u8>>,
+    empty: &Receiver<Vec<u8>>,
 ) {
     loop {
         let mut buf = empty.try_recv().unwrap_or_default();
@@ -419,7 +474,7 @@ fn read_pieces(
         }
         buf.truncate(filled);
         let last = filled < READ_CHUNK;
-        if filled > 0 && full.send(Ok(buf)).is_err() {
+        if filled > 0 && full.send(Ok(Piece::pooled(buf, home.clone()))).is_err() {
             return;
         }
         if let Some(e) = failed {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::client::{Client, ExpectedSize, RemoteFile, Sink};
+use crate::client::{Client, ExpectedSize, Piece, RemoteFile, Sink};
 use crate::error::FetchError;
 
 /// Progress hooks; the library never prints, callers plug in a progress bar.
@@ -318,46 +318,49 @@ impl Sink for FileSink<'_> {
     }
 
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        if self
-            .limit
-            .is_some_and(|limit| self.written + bytes.len() as u64 > limit)
-        {
+        self.write_piece(&Piece::new(bytes.to_vec()))
+    }
+
+    fn write_piece(&mut self, piece: &Piece) -> std::io::Result<()> {
+        let n = piece.len() as u64;
+        if self.limit.is_some_and(|limit| self.written + n > limit) {
             return Err(std::io::Error::from(std::io::ErrorKind::StorageFull));
         }
-        self.file.write_all(bytes)?;
-        self.hasher.update(bytes);
-        self.written += bytes.len() as u64;
+        // The hasher reads the piece while it is written, both from the buffer the socket
+        // reader has just filled.
+        self.hasher.update(piece.clone());
+        self.file.write_all(piece)?;
+        self.written += n;
         if let Some(progress) = self.progress {
-            progress.advance(bytes.len() as u64);
+            progress.advance(n);
         }
         Ok(())
     }
 }
 
-/// sha256 on a thread of its own, fed with copies of what is written: hashing costs about as
-/// much as the write, and the download runs at the slower of the two instead of their sum.
+/// sha256 on a thread of its own, fed with the pieces as they are written: hashing costs
+/// about as much as the write, and the download runs at the slower of the two instead of their
+/// sum.
 struct BackgroundHasher {
     send: Option<std::sync::mpsc::SyncSender<HashInput>>,
-    spare: std::sync::mpsc::Receiver<Vec<u8>>,
     thread: Option<std::thread::JoinHandle<Sha256>>,
 }
 
 enum HashInput {
-    Bytes(Vec<u8>),
+    Bytes(Piece),
     Reset,
 }
 
+/// Pieces queued for the hasher before the writer waits for it.
+const HASH_QUEUE: usize = 8;
+
 impl BackgroundHasher {
     fn start(mut hasher: Sha256) -> BackgroundHasher {
-        let (send, receive) = std::sync::mpsc::sync_channel::<HashInput>(4);
-        let (give_back, spare) = std::sync::mpsc::channel();
+        let (send, receive) = std::sync::mpsc::sync_channel::<HashInput>(HASH_QUEUE);
         let thread = std::thread::spawn(move || {
             for input in receive {
                 match input {
-                    HashInput::Bytes(bytes) => {
-                        hasher.update(&bytes);
-                        let _ = give_back.send(bytes);
-                    }
+                    HashInput::Bytes(piece) => hasher.update(&piece[..]),
                     HashInput::Reset => hasher = Sha256::new(),
                 }
             }
@@ -365,7 +368,6 @@ impl BackgroundHasher {
         });
         BackgroundHasher {
             send: Some(send),
-            spare,
             thread: Some(thread),
         }
     }
@@ -377,11 +379,8 @@ impl BackgroundHasher {
         }
     }
 
-    fn update(&self, bytes: &[u8]) {
-        let mut copy = self.spare.try_recv().unwrap_or_default();
-        copy.clear();
-        copy.extend_from_slice(bytes);
-        self.feed(HashInput::Bytes(copy));
+    fn update(&self, piece: Piece) {
+        self.feed(HashInput::Bytes(piece));
     }
 
     fn reset(&self) {

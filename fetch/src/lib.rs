@@ -16,7 +16,7 @@ mod error;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use client::{Client, ClientOptions, ExpectedSize, RemoteFile, Sink, Transfer};
+pub use client::{Client, ClientOptions, ExpectedSize, Piece, RemoteFile, Sink, Transfer};
 pub use digest::{git_blob_id, sha256_from_headers, sha256_hex};
 pub use download::{
     DownloadOptions, Downloaded, NoProgress, Progress, download, fetch_into_file, partial_path,
