@@ -222,6 +222,31 @@ mod tests {
         }
     }
 
+    /// Every kernel starts with `pdl_begin()`: with programmatic dependent launch (device.rs,
+    /// compute capability 9.0) a kernel's blocks may run while the kernel before is still
+    /// running, so one that touched memory before that wait would race with it.
+    #[test]
+    fn every_kernel_waits_for_the_one_before_first() {
+        let src = program_source();
+        let mut kernels = 0;
+        for (at, _) in src.match_indices("extern \"C\" __global__") {
+            let body = at + src[at..].find('{').expect("a kernel has a body") + 1;
+            // Macro-stamped kernels continue their lines with a backslash.
+            let first = src[body..]
+                .trim_start_matches(|c: char| c.is_whitespace() || c == '\\')
+                .lines()
+                .next()
+                .unwrap_or("");
+            let name = src[at..body].split('(').next().unwrap_or("").trim();
+            assert!(
+                first.starts_with("pdl_begin();"),
+                "{name} starts with `{first}`, not pdl_begin()"
+            );
+            kernels += 1;
+        }
+        assert!(kernels >= 30, "found {kernels} kernel definitions");
+    }
+
     /// Every kernel `Kernels::load` looks up is defined in exactly one file.
     #[test]
     fn every_loaded_kernel_is_defined_once() {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DeviceRepr, DriverError, LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits,
 };
 use weights_format::DType;
 
@@ -111,6 +111,32 @@ pub(super) struct Queue {
     profile: Option<Profile>,
     /// Whether a graph is being recorded (then nothing is timed).
     capturing: AtomicBool,
+    /// Whether kernels are launched with programmatic stream serialization (programmatic
+    /// dependent launch): see [`pdl_supported`].
+    pdl: bool,
+}
+
+/// The environment variable that turns programmatic dependent launch off (`0`), for
+/// comparisons.
+pub const PDL_ENV: &str = "GDSLLM_CUDA_PDL";
+
+/// Whether kernels on `ctx`'s device are launched with programmatic dependent launch: the next
+/// kernel's blocks are scheduled while the current one finishes, and wait in `pdl_begin`
+/// (common.cuh), which every kernel calls before touching memory, until it has. That needs
+/// compute capability 9.0 (`griddepcontrol`, which the kernels are compiled with there: NVRTC
+/// targets the device's own architecture) and a driver of CUDA 12.3 or later (which records such
+/// launches into CUDA graphs). `GDSLLM_CUDA_PDL=0` turns it off.
+fn pdl_supported(ctx: &Arc<CudaContext>) -> bool {
+    if std::env::var(PDL_ENV).is_ok_and(|v| v == "0") {
+        return false;
+    }
+    let Ok((major, _)) = ctx.compute_capability() else {
+        return false;
+    };
+    let mut driver = 0;
+    // SAFETY: writes one int to a live local; the driver library is loaded (a context exists).
+    let status = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    major >= 9 && status.result().is_ok() && driver >= 12030
 }
 
 impl Queue {
@@ -144,7 +170,74 @@ impl Queue {
             blas,
             profile: Profile::from_env(),
             capturing: AtomicBool::new(false),
+            pdl: {
+                let pdl = pdl_supported(ctx);
+                tracing::debug!(
+                    pdl,
+                    "programmatic dependent launch ({PDL_ENV}=0 turns it off)"
+                );
+                pdl
+            },
         })
+    }
+
+    /// Queues `kernel` with `args` (pointers to the argument values, in order) on the stream,
+    /// with programmatic stream serialization where the device has it.
+    ///
+    /// # Safety
+    ///
+    /// As [`Launch::run`]: the arguments must be what the kernel expects, every address valid
+    /// for what it reads and writes with `cfg`, and every pointer in `args` live until this
+    /// returns.
+    unsafe fn launch_raw(
+        &self,
+        kernel: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), DriverError> {
+        use cudarc::driver::sys;
+        self.stream.context().bind_to_thread()?;
+        if !self.pdl {
+            // SAFETY: the caller vouches for the kernel, its arguments and the grid.
+            return unsafe {
+                cudarc::driver::result::launch_kernel(
+                    kernel.cu_function(),
+                    cfg.grid_dim,
+                    cfg.block_dim,
+                    cfg.shared_mem_bytes,
+                    self.stream.cu_stream(),
+                    args,
+                )
+            };
+        }
+        // SAFETY: an all-zero attribute is a valid value of this plain C struct.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and `attr` live across the call; the caller vouches for the kernel,
+        // its arguments and the grid; every kernel of this backend calls `pdl_begin` before it
+        // touches memory, which is what makes the relaxed serialization safe.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                kernel.cu_function(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 
     /// Queues `op` through `queue_it`, timed when profiling (and not recording).
@@ -198,7 +291,8 @@ impl Queue {
     /// A launch of `kernel` (the arguments follow), reported as `op` if it fails.
     pub fn kernel<'a>(&'a self, kernel: &'a CudaFunction, op: &'static str) -> Launch<'a> {
         Launch {
-            args: self.stream.launch_builder(kernel),
+            kernel,
+            args: Vec::new(),
             queue: self,
             op,
         }
@@ -564,7 +658,10 @@ pub(super) struct GemmArgs {
 
 /// A kernel launch being put together: its arguments, then [`Launch::run`].
 pub(super) struct Launch<'a> {
-    args: LaunchArgs<'a>,
+    kernel: &'a CudaFunction,
+    /// Pointers to the argument values, in order, as `cuLaunchKernel` takes them; each value is
+    /// borrowed for `'a`, so it outlives the launch.
+    args: Vec<*mut std::ffi::c_void>,
     queue: &'a Queue,
     op: &'static str,
 }
@@ -572,7 +669,7 @@ pub(super) struct Launch<'a> {
 impl<'a> Launch<'a> {
     /// The next argument, by value (device addresses as `u64`).
     pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
-        self.args.arg(value);
+        self.args.push(value as *const T as *mut std::ffi::c_void);
         self
     }
 
@@ -585,11 +682,11 @@ impl<'a> Launch<'a> {
     pub unsafe fn run(mut self, cfg: LaunchConfig) -> Result<(), BackendError> {
         self.queue.issue();
         self.queue.count_kernel();
-        let (queue, op, args) = (self.queue, self.op, &mut self.args);
-        // SAFETY: the caller vouches for the arguments and the grid.
+        let (queue, op, kernel, args) = (self.queue, self.op, self.kernel, &mut self.args);
+        // SAFETY: the caller vouches for the arguments and the grid; the argument values are
+        // borrowed for the launch's lifetime.
         queue
-            .timed(op, || unsafe { args.launch(cfg) })
-            .map(|_| ())
+            .timed(op, || unsafe { queue.launch_raw(kernel, cfg, args) })
             .map_err(|e| queue.error(op, e))
     }
 }

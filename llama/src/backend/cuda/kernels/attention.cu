@@ -72,6 +72,7 @@ __device__ __forceinline__ float attention_exp_sum(float* p, int n, float ref, f
 extern "C" __global__ void attention(const float* q, const u16* k_cache, const u16* v_cache,
                                      int pos0, int n_heads, int n_kv_heads, int head_dim,
                                      float scale, int slots, int window, float* out) {
+    pdl_begin();
     __shared__ float qs[256];
     __shared__ float p[ATT_TILE];
     __shared__ float red[32];
@@ -174,6 +175,7 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
                                             int pos0, const int* pos_dev, int n_heads, int n_kv_heads,
                                             int head_dim, float scale, int slots, int window, int split_len,
                                             float* part, float* out, int* tickets, short* xq, float4* xs) {
+    pdl_begin();
     int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
     int kvh = h / (n_heads / n_kv_heads);
     int len = start_pos(pos0, pos_dev) + 1;
@@ -233,6 +235,7 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
 extern "C" __global__ void attention_decode_seqs(const float* q, int n_heads, int n_kv_heads, int head_dim,
                                                  float scale, int split_len, float* part,
                                                  const __grid_constant__ SeqTable seqs) {
+    pdl_begin();
     int h = blockIdx.x, split = blockIdx.y, max_splits = gridDim.y, z = blockIdx.z;
     int len = seqs.pos0[z] + 1;
     int t0 = split * split_len;
@@ -267,6 +270,7 @@ __device__ __forceinline__ void attention_combine_head(const float* base, int n_
 // chunks up to its position.
 extern "C" __global__ void attention_combine_seqs(const float* part, int max_splits, int n_heads, int head_dim,
                                                   int split_len, float* out, const __grid_constant__ SeqTable seqs) {
+    pdl_begin();
     int h = blockIdx.x, z = blockIdx.y;
     int n_splits = (seqs.pos0[z] + split_len) / split_len;
     const float* base = part + ((u64)z * n_heads + h) * max_splits * (2 + head_dim);
@@ -470,10 +474,12 @@ __device__ void attention_flash_impl(const float* q, const u16* k_cache, const u
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attention_flash_hd64(const float* q, const u16* k_cache, const u16* v_cache, int rows, int pos0, int n_heads,
                          int n_kv_heads, float scale, float* out) {
+    pdl_begin();
     attention_flash_impl<64>(q, k_cache, v_cache, rows, pos0, n_heads, n_kv_heads, scale, out);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * 32)
     attention_flash_hd128(const float* q, const u16* k_cache, const u16* v_cache, int rows, int pos0, int n_heads,
                           int n_kv_heads, float scale, float* out) {
+    pdl_begin();
     attention_flash_impl<128>(q, k_cache, v_cache, rows, pos0, n_heads, n_kv_heads, scale, out);
 }

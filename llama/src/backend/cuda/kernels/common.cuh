@@ -49,6 +49,21 @@ __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) <
 // byte by byte.
 __device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 
+// Programmatic dependent launch (compute capability 9.0 and later): the host launches every
+// kernel with programmatic stream serialization there (`Queue::pdl` in device.rs), so a kernel's
+// blocks may be scheduled while the kernel before it is still running. Every kernel therefore
+// calls this first, before it reads or writes any memory: it waits until the kernels before have
+// finished and their writes are visible, then lets the next kernel's blocks be scheduled (they
+// wait here in turn). The next kernel's launch is thus under way while this one runs, instead of
+// starting after it ends: a decode step is ~10 dependent kernels a layer, each of which waited a
+// launch latency before. No-op on older devices and in the CPU emulator.
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

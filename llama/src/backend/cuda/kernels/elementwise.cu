@@ -2,22 +2,26 @@
 // bias add, scaling and soft-capping.
 
 extern "C" __global__ void copy_f32(const float* src, float* dst, u64 n) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
 }
 
 // Into the f16 KV cache.
 extern "C" __global__ void copy_f32_to_f16(const float* src, u16* dst, u64 n) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = f2h(src[i]);
 }
 
 extern "C" __global__ void copy_f32_to_bf16(const float* src, u16* dst, u64 n) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = f2bf(src[i]);
 }
 
 extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = h2f(src[i]);
 }
@@ -32,6 +36,7 @@ __device__ __forceinline__ float gate_act(float g, int act) {
 // of 4 (grid over n / 4 threads, else n); with `xq` (n a multiple of 32) also written for the
 // quantized matmul that reads it next.
 extern "C" __global__ void gated_act(float* gate, const float* up, u64 n, int act, short* xq, float4* xs) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (n % 4 != 0) {
         if (i < n) gate[i] = gate_act(gate[i], act) * up[i];
@@ -50,18 +55,21 @@ extern "C" __global__ void gated_act(float* gate, const float* up, u64 n, int ac
 
 // x[r, c] += bias[c] over rows·width values (the Q/K/V biases; bias of weight `dtype`).
 extern "C" __global__ void add_bias(float* x, const u8* bias, int dtype, int width, u64 n) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += load_elem(bias, dtype, (int)(i % width));
 }
 
 // x = factor · x over n values (an embedding scale).
 extern "C" __global__ void scale_f32(float* x, u64 n, float factor) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= factor;
 }
 
 // x = cap · tanh(x / cap) over n values (a final logit soft-cap).
 extern "C" __global__ void softcap(float* x, u64 n, float cap) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = cap * tanhf(x[i] / cap);
 }

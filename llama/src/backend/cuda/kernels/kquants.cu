@@ -469,6 +469,7 @@ __device__ __forceinline__ void kq_block_any(const u8* w, int dtype, u64 b, KqBl
 // a thread per 32 values.
 extern "C" __global__ void kq_embed_rows(const u8* table, u64 row_bytes, int dtype, const u32* ids, int dim,
                                          float* out) {
+    pdl_begin();
     int r = blockIdx.x;
     const u8* row = table + (u64)ids[r] * row_bytes;
     for (int b = threadIdx.x; b < dim / 32; b += blockDim.x) {
@@ -494,6 +495,7 @@ __device__ void kq_values8(const u8* w, int dtype, u64 i, float* v) {
 // 8 values, so each block was decoded four times over (on the H100 that kernel wrote a 7B q4_k
 // matrix at ~1.1 TB/s and took longer than the GEMM that read it).
 extern "C" __global__ void kq_dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
+    pdl_begin();
     u64 b = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= n_blocks) return;
     KqBlock q;

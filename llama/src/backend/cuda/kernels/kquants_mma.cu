@@ -157,6 +157,7 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
     extern "C" __global__ void BOUNDS NAME##_n##NT(const void* x, const float4* xs, int rows, int k,    \
                                                    MatmulJobs jobs, float* partial, int* counters,     \
                                                    int split) {                                        \
+        pdl_begin();                                                                                   \
         matmul_mma_impl<DTYPE, NT>(x, xs, rows, k, jobs, partial, counters, split);                    \
     }
 #define MATMUL_MMA_KQ_KERNELS(NAME, DTYPE)                                                               \

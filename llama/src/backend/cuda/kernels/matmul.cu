@@ -284,17 +284,25 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 // sequence), `_r8` for MM_ROWS.
 #define MATMUL_KERNELS(NAME, DTYPE)                                                                   \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, 1>(x, rows, k, jobs); } \
+        NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) {                               \
+        pdl_begin();                                                                                 \
+        matmul_impl<DTYPE, 1>(x, rows, k, jobs);                                                     \
+    }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
-        NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) { matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs); }
+        NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) {                               \
+        pdl_begin();                                                                                 \
+        matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs);                                               \
+    }
 // The kernels of an implementation `IMPL<DTYPE, NR>` over the 16-bit activations.
 #define MATMUL_X16_KERNELS(NAME, IMPL, DTYPE)                                                         \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        pdl_begin();                                                                                 \
         IMPL<DTYPE, 1>(xq, xs, rows, k, jobs);                                                       \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
+        pdl_begin();                                                                                 \
         IMPL<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                                 \
     }
 #define MATMUL_Q_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_q_impl, DTYPE)

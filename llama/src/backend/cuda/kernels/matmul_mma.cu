@@ -480,6 +480,7 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                       \
         NAME##_n##NT(const void* x, const float4* xs, int rows, int k, MatmulJobs jobs, float* partial, \
                      int* counters, int split) {                                                       \
+        pdl_begin();                                                                                   \
         matmul_mma_impl<DTYPE, NT>(x, xs, rows, k, jobs, partial, counters, split);                    \
     }
 #define MATMUL_MMA_KERNELS(NAME, DTYPE) \

@@ -42,6 +42,7 @@ __device__ __forceinline__ float rms_scale(float ss, int dim, float eps, float* 
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x, const u8* weight, int dtype,
                                                                  int dim, float eps, float* out, short* xq,
                                                                  float4* xs) {
+    pdl_begin();
     __shared__ float partial[RMS_THREADS / 32];
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
@@ -87,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(RMS_THREADS) rmsnorm(const float* x
 #define RMS_PIECE_WARPS 8
 extern "C" __global__ void rmsnorm_pieces(float* x, const u8* weight, int dtype, int dim, float eps,
                                           int pieces) {
+    pdl_begin();
     int piece = blockIdx.x * RMS_PIECE_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (piece >= pieces) return;  // a whole warp leaves together
     float* xr = x + (u64)piece * dim;
@@ -101,6 +103,7 @@ extern "C" __global__ void rmsnorm_pieces(float* x, const u8* weight, int dtype,
 // stream (Gemma). One block of RMS_THREADS per row.
 extern "C" __global__ void __launch_bounds__(RMS_THREADS) add_rmsnorm(const float* x, const u8* weight, int dtype,
                                                                      int dim, float eps, float* out) {
+    pdl_begin();
     __shared__ float partial[RMS_THREADS / 32];
     int r = blockIdx.x;
     const float* xr = x + (u64)r * dim;
@@ -160,6 +163,7 @@ __device__ __forceinline__ bool rope_pair_of_thread(int rows, int heads, int hal
 extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int rows, int n_heads,
                                          int n_kv_heads, int head_dim, int pos0, const int* pos_dev,
                                          const float* inv_freq, u16* k_cache, u16* v_cache, int slots) {
+    pdl_begin();
     int r, h, i;
     if (!rope_pair_of_thread(rows, n_heads + n_kv_heads, head_dim / 2, r, h, i)) return;
     int pos = start_pos(pos0, pos_dev) + r;
@@ -173,6 +177,7 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* v, int
 extern "C" __global__ void rope_store_kv_seqs(float* q, float* k, const float* v, int total_rows, int n_heads,
                                               int n_kv_heads, int head_dim, const float* inv_freq,
                                               const __grid_constant__ SeqTable seqs) {
+    pdl_begin();
     int r, h, i;
     if (!rope_pair_of_thread(total_rows, n_heads + n_kv_heads, head_dim / 2, r, h, i)) return;
     int s = seq_of_row(seqs, r);

@@ -3,6 +3,7 @@
 // out[r, :] = table[ids[r], :]; one block per row.
 extern "C" __global__ void embed_rows(const u8* table, u64 row_bytes, int dtype, const u32* ids,
                                       int dim, float* out) {
+    pdl_begin();
     int r = blockIdx.x;
     const u8* row = table + (u64)ids[r] * row_bytes;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[(u64)r * dim + j] = load_elem(row, dtype, j);
@@ -10,6 +11,7 @@ extern "C" __global__ void embed_rows(const u8* table, u64 row_bytes, int dtype,
 
 // x (n values, a multiple of 32) in the format above; one float4 per thread.
 extern "C" __global__ void quantize_x16(const float* x, u64 n, short* xq, float4* xs) {
+    pdl_begin();
     u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     bool live = c < n / 4;
     float4 v = live ? ((const float4*)x)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -45,6 +47,7 @@ __device__ __forceinline__ bool dequant8(const u8* w, int dtype, u64 n_blocks, f
 }
 
 extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, float* out) {
+    pdl_begin();
     float v[8];
     u64 at;
     if (!dequant8(w, dtype, n_blocks, v, at)) return;
@@ -54,6 +57,7 @@ extern "C" __global__ void dequant_f32(const u8* w, int dtype, u64 n_blocks, flo
 }
 
 extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
+    pdl_begin();
     float v[8];
     u64 at;
     if (!dequant8(w, dtype, n_blocks, v, at)) return;
@@ -67,6 +71,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, u64 n_blocks, u16
 // (and q4_1's offset) read once, the quant bytes as 16-bit words, the same expressions as
 // `load_elem` (so the same bits), four 16-byte stores.
 extern "C" __global__ void dequant_blocks_f16(const u8* w, int dtype, u64 n_blocks, u16* out) {
+    pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks) return;
     int bytes = dtype == 3 ? 34 : dtype == 4 ? 18 : 20;
