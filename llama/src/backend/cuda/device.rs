@@ -161,6 +161,11 @@ impl Queue {
             );
             None
         };
+        let pdl = pdl_supported(ctx);
+        tracing::debug!(
+            pdl,
+            "programmatic dependent launch ({PDL_ENV}=0 turns it off)"
+        );
         Ok(Queue {
             stream,
             device,
@@ -170,14 +175,7 @@ impl Queue {
             blas,
             profile: Profile::from_env(),
             capturing: AtomicBool::new(false),
-            pdl: {
-                let pdl = pdl_supported(ctx);
-                tracing::debug!(
-                    pdl,
-                    "programmatic dependent launch ({PDL_ENV}=0 turns it off)"
-                );
-                pdl
-            },
+            pdl,
         })
     }
 
