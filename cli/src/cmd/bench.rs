@@ -234,12 +234,7 @@ fn bench<B: Backend, W: WeightSource>(
         let mut next = 300u32;
         let t = std::time::Instant::now();
         for _ in 0..args.n_gen {
-            let logits = llama.forward(&[next])?;
-            next = logits
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map_or(0, |(i, _)| i as u32);
+            next = llama::sampling::argmax(llama.forward(&[next])?);
         }
         tg.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
         tg_bytes += streamed_bytes(llama) - before;
@@ -377,12 +372,7 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
                     .collect();
                 batcher.submit(prompt, max_new)?;
             }
-            let greedy = |_: llama::SeqId, l: &[f32]| {
-                l.iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1))
-                    .map(|(i, _)| i as u32)
-            };
+            let greedy = |_: llama::SeqId, l: &[f32]| Some(llama::sampling::argmax(l));
             let mut started: HashSet<llama::SeqId> = HashSet::new();
             while started.len() < size {
                 batcher.step(llama, |id, l| {
