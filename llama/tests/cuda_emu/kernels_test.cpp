@@ -265,8 +265,11 @@ void test_existing_matmul() {
 // ---- the tensor-core batched matmul ---------------------------------------------------------
 
 using MmaKernel = void (*)(const void*, const float4*, int, int, MatmulJobs, float*, int*, int);
+// The kernel for `nt` 8-row tiles (1, 2, 4 or 8), or null where the dtype has none that wide:
+// matmul_mma.cu stops at 4 tiles, kquants_mma.cu at 8 (as `Kernels::load` finds them).
 MmaKernel mma_kernel(int dtype, int nt) {
-#define MMA_ROW(NAME) {NAME##_n1, NAME##_n2, NAME##_n4, NAME##_n8}
+#define MMA_ROW(NAME) {NAME##_n1, NAME##_n2, NAME##_n4, nullptr}
+#define MMA_KQ_ROW(NAME) {NAME##_n1, NAME##_n2, NAME##_n4, NAME##_n8}
     // By dtype code (kquants_mma.cu's from 6 on).
     static const MmaKernel table[15][4] = {{nullptr, nullptr, nullptr, nullptr},
                                            MMA_ROW(matmul_mma_f16),
@@ -274,17 +277,25 @@ MmaKernel mma_kernel(int dtype, int nt) {
                                            MMA_ROW(matmul_mma_q8_0),
                                            MMA_ROW(matmul_mma_q4_0),
                                            MMA_ROW(matmul_mma_q4_1),
-                                           MMA_ROW(matmul_mma_q5_0),
-                                           MMA_ROW(matmul_mma_q5_1),
-                                           MMA_ROW(matmul_mma_q2_k),
-                                           MMA_ROW(matmul_mma_q3_k),
-                                           MMA_ROW(matmul_mma_q4_k),
-                                           MMA_ROW(matmul_mma_q5_k),
-                                           MMA_ROW(matmul_mma_q6_k),
-                                           MMA_ROW(matmul_mma_iq4_nl),
-                                           MMA_ROW(matmul_mma_iq4_xs)};
+                                           MMA_KQ_ROW(matmul_mma_q5_0),
+                                           MMA_KQ_ROW(matmul_mma_q5_1),
+                                           MMA_KQ_ROW(matmul_mma_q2_k),
+                                           MMA_KQ_ROW(matmul_mma_q3_k),
+                                           MMA_KQ_ROW(matmul_mma_q4_k),
+                                           MMA_KQ_ROW(matmul_mma_q5_k),
+                                           MMA_KQ_ROW(matmul_mma_q6_k),
+                                           MMA_KQ_ROW(matmul_mma_iq4_nl),
+                                           MMA_KQ_ROW(matmul_mma_iq4_xs)};
     int v = nt <= 1 ? 0 : nt <= 2 ? 1 : nt <= 4 ? 2 : 3;
     return table[dtype][v];
+}
+
+// The 8-row tiles a block of `dtype`'s kernel takes for `rows` input rows: enough for them, up to
+// the widest kernel the dtype has (`launch_mma` in matmul.rs).
+int mma_tiles(int dtype, int rows) {
+    int nt = 1;
+    while (nt * 8 < rows && nt < 8 && mma_kernel(dtype, nt * 2)) nt *= 2;
+    return nt;
 }
 
 // One launch of the mma kernel over `jobs` (weights of one dtype sharing x), as the host does.
@@ -294,8 +305,8 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
         blocks_x += (jobs.m[j] + MMA_BROWS - 1) / MMA_BROWS;
         m_total += jobs.m[j];
     }
-    int blocks_y = (rows + MMA_NMAX - 1) / MMA_NMAX;
-    int nt = (std::min(rows, MMA_NMAX) + 7) / 8;
+    int nt = mma_tiles(dtype, rows);
+    int blocks_y = (rows + nt * 8 - 1) / (nt * 8);
     Buf<float> partial(std::max(1, split * rows * m_total));
     std::vector<int> zero(blocks_x * blocks_y, 0);
     Buf<int> counters(zero);
@@ -312,7 +323,7 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
 }
 
 // One case of the tensor-core matmul: weights `ws` of `dtype` (`ms[j]` rows each, k columns) in
-// one launch, 2-70 input rows (one to two 64-row tiles, partial 8-row tiles), one and three
+// one launch, 2-70 input rows (one to three row tiles of 32 or 64, partial 8-row tiles), one and three
 // column slices, with and without +=, against the f64 reference within `tol`.
 void check_mma_case(int dtype, const std::string& name, const std::vector<int>& ms, int k,
                     const std::vector<Weights>& ws, double tol) {

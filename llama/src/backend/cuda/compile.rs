@@ -36,10 +36,29 @@ pub(super) const KERNEL_FILES: &[(&str, &str)] = &[
     ("kquants_mma.cu", include_str!("kernels/kquants_mma.cu")),
 ];
 
-/// The program NVRTC compiles: `common.cuh`, then every kernel file, each from its line 1.
+/// The program NVRTC compiles from the built-in files: `common.cuh`, then every kernel file,
+/// each from its line 1 (what the tests check).
+#[cfg(test)]
 pub(super) fn program_source() -> String {
+    program_source_from(None)
+}
+
+/// For kernel development: `GDSLLM_CUDA_KERNEL_DIR=DIR` compiles the kernel files found in DIR
+/// (by name: `matmul_mma.cu`, ...) in place of the ones built into the binary, so that a kernel
+/// change runs on the GPU machine without rebuilding the Rust program. Files missing from DIR
+/// keep the built-in text. The source is part of the PTX cache key, as with the defines.
+pub const KERNEL_DIR_ENV: &str = "GDSLLM_CUDA_KERNEL_DIR";
+
+/// The program: `common.cuh`, then every kernel file, each from its line 1 (from `dir` where it
+/// holds the file).
+fn program_source_from(dir: Option<&std::path::Path>) -> String {
     let mut src = String::new();
-    for (name, text) in std::iter::once(&COMMON).chain(KERNEL_FILES) {
+    for &(name, built_in) in std::iter::once(&COMMON).chain(KERNEL_FILES) {
+        let replaced = dir.and_then(|d| std::fs::read_to_string(d.join(name)).ok());
+        if replaced.is_some() {
+            tracing::info!(file = name, "kernel source from {KERNEL_DIR_ENV}");
+        }
+        let text = replaced.as_deref().unwrap_or(built_in);
         src.push_str(&format!("#line 1 \"{name}\"\n"));
         src.push_str(text);
         if !text.ends_with('\n') {
@@ -112,7 +131,11 @@ pub fn kernel_cache_dir() -> Option<PathBuf> {
 /// Loads the kernels for `ctx`'s device: from the cache when a PTX file for this exact source,
 /// architecture and NVRTC version exists and loads, else compiled now (and cached).
 pub(super) fn load_module(ctx: &Arc<CudaContext>) -> Result<Arc<CudaModule>, LlamaError> {
-    let source = with_defines(program_source(), std::env::var(DEFINES_ENV).ok().as_deref());
+    let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
+    let source = with_defines(
+        program_source_from(dir.as_deref()),
+        std::env::var(DEFINES_ENV).ok().as_deref(),
+    );
     let (major, minor) = ctx.compute_capability().map_err(|e| LlamaError::Device {
         message: format!("cuDeviceGetAttribute(compute capability): {e}"),
     })?;

@@ -722,9 +722,10 @@ pub(super) struct Kernels {
     pub kq_embed_rows: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
     pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
-    /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16, 32 and 64 input
-    /// rows per block (`matmul_mma.cu`, and `kquants_mma.cu` for the k-quant-era dtypes).
-    pub matmul_mma: [Option<[CudaFunction; 4]>; DType::ALL.len()],
+    /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16 and 32 input rows
+    /// per block (`matmul_mma.cu`), and 64 for the k-quant-era dtypes (`kquants_mma.cu`); more
+    /// rows take more blocks.
+    pub matmul_mma: [Option<Vec<CudaFunction>>; DType::ALL.len()],
     /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
     /// row and `MM_ROWS` rows per block, as `matmul`.
     pub matmul_superblock: [[CudaFunction; 2]; 3],
@@ -740,14 +741,14 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| device_error(format!("kernel `{name}`: {e}")))
         };
-        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code)` stamps out `_n1` .. `_n8`.
-        let mma = |dtype: &str| -> Result<[CudaFunction; 4], LlamaError> {
-            Ok([
-                f(&format!("matmul_mma_{dtype}_n1"))?,
-                f(&format!("matmul_mma_{dtype}_n2"))?,
-                f(&format!("matmul_mma_{dtype}_n4"))?,
-                f(&format!("matmul_mma_{dtype}_n8"))?,
-            ])
+        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code)` stamps out `_n1`, `_n2` and `_n4`,
+        // `MATMUL_MMA_KQ_KERNELS` also `_n8`.
+        let mma = |dtype: &str, widest: usize| -> Result<Vec<CudaFunction>, LlamaError> {
+            [1, 2, 4, 8]
+                .into_iter()
+                .take_while(|&nt| nt <= widest)
+                .map(|nt| f(&format!("matmul_mma_{dtype}_n{nt}")))
+                .collect()
         };
         // `MATMUL_KQ_SB_KERNELS(matmul_sb_<dtype>, ..)` stamps out `_r1` and `_r8`.
         let sb = |dtype: &str| -> Result<[CudaFunction; 2], LlamaError> {
@@ -795,20 +796,20 @@ impl Kernels {
             // In dtype-code order (`DType::ALL`).
             matmul_mma: [
                 None,
-                Some(mma("f16")?),
-                Some(mma("bf16")?),
-                Some(mma("q8_0")?),
-                Some(mma("q4_0")?),
-                Some(mma("q4_1")?),
-                Some(mma("q5_0")?),
-                Some(mma("q5_1")?),
-                Some(mma("q2_k")?),
-                Some(mma("q3_k")?),
-                Some(mma("q4_k")?),
-                Some(mma("q5_k")?),
-                Some(mma("q6_k")?),
-                Some(mma("iq4_nl")?),
-                Some(mma("iq4_xs")?),
+                Some(mma("f16", 4)?),
+                Some(mma("bf16", 4)?),
+                Some(mma("q8_0", 4)?),
+                Some(mma("q4_0", 4)?),
+                Some(mma("q4_1", 4)?),
+                Some(mma("q5_0", 8)?),
+                Some(mma("q5_1", 8)?),
+                Some(mma("q2_k", 8)?),
+                Some(mma("q3_k", 8)?),
+                Some(mma("q4_k", 8)?),
+                Some(mma("q5_k", 8)?),
+                Some(mma("q6_k", 8)?),
+                Some(mma("iq4_nl", 8)?),
+                Some(mma("iq4_xs", 8)?),
             ],
             matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],
         })

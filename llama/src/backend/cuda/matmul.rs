@@ -62,13 +62,11 @@ enum MatmulInput {
     Int16 { xq: u64, xs: u64 },
 }
 
-/// Warps per block, 16-row weight tiles per warp, weight rows per block and input rows per
-/// block of the tensor-core matmul kernels (must match `MMA_WARPS`, `MMA_MT`, `MMA_BROWS` and
-/// `MMA_NMAX` in `matmul_mma.cu`).
+/// Warps per block, 16-row weight tiles per warp and weight rows per block of the tensor-core
+/// matmul kernels (must match `MMA_WARPS`, `MMA_MT` and `MMA_BROWS` in `matmul_mma.cu`).
 const MMA_WARPS: u32 = 8;
 const MMA_MT: usize = 2;
 const MMA_BROWS: usize = 16 * MMA_MT * MMA_WARPS as usize;
-const MMA_NMAX: usize = 64;
 
 /// The fewest rows the k-quant dtypes (q5_0 … iq4_xs) take to the tensor cores: measured on the
 /// H100 (synth 7B q4_k, `bench --batch 8`), the eight-row kernel decodes 8 rows at 825 tok/s
@@ -87,13 +85,14 @@ pub fn mma_min_rows(dtype: DType) -> usize {
     }
 }
 
-/// How many slices the columns of a tensor-core matmul are split into (grid.z): enough blocks
-/// for two per multiprocessor, at least 8 chunks of 32 columns per slice, at most 16 slices.
-/// From the weights' shape and the device alone (not the row count), so that a row's result
-/// does not depend on its batch.
+/// How many slices the columns of a tensor-core matmul are split into (grid.z): as many as keep
+/// the blocks within one wave of two per multiprocessor (the kernels' occupancy), at least 8
+/// chunks of 32 columns per slice, at most 16 slices. Rounding up instead left a second wave of
+/// a few blocks (48 tiles: 288 blocks for 264 places), each as long as the first. From the
+/// weights' shape and the device alone (not the row count), so that a row's result does not
+/// depend on its batch.
 fn mma_split(column_tiles: usize, n_chunks: usize, sms: usize) -> usize {
-    (2 * sms)
-        .div_ceil(column_tiles.max(1))
+    (2 * sms / column_tiles.max(1))
         .min(n_chunks / 8)
         .clamp(1, 16)
 }
@@ -269,16 +268,18 @@ impl CudaBackend {
     /// The tensor-core kernels of `dtype`, if it has them (every dtype but f32: `matmul_mma.cu`
     /// and, for the k-quant-era dtypes, `kquants_mma.cu`; a dtype without them keeps the
     /// one-row and eight-row kernels).
-    fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction; 4]> {
+    fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction]> {
         self.kernels
             .matmul_mma
             .get(dtype_code(dtype) as usize)
             .and_then(Option::as_ref)
+            .map(Vec::as_slice)
     }
 
     /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
-    /// dtype (see `matmul_mma.cu`): blocks of [`MMA_BROWS`] weight rows and up to
-    /// [`MMA_NMAX`] input rows, the columns split into `split` slices so that the grid fills
+    /// dtype (see `matmul_mma.cu`): blocks of [`MMA_BROWS`] weight rows and up to 8·NT input
+    /// rows (the narrowest kernel that takes `rows` in one block, else the widest the dtype
+    /// has, and more blocks), the columns split into `split` slices so that the grid fills
     /// the GPU. The split depends on the weights' shape only, so a row's result does not
     /// depend on how many rows share the launch.
     fn launch_mma(
@@ -294,7 +295,14 @@ impl CudaBackend {
         let w = jobs[0].0;
         let n_chunks = w.cols / 32;
         let split = mma_split(blocks_x, n_chunks, self.sms as usize);
-        let blocks_y = rows.div_ceil(MMA_NMAX);
+        let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
+            op: "matmul_mma",
+            message: format!("no tensor-core matmul for {:?}", w.dtype),
+        })?;
+        // Kernel v takes 8·2^v rows a block.
+        let variant = (rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize)
+            .min(kernels.len() - 1);
+        let blocks_y = rows.div_ceil(8 << variant);
         let partial = if split > 1 {
             self.mma_partials
                 .room(&self.queue, &self.graphs, split * rows * m_total)?
@@ -305,16 +313,6 @@ impl CudaBackend {
         let counters = self
             .mma_counters
             .room(&self.queue, &self.graphs, blocks_x * blocks_y)?;
-        let variant = match rows.min(MMA_NMAX).div_ceil(8) {
-            1 => 0,
-            2 => 1,
-            3 | 4 => 2,
-            _ => 3,
-        };
-        let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
-            op: "matmul_mma",
-            message: format!("no tensor-core matmul for {:?}", w.dtype),
-        })?;
         let (x0, xs) = match x {
             MatmulInput::F32(xp) => (xp, 0u64),
             MatmulInput::Int16 { xq, xs } => (xq, xs),
@@ -530,14 +528,19 @@ mod tests {
     #[test]
     fn the_column_split_fills_the_gpu_without_thin_slices() {
         let sms = 132;
-        // 4096 rows (32 tiles of 128) x 4096 columns (128 chunks): 9 slices of ~14 chunks.
-        assert_eq!(mma_split(32, 128, sms), 9);
-        // Q/K/V of a 7B model together (96 tiles): 3 slices.
-        assert_eq!(mma_split(96, 128, sms), 3);
-        // The down projection (4096 x 11008): at most 16 slices.
-        assert_eq!(mma_split(32, 344, sms), 9);
-        // A small model (9 tiles, 18 chunks): no slice thinner than 8 chunks.
-        assert_eq!(mma_split(9, 18, sms), 2);
+        // A 7B layer's matmuls in tiles of 256 rows: O (4096 x 4096: 16 tiles of 128 chunks),
+        // Q/K/V together (48 tiles), gate and up together (86), down (16 tiles, 344 chunks).
+        assert_eq!(mma_split(16, 128, sms), 16);
+        assert_eq!(mma_split(48, 128, sms), 5);
+        assert_eq!(mma_split(86, 128, sms), 3);
+        assert_eq!(mma_split(16, 344, sms), 16);
+        // Within one wave of two blocks per multiprocessor.
+        for tiles in 1..300 {
+            let split = mma_split(tiles, 4096, sms);
+            assert!(split == 1 || tiles * split <= 2 * sms, "{tiles} tiles: {split} slices");
+        }
+        // A small model (3 tiles, 18 chunks): no slice thinner than 8 chunks.
+        assert_eq!(mma_split(3, 18, sms), 2);
         // Enough tiles already, or too few chunks: one slice.
         assert_eq!(mma_split(400, 128, sms), 1);
         assert_eq!(mma_split(1, 3, sms), 1);

@@ -148,7 +148,8 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
     }
 }
 
-// `MATMUL_MMA_KERNELS` of matmul_mma.cu, but the 64-row variants ask ptxas for two blocks per
+// `MATMUL_MMA_KERNELS` of matmul_mma.cu plus 64-row variants (`_n8`, which matmul_mma.cu's
+// dtypes lack: they would take 158-236 registers there); these ask ptxas for two blocks per
 // multiprocessor (at most 128 registers a thread, as the q4_1 kernel uses unasked): left alone
 // they took 172-182 registers (sm_90; one block, 8 warps, per multiprocessor), asked they spill
 // 0-24 bytes. q2_k and q3_k would spill 200-400 bytes and keep one block.

@@ -1,8 +1,8 @@
 // Batched matmuls on tensor cores: out[r, i] (+)= Σ_c x[r, c] · w[i, c] for several input rows
-// (batched decoding: one row per sequence), each weight byte read once for up to MMA_NMAX rows.
+// (batched decoding: one row per sequence), each weight byte read once for up to 8·NT rows.
 //
 // A block of MMA_WARPS warps owns MMA_BROWS weight rows, MMA_MT 16-row tiles per warp, and up to
-// MMA_NMAX input rows (NT tiles of 8). Each warp loads an input tile's fragments once for its
+// 8·NT input rows (NT tiles of 8; a kernel per NT, the host picks the one for its rows). Each warp loads an input tile's fragments once for its
 // MMA_MT weight tiles (with one tile per warp, loading the input rows from L1 took most of the
 // kernel's time at 8-32 rows: ncu showed L1 ~60-75 % busy and DRAM ~20 %). Its warps walk the
 // same 32-column chunks, so the input rows they all read come from L1; the chunks of a row are split into `split` contiguous slices
@@ -19,13 +19,14 @@
 // one-row kernel, scaled the same way. f16 and bf16 weights take x as f32 split into two f16
 // (x ≈ hi + lo, within 2^-22 of x) or three bf16 parts, each multiplied on the tensor cores with
 // f32 sums: products as exact as the f32 kernel's up to the summation order.
-// grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / MMA_NMAX), split), MMA_WARPS·32 threads.
+// grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / (8·NT)), split), MMA_WARPS·32 threads.
 #define MMA_WARPS 8
 #define MMA_MT 2
 #define MMA_BROWS (16 * MMA_MT * MMA_WARPS)
-#define MMA_NMAX 64
 // Most column slices (`mma_split` in matmul.rs clamps to 16).
 #define MMA_SPLIT_MAX 16
+// Outputs a thread of the last block of a tile adds up at once (`mma_store`).
+#define MMA_FIX_OUTPUTS 4
 // Chunks whose weights a warp loads before multiplying any of them (loads in flight: times
 // MMA_MT tiles of two 8-row halves).
 #define MMA_QUNROLL 2
@@ -41,6 +42,7 @@ struct MmaTile {
     int col0, m_total;
 };
 
+template <int NT>
 __device__ __forceinline__ bool mma_tile(const MatmulJobs& jobs, int rows, MmaTile& t) {
     // Selected with unrolled conditional moves (an index into the by-value parameter would copy
     // it to local memory).
@@ -69,8 +71,8 @@ __device__ __forceinline__ bool mma_tile(const MatmulJobs& jobs, int rows, MmaTi
     }
     if (!found) return false;
     t.i0 = cta * MMA_BROWS;
-    t.r0 = blockIdx.y * MMA_NMAX;
-    t.nr = min(MMA_NMAX, rows - t.r0);
+    t.r0 = blockIdx.y * NT * 8;
+    t.nr = min(NT * 8, rows - t.r0);
     t.col0 = col0;
     t.m_total = m_total;
     return true;
@@ -242,22 +244,35 @@ __device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, co
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, warp = threadIdx.x / 32;
     const u64 row_bytes = (u64)n_chunks * BB;
     // Stage c's copies into buffer b.
+    // Every thread's share of a stage's copies is the same at every stage but for the column
+    // (`c`): loops of a fixed trip count (MMA_BROWS is the block's thread count, so the weight
+    // rows' copies are exactly W_COPIES a thread), unrolled where that is at most 8 copies
+    // (then the compiler keeps their row pointers across stages instead of recomputing them;
+    // q8_0's 17 four-byte copies would take as many pointers and spill).
+    static_assert(MMA_BROWS == MMA_WARPS * 32, "one weight row a thread");
+    constexpr int X_COPIES = XR * G * 4, R_COPIES = XR * G, THREADS = MMA_WARPS * 32;
+    constexpr int W_UNROLL = W_COPIES <= 8 ? W_COPIES : 1;
     auto copy_stage = [&](int c, int b) {
         u8* sw = (u8*)sw4 + b * W_BYTES;
         u8* sx = (u8*)sx4 + b * X_BYTES;
-        for (int i = threadIdx.x; i < MMA_BROWS * W_COPIES; i += MMA_WARPS * 32) {
-            const int r = i / W_COPIES, p = i % W_COPIES;
+#pragma unroll W_UNROLL
+        for (int q = 0; q < W_COPIES; q++) {
+            const int i = threadIdx.x + q * THREADS, r = i / W_COPIES, p = i % W_COPIES;
             // Rows past the weight's last (a partial tile) copy its last row; never stored.
             const u8* src = t.w + (u64)min(t.i0 + r, t.m - 1) * row_bytes + (u64)c * BB + p * CP;
             cp_async<CP>(sw + r * WROW + p * CP, src);
         }
-        for (int i = threadIdx.x; i < XR * G * 4; i += MMA_WARPS * 32) {
-            const int r = i / (G * 4), p = i % (G * 4);
+#pragma unroll
+        for (int q = 0; q < (X_COPIES + THREADS - 1) / THREADS; q++) {
+            const int i = threadIdx.x + q * THREADS, r = i / (G * 4), p = i % (G * 4);
+            if (X_COPIES % THREADS != 0 && i >= X_COPIES) break;
             const short* src = xq + ((u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c) * 32 + p * 8;
             cp_async<16>(sx + r * XROW + p * 16, src);
         }
-        for (int i = threadIdx.x; i < XR * G; i += MMA_WARPS * 32) {
-            const int r = i / G, u = i % G;
+#pragma unroll
+        for (int q = 0; q < (R_COPIES + THREADS - 1) / THREADS; q++) {
+            const int i = threadIdx.x + q * THREADS, r = i / G, u = i % G;
+            if (R_COPIES % THREADS != 0 && i >= R_COPIES) break;
             cp_async<8>(&sr[b * XR * G + i], &xs[(u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c + u]);
         }
         cp_async_commit();
@@ -396,22 +411,34 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
     __syncthreads();
     if (!last) return;
     __threadfence();
-    int cols = min(MMA_BROWS, t.m - t.i0);
-    for (int e = threadIdx.x; e < t.nr * cols; e += blockDim.x) {
-        int r = e / cols, i = t.i0 + e % cols;
-        // Every slice's partial loaded before any is added (split <= MMA_SPLIT_MAX): a loop that
-        // added each as it came waited one L2 round trip per slice, and this block's threads
-        // walk up to 64 rows x 128 columns of them, the tail of the whole launch.
-        float parts[MMA_SPLIT_MAX];
+    const int cols = min(MMA_BROWS, t.m - t.i0), n = t.nr * cols;
+    // MMA_FIX_OUTPUTS outputs a thread, every slice's partial of each loaded before any is
+    // added (split <= MMA_SPLIT_MAX): this block alone walks up to 32 rows x 256 columns of
+    // them, the tail of the whole launch, and each round of loads waits one L2 round trip (one
+    // output a round took ~32 round trips at 32 rows; ncu, H100). Consecutive threads take
+    // consecutive columns: coalesced.
+    for (int e0 = threadIdx.x; e0 < n; e0 += MMA_FIX_OUTPUTS * blockDim.x) {
+        float parts[MMA_FIX_OUTPUTS][MMA_SPLIT_MAX];
 #pragma unroll
-        for (int s = 0; s < MMA_SPLIT_MAX; s++)
-            parts[s] = s < split ? __ldcg(partial + ((u64)s * rows + t.r0 + r) * t.m_total + t.col0 + i) : 0.f;
-        float v = 0.f;
+        for (int q = 0; q < MMA_FIX_OUTPUTS; q++) {
+            const int e = e0 + q * blockDim.x, r = e / cols, i = t.i0 + e % cols;
 #pragma unroll
-        for (int s = 0; s < MMA_SPLIT_MAX; s++)
-            if (s < split) v += parts[s];  // in slice order, as before
-        float* o = t.out + (u64)(t.r0 + r) * t.m + i;
-        *o = accumulate ? *o + v : v;
+            for (int s = 0; s < MMA_SPLIT_MAX; s++)
+                parts[q][s] = e < n && s < split
+                                  ? __ldcg(partial + ((u64)s * rows + t.r0 + r) * t.m_total + t.col0 + i)
+                                  : 0.f;
+        }
+#pragma unroll
+        for (int q = 0; q < MMA_FIX_OUTPUTS; q++) {
+            const int e = e0 + q * blockDim.x, r = e / cols, i = t.i0 + e % cols;
+            if (e >= n) break;
+            float v = 0.f;
+#pragma unroll
+            for (int s = 0; s < MMA_SPLIT_MAX; s++)
+                if (s < split) v += parts[q][s];  // in slice order, as before
+            float* o = t.out + (u64)(t.r0 + r) * t.m + i;
+            *o = accumulate ? *o + v : v;
+        }
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
@@ -429,7 +456,7 @@ template <int DTYPE, int NT>
 __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k, const MatmulJobs& jobs,
                                 float* partial, int* counters, int split) {
     MmaTile t;
-    if (!mma_tile(jobs, rows, t)) return;  // the whole block, before any barrier
+    if (!mma_tile<NT>(jobs, rows, t)) return;  // the whole block, before any barrier
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const int n_chunks = k / 32;
     // q8_0/q4_0/q4_1 rows of whole stages take the staged path, its slices made of whole stages.
@@ -475,9 +502,14 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
     mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
 }
 
-// `_n1` .. `_n8`: up to 8, 16, 32 or 64 input rows per block.
+// `_n1`, `_n2`, `_n4`: up to 8, 16 or 32 input rows per block; more rows take more blocks
+// (grid.y). The 32-row kernels ask ptxas for two blocks per multiprocessor: left alone they took
+// 162-168 registers (sm_90), one block of 8 warps per multiprocessor, too few to hide the
+// latency of the staged loads and barriers (ncu, H100, q4_1 at 32 rows: 12.5 % occupancy, issue
+// slots 25 % busy); asked, q4_1 spills 40 bytes, q4_0 24. A 64-row variant would take 158-236
+// registers and keep one block.
 #define MATMUL_MMA_KERNEL(NAME, DTYPE, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                                       \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 2)                                   \
         NAME##_n##NT(const void* x, const float4* xs, int rows, int k, MatmulJobs jobs, float* partial, \
                      int* counters, int split) {                                                       \
         pdl_begin();                                                                                   \
@@ -486,8 +518,7 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
 #define MATMUL_MMA_KERNELS(NAME, DTYPE) \
     MATMUL_MMA_KERNEL(NAME, DTYPE, 1)   \
     MATMUL_MMA_KERNEL(NAME, DTYPE, 2)   \
-    MATMUL_MMA_KERNEL(NAME, DTYPE, 4)   \
-    MATMUL_MMA_KERNEL(NAME, DTYPE, 8)
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 4)
 MATMUL_MMA_KERNELS(matmul_mma_f16, 1)
 MATMUL_MMA_KERNELS(matmul_mma_bf16, 2)
 MATMUL_MMA_KERNELS(matmul_mma_q8_0, 3)
