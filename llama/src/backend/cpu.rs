@@ -32,7 +32,7 @@ use weights_format::DType;
 use self::repack::RepackCache;
 
 use super::int8;
-use super::kernels::{self, QK};
+use super::kernels::{self, QK, RowsOperands};
 use super::kquants::{self, QuantizedActs};
 use super::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, PassInfo,
@@ -288,7 +288,17 @@ fn matmul_rows_of(
         if packed.is_some() {
             packed_rows(w.dtype, wb, row_bytes, &xq, rows, o);
         } else {
-            kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, int8, wide, o);
+            let ops = RowsOperands {
+                dtype: w.dtype,
+                w: wb,
+                row_bytes,
+                cols: k,
+                x,
+                xsums: &xsums,
+                xq: &xq,
+                int8,
+            };
+            kernels::matmul_rows(ops, wide, o);
         }
     };
     if rows == 1 {
@@ -417,8 +427,17 @@ impl CpuBackend {
                 if packed {
                     packed_rows(w.dtype, wb, rb, xq, 1, o);
                 } else {
-                    let x = &x[..w.cols];
-                    kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
+                    let ops = RowsOperands {
+                        dtype: w.dtype,
+                        w: wb,
+                        row_bytes: rb,
+                        cols: w.cols,
+                        x: &x[..w.cols],
+                        xsums: &xsums,
+                        xq,
+                        int8,
+                    };
+                    kernels::matmul_rows(ops, &[false], o);
                 }
             });
         Ok(())
