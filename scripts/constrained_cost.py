@@ -13,11 +13,10 @@ JSON line: each side's tokens/s per round, their medians, and the constrained/fr
 Usage: scripts/constrained_cost.py --url http://127.0.0.1:8080 [--tokens 128] [--rounds 3]
 """
 
-import argparse
 import json
 import statistics
 
-from serve_client import add_server_args, stream
+from serve_client import spread_ids, stream, token_prompt_parser
 
 GRAMMAR = 'start: /[a-z]+( [a-z]+)*/'
 
@@ -34,13 +33,11 @@ def decode_rate(url, prompt, tokens, grammar, key):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_server_args(ap)
+    ap = token_prompt_parser(__doc__)
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     ap.add_argument("--rounds", type=int, default=3, help="free/constrained pairs")
-    ap.add_argument("--vocab", type=int, default=32000, help="prompt ids are drawn below this")
     args = ap.parse_args()
-    prompt = [100 + (i * 7919) % (args.vocab - 200) for i in range(32)]
+    prompt = spread_ids(32, args.vocab)
     decode_rate(args.url, prompt, 16, None, args.key)  # warm-up
     free, constrained, chunks = [], [], []
     for _ in range(args.rounds):

@@ -11,13 +11,12 @@ server's gdsllm_prefix_cache_hits_total moved. Standard library only.
 Usage: scripts/prefix_ttft.py --url http://127.0.0.1:8080 [--prefix 1000] [--requests 4]
 """
 
-import argparse
 import json
 import statistics
 import time
 import urllib.request
 
-from serve_client import add_server_args, stream
+from serve_client import spread_ids, stream, token_prompt_parser
 
 
 def metric(url, name):
@@ -42,22 +41,19 @@ def ttft(url, prompt, key):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_server_args(ap)
+    ap = token_prompt_parser(__doc__)
     ap.add_argument("--prefix", type=int, default=1000, help="shared prompt tokens")
     ap.add_argument("--suffix", type=int, default=8, help="distinct tokens after it")
     ap.add_argument("--requests", type=int, default=4, help="requests in all (>= 2)")
-    ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
     ap.add_argument("--salt", type=int, default=0, help="another shared prefix (a second run)")
     args = ap.parse_args()
     if args.requests < 2:
         raise SystemExit("--requests must be at least 2")
-    # Fixed, spread-out ids well inside any vocabulary; nothing special about them.
-    shared = [100 + (i * 7919 + args.salt * 65537) % (args.vocab - 200) for i in range(args.prefix)]
+    shared = spread_ids(args.prefix, args.vocab, start=args.salt * 65537)
     hits_before = metric(args.url, "gdsllm_prefix_cache_hits_total")
     times = []
     for n in range(args.requests):
-        tail = [100 + (n * 131 + i * 104729) % (args.vocab - 200) for i in range(args.suffix)]
+        tail = spread_ids(args.suffix, args.vocab, start=n * 131, stride=104729)
         times.append(ttft(args.url, shared + tail, args.key))
     hits = metric(args.url, "gdsllm_prefix_cache_hits_total") - hits_before
     later = statistics.median(times[1:])

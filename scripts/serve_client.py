@@ -1,17 +1,30 @@
 """What the scripts that measure a running `gdsllm serve` share (constrained_cost.py,
-prefix_ttft.py, serve_bench.py): the server's --url and --key flags, and one streamed request
-read event by event. Standard library only; imported from the scripts' own directory.
+prefix_ttft.py, serve_bench.py): the flags of those that send token-id prompts (the server's
+--url and --key, and --vocab) and the ids they draw, and one streamed request read event by
+event. Standard library only; imported from the scripts' own directory.
 """
 
+import argparse
 import json
 import time
 import urllib.request
 
 
-def add_server_args(ap):
-    """--url and --key on the argparse parser `ap`."""
+def token_prompt_parser(doc):
+    """The argparse parser of a script that sends token-id prompts (so any model works,
+    synthetic ones included), described by the first line of `doc`: the server's --url and
+    --key, and --vocab, the bound of the ids (see `spread_ids`)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
     ap.add_argument("--key", default=None, help="API key, sent as a bearer token")
+    ap.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn below this")
+    return ap
+
+
+def spread_ids(count, vocab, start=0, stride=7919):
+    """`count` fixed token ids spread over 100 .. vocab-100, well inside a vocabulary of `vocab`
+    ids; nothing special about them: id i is 100 + (start + i * stride) mod (vocab - 200)."""
+    return [100 + (start + i * stride) % (vocab - 200) for i in range(count)]
 
 
 def stream(url, path, body, key=None):

@@ -276,10 +276,6 @@ impl GpuBuffer {
 }
 
 impl DeviceBuffer for GpuBuffer {
-    fn capacity(&self) -> u64 {
-        self.buf.len() as u64
-    }
-
     /// Reads the blob: through the pinned staging buffer from `source` (the model's files on
     /// the host path), or straight from the model's file this memory opened with `gds-io`.
     fn fill_from_source(
@@ -309,12 +305,6 @@ impl DeviceBuffer for GpuBuffer {
                 Ok((digest, started.elapsed()))
             }
         }
-    }
-    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
-        self.buf
-            .copy_from_host(0, bytes)
-            .map_err(|e| io_error("(host tier)", e))?;
-        Ok(Completion::done())
     }
 
     fn fill_range_from_host(

@@ -130,7 +130,10 @@ pub trait DeviceMemory: Send + Sync {
 
 /// One buffer (a ring slot or a resident blob).
 pub trait DeviceBuffer: Send + Sync {
-    fn capacity(&self) -> u64;
+    /// Bytes the buffer holds: the length of [`bytes`](Self::bytes).
+    fn capacity(&self) -> u64 {
+        self.bytes().len() as u64
+    }
     /// Reads blob `blob` (`len` bytes) from `source` into the buffer.
     fn fill_from_source(
         &mut self,
@@ -139,7 +142,9 @@ pub trait DeviceBuffer: Send + Sync {
         len: u64,
     ) -> Result<Completion, ResidencyError>;
     /// Copies `bytes` from the host tier into the start of the buffer.
-    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError>;
+    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
+        self.fill_range_from_host(0, bytes)
+    }
     /// Copies `bytes` from the host tier into the buffer at `offset` (one range of a blob).
     fn fill_range_from_host(
         &mut self,
@@ -298,10 +303,6 @@ struct CpuBuffer {
 }
 
 impl DeviceBuffer for CpuBuffer {
-    fn capacity(&self) -> u64 {
-        self.buf.len() as u64
-    }
-
     fn fill_from_source(
         &mut self,
         source: &dyn BlobSource,
@@ -310,11 +311,6 @@ impl DeviceBuffer for CpuBuffer {
     ) -> Result<Completion, ResidencyError> {
         let aligned = gds_io::aligned::align_up(len) as usize;
         source.read_blob(blob, &mut self.buf[..aligned])?;
-        Ok(Completion::done())
-    }
-
-    fn fill_from_host(&mut self, bytes: &[u8]) -> Result<Completion, ResidencyError> {
-        self.buf[..bytes.len()].copy_from_slice(bytes);
         Ok(Completion::done())
     }
 

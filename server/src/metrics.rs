@@ -53,6 +53,15 @@ pub const MODEL_RUNNING: &str = "gdsllm_model_requests_running";
 pub const MODEL_WAITING: &str = "gdsllm_model_requests_waiting";
 pub const MODEL_KV_USAGE: &str = "gdsllm_model_kv_cache_usage_perc";
 
+/// The KV-cache usage gauge's fraction: 0 without a budget (no model, or none loaded yet).
+fn kv_fill(used: u64, budget: u64) -> f64 {
+    if budget == 0 {
+        0.0
+    } else {
+        used as f64 / budget as f64
+    }
+}
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
@@ -236,23 +245,16 @@ impl Metrics {
         let mut models = self.shared.models.lock();
         change(models.entry(model.clone()).or_default());
         let own = &models[model];
-        let fill = |used: u64, budget: u64| {
-            if budget == 0 {
-                0.0
-            } else {
-                used as f64 / budget as f64
-            }
-        };
         let sum = |f: &dyn Fn(&ModelGauges) -> u64| models.values().map(f).sum::<u64>();
         self.with(|| {
             let label = model.clone();
             gauge!(MODEL_RUNNING, "model" => label.clone()).set(own.running as f64);
             gauge!(MODEL_WAITING, "model" => label.clone()).set(own.waiting as f64);
             gauge!(MODEL_KV_USAGE, "model" => label)
-                .set(fill(own.usage.kv_used_bytes, own.usage.kv_budget_bytes));
+                .set(kv_fill(own.usage.kv_used_bytes, own.usage.kv_budget_bytes));
             gauge!(RUNNING).set(sum(&|g| g.running as u64) as f64);
             gauge!(WAITING).set(sum(&|g| g.waiting as u64) as f64);
-            gauge!(KV_USAGE).set(fill(
+            gauge!(KV_USAGE).set(kv_fill(
                 sum(&|g| g.usage.kv_used_bytes),
                 sum(&|g| g.usage.kv_budget_bytes),
             ));
@@ -315,12 +317,7 @@ impl Metrics {
         self.model_gauges(
             |g| g.usage = *usage,
             || {
-                let fill = if usage.kv_budget_bytes == 0 {
-                    0.0
-                } else {
-                    usage.kv_used_bytes as f64 / usage.kv_budget_bytes as f64
-                };
-                gauge!(KV_USAGE).set(fill);
+                gauge!(KV_USAGE).set(kv_fill(usage.kv_used_bytes, usage.kv_budget_bytes));
                 counter!(PREFIX_QUERIES).absolute(usage.prefix_queried_tokens);
                 counter!(PREFIX_HITS).absolute(usage.prefix_hit_tokens);
                 gauge!(PREFIX_BYTES).set(usage.prefix_bytes as f64);

@@ -111,6 +111,12 @@ impl<'a> Fields<'a> {
         self.obj.get(name).filter(|v| !v.is_null())
     }
 
+    /// The field `name`, which the request must give (not null).
+    pub fn required(&self, name: &str) -> Result<&'a Value, ApiError> {
+        self.get(name)
+            .ok_or_else(|| ApiError::invalid_param(name, format!("`{name}` is required")))
+    }
+
     pub fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
         match self.get(name) {
             None => Ok(None),
@@ -630,24 +636,17 @@ pub fn completion_request(body: &Value) -> Result<CompletionRequest, ApiError> {
     let f = Fields::new(body)?;
     reject_unsupported_or_chat_only(&f)?;
     let common = common(&f)?;
-    let prompt = match f.get("prompt") {
-        None => {
-            return Err(ApiError::invalid_param("prompt", "`prompt` is required"));
-        }
-        Some(v) => {
-            let mut list = prompt_list("prompt", v)?;
-            if list.len() != 1 {
-                return Err(ApiError::invalid_param(
-                    "prompt",
-                    format!(
-                        "`prompt` holds {} prompts; this server completes one prompt per request",
-                        list.len()
-                    ),
-                ));
-            }
-            list.remove(0)
-        }
-    };
+    let mut prompts = prompt_list("prompt", f.required("prompt")?)?;
+    if prompts.len() != 1 {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "`prompt` holds {} prompts; this server completes one prompt per request",
+                prompts.len()
+            ),
+        ));
+    }
+    let prompt = prompts.remove(0);
     if let Some(best_of) = f.integer_in("best_of", i64::MIN, i64::MAX)?
         && best_of != 1
     {
@@ -693,10 +692,7 @@ pub fn embeddings_request(body: &Value) -> Result<EmbeddingsRequest, ApiError> {
     let f = Fields::new(body)?;
     reject_unsupported_or_chat_only(&f)?;
     let model = f.string("model")?.map(str::to_string);
-    let inputs = match f.get("input") {
-        None => return Err(ApiError::invalid_param("input", "`input` is required")),
-        Some(v) => prompt_list("input", v)?,
-    };
+    let inputs = prompt_list("input", f.required("input")?)?;
     at_most("input", inputs.len(), MAX_EMBEDDING_INPUTS, "items")?;
     let base64 = match f.string("encoding_format")? {
         None | Some("float") => false,

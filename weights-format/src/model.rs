@@ -593,26 +593,6 @@ fn positive(values: &[(&str, Option<f32>)]) -> Result<(), FormatError> {
 
 fn validate_rope_scaling(c: &ModelConfig, s: &crate::RopeScaling) -> Result<(), FormatError> {
     let key = |k: &str| format!("rope_scaling.{k}");
-    let require = |name: &str, present: bool| {
-        if present {
-            Ok(())
-        } else {
-            Err(config_error(
-                &key(name),
-                format!("required for rope_type {:?}", s.rope_type),
-            ))
-        }
-    };
-    let refuse = |name: &str, present: bool| {
-        if present {
-            Err(config_error(
-                &key(name),
-                format!("not used by rope_type {:?} (must be null)", s.rope_type),
-            ))
-        } else {
-            Ok(())
-        }
-    };
     // One factor per rotated pair, each finite and > 0.
     let factors = |name: &str, v: &Option<Vec<f32>>| -> Result<(), FormatError> {
         let Some(v) = v else { return Ok(()) };
@@ -630,47 +610,23 @@ fn validate_rope_scaling(c: &ModelConfig, s: &crate::RopeScaling) -> Result<(), 
         }
         Ok(())
     };
-    match s.rope_type.as_str() {
-        "linear" => {
-            refuse("freq_factors", s.freq_factors.is_some())?;
-            refuse("short_factor", s.short_factor.is_some())?;
-            refuse("long_factor", s.long_factor.is_some())?;
-        }
-        "llama3" => {
-            require("low_freq_factor", s.low_freq_factor.is_some())?;
-            require("high_freq_factor", s.high_freq_factor.is_some())?;
-            require(
-                "original_max_position_embeddings",
-                s.original_max_position_embeddings.is_some(),
-            )?;
-            refuse("freq_factors", s.freq_factors.is_some())?;
-            if let (Some(low), Some(high)) = (s.low_freq_factor, s.high_freq_factor)
-                && low >= high
-            {
-                return Err(config_error(
-                    &key("high_freq_factor"),
-                    format!("{high} is not above low_freq_factor {low}"),
-                ));
-            }
-        }
-        "freq_factors" => {
-            require("freq_factors", s.freq_factors.is_some())?;
-            if s.factor != 1.0 {
-                return Err(config_error(
-                    &key("factor"),
-                    format!("{} must be 1 for rope_type \"freq_factors\"", s.factor),
-                ));
-            }
-        }
-        "longrope" => {
-            require("short_factor", s.short_factor.is_some())?;
-            require("long_factor", s.long_factor.is_some())?;
-            require(
-                "original_max_position_embeddings",
-                s.original_max_position_embeddings.is_some(),
-            )?;
-            refuse("freq_factors", s.freq_factors.is_some())?;
-        }
+    // The optional fields, each with whether the config gives it.
+    let low = ("low_freq_factor", s.low_freq_factor.is_some());
+    let high = ("high_freq_factor", s.high_freq_factor.is_some());
+    let original = (
+        "original_max_position_embeddings",
+        s.original_max_position_embeddings.is_some(),
+    );
+    let freq = ("freq_factors", s.freq_factors.is_some());
+    let short = ("short_factor", s.short_factor.is_some());
+    let long = ("long_factor", s.long_factor.is_some());
+    // Those each rope type needs, and those it has no use for.
+    type Given<'a> = &'a [(&'a str, bool)];
+    let (required, unused): (Given, Given) = match s.rope_type.as_str() {
+        "linear" => (&[], &[freq, short, long]),
+        "llama3" => (&[low, high, original], &[freq]),
+        "freq_factors" => (&[freq], &[]),
+        "longrope" => (&[short, long, original], &[freq]),
         other => {
             return Err(config_error(
                 &key("rope_type"),
@@ -679,6 +635,33 @@ fn validate_rope_scaling(c: &ModelConfig, s: &crate::RopeScaling) -> Result<(), 
                 ),
             ));
         }
+    };
+    if let Some((name, _)) = required.iter().find(|(_, given)| !given) {
+        return Err(config_error(
+            &key(name),
+            format!("required for rope_type {:?}", s.rope_type),
+        ));
+    }
+    if let Some((name, _)) = unused.iter().find(|(_, given)| *given) {
+        return Err(config_error(
+            &key(name),
+            format!("not used by rope_type {:?} (must be null)", s.rope_type),
+        ));
+    }
+    if let (Some(low), Some(high)) = (s.low_freq_factor, s.high_freq_factor)
+        && s.rope_type == "llama3"
+        && low >= high
+    {
+        return Err(config_error(
+            &key("high_freq_factor"),
+            format!("{high} is not above low_freq_factor {low}"),
+        ));
+    }
+    if s.rope_type == "freq_factors" && s.factor != 1.0 {
+        return Err(config_error(
+            &key("factor"),
+            format!("{} must be 1 for rope_type \"freq_factors\"", s.factor),
+        ));
     }
     if s.original_max_position_embeddings == Some(0) {
         return Err(config_error(
@@ -706,22 +689,14 @@ fn validate_family(arch: Architecture, c: &ModelConfig) -> Result<(), FormatErro
             format!("is {found}, but {arch} models have {expected}"),
         ))
     };
-    if c.attention_bias != rules.attention_bias {
-        return must(
-            "attention_bias",
-            c.attention_bias.to_string(),
-            rules.attention_bias.to_string(),
-        );
-    }
-    if c.qk_norm != rules.qk_norm {
-        return must("qk_norm", c.qk_norm.to_string(), rules.qk_norm.to_string());
-    }
-    if c.post_norms != rules.post_norms {
-        return must(
-            "post_norms",
-            c.post_norms.to_string(),
-            rules.post_norms.to_string(),
-        );
+    for (key, found, expected) in [
+        ("attention_bias", c.attention_bias, rules.attention_bias),
+        ("qk_norm", c.qk_norm, rules.qk_norm),
+        ("post_norms", c.post_norms, rules.post_norms),
+    ] {
+        if found != expected {
+            return must(key, found.to_string(), expected.to_string());
+        }
     }
     if c.activation != rules.activation {
         return must(

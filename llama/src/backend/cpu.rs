@@ -32,11 +32,11 @@ use weights_format::DType;
 use self::repack::RepackCache;
 
 use super::int8;
-use super::kernels::{self, QK};
+use super::kernels::{self, QK, RowsOperands};
 use super::kquants::{self, QuantizedActs};
 use super::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, PassInfo,
-    RowGroup, WeightView, check_cache_slots, host_bytes, matmul_then_add,
+    RowGroup, WeightView, check_cache_slots, check_store_slots, host_bytes, matmul_then_add,
 };
 
 /// Multi-threaded CPU backend on the global rayon pool.
@@ -288,7 +288,17 @@ fn matmul_rows_of(
         if packed.is_some() {
             packed_rows(w.dtype, wb, row_bytes, &xq, rows, o);
         } else {
-            kernels::matmul_rows(w.dtype, wb, row_bytes, k, x, &xsums, &xq, int8, wide, o);
+            let ops = RowsOperands {
+                dtype: w.dtype,
+                w: wb,
+                row_bytes,
+                cols: k,
+                x,
+                xsums: &xsums,
+                xq: &xq,
+                int8,
+            };
+            kernels::matmul_rows(ops, wide, o);
         }
     };
     if rows == 1 {
@@ -310,13 +320,6 @@ fn matmul_rows_of(
             });
     }
     Ok(())
-}
-
-fn empty_cache() -> BackendError {
-    BackendError::Unsupported {
-        op: "rope_store_kv",
-        message: "the KV cache holds no position".into(),
-    }
 }
 
 fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
@@ -417,8 +420,17 @@ impl CpuBackend {
                 if packed {
                     packed_rows(w.dtype, wb, rb, xq, 1, o);
                 } else {
-                    let x = &x[..w.cols];
-                    kernels::matmul_rows(w.dtype, wb, rb, w.cols, x, &xsums, xq, int8, &[false], o);
+                    let ops = RowsOperands {
+                        dtype: w.dtype,
+                        w: wb,
+                        row_bytes: rb,
+                        cols: w.cols,
+                        x: &x[..w.cols],
+                        xsums: &xsums,
+                        xq,
+                        int8,
+                    };
+                    kernels::matmul_rows(ops, &[false], o);
                 }
             });
         Ok(())
@@ -574,9 +586,7 @@ impl Backend for CpuBackend {
         rope_rows(&mut q[rows_of(q_dim)], q_dim, hd, pos0, inv_freq);
         rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, pos0, inv_freq);
         let slots = k_cache.len() / kv_dim;
-        if slots == 0 && rows > 0 {
-            return Err(empty_cache());
-        }
+        check_store_slots(slots, rows)?;
         for r in 0..rows {
             let at = (pos0 + r) % slots * kv_dim..((pos0 + r) % slots + 1) * kv_dim;
             let src = (row0 + r) * kv_dim..(row0 + r + 1) * kv_dim;

@@ -395,20 +395,40 @@ fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 /// here on a weight row is decoded once into a small buffer and reused for every activation row.
 pub const DECODE_ONCE_MIN_ROWS: usize = 4;
 
-#[allow(clippy::too_many_arguments)]
+/// What [`matmul_rows`] multiplies: weight rows, and the activation rows in each form its
+/// kernels read.
+#[derive(Clone, Copy)]
+pub struct RowsOperands<'a> {
+    pub dtype: DType,
+    /// The weight rows, each `row_bytes` long, `cols` values.
+    pub w: &'a [u8],
+    pub row_bytes: usize,
+    pub cols: usize,
+    /// The activation rows, `cols` values each.
+    pub x: &'a [f32],
+    /// The per-block sums of each activation row (needed by q4_0 and q4_1 for rows that are
+    /// not wide; may be empty otherwise).
+    pub xsums: &'a [f32],
+    /// The rows quantized for the k-quant-era dtypes ([`kquants`]; needed by those for rows
+    /// that are not wide) and, with `int8`, for q4_0/q4_1/q8_0.
+    pub xq: &'a QuantizedActs,
+    /// q4_0/q4_1/q8_0 rows that are not wide take the integer kernels of [`int8`] instead of
+    /// the f32-activation ones of this module.
+    pub int8: bool,
+}
+
 #[inline(always)]
-fn matmul_rows_impl<const FMA: bool>(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    cols: usize,
-    x: &[f32],
-    xsums: &[f32],
-    xq: &QuantizedActs,
-    int8: bool,
-    wide: &[bool],
-    out_t: &mut [f32],
-) {
+fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
+    let RowsOperands {
+        dtype,
+        w,
+        row_bytes,
+        cols,
+        x,
+        xsums,
+        xq,
+        int8,
+    } = ops;
     let n = wide.len();
     if int8 && int8::handles(dtype) && int8::has_gemm8() && wide.contains(&true) {
         // A prompt's rows on their 8-bit copies, eight weight rows at a time; the weight rows
@@ -508,41 +528,24 @@ fn matmul_rows_impl<const FMA: bool>(
     }
 }
 
-/// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows in `w` (each
-/// `row_bytes` long, `cols` values) and the `n = wide.len()` activation rows of `x`. A row with
-/// `wide[r]` is dotted with the weight row decoded once to f32 (the kernel for
-/// [`DECODE_ONCE_MIN_ROWS`] or more rows), or with `int8` and AVX2 for q4_0/q4_1/q8_0 goes
-/// through `int8::gemm8`; the others straight from the blocks (fewer rows).
-/// The two round differently, so the caller picks per row to reproduce a given row count's
-/// results. `xsums` holds the per-block sums of each activation row (needed by q4_0 and q4_1
-/// for rows that are not wide; may be empty otherwise), `xq` the rows quantized for the
-/// k-quant-era dtypes ([`kquants`]; needed by those for rows that are not wide) and, with
-/// `int8`, for q4_0/q4_1/q8_0, whose rows that are not wide then take the integer kernels of
-/// [`int8`] instead of the f32-activation ones of this module. The output is
-/// transposed (weight row major) so that each task of the caller owns a contiguous slice.
-#[allow(clippy::too_many_arguments)]
+/// Computes `out_t[i·n + r] = Σ_c W[i, c]·x[r, c]` for the weight rows of `ops` and its
+/// `n = wide.len()` activation rows. A row with `wide[r]` is dotted with the weight row decoded
+/// once to f32 (the kernel for [`DECODE_ONCE_MIN_ROWS`] or more rows), or with `int8` and AVX2
+/// for q4_0/q4_1/q8_0 goes through `int8::gemm8`; the others straight from the blocks (fewer
+/// rows). The two round differently, so the caller picks per row to reproduce a given row
+/// count's results. The output is transposed (weight row major) so that each task of the
+/// caller owns a contiguous slice.
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
     "x86_64+avx2+fma+f16c",
     "x86_64+avx+fma",
     "aarch64+neon"
 ))]
-pub fn matmul_rows(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    cols: usize,
-    x: &[f32],
-    xsums: &[f32],
-    xq: &QuantizedActs,
-    int8: bool,
-    wide: &[bool],
-    out_t: &mut [f32],
-) {
+pub fn matmul_rows(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(dtype, w, row_bytes, cols, x, xsums, xq, int8, wide, out_t)
+        matmul_rows_impl::<true>(ops, wide, out_t)
     } else {
-        matmul_rows_impl::<false>(dtype, w, row_bytes, cols, x, xsums, xq, int8, wide, out_t)
+        matmul_rows_impl::<false>(ops, wide, out_t)
     }
 }
 

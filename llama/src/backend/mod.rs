@@ -399,6 +399,18 @@ pub(crate) fn check_cache_slots(
     Ok(())
 }
 
+/// [`Backend::rope_store_kv`] of `rows` rows into a cache of `slots` positions: a cache of no
+/// position can take none.
+pub(crate) fn check_store_slots(slots: usize, rows: usize) -> Result<(), BackendError> {
+    if slots == 0 && rows > 0 {
+        return Err(BackendError::Unsupported {
+            op: "rope_store_kv",
+            message: "the KV cache holds no position".into(),
+        });
+    }
+    Ok(())
+}
+
 /// The host bytes of a weight, for backends that compute from host memory.
 pub(crate) fn host_bytes<'a>(
     w: &WeightView<'a>,

@@ -4,11 +4,12 @@
 
 use crate::backend::{
     AttentionParams, AttentionSeq, AttentionShape, BackendError, check_cache_slots,
+    check_store_slots,
 };
 
 use cudarc::driver::LaunchConfig;
 
-use super::device::{blocks, elementwise};
+use super::device::{Launch, blocks, elementwise};
 use super::{CudaBackend, CudaBuf, CudaKvBuf};
 
 /// Threads per block of the attention kernels: they assume 256.
@@ -83,6 +84,82 @@ impl SeqTable {
     }
 }
 
+/// What both RoPE-and-store kernels (`rope_store_kv`, `rope_store_kv_seqs`) take first: the
+/// device addresses of q, k and v, the row count and the head layout; and their grid, one
+/// thread per rotated pair of q and k.
+struct RopeArgs {
+    qkv: [u64; 3],
+    rows: i32,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    rotated_pairs: usize,
+}
+
+impl RopeArgs {
+    fn new(qkv: [u64; 3], rows: usize, shape: AttentionShape) -> RopeArgs {
+        RopeArgs {
+            qkv,
+            rows: rows as i32,
+            n_heads: shape.n_heads as i32,
+            n_kv_heads: shape.n_kv_heads as i32,
+            head_dim: shape.head_dim as i32,
+            rotated_pairs: rows * (shape.n_heads + shape.n_kv_heads) * shape.head_dim / 2,
+        }
+    }
+
+    /// Appends the arguments, in the kernels' order.
+    fn push_to<'a>(&'a self, b: &mut Launch<'a>) {
+        let [q, k, v] = &self.qkv;
+        b.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(&self.rows)
+            .arg(&self.n_heads)
+            .arg(&self.n_kv_heads)
+            .arg(&self.head_dim);
+    }
+
+    fn grid(&self) -> LaunchConfig {
+        elementwise(self.rotated_pairs)
+    }
+}
+
+/// What the kernels that attend over one sequence's cache (`attention`, `attention_decode`)
+/// take of the layer and the cache, in their order: the head layout, the score scale, the
+/// cache's slots and the window (0: none).
+struct CacheAttentionArgs {
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+    slots: i32,
+    window: i32,
+}
+
+impl CacheAttentionArgs {
+    fn new(shape: AttentionShape, params: AttentionParams, slots: usize) -> CacheAttentionArgs {
+        CacheAttentionArgs {
+            n_heads: shape.n_heads as i32,
+            n_kv_heads: shape.n_kv_heads as i32,
+            head_dim: shape.head_dim as i32,
+            scale: params.scale,
+            slots: slots as i32,
+            window: params.window.unwrap_or(0) as i32,
+        }
+    }
+
+    /// Appends the arguments, in the kernels' order.
+    fn push_to<'a>(&'a self, b: &mut Launch<'a>) {
+        b.arg(&self.n_heads)
+            .arg(&self.n_kv_heads)
+            .arg(&self.head_dim)
+            .arg(&self.scale)
+            .arg(&self.slots)
+            .arg(&self.window);
+    }
+}
+
 impl CudaBackend {
     /// `rope_store_kv` for the rows of all `seqs` (rows counted from 0 at `q`, `k`, `v`; the
     /// frequencies at `f`), [`SEQS_MAX`] sequences per launch.
@@ -92,8 +169,7 @@ impl CudaBackend {
         seqs: &[SeqEntry],
         shape: AttentionShape,
     ) -> Result<(), BackendError> {
-        let (hd, q_dim, kv_dim) = (
-            shape.head_dim,
+        let (q_dim, kv_dim) = (
             shape.n_heads * shape.head_dim,
             shape.n_kv_heads * shape.head_dim,
         );
@@ -112,39 +188,26 @@ impl CudaBackend {
                 })
                 .collect();
             let table = SeqTable::of(&local);
-            let (q0, k0, v0) = (
-                qp + (first * q_dim * 4) as u64,
-                kp + (first * kv_dim * 4) as u64,
-                vp + (first * kv_dim * 4) as u64,
-            );
-            let (rows_i, nh, nkv, hd_i) = (
-                rows as i32,
-                shape.n_heads as i32,
-                shape.n_kv_heads as i32,
-                hd as i32,
+            let rope = RopeArgs::new(
+                [
+                    qp + (first * q_dim * 4) as u64,
+                    kp + (first * kv_dim * 4) as u64,
+                    vp + (first * kv_dim * 4) as u64,
+                ],
+                rows,
+                shape,
             );
             let mut b = self.queue.kernel(
                 &self.kernels.rope_store_kv_seqs,
                 "rope_store_kv_seqs kernel",
             );
-            b.arg(&q0)
-                .arg(&k0)
-                .arg(&v0)
-                .arg(&rows_i)
-                .arg(&nh)
-                .arg(&nkv)
-                .arg(&hd_i)
-                .arg(&f)
-                .arg(&table);
+            rope.push_to(&mut b);
+            b.arg(&f).arg(&table);
             // SAFETY: the chunk's rows are consecutive from `first` (the model lays sequences
-            // out in row order), so q0/k0/v0 hold rows·n_heads·head_dim and rows·kv_dim values;
-            // each sequence's caches hold its positions pos0 .. pos0+rows (the model checks the
-            // capacity); one thread per rotated pair.
-            unsafe {
-                b.run(elementwise(
-                    rows * (shape.n_heads + shape.n_kv_heads) * hd / 2,
-                ))
-            }?;
+            // out in row order), so q/k/v hold rows·n_heads·head_dim and rows·kv_dim values
+            // from there; each sequence's caches hold its positions pos0 .. pos0+rows (the
+            // model checks the capacity).
+            unsafe { b.run(rope.grid()) }?;
         }
         Ok(())
     }
@@ -230,36 +293,18 @@ impl CudaBackend {
         shape: AttentionShape,
         slots: usize,
     ) -> Result<(), BackendError> {
+        check_store_slots(slots, rows)?;
         if rows == 0 {
             return Ok(());
         }
-        if slots == 0 {
-            return Err(BackendError::Unsupported {
-                op: "rope_store_kv",
-                message: "the KV cache holds no position".into(),
-            });
-        }
-        let slots_i = slots as i32;
-        let hd = shape.head_dim;
+        let rope = RopeArgs::new([qp, kp, vp], rows, shape);
+        let (p0, slots_i) = (pos0 as i32, slots as i32);
         let pos_ptr = self.graphs.pos_param(&self.queue).unwrap_or(0);
-        let (rows_i, nh, nkv, hd_i, p0) = (
-            rows as i32,
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            hd as i32,
-            pos0 as i32,
-        );
         let mut b = self
             .queue
             .kernel(&self.kernels.rope_store_kv, "rope_store_kv kernel");
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&rows_i)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd_i)
-            .arg(&p0)
+        rope.push_to(&mut b);
+        b.arg(&p0)
             .arg(&pos_ptr)
             .arg(&f)
             .arg(&kc)
@@ -268,11 +313,7 @@ impl CudaBackend {
         // SAFETY: the caller passes live buffers: rows·n_heads·head_dim values at qp,
         // rows·n_kv_heads·head_dim at kp and vp, head_dim/2 frequencies at f, and caches at
         // kc/vc of `slots` positions (the kernel writes slot pos % slots).
-        unsafe {
-            b.run(elementwise(
-                rows * (shape.n_heads + shape.n_kv_heads) * hd / 2,
-            ))
-        }
+        unsafe { b.run(rope.grid()) }
     }
 
     /// Each sequence's query rows against its own caches, in place in `q` and `out`: one row
@@ -420,29 +461,14 @@ impl CudaBackend {
         params: AttentionParams,
     ) -> Result<(), BackendError> {
         let Cache { kp, vp, slots } = cache;
-        let (p0, nh, nkv, hd, slots_i, window) = (
-            pos0 as i32,
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            shape.head_dim as i32,
-            slots as i32,
-            params.window.unwrap_or(0) as i32,
-        );
-        let scale = params.scale;
+        let layer = CacheAttentionArgs::new(shape, params, slots);
+        let p0 = pos0 as i32;
         let mut b = self
             .queue
             .kernel(&self.kernels.attention, "attention kernel");
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&p0)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&scale)
-            .arg(&slots_i)
-            .arg(&window)
-            .arg(&op);
+        b.arg(&qp).arg(&kp).arg(&vp).arg(&p0);
+        layer.push_to(&mut b);
+        b.arg(&op);
         let cfg = blocks(((rows * shape.n_heads) as u32, 1), ROW_THREADS);
         // SAFETY: q and out hold rows·n_heads·head_dim values, the caches `slots` positions of
         // n_kv_heads·head_dim (enough for the rows: checked by the caller, as head_dim <= 256).
@@ -489,32 +515,15 @@ impl CudaBackend {
         } else {
             (0, 0)
         };
-        let (p0, nh, nkv, hd, split, slots_i, window) = (
-            pos0 as i32,
-            shape.n_heads as i32,
-            shape.n_kv_heads as i32,
-            shape.head_dim as i32,
-            ATT_SPLIT as i32,
-            slots as i32,
-            params.window.unwrap_or(0) as i32,
-        );
-        let scale = params.scale;
+        let layer = CacheAttentionArgs::new(shape, params, slots);
+        let (p0, split) = (pos0 as i32, ATT_SPLIT as i32);
         let pos_ptr = pos_dev.unwrap_or(0);
         let mut b = self
             .queue
             .kernel(&self.kernels.attention_decode, "attention_decode kernel");
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&p0)
-            .arg(&pos_ptr)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&scale)
-            .arg(&slots_i)
-            .arg(&window)
-            .arg(&split)
+        b.arg(&qp).arg(&kp).arg(&vp).arg(&p0).arg(&pos_ptr);
+        layer.push_to(&mut b);
+        b.arg(&split)
             .arg(&pp)
             .arg(&op)
             .arg(&tickets)
