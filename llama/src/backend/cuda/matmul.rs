@@ -300,8 +300,8 @@ impl CudaBackend {
             message: format!("no tensor-core matmul for {:?}", w.dtype),
         })?;
         // Kernel v takes 8·2^v rows a block.
-        let variant = (rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize)
-            .min(kernels.len() - 1);
+        let variant =
+            (rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize).min(kernels.len() - 1);
         let blocks_y = rows.div_ceil(8 << variant);
         let partial = if split > 1 {
             self.mma_partials
@@ -537,7 +537,10 @@ mod tests {
         // Within one wave of two blocks per multiprocessor.
         for tiles in 1..300 {
             let split = mma_split(tiles, 4096, sms);
-            assert!(split == 1 || tiles * split <= 2 * sms, "{tiles} tiles: {split} slices");
+            assert!(
+                split == 1 || tiles * split <= 2 * sms,
+                "{tiles} tiles: {split} slices"
+            );
         }
         // A small model (3 tiles, 18 chunks): no slice thinner than 8 chunks.
         assert_eq!(mma_split(3, 18, sms), 2);
