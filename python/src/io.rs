@@ -159,6 +159,8 @@ pub fn release() {
 }
 
 /// What `cuda_status()` reports: whether GPU `ordinal` opens, and what cuFile offers there.
+/// Python gets it as a dict keyed by the field names.
+#[derive(pyo3::IntoPyObject)]
 pub struct CudaStatus {
     pub available: bool,
     pub reason: Option<String>,

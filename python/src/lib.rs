@@ -57,15 +57,8 @@ fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// `gds_dma` (bool). Never raises for a missing GPU.
 #[pyfunction]
 #[pyo3(signature = (device=0))]
-fn cuda_status(py: Python<'_>, device: usize) -> PyResult<Bound<'_, PyDict>> {
-    let status = py.detach(move || io::cuda_status(device));
-    let out = PyDict::new(py);
-    out.set_item("available", status.available)?;
-    out.set_item("reason", status.reason)?;
-    out.set_item("device_name", status.device_name)?;
-    out.set_item("cufile", status.cufile)?;
-    out.set_item("gds_dma", status.gds_dma)?;
-    Ok(out)
+fn cuda_status(py: Python<'_>, device: usize) -> io::CudaStatus {
+    py.detach(move || io::cuda_status(device))
 }
 
 /// Releases what the package keeps open between reads: the bounce rings' pinned host memory,
