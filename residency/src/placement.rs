@@ -873,8 +873,25 @@ mod tests {
         PASSES.iter().map(|&p| (p, plan)).collect()
     }
 
+    /// The placement of every pass in [`PASSES`] over `plan`, which these figures must allow.
+    fn placed(
+        units: &[Unit],
+        cal: &Calibration,
+        mode: PlacementMode,
+        plan: &Plan,
+    ) -> PlacementPlan {
+        plan_placement(units, cal, mode, &on(Some(plan))).unwrap()
+    }
+
     fn plan_4gib(layout: &ModelLayout, host_tier: bool) -> Plan {
         plan_reserving(layout, host_tier, 1 << 30)
+    }
+
+    /// The f16 7B's units and its plan in 4 GiB with a host tier: the layers that do not
+    /// stay resident stream from host memory, the case most of these tests split.
+    fn f16_7b_streaming_from_host() -> (Vec<Unit>, Plan) {
+        let (layout, units) = units_7b(DType::F16);
+        (units, plan_4gib(&layout, true))
     }
 
     fn plan_reserving(layout: &ModelLayout, host_tier: bool, reserved_bytes: u64) -> Plan {
@@ -902,10 +919,9 @@ mod tests {
 
     #[test]
     fn the_cpu_takes_the_share_that_makes_both_sides_take_as_long() {
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let cal = h100();
-        let p = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let p = placed(&units, &cal, PlacementMode::Auto, &plan);
         let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
         let streamed: Vec<&UnitPlacement> = decode
             .units
@@ -928,7 +944,7 @@ mod tests {
             );
         }
         // The bandwidths add: faster than either path alone, as the module doc says.
-        let gpu_only = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+        let gpu_only = placed(&units, &cal, PlacementMode::Gpu, &plan);
         let alone = gpu_only.pass(PassKind::Decode { batch: 1 }).unwrap();
         let cpu = plan_placement(&units, &cal, PlacementMode::Auto, &on(None)).unwrap();
         let cpu_alone = cpu.pass(PassKind::Decode { batch: 1 }).unwrap();
@@ -952,9 +968,8 @@ mod tests {
 
     #[test]
     fn more_rows_give_the_cpu_less() {
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
-        let p = plan_placement(&units, &h100(), PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let (units, plan) = f16_7b_streaming_from_host();
+        let p = placed(&units, &h100(), PlacementMode::Auto, &plan);
         let share = |pass| p.pass(pass).unwrap().cpu_share(5);
         let (b1, b8, b32) = (
             share(PassKind::Decode { batch: 1 }),
@@ -984,7 +999,7 @@ mod tests {
     fn disk_streamed_blobs_are_not_split() {
         let (layout, units) = units_7b(DType::F16);
         let plan = plan_4gib(&layout, false);
-        let p = plan_placement(&units, &h100(), PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let p = placed(&units, &h100(), PlacementMode::Auto, &plan);
         let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
         assert!(decode.units.iter().any(|u| u.tier == Tier::Disk));
         for u in &decode.units {
@@ -994,12 +1009,11 @@ mod tests {
 
     #[test]
     fn a_split_that_cannot_pay_for_its_handoffs_is_not_made() {
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let mut cal = h100();
         // A handoff as slow as copying the whole layer.
         cal.gpu.as_mut().unwrap().handoff_us = 10_000.0;
-        let p = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let p = placed(&units, &cal, PlacementMode::Auto, &plan);
         assert_eq!(
             p.pass(PassKind::Decode { batch: 1 }).unwrap().split_units(),
             0
@@ -1188,8 +1202,7 @@ mod tests {
         assert!(at(&measured, 16) < 35.0 && at(&measured, 16) > 20.0);
         assert!(at(&measured, 64) < 20.0);
         // The planner's batch-32 time follows it: a slower CPU at 32 rows gets less of each blob.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let share_at_32 = |rate: CpuRate| {
             let cal = Calibration {
                 cpu: vec![rate],
@@ -1227,24 +1240,15 @@ mod tests {
     fn auto_never_predicts_a_unit_or_a_pass_slower_than_the_gpu_alone() {
         // Whatever the CPU's speed against the GPU's paths: a unit is split only when that
         // beats the GPU alone, so no pass of `auto` is predicted slower than `gpu`.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         for (gbps_1, gbps_8, gbps_32) in [
             (77.0, 25.0, Some(6.0)),
             (5.0, 1.0, None),
             (400.0, 390.0, Some(380.0)),
         ] {
-            let cal = Calibration {
-                cpu: vec![CpuRate {
-                    dtype: DType::F16,
-                    gbps_1,
-                    gbps_8,
-                    gbps_32,
-                }],
-                ..h100()
-            };
-            let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
-            let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+            let cal = h100_with_f16_cpu(gbps_1, gbps_8, gbps_32);
+            let auto = placed(&units, &cal, PlacementMode::Auto, &plan);
+            let gpu = placed(&units, &cal, PlacementMode::Gpu, &plan);
             for (a, g) in auto.passes.iter().zip(&gpu.passes) {
                 assert!(a.tokens_per_s >= g.tokens_per_s, "{auto}{gpu}");
                 for (ua, ug) in a.units.iter().zip(&g.units) {
@@ -1313,26 +1317,31 @@ mod tests {
     /// The lent H100 of the module doc's table: the CPU's f16 matmul alone at 96.0 / 27.7 /
     /// 8.6 GB/s, PCIe 55 GB/s.
     fn h100_one_dram() -> Calibration {
-        let mut cal = h100();
-        cal.cpu = vec![CpuRate {
-            dtype: DType::F16,
-            gbps_1: 96.0,
-            gbps_8: 27.7,
-            gbps_32: Some(8.6),
-        }];
-        cal
+        h100_with_f16_cpu(96.0, 27.7, Some(8.6))
+    }
+
+    /// [`h100`] with the CPU's f16 matmul at these GB/s (1, 8 and 32 rows).
+    fn h100_with_f16_cpu(gbps_1: f64, gbps_8: f64, gbps_32: Option<f64>) -> Calibration {
+        Calibration {
+            cpu: vec![CpuRate {
+                dtype: DType::F16,
+                gbps_1,
+                gbps_8,
+                gbps_32,
+            }],
+            ..h100()
+        }
     }
 
     #[test]
     fn concurrent_figures_equal_to_the_lone_ones_split_as_independent_bandwidths_do() {
         // (a) Both sides as fast together as alone: the shares and times of the bandwidths
         // adding up, as without concurrent figures (a file from before, or no GPU).
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let lone = h100_one_dram();
         let together = with_concurrent(lone.clone(), [(96.0, 55.0), (27.7, 55.0), (8.6, 55.0)]);
-        let a = plan_placement(&units, &lone, PlacementMode::Auto, &on(Some(&plan))).unwrap();
-        let b = plan_placement(&units, &together, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let a = placed(&units, &lone, PlacementMode::Auto, &plan);
+        let b = placed(&units, &together, PlacementMode::Auto, &plan);
         println!("{b}");
         for (pa, pb) in a.passes.iter().zip(&b.passes) {
             assert!((pa.tokens_per_s - pb.tokens_per_s).abs() / pa.tokens_per_s < 1e-9);
@@ -1355,18 +1364,11 @@ mod tests {
         // (b) Together the CPU and the copies reach 20 + 35 = 55 GB/s, what PCIe brings alone
         // (and the CPU alone is slower than that, else it would take whole blobs: the next
         // test): no share pays, in any pass, and auto predicts what gpu does.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
-        let mut lone = h100();
-        lone.cpu = vec![CpuRate {
-            dtype: DType::F16,
-            gbps_1: 50.0,
-            gbps_8: 20.0,
-            gbps_32: Some(6.0),
-        }];
+        let (units, plan) = f16_7b_streaming_from_host();
+        let lone = h100_with_f16_cpu(50.0, 20.0, Some(6.0));
         let cal = with_concurrent(lone, [(20.0, 35.0), (5.0, 50.0), (1.0, 54.0)]);
-        let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
-        let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
+        let auto = placed(&units, &cal, PlacementMode::Auto, &plan);
+        let gpu = placed(&units, &cal, PlacementMode::Gpu, &plan);
         println!("{auto}");
         for (a, g) in auto.passes.iter().zip(&gpu.passes) {
             assert_eq!(a.split_units(), 0, "{}", a.pass);
@@ -1379,15 +1381,8 @@ mod tests {
     fn predictions_are_monotone_in_the_concurrent_rates_and_never_below_gpu() {
         // (c) The faster either side runs beside the other, the faster auto is predicted, never
         // slower than gpu; and more rows never give the CPU more.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
-        let gpu = plan_placement(
-            &units,
-            &h100_one_dram(),
-            PlacementMode::Gpu,
-            &on(Some(&plan)),
-        )
-        .unwrap();
+        let (units, plan) = f16_7b_streaming_from_host();
+        let gpu = placed(&units, &h100_one_dram(), PlacementMode::Gpu, &plan);
         let predict = |cpu_1: f64, h2d: f64| {
             let cal = with_concurrent(
                 h100_one_dram(),
@@ -1397,7 +1392,7 @@ mod tests {
                     (cpu_1 * 8.6 / 96.0, h2d),
                 ],
             );
-            plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap()
+            placed(&units, &cal, PlacementMode::Auto, &plan)
         };
         let mut previous: Option<PlacementPlan> = None;
         for h2d in [5.0, 15.0, 25.0, 35.0, 45.0, 55.0] {
@@ -1435,21 +1430,14 @@ mod tests {
     fn model_on_one_dram_gives_batches_little_or_nothing() {
         // The module doc's worked example: the slowdowns the lent H100's runs give (the CPU
         // 2.3× slower beside the copies at 1 row, 3.7× at 8 and 32, the copies unaffected).
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let cal = with_concurrent(
             h100_one_dram(),
             [(96.0 / 2.3, 55.0), (27.7 / 3.7, 55.0), (8.6 / 3.7, 55.0)],
         );
-        let auto = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
-        let gpu = plan_placement(&units, &cal, PlacementMode::Gpu, &on(Some(&plan))).unwrap();
-        let independent = plan_placement(
-            &units,
-            &h100_one_dram(),
-            PlacementMode::Auto,
-            &on(Some(&plan)),
-        )
-        .unwrap();
+        let auto = placed(&units, &cal, PlacementMode::Auto, &plan);
+        let gpu = placed(&units, &cal, PlacementMode::Gpu, &plan);
+        let independent = placed(&units, &h100_one_dram(), PlacementMode::Auto, &plan);
         println!("{auto}{gpu}{independent}");
         let tps =
             |p: &PlacementPlan, batch| p.pass(PassKind::Decode { batch }).unwrap().tokens_per_s;
@@ -1483,10 +1471,9 @@ mod tests {
     fn the_cpu_alone_takes_a_host_blob_when_both_together_are_slower() {
         // Together the CPU makes 40 and the copies 10 GB/s: 50 GB/s, less than the CPU's 96
         // alone. Each host-tier layer goes wholly to the CPU at batch 1; the resident ones stay.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let cal = with_concurrent(h100_one_dram(), [(40.0, 10.0), (10.0, 10.0), (3.0, 10.0)]);
-        let p = plan_placement(&units, &cal, PlacementMode::Auto, &on(Some(&plan))).unwrap();
+        let p = placed(&units, &cal, PlacementMode::Auto, &plan);
         let decode = p.pass(PassKind::Decode { batch: 1 }).unwrap();
         println!("{p}");
         for u in &decode.units {
@@ -1535,8 +1522,7 @@ mod tests {
         };
         assert_eq!(fast.slowdowns(), (1.0, 1.0));
         // A broken figure is an error naming it.
-        let (layout, units) = units_7b(DType::F16);
-        let plan = plan_4gib(&layout, true);
+        let (units, plan) = f16_7b_streaming_from_host();
         let broken = with_concurrent(h100_one_dram(), [(0.0, 55.0), (10.0, 50.0), (3.0, 50.0)]);
         let err = plan_placement(&units, &broken, PlacementMode::Auto, &on(Some(&plan)))
             .unwrap_err()
