@@ -418,7 +418,12 @@ pub struct RowsOperands<'a> {
 }
 
 #[inline(always)]
-fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
+fn matmul_rows_impl<const FMA: bool>(
+    ops: RowsOperands<'_>,
+    wide: &[bool],
+    narrow_rows: bool,
+    out_t: &mut [f32],
+) {
     let RowsOperands {
         dtype,
         w,
@@ -456,7 +461,7 @@ fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t
     }
     let any_wide = wide.contains(&true);
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
-    let mut narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
+    let mut narrow: Vec<usize> = (0..n).filter(|&r| narrow_rows && !wide[r]).collect();
     if int8 && int8::handles(dtype) {
         // All weight rows at once for each activation row, on its 8-bit copy.
         for &r in &narrow {
@@ -534,18 +539,20 @@ fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t
 /// for q4_0/q4_1/q8_0 goes through `int8::gemm8`; the others straight from the blocks (fewer
 /// rows). The two round differently, so the caller picks per row to reproduce a given row
 /// count's results. The output is transposed (weight row major) so that each task of the
-/// caller owns a contiguous slice.
+/// caller owns a contiguous slice. Without `narrow_rows` the rows that are not wide are left
+/// as they are (the caller computes them elsewhere; not for q4_0/q4_1/q8_0 on 8-bit
+/// activations, whose rows are all computed).
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
     "x86_64+avx2+fma+f16c",
     "x86_64+avx+fma",
     "aarch64+neon"
 ))]
-pub fn matmul_rows(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
+pub fn matmul_rows(ops: RowsOperands<'_>, wide: &[bool], narrow_rows: bool, out_t: &mut [f32]) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(ops, wide, out_t)
+        matmul_rows_impl::<true>(ops, wide, narrow_rows, out_t)
     } else {
-        matmul_rows_impl::<false>(ops, wide, out_t)
+        matmul_rows_impl::<false>(ops, wide, narrow_rows, out_t)
     }
 }
 
