@@ -236,24 +236,9 @@ fn zip_chunks(a: &mut [f32], b: &[f32], unit: usize, f: impl Fn(&mut [f32], &[f3
         .for_each(|(a, b)| f(a, b));
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// `√(2/π)`, in the tanh approximation of GeLU.
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-
-fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
-}
-
-/// A gated unit: `gate[i] = act(gate[i]) · up[i]` for the first `len` values.
-fn gated(gate: &mut [f32], up: &[f32], len: usize, act: impl Fn(f32) -> f32 + Sync) {
-    zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = act(*g) * u;
-        }
-    });
+/// A gated unit: `unit(gate, up)` over the first `len` values (`kernels::swiglu`, `geglu`).
+fn gated(gate: &mut [f32], up: &[f32], len: usize, unit: impl Fn(&mut [f32], &[f32]) + Sync) {
+    zip_chunks(&mut gate[..len], &up[..len], 1, unit);
 }
 
 /// `rows` rows of `weight.cols` values of `x`, each RMS-normalised and multiplied by the
@@ -716,12 +701,12 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        gated(gate, up, len, silu);
+        gated(gate, up, len, kernels::swiglu);
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        gated(gate, up, len, gelu_tanh);
+        gated(gate, up, len, kernels::geglu);
         Ok(())
     }
 
