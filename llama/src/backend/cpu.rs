@@ -671,31 +671,16 @@ impl Backend for CpuBackend {
                 let Some(s) = seqs.get(row_seq[row]) else {
                     return;
                 };
-                let (k_cache, v_cache) = (s.k_cache, s.v_cache);
                 let r = row - s.row0;
-                let kv_off = (h / group) * head_dim;
                 let qh = &q[idx * head_dim..(idx + 1) * head_dim];
                 let pos = s.pos0 + r;
-                let slots = k_cache.len() / kv_width;
-                let keys = params.first_key(pos)..pos + 1;
-                let at = |t: usize| t % slots * kv_width + kv_off;
-                scores.clear();
-                scores.extend(keys.clone().map(|t| {
-                    let kt = &k_cache[at(t)..at(t) + head_dim];
-                    kernels::dot(qh, kt) * scale
-                }));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                o.fill(0.0);
-                let inv = 1.0 / sum;
-                for (t, s) in keys.zip(scores.iter()) {
-                    let vt = &v_cache[at(t)..at(t) + head_dim];
-                    kernels::axpy(s * inv, vt, o);
-                }
+                let head = kernels::CachedHead {
+                    k: s.k_cache,
+                    v: s.v_cache,
+                    width: kv_width,
+                    offset: (h / group) * head_dim,
+                };
+                kernels::attend(qh, head, params.first_key(pos)..pos + 1, scale, scores, o);
             });
         Ok(())
     }

@@ -570,6 +570,78 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// One head of a KV cache (`[slots, width]` each, position `t` in slot `t % slots`): its
+/// `head_dim` values start at `offset` in each slot.
+#[derive(Clone, Copy)]
+pub struct CachedHead<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub width: usize,
+    pub offset: usize,
+}
+
+/// One query row of one head attending to the positions `keys` of `head`: `out = Σ_t
+/// softmax(scale·q·k_t)·v_t` (`scores`: scratch). One call per (row, head), the dot products,
+/// softmax and weighted sum inlined in it: called per key, `dot` and `axpy` (64 values for
+/// SmolLM2) were a fifth of a decode step at a few hundred positions, their dispatch and the
+/// slot's division per key included. The same dot product (16 lanes, as `dot`) and the same
+/// order of additions (as `axpy`) as before; the exponentials are `exp_approx`'s.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn attend(
+    q: &[f32],
+    head: CachedHead<'_>,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let slots = head.k.len() / head.width;
+    // The slots of `keys` in order, without a division per key.
+    let slot_of = |first: usize| {
+        let mut slot = first % slots;
+        move || {
+            let at = slot * head.width + head.offset;
+            slot += 1;
+            if slot == slots {
+                slot = 0;
+            }
+            at..at + hd
+        }
+    };
+    let fma = target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"));
+    let mut next = slot_of(keys.start);
+    scores.clear();
+    scores.extend(keys.clone().map(|_| {
+        let k = &head.k[next()];
+        let d = if fma {
+            dot_f32::<true>(q, k)
+        } else {
+            dot_f32::<false>(q, k)
+        };
+        d * scale
+    }));
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = exp_approx(*s - max);
+        sum += *s;
+    }
+    out.fill(0.0);
+    let inv = 1.0 / sum;
+    let mut next = slot_of(keys.start);
+    for s in scores.iter() {
+        let (a, v) = (s * inv, &head.v[next()]);
+        for (o, x) in out.iter_mut().zip(v) {
+            *o += a * x;
+        }
+    }
+}
+
 /// `y += a·x` (attention's weighted sum of values).
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
