@@ -4,7 +4,7 @@
 mod support;
 
 use llama::backend::{AttentionParams, AttentionShape, NormInto, RowGroup};
-use llama::{Backend, CpuBackend, ReferenceBackend, WeightView, rope_inv_freq};
+use llama::{Backend, CpuBackend, PassInfo, ReferenceBackend, WeightView, rope_inv_freq};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use support::{ALL, attention, attention_with, matmul, max_rel_diff, random, weights};
@@ -44,6 +44,87 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
                 let tol = if int8 { INT8_TOL } else { TOL };
                 println!("  default mode: max rel diff {d:.2e} (tol {tol:.0e})");
                 assert!(d <= tol, "default mode {dtype} [{m}x{k}] rows {rows}: {d}");
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
+    // With resident weights the CPU backend repacks the matrices it reads on 8-bit activations
+    // (interleaved rows: sixteen with AVX-512 VNNI, eight with AVX2) and computes whole groups
+    // of rows from the copy, the rows after the last group from the stored ones. Against the
+    // reference: within the 8-bit tolerance (f32 rows of the exact mode within TOL); every
+    // sequence of a batch mixing decode rows and prompts bit for bit what it gives alone.
+    let mut rng = StdRng::seed_from_u64(7);
+    let dtypes = [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q4K,
+        DType::Q6K,
+    ];
+    let stable = PassInfo {
+        rows: 1,
+        single_sequence: true,
+        pos: 0,
+        weights_stable: true,
+        generation: 0,
+    };
+    for dtype in dtypes {
+        for (m, k) in [(77, 512), (40, 256), (256, 768)] {
+            let w = weights(&mut rng, dtype, m, k);
+            let view = WeightView::host(dtype, m, k, &w);
+            for cpu in [CpuBackend::new(), CpuBackend::exact()] {
+                cpu.begin_pass(&stable).unwrap();
+                let int8 =
+                    !cpu.is_exact() || !matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
+                let mode = if cpu.is_exact() { "exact" } else { "default" };
+                for rows in [1, 2, 5, 17] {
+                    let x = random(&mut rng, rows * k);
+                    let (mut fast, mut slow) = (vec![0f32; rows * m], vec![0f32; rows * m]);
+                    matmul(&cpu, &x, rows, view, &mut fast);
+                    matmul(&ReferenceBackend, &x, rows, view, &mut slow);
+                    let d = max_rel_diff(&fast, &slow);
+                    // Prompt rows of the k-quant-era dtypes decode the weights to f32 in the
+                    // exact mode (in the default mode they take 8-bit activations where the
+                    // matrix is repacked, which depends on the CPU: the 8-bit bound).
+                    let f32_rows = cpu.is_exact()
+                        && rows >= 4
+                        && !matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0);
+                    let tol = if int8 && !f32_rows { INT8_TOL } else { TOL };
+                    println!(
+                        "resident {dtype} [{m}x{k}] {mode} rows {rows}: max rel diff {d:.2e} (tol {tol:.0e})"
+                    );
+                    assert!(d <= tol, "{dtype} [{m}x{k}] {mode} rows {rows}: {d}");
+                }
+                // Decode rows and prompts in one batch: each as alone.
+                let groups = [RowGroup::solo(1), RowGroup::solo(5), RowGroup::solo(2)];
+                let total: usize = groups.iter().map(|g| g.rows).sum();
+                let x = random(&mut rng, total * k);
+                let mut batched = vec![0f32; total * m];
+                cpu.matmul_batch(&x, &groups, &[view], &mut [&mut batched])
+                    .unwrap();
+                let mut row0 = 0;
+                for g in &groups {
+                    let mut alone = vec![0f32; g.rows * m];
+                    matmul(
+                        &cpu,
+                        &x[row0 * k..(row0 + g.rows) * k].to_vec(),
+                        g.rows,
+                        view,
+                        &mut alone,
+                    );
+                    assert_eq!(
+                        &batched[row0 * m..(row0 + g.rows) * m],
+                        &alone[..],
+                        "{dtype} [{m}x{k}] {mode}: the sequence of {} rows",
+                        g.rows
+                    );
+                    row0 += g.rows;
+                }
+                println!("resident {dtype} [{m}x{k}] {mode}: a batch's sequences as alone (tol 0)");
             }
         }
     }

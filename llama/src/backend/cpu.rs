@@ -7,15 +7,17 @@
 //!   activations' rounding (`|x − x̂| ≤ max|x|/254` per 32 values; on SmolLM2 the logits move
 //!   by up to a few tenths of logits near 30, see `tests/smollm2.rs`). On CPUs with AVX2, the
 //!   matrices of resident weights are copied once into an interleaved layout (`repack`: eight
-//!   rows per group, block by block) and every row, decode or prompt, goes eight weight rows at a
-//!   time through `int8::gemm8_packed`; weights that may move (streamed) keep their stored
-//!   layout: decode rows (batches of fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) row by row
-//!   (`int8::dot_rows`), a prompt's rows eight weight rows at a time (`int8::gemm8`).
+//!   rows per group, block by block; sixteen with AVX-512 VNNI, `vnni16`) and every row, decode
+//!   or prompt, goes a group of weight rows at a time through `int8::gemm8_packed` (or
+//!   `vnni16::gemm16`); weights that may move (streamed) keep their stored layout: decode rows
+//!   (batches of fewer than `kernels::DECODE_ONCE_MIN_ROWS` rows) row by row (`int8::dot_rows`),
+//!   a prompt's rows eight weight rows at a time (`int8::gemm8`).
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
 //! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones for
-//! decode rows (`kquants.rs`), and the prompts that `int8::gemm8` does not take decode each
+//! decode rows (`kquants.rs`; q5_0, q4_k and q6_k of resident weights on AVX-512 VNNI through
+//! `vnni16`'s sixteen-row copies), and the prompts that `int8::gemm8` does not take decode each
 //! weight row once to f32.
 //!
 //! Threads: the thread running the passes should be one of the pool's workers
@@ -29,15 +31,15 @@ use std::sync::Arc;
 use rayon::prelude::*;
 use weights_format::DType;
 
-use self::repack::RepackCache;
+use self::repack::{Packing, RepackCache};
 
-use super::int8;
 use super::kernels::{self, QK, RowsOperands};
 use super::kquants::{self, QuantizedActs};
 use super::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, PassInfo,
     RowGroup, WeightView, check_cache_slots, check_store_slots, host_bytes, matmul_then_add,
 };
+use super::{int8, vnni16};
 
 /// Multi-threaded CPU backend on the global rayon pool.
 #[derive(Debug, Default)]
@@ -134,41 +136,70 @@ impl CpuBackend {
         kquants::handles(dtype) || (!self.exact && int8::handles(dtype))
     }
 
-    /// The interleaved copy of `w` (stored bytes `bytes`) that [`packed_rows`] reads, when the
-    /// default mode computes it that way (see `repack`).
-    fn packed(&self, w: &WeightView<'_>, bytes: &[u8]) -> Option<Arc<[u8]>> {
-        if self.gemm8(w.dtype) {
-            self.repacked.get(w, bytes)
+    /// The interleaved layout the 8-bit rows of `dtype` read, where its weights are resident
+    /// (see `repack`): on AVX-512 VNNI the sixteen-row one for q4_0/q4_1/q8_0 (not in the
+    /// exact mode) and for q5_0/q4_k/q6_k (8-bit activations in both modes), else with AVX2
+    /// the eight-row one for q4_0/q4_1/q8_0 (not in the exact mode).
+    fn packing(&self, dtype: DType) -> Option<Packing> {
+        let int8_rows = !self.exact && int8::handles(dtype);
+        if vnni16::handles(dtype) && (int8_rows || kquants::handles(dtype)) && vnni16::available() {
+            Some(Packing::Rows16)
+        } else if self.gemm8(dtype) {
+            Some(Packing::Rows8)
         } else {
             None
         }
     }
+
+    /// The interleaved copy of `w` (stored bytes `bytes`) that [`packed_rows`] reads, and its
+    /// layout, when this backend computes `w`'s 8-bit rows that way (see `repack`).
+    fn packed(&self, w: &WeightView<'_>, bytes: &[u8]) -> Option<(Arc<[u8]>, Packing)> {
+        let packing = self.packing(w.dtype)?;
+        Some((self.repacked.get(w, bytes, packing)?, packing))
+    }
 }
 
-/// `out_t[i·n + r]` = weight row `i` of `w` (the interleaved layout of `int8::repack8`: whole
-/// groups of eight rows, then the rows left over as stored) dotted with activation row `r` of
-/// `xq` (`n` rows): the groups through `int8::gemm8_packed`, the rows left over through
-/// `int8::dot_rows`. Every activation row gets the same result however many come together.
+/// `out_t[i·n + r]` = weight row `i` of `w` (in the interleaved layout `packing`: whole groups
+/// of rows, then the rows left over as stored) dotted with activation row `r` of `xq` (`n`
+/// rows), for every `r` but those `skip` marks: the groups through `int8::gemm8_packed` or
+/// `vnni16::gemm16`, the rows left over through the row kernels (`int8::dot_rows`,
+/// `kquants::dot`). Every activation row gets the same result however many come together.
+#[allow(clippy::too_many_arguments)]
 fn packed_rows(
     dtype: DType,
     w: &[u8],
     row_bytes: usize,
+    packing: Packing,
     xq: &QuantizedActs,
     n: usize,
+    skip: Option<&[bool]>,
     out_t: &mut [f32],
 ) {
-    let acts: Vec<_> = (0..n).map(|r| xq.row(dtype, r)).collect();
-    let columns: Vec<usize> = (0..n).collect();
+    let columns: Vec<usize> = (0..n).filter(|&r| skip.is_none_or(|s| !s[r])).collect();
+    if columns.is_empty() {
+        return;
+    }
+    let acts: Vec<_> = columns.iter().map(|&r| xq.row(dtype, r)).collect();
     let out = int8::Columns {
         out_t: &mut *out_t,
         stride: n,
         columns: &columns,
     };
-    let done = int8::gemm8_packed(dtype, w, row_bytes, &acts, out);
+    let done = match packing {
+        Packing::Rows8 => int8::gemm8_packed(dtype, w, row_bytes, &acts, out),
+        Packing::Rows16 => vnni16::gemm16(dtype, w, row_bytes, &acts, out),
+    };
     let rest = &w[done * row_bytes..];
-    if !rest.is_empty() {
-        for (r, x) in acts.iter().enumerate() {
+    if rest.is_empty() {
+        return;
+    }
+    for (&r, x) in columns.iter().zip(&acts) {
+        if int8::handles(dtype) {
             int8::dot_rows(dtype, rest, row_bytes, *x, &mut out_t[done * n + r..], n);
+        } else {
+            for (i, row) in rest.chunks_exact(row_bytes).enumerate() {
+                out_t[(done + i) * n + r] = kquants::dot(dtype, row, *x);
+            }
         }
     }
 }
@@ -180,8 +211,9 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let by_balance = out_rows.div_ceil(4 * threads);
     let by_work = MIN_WORK_PER_TASK.div_ceil(work_per_row.max(1));
-    // Whole groups of eight rows, as `int8::gemm8` takes them.
-    by_balance.max(by_work).max(1).next_multiple_of(8)
+    // Whole groups of sixteen rows, as `vnni16::gemm16` takes them (and so of eight, as
+    // `int8::gemm8` does).
+    by_balance.max(by_work).max(1).next_multiple_of(16)
 }
 
 /// Values of element-wise work below which an op stays on the calling thread: a decode step's
@@ -204,24 +236,9 @@ fn zip_chunks(a: &mut [f32], b: &[f32], unit: usize, f: impl Fn(&mut [f32], &[f3
         .for_each(|(a, b)| f(a, b));
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// `√(2/π)`, in the tanh approximation of GeLU.
-const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-
-fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
-}
-
-/// A gated unit: `gate[i] = act(gate[i]) · up[i]` for the first `len` values.
-fn gated(gate: &mut [f32], up: &[f32], len: usize, act: impl Fn(f32) -> f32 + Sync) {
-    zip_chunks(&mut gate[..len], &up[..len], 1, |gate, up| {
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = act(*g) * u;
-        }
-    });
+/// A gated unit: `unit(gate, up)` over the first `len` values (`kernels::swiglu`, `geglu`).
+fn gated(gate: &mut [f32], up: &[f32], len: usize, unit: impl Fn(&mut [f32], &[f32]) + Sync) {
+    zip_chunks(&mut gate[..len], &up[..len], 1, unit);
 }
 
 /// `rows` rows of `weight.cols` values of `x`, each RMS-normalised and multiplied by the
@@ -261,8 +278,12 @@ fn matmul_rows_of(
     let int8 = !cpu.exact;
     let stored = host(&w)?;
     let packed = cpu.packed(&w, stored);
-    let bytes = packed.as_deref().unwrap_or(stored);
     let rows = wide.len();
+    // In the exact mode the k-quant-era dtypes' wide rows decode the stored rows once to f32
+    // and only their other rows read the packed copy. In the default mode every row of a packed
+    // matrix reads it on 8-bit activations, as q4_0/q4_1/q8_0's prompt rows do: decoding each
+    // weight row to f32 made a Gemma 3 270M Q4_K_M prompt 0.37x llama.cpp's on 2 cores.
+    let split = cpu.exact && packed.is_some() && kquants::handles(w.dtype) && wide.contains(&true);
     let (m, k) = (w.rows, w.cols);
     let row_bytes = w.row_bytes();
     let x = &x[..rows * k];
@@ -276,7 +297,8 @@ fn matmul_rows_of(
         }
     }
     let mut xq = QuantizedActs::default();
-    if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype)) {
+    let all_rows_packed = packed.is_some() && !split;
+    if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed) {
         xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
@@ -284,21 +306,34 @@ fn matmul_rows_of(
     let task = |(ci, o): (usize, &mut [f32])| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
-        let wb = &bytes[first * row_bytes..(first + n_rows) * row_bytes];
-        if packed.is_some() {
-            packed_rows(w.dtype, wb, row_bytes, &xq, rows, o);
-        } else {
-            let ops = RowsOperands {
-                dtype: w.dtype,
-                w: wb,
+        let range = first * row_bytes..(first + n_rows) * row_bytes;
+        let ops = |wb| RowsOperands {
+            dtype: w.dtype,
+            w: wb,
+            row_bytes,
+            cols: k,
+            x,
+            xsums: &xsums,
+            xq: &xq,
+            int8,
+        };
+        match &packed {
+            Some((bytes, packing)) if !split => packed_rows(
+                w.dtype,
+                &bytes[range],
                 row_bytes,
-                cols: k,
-                x,
-                xsums: &xsums,
-                xq: &xq,
-                int8,
-            };
-            kernels::matmul_rows(ops, wide, o);
+                *packing,
+                &xq,
+                rows,
+                None,
+                o,
+            ),
+            Some((bytes, packing)) => {
+                kernels::matmul_rows(ops(&stored[range.clone()]), wide, false, o);
+                let wb = &bytes[range];
+                packed_rows(w.dtype, wb, row_bytes, *packing, &xq, rows, Some(wide), o);
+            }
+            None => kernels::matmul_rows(ops(&stored[range]), wide, true, o),
         }
     };
     if rows == 1 {
@@ -395,8 +430,14 @@ impl CpuBackend {
             let bytes = host(w)?;
             stored.push((bytes, self.packed(w, bytes)));
         }
-        // (weight, the bytes read, whether they are repacked, first row, its outputs)
-        type Task<'a, 'o> = (WeightView<'a>, &'a [u8], bool, usize, &'o mut [f32]);
+        // (weight, the bytes read, their interleaved layout if repacked, first row, its outputs)
+        type Task<'a, 'o> = (
+            WeightView<'a>,
+            &'a [u8],
+            Option<Packing>,
+            usize,
+            &'o mut [f32],
+        );
         let mut tasks: Vec<Task<'_, '_>> = Vec::new();
         for ((w, out), (bytes, packed)) in ws.iter().zip(outs.iter_mut()).zip(&stored) {
             if xsums.is_empty() && self.exact && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
@@ -405,10 +446,13 @@ impl CpuBackend {
             if self.quantizes(w.dtype) {
                 xq.prepare(&x[..w.cols], w.cols, w.dtype);
             }
-            let bytes = packed.as_deref().unwrap_or(bytes);
+            let (bytes, packing) = match packed {
+                Some((copy, packing)) => (&copy[..], Some(*packing)),
+                None => (*bytes, None),
+            };
             let chunk = rows_per_task(w.rows, w.cols);
             for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
-                tasks.push((*w, bytes, packed.is_some(), ci * chunk, o));
+                tasks.push((*w, bytes, packing, ci * chunk, o));
             }
         }
         let (xq, int8) = (&xq, !self.exact);
@@ -417,8 +461,8 @@ impl CpuBackend {
             .for_each(|(w, bytes, packed, first, o)| {
                 let rb = w.row_bytes();
                 let wb = &bytes[first * rb..(first + o.len()) * rb];
-                if packed {
-                    packed_rows(w.dtype, wb, rb, xq, 1, o);
+                if let Some(packing) = packed {
+                    packed_rows(w.dtype, wb, rb, packing, xq, 1, None, o);
                 } else {
                     let ops = RowsOperands {
                         dtype: w.dtype,
@@ -430,7 +474,7 @@ impl CpuBackend {
                         xq,
                         int8,
                     };
-                    kernels::matmul_rows(ops, &[false], o);
+                    kernels::matmul_rows(ops, &[false], true, o);
                 }
             });
         Ok(())
@@ -630,42 +674,27 @@ impl Backend for CpuBackend {
                 let Some(s) = seqs.get(row_seq[row]) else {
                     return;
                 };
-                let (k_cache, v_cache) = (s.k_cache, s.v_cache);
                 let r = row - s.row0;
-                let kv_off = (h / group) * head_dim;
                 let qh = &q[idx * head_dim..(idx + 1) * head_dim];
                 let pos = s.pos0 + r;
-                let slots = k_cache.len() / kv_width;
-                let keys = params.first_key(pos)..pos + 1;
-                let at = |t: usize| t % slots * kv_width + kv_off;
-                scores.clear();
-                scores.extend(keys.clone().map(|t| {
-                    let kt = &k_cache[at(t)..at(t) + head_dim];
-                    kernels::dot(qh, kt) * scale
-                }));
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                o.fill(0.0);
-                let inv = 1.0 / sum;
-                for (t, s) in keys.zip(scores.iter()) {
-                    let vt = &v_cache[at(t)..at(t) + head_dim];
-                    kernels::axpy(s * inv, vt, o);
-                }
+                let head = kernels::CachedHead {
+                    k: s.k_cache,
+                    v: s.v_cache,
+                    width: kv_width,
+                    offset: (h / group) * head_dim,
+                };
+                kernels::attend(qh, head, params.first_key(pos)..pos + 1, scale, scores, o);
             });
         Ok(())
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        gated(gate, up, len, silu);
+        gated(gate, up, len, kernels::swiglu);
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
-        gated(gate, up, len, gelu_tanh);
+        gated(gate, up, len, kernels::geglu);
         Ok(())
     }
 

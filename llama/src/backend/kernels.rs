@@ -418,7 +418,12 @@ pub struct RowsOperands<'a> {
 }
 
 #[inline(always)]
-fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
+fn matmul_rows_impl<const FMA: bool>(
+    ops: RowsOperands<'_>,
+    wide: &[bool],
+    narrow_rows: bool,
+    out_t: &mut [f32],
+) {
     let RowsOperands {
         dtype,
         w,
@@ -456,7 +461,7 @@ fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t
     }
     let any_wide = wide.contains(&true);
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
-    let mut narrow: Vec<usize> = (0..n).filter(|&r| !wide[r]).collect();
+    let mut narrow: Vec<usize> = (0..n).filter(|&r| narrow_rows && !wide[r]).collect();
     if int8 && int8::handles(dtype) {
         // All weight rows at once for each activation row, on its 8-bit copy.
         for &r in &narrow {
@@ -534,18 +539,20 @@ fn matmul_rows_impl<const FMA: bool>(ops: RowsOperands<'_>, wide: &[bool], out_t
 /// for q4_0/q4_1/q8_0 goes through `int8::gemm8`; the others straight from the blocks (fewer
 /// rows). The two round differently, so the caller picks per row to reproduce a given row
 /// count's results. The output is transposed (weight row major) so that each task of the
-/// caller owns a contiguous slice.
+/// caller owns a contiguous slice. Without `narrow_rows` the rows that are not wide are left
+/// as they are (the caller computes them elsewhere; not for q4_0/q4_1/q8_0 on 8-bit
+/// activations, whose rows are all computed).
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
     "x86_64+avx2+fma+f16c",
     "x86_64+avx+fma",
     "aarch64+neon"
 ))]
-pub fn matmul_rows(ops: RowsOperands<'_>, wide: &[bool], out_t: &mut [f32]) {
+pub fn matmul_rows(ops: RowsOperands<'_>, wide: &[bool], narrow_rows: bool, out_t: &mut [f32]) {
     if target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64")) {
-        matmul_rows_impl::<true>(ops, wide, out_t)
+        matmul_rows_impl::<true>(ops, wide, narrow_rows, out_t)
     } else {
-        matmul_rows_impl::<false>(ops, wide, out_t)
+        matmul_rows_impl::<false>(ops, wide, narrow_rows, out_t)
     }
 }
 
@@ -563,6 +570,78 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// One head of a KV cache (`[slots, width]` each, position `t` in slot `t % slots`): its
+/// `head_dim` values start at `offset` in each slot.
+#[derive(Clone, Copy)]
+pub struct CachedHead<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub width: usize,
+    pub offset: usize,
+}
+
+/// One query row of one head attending to the positions `keys` of `head`: `out = Σ_t
+/// softmax(scale·q·k_t)·v_t` (`scores`: scratch). One call per (row, head), the dot products,
+/// softmax and weighted sum inlined in it: called per key, `dot` and `axpy` (64 values for
+/// SmolLM2) were a fifth of a decode step at a few hundred positions, their dispatch and the
+/// slot's division per key included. The same dot product (16 lanes, as `dot`) and the same
+/// order of additions (as `axpy`) as before; the exponentials are `exp_approx`'s.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn attend(
+    q: &[f32],
+    head: CachedHead<'_>,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let slots = head.k.len() / head.width;
+    // The slots of `keys` in order, without a division per key.
+    let slot_of = |first: usize| {
+        let mut slot = first % slots;
+        move || {
+            let at = slot * head.width + head.offset;
+            slot += 1;
+            if slot == slots {
+                slot = 0;
+            }
+            at..at + hd
+        }
+    };
+    let fma = target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"));
+    let mut next = slot_of(keys.start);
+    scores.clear();
+    scores.extend(keys.clone().map(|_| {
+        let k = &head.k[next()];
+        let d = if fma {
+            dot_f32::<true>(q, k)
+        } else {
+            dot_f32::<false>(q, k)
+        };
+        d * scale
+    }));
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = exp_approx(*s - max);
+        sum += *s;
+    }
+    out.fill(0.0);
+    let inv = 1.0 / sum;
+    let mut next = slot_of(keys.start);
+    for s in scores.iter() {
+        let (a, v) = (s * inv, &head.v[next()]);
+        for (o, x) in out.iter_mut().zip(v) {
+            *o += a * x;
+        }
+    }
+}
+
 /// `y += a·x` (attention's weighted sum of values).
 #[multiversion(targets(
     "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
@@ -575,6 +654,73 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `e^x` for |x| below ~87 (clamped to the range of normal f32 results), within 2 ulp: Cephes'
+/// `expf` (`x = n·ln2 + r`, |r| ≤ ln2/2, a degree-5 polynomial for `e^r`, then `2^n` through
+/// the exponent bits), written without calls or branches so that LLVM vectorises the loops
+/// over it (a call of libm's `expf` per value kept the gated units scalar: a few per cent of a
+/// small model's decode step).
+#[inline(always)]
+fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts, the first exact in few bits, so that `x − n·ln2` loses nothing.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Round to nearest by the float adder: 1.5·2²³ leaves no fraction bits.
+    const SHIFT: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + SHIFT) - SHIFT;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let er = p * r * r + r + 1.0;
+    er * f32::from_bits(((n as i32 + 127) << 23) as u32)
+}
+
+/// `x·σ(x)`.
+#[inline(always)]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + exp_approx(-x))
+}
+
+/// `√(2/π)`, in the tanh approximation of GeLU.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// GeLU's tanh approximation `0.5·x·(1 + tanh(u))`, `u = √(2/π)·(x + 0.044715·x³)`, written as
+/// `x·σ(2u)` (the same function: `0.5·(1 + tanh(u)) = σ(2u)`).
+#[inline(always)]
+fn gelu_tanh(x: f32) -> f32 {
+    let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
+    x / (1.0 + exp_approx(-2.0 * u))
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]` (SwiGLU), vectorised.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
+
+/// `gate[i] = gelu_tanh(gate[i]) · up[i]` (GeGLU), vectorised.
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
 /// Decodes one whole row (embedding lookup).
 pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
     dequant_row(dtype, row, out)
@@ -584,6 +730,48 @@ pub fn dequantize_row(dtype: DType, row: &[u8], out: &mut [f32]) {
 mod tests {
     use super::super::kquants::tests::Rng;
     use super::*;
+
+    #[test]
+    fn vectorised_activations_match_libm_within_a_few_ulp() {
+        // `exp_approx` against libm's `exp` (f64) where its results are normal floats (it
+        // clamps below −87, where they are tiny), and the gated units against their libm
+        // forms, outputs below 1e-25 in magnitude counting as equal (the clamped tails):
+        // relative error printed, tolerance 4e-7 (a few ulp; the f32 divisions and products
+        // add a rounding each).
+        let mut worst_exp = 0f64;
+        let mut x = -80.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            worst_exp = worst_exp.max((exp_approx(x) as f64 - want).abs() / want);
+            x += 0.013;
+        }
+        println!("exp_approx: max rel error {worst_exp:.2e} (tol 4e-7)");
+        assert!(worst_exp <= 4e-7);
+        let mut rng = Rng(99);
+        let xs: Vec<f32> = (0..4096)
+            .map(|i| rng.uniform() * if i % 2 == 0 { 8.0 } else { 200.0 })
+            .chain([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 200.0, -200.0])
+            .collect();
+        let up = vec![1f32; xs.len()];
+        let (mut s, mut g) = (xs.clone(), xs.clone());
+        swiglu(&mut s, &up);
+        geglu(&mut g, &up);
+        let (mut worst_s, mut worst_g) = (0f64, 0f64);
+        for ((x, s), g) in xs.iter().zip(&s).zip(&g) {
+            let x64 = *x as f64;
+            let want_s = x64 / (1.0 + (-x64).exp());
+            // 0.5·x·(1 + tanh(u)) in a form without cancellation where tanh(u) is near −1,
+            // `u` rounded to f32 as the kernel (and the libm form before it) computes it: its
+            // rounding moves e^(−2u) by up to 2|u| ulp, which is the f32 input's, not exp's.
+            let u = (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)) as f64;
+            let want_g = x64 / (1.0 + (-2.0 * u).exp());
+            let rel = |got: f32, want: f64| (got as f64 - want).abs() / want.abs().max(1e-25);
+            worst_s = worst_s.max(rel(*s, want_s));
+            worst_g = worst_g.max(rel(*g, want_g));
+        }
+        println!("swiglu: max rel error {worst_s:.2e}, geglu: {worst_g:.2e} (tol 4e-7)");
+        assert!(worst_s <= 4e-7 && worst_g <= 4e-7, "{worst_s} {worst_g}");
+    }
 
     #[test]
     fn the_f16c_row_kernel_gives_the_portable_kernels_bits() {

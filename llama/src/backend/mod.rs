@@ -16,6 +16,7 @@ pub(crate) mod int8;
 pub(crate) mod kernels;
 pub(crate) mod kquants;
 pub mod reference;
+pub(crate) mod vnni16;
 
 pub use crate::error::BackendError;
 pub use crate::weights::WeightView;

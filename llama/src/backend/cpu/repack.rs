@@ -1,6 +1,7 @@
-//! The CPU backend's copies of q4_0, q4_1 and q8_0 weight matrices in the interleaved layout of
-//! `int8::repack8` (eight rows per group, block by block, scales side by side), which the
-//! default (8-bit activation) matmuls read instead of the stored rows.
+//! The CPU backend's copies of weight matrices in an interleaved layout, which the 8-bit
+//! activation matmuls read instead of the stored rows: on CPUs with AVX-512 VNNI the layout of
+//! `vnni16::repack16` (sixteen rows per group; q4_0, q4_1, q8_0, q5_0, q4_k, q6_k), elsewhere
+//! with AVX2 that of `int8::repack8` (eight rows per group; q4_0, q4_1, q8_0). See [`Packing`].
 //!
 //! Why: with the stored layout each weight row is a dot product of its own (a horizontal sum,
 //! scalar scale conversions and offsets per block), or eight rows are transposed while being
@@ -24,13 +25,32 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rayon::prelude::*;
 
 use crate::backend::WeightView;
-use crate::backend::int8;
+use crate::backend::{int8, vnni16};
+
+/// The interleaved layouts, each read by its own kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Packing {
+    /// `int8::repack8`, read by `int8::gemm8_packed`.
+    Rows8,
+    /// `vnni16::repack16`, read by `vnni16::gemm16`.
+    Rows16,
+}
+
+impl Packing {
+    /// Rows per interleaved group.
+    pub(super) fn rows(self) -> usize {
+        match self {
+            Packing::Rows8 => 8,
+            Packing::Rows16 => 16,
+        }
+    }
+}
 
 /// Repacked copies by the stored bytes' (address, length).
 type Copies = HashMap<(usize, usize), Arc<[u8]>>;
 
-/// Groups of eight rows each rayon task of the copy repacks.
-const GROUPS_PER_TASK: usize = 64;
+/// Rows each rayon task of the copy repacks (whole groups of either layout).
+const ROWS_PER_TASK: usize = 512;
 
 /// The repacked copies of one backend (not shared by its clones: an address is only known to
 /// name the same weight within one model's lifetime).
@@ -64,29 +84,38 @@ impl RepackCache {
         }
     }
 
-    /// The interleaved copy of `w`, whose stored bytes are `bytes`, made now if it is the
+    /// The copy of `w` (stored bytes `bytes`) in the layout `packing`, made now if it is the
     /// first time; `None` when `w` is not repacked (see the module doc; the caller checked
-    /// that its dtype and this CPU take the interleaved kernels).
-    pub(super) fn get(&self, w: &WeightView<'_>, bytes: &[u8]) -> Option<Arc<[u8]>> {
-        if !self.stable.load(Ordering::Relaxed) || w.rows < 8 {
+    /// that its dtype and this CPU take the kernels of `packing`, which is the same for a dtype
+    /// throughout a backend's life).
+    pub(super) fn get(
+        &self,
+        w: &WeightView<'_>,
+        bytes: &[u8],
+        packing: Packing,
+    ) -> Option<Arc<[u8]>> {
+        if !self.stable.load(Ordering::Relaxed) || w.rows < packing.rows() {
             return None;
         }
         let mut copies = self.copies.lock().unwrap_or_else(PoisonError::into_inner);
         let copy = copies
             .entry((bytes.as_ptr() as usize, bytes.len()))
-            .or_insert_with(|| repacked(w, bytes));
+            .or_insert_with(|| repacked(w, bytes, packing));
         Some(Arc::clone(copy))
     }
 }
 
-/// `bytes` (the `w.rows` stored rows of `w`) in the layout of `int8::repack8`, in parallel.
-pub(super) fn repacked(w: &WeightView<'_>, bytes: &[u8]) -> Arc<[u8]> {
+/// `bytes` (the `w.rows` stored rows of `w`) in the layout `packing`, in parallel.
+pub(super) fn repacked(w: &WeightView<'_>, bytes: &[u8], packing: Packing) -> Arc<[u8]> {
     let row_bytes = w.row_bytes();
     let bytes = &bytes[..w.rows * row_bytes];
     let mut out = vec![0u8; bytes.len()];
-    let task = GROUPS_PER_TASK * 8 * row_bytes;
+    let task = ROWS_PER_TASK * row_bytes;
     out.par_chunks_mut(task)
         .zip(bytes.par_chunks(task))
-        .for_each(|(dst, src)| int8::repack8(w.dtype, src, row_bytes, dst));
+        .for_each(|(dst, src)| match packing {
+            Packing::Rows8 => int8::repack8(w.dtype, src, row_bytes, dst),
+            Packing::Rows16 => vnni16::repack16(w.dtype, src, row_bytes, dst),
+        });
     out.into()
 }
