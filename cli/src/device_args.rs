@@ -32,9 +32,10 @@ pub struct DeviceArgs {
     /// or `host`. Also GDSLLM_IO.
     #[arg(long, value_name = "IO_PATH")]
     pub io: Option<String>,
-    /// CPU only: f32 activations for q4_0/q4_1/q8_0 weights (the float reference's agreement
-    /// the golden tests check) instead of the default 8-bit activations with integer dot
-    /// products for decode and prompt rows, as llama.cpp (2–5× faster; logits move by ~1 %).
+    /// CPU only: f32 activations for q4_0/q4_1/q8_0 weights and for k-quant prompt rows (the
+    /// float reference's agreement the golden tests check) instead of the default 8-bit
+    /// activations with integer dot products for decode and prompt rows, as llama.cpp (2–5×
+    /// faster; logits move by ~1 %).
     #[arg(long, env = "GDSLLM_CPU_EXACT")]
     pub cpu_exact: bool,
 }

@@ -15,9 +15,11 @@
 //! - exact ([`CpuBackend::exact`], `--cpu-exact`): f32 activations for those dtypes
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
-//! In both, f32/f16/bf16 weights take f32 activations, the k-quant-era dtypes 8-bit ones for
+//! In both, f32/f16/bf16 weights take f32 activations and the k-quant-era dtypes 8-bit ones for
 //! decode rows (`kquants.rs`; q5_0, q4_k and q6_k of resident weights on AVX-512 VNNI through
-//! `vnni16`'s sixteen-row copies), and the prompts that `int8::gemm8` does not take decode each
+//! `vnni16`'s sixteen-row copies). A prompt's rows of those sixteen-row copies take 8-bit
+//! activations too in the default mode (as llama.cpp's q8_K activations); the other prompts
+//! that `int8::gemm8` does not take, and in the exact mode every k-quant prompt, decode each
 //! weight row once to f32.
 //!
 //! Threads: the thread running the passes should be one of the pool's workers
