@@ -719,9 +719,9 @@ x86_kernels!(
 );
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
+    use super::super::kquants::QuantizedActs;
     use super::super::kquants::tests::Rng;
-    use super::super::kquants::{QuantizedActs, reference_dot};
     use super::*;
 
     /// `$list()`: `$kernel` of every instruction set this CPU runs, by name, after `$first`
@@ -809,23 +809,59 @@ mod tests {
         (w, x, xq)
     }
 
-    /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
-    /// `x`: the f64 dot product, how far an 8-bit-activation kernel may be from it
-    /// (`Σ_blocks max|x_b|/254 · Σ|w_b|`, plus f32 rounding: 1e-5 of `Σ|w·x|`), and `Σ|w·x|`.
+    /// `(reference, bound, magnitude)` of [`kquants::tests::bound_of`] for the 32-value blocks
+    /// these dtypes round their activations in.
     fn bound_of(dtype: DType, wr: &[u8], x: &[f32]) -> (f64, f64, f64) {
-        let mut dense = vec![0f32; x.len()];
-        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-        let magnitude: f64 = dense.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
-        let rounding: f64 = dense
-            .chunks_exact(32)
-            .zip(x.chunks_exact(32))
-            .map(|(wb, xb)| {
-                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-            })
-            .sum();
-        let bound = rounding * 1.001 + 1e-5 * magnitude;
-        (reference_dot(dtype, wr, x), bound, magnitude)
+        super::super::kquants::tests::bound_of(dtype, wr, x, 32)
+    }
+
+    /// Checks that `gemm` (activation rows and where their results go in; how many weight rows
+    /// it computed out, `done` of `rows`) gives each activation row of `acts` bit for bit what
+    /// it gives that row alone when it comes with 1, 4 or 8 others, their results written into
+    /// every other column of a table twice as wide, backwards. Returns the results of each
+    /// activation row alone (`[activation row][weight row]`).
+    pub(crate) fn check_alone_in_any_column(
+        acts: &[ActRow<'_>],
+        rows: usize,
+        done: usize,
+        what: &str,
+        mut gemm: impl FnMut(&[ActRow<'_>], Columns<'_>) -> usize,
+    ) -> Vec<Vec<f32>> {
+        let mut alone = vec![vec![f32::NAN; rows]; acts.len()];
+        for (c, a) in acts.iter().enumerate() {
+            let out = Columns {
+                out_t: &mut alone[c],
+                stride: 1,
+                columns: &[0],
+            };
+            assert_eq!(
+                gemm(std::slice::from_ref(a), out),
+                done,
+                "{what}: whole groups"
+            );
+        }
+        for n in [2, 5, 9].into_iter().filter(|&n| n <= acts.len()) {
+            // Into every other column of a table twice as wide, backwards.
+            let mut table = vec![f32::NAN; rows * 2 * n];
+            let columns: Vec<usize> = (0..n).map(|c| 2 * (n - 1 - c)).collect();
+            let out = Columns {
+                out_t: &mut table,
+                stride: 2 * n,
+                columns: &columns,
+            };
+            gemm(&acts[..n], out);
+            for i in 0..done {
+                assert!((0..n).all(|c| table[i * 2 * n + 2 * c + 1].is_nan()));
+                for c in 0..n {
+                    assert_eq!(
+                        table[i * 2 * n + columns[c]].to_bits(),
+                        alone[c][i].to_bits(),
+                        "{what}: row {i}, activation row {c} of {n}"
+                    );
+                }
+            }
+        }
+        alone
     }
 
     #[test]
@@ -845,37 +881,11 @@ mod tests {
             let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
             for (name, f) in &variants {
                 let mut worst = 0f64;
-                let mut alone = vec![vec![f32::NAN; rows]; n_acts];
-                for (c, a) in acts.iter().enumerate() {
-                    let out = Columns {
-                        out_t: &mut alone[c],
-                        stride: 1,
-                        columns: &[0],
-                    };
-                    let done = f(dtype, &w, row_bytes, std::slice::from_ref(a), out, false);
-                    assert_eq!(done, rows / 8 * 8, "{name}: whole groups of eight");
-                }
-                for n in [2, 5, 9] {
-                    // Into every other column of a table twice as wide, backwards.
-                    let mut table = vec![f32::NAN; rows * 2 * n];
-                    let columns: Vec<usize> = (0..n).map(|c| 2 * (n - 1 - c)).collect();
-                    let out = Columns {
-                        out_t: &mut table,
-                        stride: 2 * n,
-                        columns: &columns,
-                    };
-                    f(dtype, &w, row_bytes, &acts[..n], out, false);
-                    for i in 0..rows / 8 * 8 {
-                        assert!((0..n).all(|c| table[i * 2 * n + 2 * c + 1].is_nan()));
-                        for c in 0..n {
-                            assert_eq!(
-                                table[i * 2 * n + columns[c]].to_bits(),
-                                alone[c][i].to_bits(),
-                                "{dtype} {name}: row {i}, activation row {c} of {n}"
-                            );
-                        }
-                    }
-                }
+                let what = format!("{dtype} {name}");
+                let alone =
+                    check_alone_in_any_column(&acts, rows, rows / 8 * 8, &what, |a, out| {
+                        f(dtype, &w, row_bytes, a, out, false)
+                    });
                 for (c, xc) in x.chunks_exact(cols).enumerate() {
                     let mut by_row = vec![0f32; rows];
                     portable::dot_rows(dtype, &w, row_bytes, acts[c], &mut by_row, 1);

@@ -893,6 +893,29 @@ pub(crate) mod tests {
         );
     }
 
+    /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
+    /// `x`: the f64 dot product, how far an 8-bit-activation kernel may be from it
+    /// (`Σ_groups max|x_g|/254 · Σ|w_g|` over the activations' rounding groups of `group`
+    /// values, plus f32 rounding: 1e-5 of `Σ|w·x|`), and `Σ|w·x|`.
+    pub(crate) fn bound_of(dtype: DType, wr: &[u8], x: &[f32], group: usize) -> (f64, f64, f64) {
+        let mut dense = vec![0f32; x.len()];
+        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
+        let magnitude: f64 = dense.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
+        let rounding: f64 = dense
+            .chunks_exact(group)
+            .zip(x.chunks_exact(group))
+            .map(|(wb, xb)| {
+                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+            })
+            .sum();
+        (
+            reference_dot(dtype, wr, x),
+            rounding * 1.001 + 1e-5 * magnitude,
+            magnitude,
+        )
+    }
+
     #[test]
     fn dot_products_match_the_dequantize_then_f32_reference() {
         // The kernels (AVX2 where the CPU has it, and portable) compute the dot
@@ -916,23 +939,7 @@ pub(crate) mod tests {
             let row_bytes = w.len() / rows;
             let (mut worst_ref, mut worst_bound, mut worst_port) = (0f64, 0f64, 0f64);
             for wr in w.chunks_exact(row_bytes) {
-                let mut dense = vec![0f32; cols];
-                weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-                let reference = reference_dot(dtype, wr, &x);
-                let magnitude: f64 = dense
-                    .iter()
-                    .zip(&x)
-                    .map(|(a, b)| (a * b).abs() as f64)
-                    .sum();
-                let rounding: f64 = dense
-                    .chunks_exact(group)
-                    .zip(x.chunks_exact(group))
-                    .map(|(wb, xb)| {
-                        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                        amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-                    })
-                    .sum();
-                let bound = rounding * 1.001 + 1e-5 * magnitude;
+                let (reference, bound, magnitude) = bound_of(dtype, wr, &x, group);
                 let fast = dot(dtype, wr, xq.row(dtype, 0)) as f64;
                 let port = portable::dot(dtype, wr, xq.row(dtype, 0)) as f64;
                 assert!(

@@ -599,8 +599,10 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::super::int8;
+    use super::super::int8::tests::check_alone_in_any_column;
     use super::super::kquants::tests::Rng;
-    use super::super::kquants::{self, QuantizedActs, reference_dot};
+    use super::super::kquants::tests::bound_of;
+    use super::super::kquants::{self, QuantizedActs};
     use super::*;
 
     /// The row kernel of `dtype` (what the rows after the last group of sixteen take).
@@ -612,29 +614,6 @@ mod tests {
         } else {
             kquants::dot(dtype, row, x)
         }
-    }
-
-    /// `(reference, bound, magnitude)` for the stored weight row `wr` and the f32 activations
-    /// `x`: the f64 dot product, how far an 8-bit-activation kernel may be from it
-    /// (`Σ_groups max|x_g|/254 · Σ|w_g|` over the activations' rounding groups of `group`
-    /// values, plus f32 rounding: 1e-5 of `Σ|w·x|`), and `Σ|w·x|`.
-    fn bound_of(dtype: DType, wr: &[u8], x: &[f32], group: usize) -> (f64, f64, f64) {
-        let mut dense = vec![0f32; x.len()];
-        weights_format::quant::dequantize(dtype, wr, &mut dense).unwrap();
-        let magnitude: f64 = dense.iter().zip(x).map(|(a, b)| (a * b).abs() as f64).sum();
-        let rounding: f64 = dense
-            .chunks_exact(group)
-            .zip(x.chunks_exact(group))
-            .map(|(wb, xb)| {
-                let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
-                amax / 254.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
-            })
-            .sum();
-        (
-            reference_dot(dtype, wr, x),
-            rounding * 1.001 + 1e-5 * magnitude,
-            magnitude,
-        )
     }
 
     #[test]
@@ -680,37 +659,10 @@ mod tests {
                     w[whole * row_bytes..],
                     "{dtype}: the rows after the last group stay as stored"
                 );
-                let mut alone = vec![vec![f32::NAN; rows]; n_acts];
-                for (c, a) in acts.iter().enumerate() {
-                    let out = Columns {
-                        out_t: &mut alone[c],
-                        stride: 1,
-                        columns: &[0],
-                    };
-                    let done = gemm16(dtype, &packed, row_bytes, std::slice::from_ref(a), out);
-                    assert_eq!(done, whole, "{dtype}: whole groups of sixteen");
-                }
-                for n in [2, 5, 9] {
-                    // Into every other column of a table twice as wide, backwards.
-                    let mut table = vec![f32::NAN; rows * 2 * n];
-                    let columns: Vec<usize> = (0..n).map(|c| 2 * (n - 1 - c)).collect();
-                    let out = Columns {
-                        out_t: &mut table,
-                        stride: 2 * n,
-                        columns: &columns,
-                    };
-                    gemm16(dtype, &packed, row_bytes, &acts[..n], out);
-                    for i in 0..whole {
-                        assert!((0..n).all(|c| table[i * 2 * n + 2 * c + 1].is_nan()));
-                        for c in 0..n {
-                            assert_eq!(
-                                table[i * 2 * n + columns[c]].to_bits(),
-                                alone[c][i].to_bits(),
-                                "{dtype} {rows}x{cols}: row {i}, activation row {c} of {n}"
-                            );
-                        }
-                    }
-                }
+                let what = format!("{dtype} {rows}x{cols}");
+                let alone = check_alone_in_any_column(&acts, rows, whole, &what, |a, out| {
+                    gemm16(dtype, &packed, row_bytes, a, out)
+                });
                 for (c, xc) in x.chunks_exact(cols).enumerate() {
                     for (i, wr) in w.chunks_exact(row_bytes).take(whole).enumerate() {
                         let (reference, bound, magnitude) =
