@@ -1,13 +1,14 @@
 //! The CPU backend's matmul bandwidth over one 7B-sized weight (`[11008, 4096]`, a 7B's FFN
-//! matrix) per dtype, at 1 and 8 activation rows: weight bytes read per second, the figure the
+//! matrix) per dtype, at 1, 8 and 32 activation rows: weight bytes read per second, the figure the
 //! hybrid placement planner calibrates (`llama::hybrid::calibrate`) and that decoding is bound
 //! by. Each dtype is measured with the stored layout (weights the backend is told may move:
 //! what the calibration and a streamed split read) and with the repacked copies the CPU keeps
 //! of resident q4_0/q4_1/q8_0 weights (`backend::cpu::repack`). The weight is read from RAM
 //! (it is larger than the caches); each figure is the best of several calls.
 //!
-//! `RAYON_NUM_THREADS=N cargo run --release -p llama --example cpu_matvec`; prints a table (on
-//! stdout) with the thread count.
+//! `RAYON_NUM_THREADS=N cargo run --release -p llama --example cpu_matvec [DTYPE ...]`; prints a
+//! table (on stdout) with the thread count. `GDSLLM_CPU_AVX512=0` leaves the AVX-512 kernels
+//! unused, for an A/B in one binary.
 
 use std::time::{Duration, Instant};
 
@@ -44,7 +45,12 @@ fn main() -> Result<(), Error> {
     let values: Vec<f32> = (0..ROWS as u64 * COLS as u64)
         .map(|i| ((i.wrapping_mul(2_654_435_761) >> 7) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
+    // `cpu_matvec f16 q4_1`: only those dtypes.
+    let only: Vec<String> = std::env::args().skip(1).collect();
     for dtype in [DType::F16, DType::Q4_1, DType::Q4_0, DType::Q8_0] {
+        if !only.is_empty() && !only.iter().any(|d| *d == format!("{dtype}")) {
+            continue;
+        }
         let mut bytes = Vec::new();
         weights_format::quant::quantize(dtype, &values, &mut bytes)?;
         let w = WeightView::host(dtype, ROWS, COLS, &bytes);
@@ -60,7 +66,7 @@ fn main() -> Result<(), Error> {
                 weights_stable: stable,
                 generation: 0,
             })?;
-            for rows in [1, 8] {
+            for rows in [1, 8, 32] {
                 let x = be.upload(&vec![0.25; rows * COLS])?;
                 let mut out = be.alloc(rows * ROWS)?;
                 let seconds = best_seconds(|| {

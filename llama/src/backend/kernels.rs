@@ -126,6 +126,38 @@ fn dot_half_bytes<const FMA: bool, const BF16: bool>(row: &[u8], x: &[f32]) -> f
     sum16(&acc) + tail
 }
 
+/// The first `N` values of `x` as the vector type of that size (`__m256`, `__m512`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn load_lanes<const N: usize, V: bytemuck::Pod>(x: &[f32]) -> V
+where
+    [f32; N]: bytemuck::Pod,
+{
+    let a: [f32; N] = x[..N].try_into().unwrap();
+    bytemuck::cast(a)
+}
+
+/// How `dot_f32` finishes an f16 weight row against each activation row of `xs` (`sums[c]`):
+/// the sum of its 16 lanes (`lanes(c)`, the values before `done`) plus the products of the
+/// values from `done` on, summed apart.
+#[inline(always)]
+fn finish_f16_row(
+    row: &[u8],
+    done: usize,
+    xs: &[&[f32]],
+    lanes: impl Fn(usize) -> [f32; 16],
+    sums: &mut [f32],
+) {
+    let tail_w: Vec<f32> = row[done * 2..]
+        .chunks_exact(2)
+        .map(|c| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
+        .collect();
+    for (c, sum) in sums.iter_mut().enumerate() {
+        let tail: f32 = tail_w.iter().zip(&xs[c][done..]).map(|(a, b)| a * b).sum();
+        *sum = sum16(&lanes(c)) + tail;
+    }
+}
+
 /// An f16 weight row dotted with f32 activations, converting with F16C where the CPU has it:
 /// the same 16 lanes, fused multiply-adds and final sum as `dot_half_bytes::<true, false>`,
 /// hence the same bits. The portable conversion (a multiply and a select per value) kept a
@@ -164,21 +196,22 @@ mod f16c {
     use super::*;
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn load_ps(x: &[f32]) -> __m256 {
-        let a: [f32; 8] = x[..8].try_into().unwrap();
-        bytemuck::cast(a)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dot(row: &[u8], x: &[f32]) -> f32 {
         let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (i, (wb, xb)) in row.chunks_exact(32).zip(x.chunks_exact(16)).enumerate() {
             if i % 2 == 0 {
                 prefetch_ahead(&wb[..1]);
             }
-            lo = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(wb)), load_ps(xb), lo);
-            hi = _mm256_fmadd_ps(_mm256_cvtph_ps(load128(&wb[16..])), load_ps(&xb[8..]), hi);
+            lo = _mm256_fmadd_ps(
+                _mm256_cvtph_ps(load128(wb)),
+                load_lanes::<8, __m256>(xb),
+                lo,
+            );
+            hi = _mm256_fmadd_ps(
+                _mm256_cvtph_ps(load128(&wb[16..])),
+                load_lanes::<8, __m256>(&xb[8..]),
+                hi,
+            );
         }
         let acc: [f32; 16] = bytemuck::cast([lo, hi]);
         let done = row.len() / 32 * 16;
@@ -203,21 +236,13 @@ mod f16c {
             let w1 = _mm256_cvtph_ps(load128(&wb[16..]));
             for c in 0..T {
                 let x = &xs[c][16 * i..16 * i + 16];
-                lo[c] = _mm256_fmadd_ps(w0, load_ps(x), lo[c]);
-                hi[c] = _mm256_fmadd_ps(w1, load_ps(&x[8..]), hi[c]);
+                lo[c] = _mm256_fmadd_ps(w0, load_lanes::<8, __m256>(x), lo[c]);
+                hi[c] = _mm256_fmadd_ps(w1, load_lanes::<8, __m256>(&x[8..]), hi[c]);
             }
         }
         let done = row.len() / 32 * 16;
-        let tail_w: Vec<f32> = row[done * 2..]
-            .chunks_exact(2)
-            .map(|c| f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]])))
-            .collect();
-        for c in 0..T {
-            // As `dot_f32`: the tail's products summed apart, then added to the lanes' sum.
-            let tail: f32 = tail_w.iter().zip(&xs[c][done..]).map(|(a, b)| a * b).sum();
-            let acc: [f32; 16] = bytemuck::cast([lo[c], hi[c]]);
-            sums[c] = sum16(&acc) + tail;
-        }
+        let lanes = |c: usize| bytemuck::cast([lo[c], hi[c]]);
+        finish_f16_row(row, done, xs, lanes, &mut sums[..T]);
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -230,6 +255,117 @@ mod f16c {
                 _ => dot_tile::<4>(row, xs, sums),
             }
         }
+    }
+}
+
+/// The wide (prompt) rows of four f16 weight rows at a time for every activation row of `xs`,
+/// into `out` (weight row `i`, activation row `c` at `out_t[i·stride + columns[c]]`), for the
+/// whole groups of four rows of `w` (`row_bytes` each). Returns how many weight rows it
+/// computed (none without AVX-512 or with `GDSLLM_CPU_AVX512=0`: the caller then takes
+/// [`dot_f16_many_fma`] a row at a time). Each result is bit for bit that function's (the same
+/// 16 lanes, FMAs and final sum), so the rows after the last group may take it.
+///
+/// Why: `dot_f16_many_fma` converts each 16 weights once for four activation rows, but loads
+/// two activation vectors per two FMAs, so an 8-row f16 matmul ran at ~4 GB/s a core (~35
+/// GFLOP/s) where a 32-row one is compute-bound. A tile of 4 weight rows × up to 4 activation
+/// rows in 512-bit registers makes 16 FMAs per 8 loads.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c"))]
+fn f16_wide_tiles(w: &[u8], row_bytes: usize, xs: &[&[f32]], out: int8::Columns<'_>) -> usize {
+    multiversion::target::match_target! {
+        "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c" => {
+            if super::vnni16::avx512_turned_off() {
+                return 0;
+            }
+            f16x16::wide_tiles(w, row_bytes, xs, out)
+        }
+        _ => {
+            let _ = (w, row_bytes, xs, out);
+            0
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod f16x16 {
+    use std::arch::x86_64::*;
+
+    use super::super::int8::Columns;
+    use super::*;
+
+    /// Weight rows a tile.
+    const R: usize = 4;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn load_w(s: &[u8]) -> __m512 {
+        let a: [u8; 32] = s[..32].try_into().unwrap();
+        _mm512_cvtph_ps(bytemuck::cast::<[u8; 32], __m256i>(a))
+    }
+
+    /// `R` weight rows (`rows[r]`) against `T` activation rows: `sums[r][c]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    fn tile<const T: usize>(rows: [&[u8]; R], xs: &[&[f32]], sums: &mut [[f32; T]; R]) {
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let cols = rows[0].len() / 2;
+        let whole = cols / 16;
+        for i in 0..whole {
+            let wv: [__m512; R] = std::array::from_fn(|r| load_w(&rows[r][32 * i..]));
+            for c in 0..T {
+                let x = load_lanes::<16, __m512>(&xs[c][16 * i..]);
+                for r in 0..R {
+                    acc[r][c] = _mm512_fmadd_ps(wv[r], x, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..R {
+            let lanes = |c: usize| bytemuck::cast(acc[r][c]);
+            finish_f16_row(rows[r], whole * 16, xs, lanes, &mut sums[r]);
+        }
+    }
+
+    /// [`super::f16_wide_tiles`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) fn wide_tiles(w: &[u8], row_bytes: usize, xs: &[&[f32]], out: Columns<'_>) -> usize {
+        let Columns {
+            out_t,
+            stride: n,
+            columns,
+        } = out;
+        let groups = w.len() / row_bytes / R;
+        for g in 0..groups {
+            let rows: [&[u8]; R] = std::array::from_fn(|r| {
+                let at = (g * R + r) * row_bytes;
+                &w[at..at + row_bytes]
+            });
+            let mut first = 0;
+            while first < xs.len() {
+                let t = (xs.len() - first).min(4);
+                let part = &xs[first..first + t];
+                let mut put = |r: usize, c: usize, v: f32| {
+                    out_t[(g * R + r) * n + columns[first + c]] = v;
+                };
+                macro_rules! run {
+                    ($t:literal) => {{
+                        let mut sums = [[0f32; $t]; R];
+                        tile::<$t>(rows, part, &mut sums);
+                        for r in 0..R {
+                            for c in 0..$t {
+                                put(r, c, sums[r][c]);
+                            }
+                        }
+                    }};
+                }
+                match t {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    _ => run!(4),
+                }
+                first += t;
+            }
+        }
+        groups * R
     }
 }
 
@@ -487,8 +623,24 @@ fn matmul_rows_impl<const FMA: bool>(
     let wide_rows: Vec<usize> = (0..n).filter(|&r| f16_wide && wide[r]).collect();
     let wide_xs: Vec<&[f32]> = wide_rows.iter().map(|&r| xr(r)).collect();
     let mut wide_sums = vec![0f32; wide_rows.len()];
-    for (row, out) in w.chunks_exact(row_bytes).zip(out_t.chunks_exact_mut(n)) {
-        if f16_wide {
+    let tiled = if f16_wide {
+        let out = int8::Columns {
+            out_t: &mut *out_t,
+            stride: n,
+            columns: &wide_rows,
+        };
+        f16_wide_tiles(w, row_bytes, &wide_xs, out)
+    } else {
+        0
+    };
+    for (i, (row, out)) in w
+        .chunks_exact(row_bytes)
+        .zip(out_t.chunks_exact_mut(n))
+        .enumerate()
+    {
+        if f16_wide && i < tiled {
+            // Done above.
+        } else if f16_wide {
             dot_f16_many_fma(row, &wide_xs, &mut wide_sums);
             for (&r, v) in wide_rows.iter().zip(&wide_sums) {
                 out[r] = *v;
@@ -809,6 +961,59 @@ mod tests {
                     reference.to_bits(),
                     "{cols} columns, row {c}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn f16_tiles_give_the_row_kernels_bits() {
+        // Four weight rows × up to four activation rows in 512-bit registers (where the CPU
+        // has AVX-512): every result bit for bit `dot_f16_many_fma`'s, into the columns asked
+        // for, for weight row counts with and without rows after the last group of four, rows
+        // with and without a tail of fewer than 16 values, and 1–9 activation rows.
+        let mut rng = Rng(0x0F16_7113_5EED_0001);
+        for (rows, cols) in [(4, 16), (9, 4096 + 7), (13, 512), (4, 5)] {
+            let row_bytes = cols * 2;
+            let w: Vec<u8> = (0..rows * cols)
+                .flat_map(|_| ((rng.next() as u16) & 0xFBFF).to_le_bytes())
+                .collect();
+            for n_acts in [1, 3, 4, 5, 9] {
+                let xs: Vec<Vec<f32>> = (0..n_acts)
+                    .map(|_| (0..cols).map(|_| rng.uniform()).collect())
+                    .collect();
+                let refs: Vec<&[f32]> = xs.iter().map(|x| &x[..]).collect();
+                // Into every other column of a table twice as wide, backwards.
+                let n = 2 * n_acts;
+                let columns: Vec<usize> = (0..n_acts).map(|c| 2 * (n_acts - 1 - c)).collect();
+                let mut out_t = vec![f32::NAN; rows * n];
+                let out = int8::Columns {
+                    out_t: &mut out_t,
+                    stride: n,
+                    columns: &columns,
+                };
+                let done = f16_wide_tiles(&w, row_bytes, &refs, out);
+                assert!(done == 0 || done == rows / 4 * 4, "{done} of {rows} rows");
+                let mut sums = vec![0f32; n_acts];
+                for (i, row) in w.chunks_exact(row_bytes).enumerate().take(done) {
+                    dot_f16_many_fma(row, &refs, &mut sums);
+                    for c in 0..n_acts {
+                        assert_eq!(
+                            out_t[i * n + columns[c]].to_bits(),
+                            sums[c].to_bits(),
+                            "[{rows}x{cols}] weight row {i}, activation row {c} of {n_acts}"
+                        );
+                        assert!(
+                            out_t[i * n + 2 * c + 1].is_nan(),
+                            "column {} written",
+                            2 * c + 1
+                        );
+                    }
+                }
+                assert!(
+                    out_t[done * n..].iter().all(|v| v.is_nan()),
+                    "rows after {done}"
+                );
+                println!("f16 tiles [{rows}x{cols}] × {n_acts}: {done} rows, bit for bit");
             }
         }
     }

@@ -55,10 +55,14 @@ pub(crate) fn handles(dtype: DType) -> bool {
 /// `GDSLLM_CPU_AVX512` is not `0`.
 pub(crate) fn available() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        let off = std::env::var("GDSLLM_CPU_AVX512").is_ok_and(|v| v == "0");
-        cpu_has_avx512vnni() && !off
-    })
+    *ON.get_or_init(|| cpu_has_avx512vnni() && !avx512_turned_off())
+}
+
+/// Whether `GDSLLM_CPU_AVX512=0` asks the CPU backend to leave its AVX-512 kernels (these and
+/// the f16 tiles of `kernels`) unused, as on a CPU without AVX-512, for comparisons.
+pub(crate) fn avx512_turned_off() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OFF.get_or_init(|| std::env::var("GDSLLM_CPU_AVX512").is_ok_and(|v| v == "0"))
 }
 
 /// Whether the CPU has what the kernels need (whatever `GDSLLM_CPU_AVX512` says): whether
