@@ -116,8 +116,10 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// CPU's probe is sized from its last-level caches — a 256 MiB one was read from a server's
 /// cache, and the CPU predicted twice as fast as it ran — and measured at 32 rows too. 4: the
 /// CPU's matmuls and the pinned host→device copies measured at the same time
-/// ([`ConcurrentRate`]): on one DRAM they do not add up.)
-pub const CALIBRATION_VERSION: u32 = 4;
+/// ([`ConcurrentRate`]): on one DRAM they do not add up. 5: the CPU's kernels changed — the
+/// AVX-512 sixteen-row kernels and the f16 tiles of 8 and 32 rows — so figures measured with
+/// the earlier ones understate it.)
+pub const CALIBRATION_VERSION: u32 = 5;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
 /// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then
