@@ -1,5 +1,5 @@
 //! The CPU backend's matmul bandwidth over one 7B-sized weight (`[11008, 4096]`, a 7B's FFN
-//! matrix) per dtype, at 1, 8 and 32 activation rows: weight bytes read per second, the figure the
+//! matrix) per dtype, at 1, 8 and 32 activation rows (one sequence's, and a batch's decode rows): weight bytes read per second, the figure the
 //! hybrid placement planner calibrates (`llama::hybrid::calibrate`) and that decoding is bound
 //! by. Each dtype is measured with the stored layout (weights the backend is told may move:
 //! what the calibration and a streamed split read) and with the repacked copies the CPU keeps
@@ -39,7 +39,7 @@ fn best_seconds(mut f: impl FnMut() -> Result<(), Error>) -> Result<f64, Error> 
 fn main() -> Result<(), Error> {
     CpuBackend::adopt_current_thread(None);
     println!("threads: {}", CpuBackend::threads());
-    println!("dtype  layout    rows  GB/s   ms/call");
+    println!("dtype  layout    kind    rows  GB/s   ms/call");
     // A random-looking weight (speed does not depend on the values; distinct rows so that no
     // cache holds them).
     let values: Vec<f32> = (0..ROWS as u64 * COLS as u64)
@@ -66,16 +66,25 @@ fn main() -> Result<(), Error> {
                 weights_stable: stable,
                 generation: 0,
             })?;
-            for rows in [1, 8, 32] {
+            // One sequence of `rows` rows (a prompt), or `rows` sequences of one row each (a
+            // batch's decode step; each row must round as it would alone).
+            let passes = [(1, false), (8, false), (32, false), (8, true), (32, true)];
+            for (rows, decode) in passes {
                 let x = be.upload(&vec![0.25; rows * COLS])?;
                 let mut out = be.alloc(rows * ROWS)?;
+                let groups = if decode {
+                    vec![RowGroup::solo(1); rows]
+                } else {
+                    vec![RowGroup::solo(rows)]
+                };
                 let seconds = best_seconds(|| {
-                    be.matmul_batch(&x, &[RowGroup::solo(rows)], &[w], &mut [&mut out])?;
+                    be.matmul_batch(&x, &groups, &[w], &mut [&mut out])?;
                     Ok(())
                 })?;
                 let layout = if stable { "repacked" } else { "stored" };
+                let kind = if decode { "decode" } else { "prompt" };
                 println!(
-                    "{:<6} {layout:<9} {rows:>4}  {:>5.1}  {:>7.3}",
+                    "{:<6} {layout:<9} {kind:<7} {rows:>4}  {:>5.1}  {:>7.3}",
                     format!("{dtype}"),
                     bytes.len() as f64 / seconds / 1e9,
                     seconds * 1e3

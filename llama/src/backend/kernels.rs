@@ -258,9 +258,9 @@ mod f16c {
     }
 }
 
-/// The wide (prompt) rows of four f16 weight rows at a time for every activation row of `xs`,
-/// into `out` (weight row `i`, activation row `c` at `out_t[i·stride + columns[c]]`), for the
-/// whole groups of four rows of `w` (`row_bytes` each). Returns how many weight rows it
+/// Four f16 weight rows at a time against every activation row of `xs` (prompt and decode
+/// rows), into `out` (weight row `i`, activation row `c` at `out_t[i·stride + columns[c]]`), for
+/// the whole groups of four rows of `w` (`row_bytes` each). Returns how many weight rows it
 /// computed (none without AVX-512 or with `GDSLLM_CPU_AVX512=0`: the caller then takes
 /// [`dot_f16_many_fma`] a row at a time). Each result is bit for bit that function's (the same
 /// 16 lanes, FMAs and final sum), so the rows after the last group may take it.
@@ -595,9 +595,16 @@ fn matmul_rows_impl<const FMA: bool>(
         }
         return;
     }
-    let any_wide = wide.contains(&true);
+    // f16 rows with FMA: a weight row decoded once and dotted (wide) and one dotted from its
+    // bytes (narrow, `dot_f16_fma`) give the same bits (the conversion is exact; the same 16
+    // lanes, FMAs and sums), so every such row, a batch's decode rows too, takes the kernels
+    // that convert each weight once for several activation rows.
+    let f16_many = FMA && dtype == DType::F16;
+    let any_wide = wide.contains(&true) && !f16_many;
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
-    let mut narrow: Vec<usize> = (0..n).filter(|&r| narrow_rows && !wide[r]).collect();
+    let mut narrow: Vec<usize> = (0..n)
+        .filter(|&r| narrow_rows && !wide[r] && !f16_many)
+        .collect();
     if int8 && int8::handles(dtype) {
         // All weight rows at once for each activation row, on its 8-bit copy.
         for &r in &narrow {
@@ -617,17 +624,19 @@ fn matmul_rows_impl<const FMA: bool>(
             &[]
         }
     };
-    // f16 rows for many activation rows: converted once per four activation rows in registers
-    // (the same bits as decoding the row to `tmp` first).
-    let f16_wide = any_wide && FMA && dtype == DType::F16;
-    let wide_rows: Vec<usize> = (0..n).filter(|&r| f16_wide && wide[r]).collect();
-    let wide_xs: Vec<&[f32]> = wide_rows.iter().map(|&r| xr(r)).collect();
-    let mut wide_sums = vec![0f32; wide_rows.len()];
+    // Those f16 rows: four weight rows × four activation rows in registers where the CPU has
+    // AVX-512, else each weight row converted once per four activation rows.
+    let f16_rows: Vec<usize> = (0..n)
+        .filter(|&r| f16_many && (wide[r] || narrow_rows))
+        .collect();
+    let f16_wide = !f16_rows.is_empty();
+    let wide_xs: Vec<&[f32]> = f16_rows.iter().map(|&r| xr(r)).collect();
+    let mut wide_sums = vec![0f32; f16_rows.len()];
     let tiled = if f16_wide {
         let out = int8::Columns {
             out_t: &mut *out_t,
             stride: n,
-            columns: &wide_rows,
+            columns: &f16_rows,
         };
         f16_wide_tiles(w, row_bytes, &wide_xs, out)
     } else {
@@ -642,7 +651,7 @@ fn matmul_rows_impl<const FMA: bool>(
             // Done above.
         } else if f16_wide {
             dot_f16_many_fma(row, &wide_xs, &mut wide_sums);
-            for (&r, v) in wide_rows.iter().zip(&wide_sums) {
+            for (&r, v) in f16_rows.iter().zip(&wide_sums) {
                 out[r] = *v;
             }
         } else if any_wide {
@@ -954,6 +963,13 @@ mod tests {
             dot_f16_many_fma(&row, &refs, &mut sums);
             let mut decoded = vec![0f32; cols];
             dequant_row(DType::F16, &row, &mut decoded);
+            // The premise of `matmul_rows` taking one kernel for wide and narrow f16 rows.
+            let decoded_dot = dot_f32::<true>(&decoded, &x);
+            assert_eq!(
+                fast.to_bits(),
+                decoded_dot.to_bits(),
+                "{cols}: decoded first"
+            );
             for (c, x) in xs.iter().enumerate() {
                 let reference = dot_f32::<true>(&decoded, x);
                 assert_eq!(
