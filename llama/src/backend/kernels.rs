@@ -598,8 +598,11 @@ fn matmul_rows_impl<const FMA: bool>(
     // f16 rows with FMA: a weight row decoded once and dotted (wide) and one dotted from its
     // bytes (narrow, `dot_f16_fma`) give the same bits (the conversion is exact; the same 16
     // lanes, FMAs and sums), so every such row, a batch's decode rows too, takes the kernels
-    // that convert each weight once for several activation rows.
-    let f16_many = FMA && dtype == DType::F16;
+    // that convert each weight once for several activation rows. Not a lone row: through the
+    // tiles a small f16 model's one-row decode ran at ~0.75x of `dot_f16_fma`'s speed (the
+    // 7B-sized `cpu_matvec` matrix was faster; not understood yet).
+    let f16_many =
+        FMA && dtype == DType::F16 && (0..n).filter(|&r| wide[r] || narrow_rows).nth(1).is_some();
     let any_wide = wide.contains(&true) && !f16_many;
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
     let mut narrow: Vec<usize> = (0..n)
