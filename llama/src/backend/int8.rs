@@ -162,25 +162,42 @@ pub(crate) fn repack8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) 
         packed_header(dtype),
         if dtype == DType::Q8_0 { 32 } else { 16 },
     );
-    let group_bytes = 8 * row_bytes;
+    repack_groups::<8>(dtype, w, row_bytes, out, |blocks, packed| {
+        for (r, blk) in blocks.iter().enumerate() {
+            packed[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+            if dtype == DType::Q4_1 {
+                packed[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+            }
+            let qs = &blk[bb - levels..];
+            for k in 0..levels / 4 {
+                let at = header + 32 * k + 4 * r;
+                packed[at..at + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
+            }
+        }
+    });
+}
+
+/// Interleaves each whole group of `G` rows of `w` (`row_bytes` each, whole blocks of `dtype`)
+/// into `out`, block by block: `pack` writes block `b` of the group's `G` rows into its
+/// `G·block_bytes` bytes. The rows after the last whole group are copied as they are, and a
+/// group takes exactly the bytes of its rows, so a range of whole groups keeps its offsets.
+pub(crate) fn repack_groups<const G: usize>(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    out: &mut [u8],
+    mut pack: impl FnMut(&[&[u8]; G], &mut [u8]),
+) {
+    let bb = dtype.block_bytes();
+    let group_bytes = G * row_bytes;
     let groups = w.len() / group_bytes;
     for (src, dst) in w
         .chunks_exact(group_bytes)
         .zip(out.chunks_exact_mut(group_bytes))
     {
-        for (b, packed) in dst.chunks_exact_mut(8 * bb).enumerate() {
-            for r in 0..8 {
-                let blk = &src[r * row_bytes + b * bb..][..bb];
-                packed[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
-                if dtype == DType::Q4_1 {
-                    packed[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
-                }
-                let qs = &blk[bb - levels..];
-                for k in 0..levels / 4 {
-                    let at = header + 32 * k + 4 * r;
-                    packed[at..at + 4].copy_from_slice(&qs[4 * k..4 * k + 4]);
-                }
-            }
+        for (b, packed) in dst.chunks_exact_mut(G * bb).enumerate() {
+            let blocks: [&[u8]; G] = std::array::from_fn(|r| &src[r * row_bytes + b * bb..][..bb]);
+            pack(&blocks, packed);
         }
     }
     let tail = groups * group_bytes;

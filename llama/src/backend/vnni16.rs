@@ -39,7 +39,7 @@ use multiversion::multiversion;
 use multiversion::target::match_target;
 use weights_format::DType;
 
-use super::int8::Columns;
+use super::int8::{Columns, repack_groups};
 use super::kquants::ActRow;
 
 /// Whether [`repack16`] and [`gemm16`] take `dtype`.
@@ -164,26 +164,16 @@ fn pack_block(dtype: DType, blocks: &[&[u8]; 16], out: &mut [u8]) {
 /// sixteen rows, so a range of whole groups keeps its offsets.
 pub(crate) fn repack16(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
     debug_assert!(handles(dtype) && w.len() == out.len() && w.len().is_multiple_of(row_bytes));
-    let bb = dtype.block_bytes();
-    let group_bytes = 16 * row_bytes;
-    let groups = w.len() / group_bytes;
-    for (src, dst) in w
-        .chunks_exact(group_bytes)
-        .zip(out.chunks_exact_mut(group_bytes))
-    {
-        for (b, packed) in dst.chunks_exact_mut(16 * bb).enumerate() {
-            let blocks: [&[u8]; 16] = std::array::from_fn(|r| &src[r * row_bytes + b * bb..][..bb]);
-            pack_block(dtype, &blocks, packed);
-        }
-    }
-    let tail = groups * group_bytes;
-    out[tail..].copy_from_slice(&w[tail..]);
+    repack_groups::<16>(dtype, w, row_bytes, out, |blocks, packed| {
+        pack_block(dtype, blocks, packed)
+    });
 }
 
 /// The weight rows of `w` (in the layout of [`repack16`]; `row_bytes` each, whole blocks of
 /// `dtype`) in groups of sixteen against every activation row of `acts`, into `out` (see
 /// [`Columns`]). Returns how many rows it computed (the whole groups of sixteen; none where
 /// [`available`] is false); the caller computes the rest, which are in the stored layout.
+#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512vnni+avx2+fma+f16c"))]
 pub(crate) fn gemm16(
     dtype: DType,
     w: &[u8],
@@ -192,23 +182,13 @@ pub(crate) fn gemm16(
     out: Columns<'_>,
 ) -> usize {
     debug_assert!(handles(dtype));
-    if !available() {
-        return 0;
-    }
-    gemm16_dispatch(dtype, w, row_bytes, acts, out)
-}
-
-#[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx512vnni+avx2+fma+f16c"))]
-fn gemm16_dispatch(
-    dtype: DType,
-    w: &[u8],
-    row_bytes: usize,
-    acts: &[ActRow<'_>],
-    out: Columns<'_>,
-) -> usize {
     match_target! {
-        "x86_64+avx512f+avx512bw+avx512vl+avx512vnni+avx2+fma+f16c" =>
-            x86::gemm16(dtype, w, row_bytes, acts, out),
+        "x86_64+avx512f+avx512bw+avx512vl+avx512vnni+avx2+fma+f16c" => {
+            if !available() {
+                return 0;
+            }
+            x86::gemm16(dtype, w, row_bytes, acts, out)
+        }
         _ => {
             let _ = (dtype, w, row_bytes, acts, out);
             0
