@@ -601,8 +601,15 @@ fn matmul_rows_impl<const FMA: bool>(
     // that convert each weight once for several activation rows. Not a lone row: through the
     // tiles a small f16 model's one-row decode ran at ~0.75x of `dot_f16_fma`'s speed (the
     // 7B-sized `cpu_matvec` matrix was faster; not understood yet).
-    let f16_many =
-        FMA && dtype == DType::F16 && (0..n).filter(|&r| wide[r] || narrow_rows).nth(1).is_some();
+    let mut f16_rows: Vec<usize> = if FMA && dtype == DType::F16 {
+        (0..n).filter(|&r| wide[r] || narrow_rows).collect()
+    } else {
+        Vec::new()
+    };
+    if f16_rows.len() < 2 {
+        f16_rows.clear();
+    }
+    let f16_many = !f16_rows.is_empty();
     let any_wide = wide.contains(&true) && !f16_many;
     let mut tmp = vec![0f32; if any_wide { cols } else { 0 }];
     let mut narrow: Vec<usize> = (0..n)
@@ -629,13 +636,9 @@ fn matmul_rows_impl<const FMA: bool>(
     };
     // Those f16 rows: four weight rows × four activation rows in registers where the CPU has
     // AVX-512, else each weight row converted once per four activation rows.
-    let f16_rows: Vec<usize> = (0..n)
-        .filter(|&r| f16_many && (wide[r] || narrow_rows))
-        .collect();
-    let f16_wide = !f16_rows.is_empty();
     let wide_xs: Vec<&[f32]> = f16_rows.iter().map(|&r| xr(r)).collect();
     let mut wide_sums = vec![0f32; f16_rows.len()];
-    let tiled = if f16_wide {
+    let tiled = if f16_many {
         let out = int8::Columns {
             out_t: &mut *out_t,
             stride: n,
@@ -650,9 +653,9 @@ fn matmul_rows_impl<const FMA: bool>(
         .zip(out_t.chunks_exact_mut(n))
         .enumerate()
     {
-        if f16_wide && i < tiled {
+        if f16_many && i < tiled {
             // Done above.
-        } else if f16_wide {
+        } else if f16_many {
             dot_f16_many_fma(row, &wide_xs, &mut wide_sums);
             for (&r, v) in f16_rows.iter().zip(&wide_sums) {
                 out[r] = *v;
