@@ -726,9 +726,47 @@ pub(super) struct Kernels {
     /// per block (`matmul_mma.cu`), and 64 for the k-quant-era dtypes (`kquants_mma.cu`); more
     /// rows take more blocks.
     pub matmul_mma: [Option<Vec<CudaFunction>>; DType::ALL.len()],
+    /// The block shape of the tensor-core kernels, as compiled (`mma_geometry` there).
+    pub mma_geometry: MmaGeometry,
     /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
     /// row and `MM_ROWS` rows per block, as `matmul`.
     pub matmul_superblock: [[CudaFunction; 2]; 3],
+}
+
+/// The block shape of the tensor-core matmul kernels (`matmul_mma.cu`), read from the compiled
+/// module, so that the host's grid always matches the kernels' (which a define can change).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MmaGeometry {
+    /// Threads a block.
+    pub threads: u32,
+    /// Weight rows a block.
+    pub rows: usize,
+    /// Blocks a multiprocessor the kernels are compiled to fit.
+    pub blocks_per_sm: usize,
+}
+
+impl MmaGeometry {
+    fn read(ctx: &Arc<CudaContext>, module: &Arc<CudaModule>) -> Result<MmaGeometry, LlamaError> {
+        let stream = ctx.default_stream();
+        let symbol = module
+            .get_global("mma_geometry", &stream)
+            .map_err(|e| device_error(format!("symbol `mma_geometry`: {e}")))?;
+        let bytes = stream
+            .clone_dtoh(&symbol)
+            .map_err(|e| device_error(format!("reading `mma_geometry`: {e}")))?;
+        let field = |i: usize| {
+            bytes
+                .get(4 * i..4 * i + 4)
+                .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .filter(|&v| v > 0)
+                .ok_or_else(|| device_error(format!("`mma_geometry` field {i} of {bytes:?}")))
+        };
+        Ok(MmaGeometry {
+            threads: field(0)? as u32,
+            rows: field(1)? as usize,
+            blocks_per_sm: field(2)? as usize,
+        })
+    }
 }
 
 impl Kernels {
@@ -750,6 +788,7 @@ impl Kernels {
                 .map(|nt| f(&format!("matmul_mma_{dtype}_n{nt}")))
                 .collect()
         };
+        let mma_geometry = MmaGeometry::read(ctx, &module)?;
         // `MATMUL_KQ_SB_KERNELS(matmul_sb_<dtype>, ..)` stamps out `_r1` and `_r8`.
         let sb = |dtype: &str| -> Result<[CudaFunction; 2], LlamaError> {
             Ok([
@@ -811,6 +850,7 @@ impl Kernels {
                 Some(mma("iq4_nl", 8)?),
                 Some(mma("iq4_xs", 8)?),
             ],
+            mma_geometry,
             matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],
         })
     }

@@ -62,11 +62,8 @@ enum MatmulInput {
     Int16 { xq: u64, xs: u64 },
 }
 
-/// Warps per block, 16-row weight tiles per warp and weight rows per block of the tensor-core
-/// matmul kernels (must match `MMA_WARPS`, `MMA_MT` and `MMA_BROWS` in `matmul_mma.cu`).
-const MMA_WARPS: u32 = 8;
-const MMA_MT: usize = 2;
-const MMA_BROWS: usize = 16 * MMA_MT * MMA_WARPS as usize;
+/// Most column slices of a tensor-core matmul (`MMA_SPLIT_MAX` in `matmul_mma.cu`).
+const MMA_SPLIT_MAX: usize = 16;
 
 /// The fewest rows the k-quant dtypes (q5_0 … iq4_xs) take to the tensor cores: measured on the
 /// H100 (synth 7B q4_k, `bench --batch 8`), the eight-row kernel decodes 8 rows at 825 tok/s
@@ -86,15 +83,15 @@ pub fn mma_min_rows(dtype: DType) -> usize {
 }
 
 /// How many slices the columns of a tensor-core matmul are split into (grid.z): as many as keep
-/// the blocks within one wave of two per multiprocessor (the kernels' occupancy), at least 8
-/// chunks of 32 columns per slice, at most 16 slices. Rounding up instead left a second wave of
-/// a few blocks (48 tiles: 288 blocks for 264 places), each as long as the first. From the
-/// weights' shape and the device alone (not the row count), so that a row's result does not
-/// depend on its batch.
-fn mma_split(column_tiles: usize, n_chunks: usize, sms: usize) -> usize {
-    (2 * sms / column_tiles.max(1))
+/// the blocks within one wave (`places`: blocks a multiprocessor times multiprocessors), at
+/// least 8 chunks of 32 columns per slice, at most [`MMA_SPLIT_MAX`]. Rounding up instead left
+/// a second wave of a few blocks (48 tiles: 288 blocks for 264 places), each as long as the
+/// first. From the weights' shape and the device alone (not the row count), so that a row's
+/// result does not depend on its batch.
+fn mma_split(column_tiles: usize, n_chunks: usize, places: usize) -> usize {
+    (places / column_tiles.max(1))
         .min(n_chunks / 8)
-        .clamp(1, 16)
+        .clamp(1, MMA_SPLIT_MAX)
 }
 
 /// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
@@ -277,7 +274,7 @@ impl CudaBackend {
     }
 
     /// One launch of a tensor-core matmul kernel over up to [`MM_MAX_JOBS`] weights of one
-    /// dtype (see `matmul_mma.cu`): blocks of [`MMA_BROWS`] weight rows and up to 8·NT input
+    /// dtype (see `matmul_mma.cu`): blocks of `MMA_BROWS` weight rows and up to 8·NT input
     /// rows (the narrowest kernel that takes `rows` in one block, else the widest the dtype
     /// has, and more blocks), the columns split into `split` slices so that the grid fills
     /// the GPU. The split depends on the weights' shape only, so a row's result does not
@@ -290,11 +287,19 @@ impl CudaBackend {
         accumulate: bool,
     ) -> Result<(), BackendError> {
         let params = MatmulJobs::of(jobs, accumulate)?;
-        let blocks_x: usize = jobs.iter().map(|(w, _)| w.rows.div_ceil(MMA_BROWS)).sum();
+        let geometry = self.kernels.mma_geometry;
+        let blocks_x: usize = jobs
+            .iter()
+            .map(|(w, _)| w.rows.div_ceil(geometry.rows))
+            .sum();
         let m_total: usize = jobs.iter().map(|(w, _)| w.rows).sum();
         let w = jobs[0].0;
         let n_chunks = w.cols / 32;
-        let split = mma_split(blocks_x, n_chunks, self.sms as usize);
+        let split = mma_split(
+            blocks_x,
+            n_chunks,
+            geometry.blocks_per_sm * self.sms as usize,
+        );
         let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
             op: "matmul_mma",
             message: format!("no tensor-core matmul for {:?}", w.dtype),
@@ -329,7 +334,7 @@ impl CudaBackend {
             .arg(&split_i);
         let cfg = LaunchConfig {
             grid_dim: (blocks_x as u32, blocks_y as u32, split as u32),
-            block_dim: (MMA_WARPS * 32, 1, 1),
+            block_dim: (geometry.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: x holds rows·k values (f32 for f16/bf16 weights, else the 16-bit integers and
@@ -527,26 +532,27 @@ mod tests {
 
     #[test]
     fn the_column_split_fills_the_gpu_without_thin_slices() {
-        let sms = 132;
+        // 132 multiprocessors, two blocks each.
+        let places = 264;
         // A 7B layer's matmuls in tiles of 256 rows: O (4096 x 4096: 16 tiles of 128 chunks),
         // Q/K/V together (48 tiles), gate and up together (86), down (16 tiles, 344 chunks).
-        assert_eq!(mma_split(16, 128, sms), 16);
-        assert_eq!(mma_split(48, 128, sms), 5);
-        assert_eq!(mma_split(86, 128, sms), 3);
-        assert_eq!(mma_split(16, 344, sms), 16);
+        assert_eq!(mma_split(16, 128, places), 16);
+        assert_eq!(mma_split(48, 128, places), 5);
+        assert_eq!(mma_split(86, 128, places), 3);
+        assert_eq!(mma_split(16, 344, places), 16);
         // Within one wave of two blocks per multiprocessor.
         for tiles in 1..300 {
-            let split = mma_split(tiles, 4096, sms);
+            let split = mma_split(tiles, 4096, places);
             assert!(
-                split == 1 || tiles * split <= 2 * sms,
+                split == 1 || tiles * split <= places,
                 "{tiles} tiles: {split} slices"
             );
         }
         // A small model (3 tiles, 18 chunks): no slice thinner than 8 chunks.
-        assert_eq!(mma_split(3, 18, sms), 2);
+        assert_eq!(mma_split(3, 18, places), 2);
         // Enough tiles already, or too few chunks: one slice.
-        assert_eq!(mma_split(400, 128, sms), 1);
-        assert_eq!(mma_split(1, 3, sms), 1);
-        assert_eq!(mma_split(1, 4096, sms), 16);
+        assert_eq!(mma_split(400, 128, places), 1);
+        assert_eq!(mma_split(1, 3, places), 1);
+        assert_eq!(mma_split(1, 4096, places), 16);
     }
 }

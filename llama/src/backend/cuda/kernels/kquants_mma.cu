@@ -153,7 +153,7 @@ __device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const 
 // multiprocessor (at most 128 registers a thread, as the q4_1 kernel uses unasked): left alone
 // they took 172-182 registers (sm_90; one block, 8 warps, per multiprocessor), asked they spill
 // 0-24 bytes. q2_k and q3_k would spill 200-400 bytes and keep one block.
-#define KQ_MMA_N8_MIN_BLOCKS(DTYPE) (DTYPE == KQ_Q2_K || DTYPE == KQ_Q3_K ? 1 : 2)
+#define KQ_MMA_N8_MIN_BLOCKS(DTYPE) (DTYPE == KQ_Q2_K || DTYPE == KQ_Q3_K ? MMA_MIN_BLOCKS / 2 : MMA_MIN_BLOCKS)
 #define MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, NT, BOUNDS)                                                  \
     extern "C" __global__ void BOUNDS NAME##_n##NT(const void* x, const float4* xs, int rows, int k,    \
                                                    MatmulJobs jobs, float* partial, int* counters,     \

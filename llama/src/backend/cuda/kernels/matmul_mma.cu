@@ -20,10 +20,20 @@
 // (x ≈ hi + lo, within 2^-22 of x) or three bf16 parts, each multiplied on the tensor cores with
 // f32 sums: products as exact as the f32 kernel's up to the summation order.
 // grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / (8·NT)), split), MMA_WARPS·32 threads.
+// The geometry can be changed for experiments (GDSLLM_CUDA_DEFINES=MMA_WARPS=4, with
+// GDSLLM_CUDA_KERNEL_DIR for other edits): the host reads it from `mma_geometry` at load. The
+// staged path copies one weight row a thread, so MMA_MT stays 2.
+#ifndef MMA_WARPS
 #define MMA_WARPS 8
+#endif
 #define MMA_MT 2
 #define MMA_BROWS (16 * MMA_MT * MMA_WARPS)
-// Most column slices (`mma_split` in matmul.rs clamps to 16).
+// Blocks a multiprocessor the kernels are compiled for (`__launch_bounds__`): 16 warps.
+#define MMA_MIN_BLOCKS (16 / MMA_WARPS)
+// What the host needs of the above: threads a block, weight rows a block, blocks a
+// multiprocessor (`launch_mma` and `mma_split` in matmul.rs).
+extern "C" __device__ const int mma_geometry[3] = {MMA_WARPS * 32, MMA_BROWS, MMA_MIN_BLOCKS};
+// Most column slices (`mma_split` in matmul.rs clamps to 16, `MMA_SPLIT_MAX` there).
 #define MMA_SPLIT_MAX 16
 // Outputs a thread of the last block of a tile adds up at once (`mma_store`).
 #define MMA_FIX_OUTPUTS 4
@@ -503,13 +513,13 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
 }
 
 // `_n1`, `_n2`, `_n4`: up to 8, 16 or 32 input rows per block; more rows take more blocks
-// (grid.y). The 32-row kernels ask ptxas for two blocks per multiprocessor: left alone they took
+// (grid.y). The kernels ask ptxas for MMA_MIN_BLOCKS blocks per multiprocessor (16 warps): left alone they took
 // 162-168 registers (sm_90), one block of 8 warps per multiprocessor, too few to hide the
 // latency of the staged loads and barriers (ncu, H100, q4_1 at 32 rows: 12.5 % occupancy, issue
 // slots 25 % busy); asked, q4_1 spills 40 bytes, q4_0 24. A 64-row variant would take 158-236
 // registers and keep one block.
 #define MATMUL_MMA_KERNEL(NAME, DTYPE, NT)                                                              \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 2)                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MMA_MIN_BLOCKS)                      \
         NAME##_n##NT(const void* x, const float4* xs, int rows, int k, MatmulJobs jobs, float* partial, \
                      int* counters, int split) {                                                       \
         pdl_begin();                                                                                   \
