@@ -130,6 +130,26 @@ where
     println!("{what}: {counts:?}");
     assert_eq!(counts, expected, "{what}: rows and bytes per side");
     assert!(counts.helper_rows > 0 && counts.primary_rows > counts.helper_rows);
+
+    // The time breakdown: one prefill of the prompt's rows and four one-row decode passes,
+    // whose split calls and helper bytes add up to the counts.
+    let times = stats.pass_times();
+    println!("{what}: {times:?}");
+    let rows: Vec<(usize, u64)> = times.iter().map(|(r, t)| (*r, t.passes)).collect();
+    assert_eq!(rows, [(1, 4), (prompt.len(), 1)], "{what}: passes by rows");
+    let splits: u64 = times.iter().map(|(_, t)| t.splits).sum();
+    let bytes: u64 = times.iter().map(|(_, t)| t.helper_bytes).sum();
+    assert_eq!(
+        (splits, bytes),
+        (counts.splits, counts.helper_bytes),
+        "{what}"
+    );
+    for (rows, t) in &times {
+        assert!(
+            t.seconds > 0.0 && t.helper_seconds > 0.0 && t.helper_seconds <= t.seconds,
+            "{what}, {rows} rows: {t:?}"
+        );
+    }
 }
 
 #[test]

@@ -100,11 +100,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &batch_sizes,
             |be| be.primary(),
             |be| {
-                let c = be.stats().counts();
+                let stats = be.stats();
+                let c = stats.counts();
+                // Where each kind of pass spent its time: the CPU's matmuls, waiting for the
+                // GPU before a split call, bringing the CPU's outputs over.
+                let passes: Vec<_> = stats
+                    .pass_times()
+                    .into_iter()
+                    .map(|(rows, t)| {
+                        json!({
+                            "rows": rows, "passes": t.passes, "seconds": t.seconds,
+                            "cpu_seconds": t.helper_seconds, "gpu_wait_seconds": t.wait_seconds,
+                            "merge_seconds": t.merge_seconds, "cpu_bytes": t.helper_bytes,
+                            "cpu_gbps": t.helper_gbps(), "split_matmuls": t.splits,
+                        })
+                    })
+                    .collect();
                 json!({
                     "cpu_rows": c.helper_rows, "cpu_bytes": c.helper_bytes,
                     "gpu_rows": c.primary_rows, "gpu_bytes": c.primary_bytes,
-                    "split_matmuls": c.splits,
+                    "split_matmuls": c.splits, "passes": passes,
                 })
             },
         ),

@@ -69,8 +69,10 @@ pub mod calibrate;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::backend::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, NormInto,
@@ -245,7 +247,8 @@ host_split_target!(ReferenceBackend, "reference write_columns");
 pub type ShareFn = dyn Fn(usize, usize) -> f64 + Send + Sync;
 
 /// What each side of a [`SplitBackend`] computed: output rows (summed over the weights of
-/// every matmul call, not multiplied by the activation rows) and the weight bytes it read.
+/// every matmul call, not multiplied by the activation rows) and the weight bytes it read; and
+/// where the time of each kind of pass went ([`PassTimes`], by the pass's rows).
 #[derive(Debug, Default)]
 pub struct SplitStats {
     helper_rows: AtomicU64,
@@ -254,9 +257,45 @@ pub struct SplitStats {
     primary_bytes: AtomicU64,
     /// Matmul calls that were split (each one synchronisation of the two sides).
     splits: AtomicU64,
+    /// The pass running now: its rows and when it began.
+    current: Mutex<Option<(usize, Instant)>>,
+    by_rows: Mutex<BTreeMap<usize, PassTimes>>,
 }
 
-/// A copy of [`SplitStats`] at one moment.
+/// Where the time of the passes of one row count went, summed over those passes: what tells
+/// whether a split pass is bound by the helper's matmuls, by waiting for the primary, or by
+/// the handoffs (the planner predicts the first and assumes the others small).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PassTimes {
+    /// Passes of these rows that ran.
+    pub passes: u64,
+    /// Wall time from each pass's start to its end.
+    pub seconds: f64,
+    /// The helper's matmuls of split calls (the CPU's share).
+    pub helper_seconds: f64,
+    /// Reading each split call's input from the primary: the wait for the primary's ops
+    /// queued before it (the GPU's share of the previous call, attention, norms).
+    pub wait_seconds: f64,
+    /// Bringing the helper's outputs into the primary's buffers.
+    pub merge_seconds: f64,
+    /// Weight bytes the helper read in those passes.
+    pub helper_bytes: u64,
+    /// Split matmul calls in those passes.
+    pub splits: u64,
+}
+
+impl PassTimes {
+    /// The helper's weight bytes per second of its own matmul time (10^9).
+    pub fn helper_gbps(&self) -> f64 {
+        if self.helper_seconds > 0.0 {
+            self.helper_bytes as f64 / self.helper_seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A copy of [`SplitStats`]' counts at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SplitCounts {
     pub helper_rows: u64,
@@ -277,6 +316,15 @@ impl SplitStats {
         }
     }
 
+    /// Where the time went, per row count of a pass (decode batch size or prefill chunk),
+    /// ascending.
+    pub fn pass_times(&self) -> Vec<(usize, PassTimes)> {
+        lock(&self.by_rows)
+            .iter()
+            .map(|(&rows, &times)| (rows, times))
+            .collect()
+    }
+
     fn count(&self, helper: bool, rows: usize, bytes: usize) {
         let (r, b) = if helper {
             (&self.helper_rows, &self.helper_bytes)
@@ -286,6 +334,42 @@ impl SplitStats {
         r.fetch_add(rows as u64, Ordering::Relaxed);
         b.fetch_add(bytes as u64, Ordering::Relaxed);
     }
+
+    fn begin_pass(&self, rows: usize) {
+        *lock(&self.current) = Some((rows, Instant::now()));
+    }
+
+    fn end_pass(&self, ran: bool) {
+        let Some((rows, start)) = lock(&self.current).take() else {
+            return;
+        };
+        if ran {
+            let mut by_rows = lock(&self.by_rows);
+            let times = by_rows.entry(rows).or_default();
+            times.passes += 1;
+            times.seconds += start.elapsed().as_secs_f64();
+        }
+    }
+
+    /// Adds one split call's times to the pass running now.
+    fn add_split(&self, helper_bytes: usize, wait: f64, helper: f64, merge: f64) {
+        let Some((rows, _)) = *lock(&self.current) else {
+            return;
+        };
+        let mut by_rows = lock(&self.by_rows);
+        let times = by_rows.entry(rows).or_default();
+        times.wait_seconds += wait;
+        times.helper_seconds += helper;
+        times.merge_seconds += merge;
+        times.helper_bytes += helper_bytes as u64;
+        times.splits += 1;
+    }
+}
+
+/// A lock whose data stays usable if a thread panicked while holding it (the figures are
+/// statistics: a partial update is not worth a second panic).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Two backends as one: every op on `primary`, except the matmuls of the blobs the share
@@ -362,7 +446,9 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
         // The helper's input first: reading it back waits for the ops before, not for the
         // primary's share queued next.
         let mut x_host = vec![0.0; rows * cols];
+        let started = Instant::now();
         self.primary.read(x, &mut x_host)?;
+        let wait = started.elapsed().as_secs_f64();
 
         // The primary's share: rows [k, n) of each weight that has any, into buffers of
         // their own, queued before the helper starts so that both run at once.
@@ -393,6 +479,7 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
                 helper_parts.push((i, part, buf));
             }
         }
+        let helper_started = Instant::now();
         let x_helper = self.helper.upload(&x_host)?;
         {
             let views: Vec<WeightView<'_>> = helper_parts.iter().map(|p| p.1).collect();
@@ -400,9 +487,13 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
             self.helper
                 .matmul_batch(&x_helper, groups, &views, &mut bufs)?;
         }
+        let helper_s = helper_started.elapsed().as_secs_f64();
+        let mut helper_bytes = 0;
         for p in &helper_parts {
+            helper_bytes += p.1.rows * p.1.row_bytes();
             self.stats.count(true, p.1.rows, p.1.rows * p.1.row_bytes());
         }
+        let merge_started = Instant::now();
 
         // The halves meet in each output's columns.
         for (i, k, part, buf) in &primary_parts {
@@ -418,6 +509,8 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
                 .write_columns(&up, rows, part.rows, outs[*i], ws[*i].rows, 0, into)?;
         }
         self.stats.splits.fetch_add(1, Ordering::Relaxed);
+        let merge = merge_started.elapsed().as_secs_f64();
+        self.stats.add_split(helper_bytes, wait, helper_s, merge);
         Ok(())
     }
 
@@ -510,6 +603,7 @@ impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
 
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
         self.blob.store(usize::MAX, Ordering::Relaxed);
+        self.stats.begin_pass(pass.rows);
         if let Some(hook) = &self.on_pass {
             hook(pass.rows);
         }
@@ -522,7 +616,9 @@ impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
 
     fn end_pass(&self, ran: bool) -> Result<(), BackendError> {
         self.blob.store(usize::MAX, Ordering::Relaxed);
-        self.primary.end_pass(ran)
+        let ended = self.primary.end_pass(ran);
+        self.stats.end_pass(ran && ended.is_ok());
+        ended
     }
 
     fn weights_from_blob(&self, blob: usize) {
