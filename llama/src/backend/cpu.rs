@@ -207,15 +207,38 @@ fn packed_rows(
 }
 
 /// Weight rows per rayon task: about four tasks per thread so that uneven cores even out, but
-/// never so few rows that scheduling costs more than the work.
+/// never so little work a task ([`min_work_per_task`]) that waking threads costs more than the
+/// work; when there are more tasks than threads, a whole number of them per thread (a
+/// SmolLM2-sized matmul on 2 threads would otherwise be 5 tasks, 3 on one thread and 2 on
+/// the other).
 fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
-    const MIN_WORK_PER_TASK: usize = 16 * 1024;
     let threads = rayon::current_num_threads().max(1);
-    let by_balance = out_rows.div_ceil(4 * threads);
-    let by_work = MIN_WORK_PER_TASK.div_ceil(work_per_row.max(1));
+    let total_work = out_rows * work_per_row.max(1);
+    let mut tasks = (4 * threads)
+        .min(total_work.div_ceil(min_work_per_task()))
+        .max(1);
+    if tasks > threads {
+        tasks = tasks.next_multiple_of(threads);
+    }
     // Whole groups of sixteen rows, as `vnni16::gemm16` takes them (and so of eight, as
     // `int8::gemm8` does).
-    by_balance.max(by_work).max(1).next_multiple_of(16)
+    out_rows.div_ceil(tasks).max(1).next_multiple_of(16)
+}
+
+/// Multiply-adds (weight columns × activation rows) a matmul task gets at least: 64 Ki by
+/// default, `GDSLLM_CPU_MIN_TASK_WORK=N` to measure others. A small model's matmuls are a few
+/// microseconds of work each, and spreading them over every thread costs more in wake-ups than
+/// it brings: on the H100 machine's 16 cores a SmolLM2-shaped q4_1 decoded at 257–258 tok/s
+/// with 16 Ki, 295–321 with 64 Ki (256 Ki: 229–271); with 8 threads 317 against 336–369.
+fn min_work_per_task() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| {
+        std::env::var("GDSLLM_CPU_MIN_TASK_WORK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(64 * 1024)
+    })
 }
 
 /// Values of element-wise work below which an op stays on the calling thread: a decode step's
