@@ -41,6 +41,11 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// Whether the model may run on a GPU (`cuda`, or `auto`, which looks for one).
+    pub fn may_use_gpu(&self) -> bool {
+        self.device != DeviceArg::Cpu
+    }
+
     /// Where to compute, for `llama::open` (which decides `auto` and says why when it falls
     /// back to the CPU), and how weights are read into GPU memory.
     pub fn resolve(&self) -> anyhow::Result<(llama::Device, residency::IoChoice)> {
@@ -75,7 +80,7 @@ impl OpenArgs {
         kv_budget: Option<u64>,
     ) -> anyhow::Result<(llama::Device, llama::OpenOptions)> {
         let (device, io) = self.device.resolve()?;
-        self.placement.apply_threads()?;
+        self.placement.apply_threads(self.device.may_use_gpu())?;
         let hybrid = match (self.placement.mode(), device) {
             (residency::PlacementMode::Gpu, _) | (_, llama::Device::Cpu) => None,
             (

@@ -73,8 +73,8 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let cpu_threads = match &cli.command {
-        Command::Run(args) => Some(args.open.placement.cpu_threads),
-        Command::Bench(args) => Some(args.open.placement.cpu_threads),
+        Command::Run(args) => Some(args.open.placement.threads(args.open.device.may_use_gpu())),
+        Command::Bench(args) => Some(args.open.placement.threads(args.open.device.may_use_gpu())),
         _ => None,
     };
     if let Some(threads) = cpu_threads {

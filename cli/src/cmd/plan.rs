@@ -68,7 +68,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    args.placement.apply_threads()?;
+    // The plan is a GPU's (its placement is between the GPU and the CPU): the same threads
+    // as `run --placement auto` on a GPU.
+    args.placement.apply_threads(true)?;
     let dir = crate::model_arg::resolve_model(Some(&args.model))?;
     let model = Model::open(&dir).with_context(|| format!("{}: invalid model", dir.display()))?;
     let config = model.config();
