@@ -2,6 +2,7 @@
 virtual environment is created (or reused), the package pip-installed into it, and the script
 re-run there with the same arguments. Imported by the scripts of this folder, not run."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -32,11 +33,17 @@ def ensure_importable(module, requirement, venv=None):
         sys.exit(f"{module} is still not importable inside the virtual environment")
     venv = venv or tempfile.mkdtemp(prefix=f"gdsllm-{missing[0]}-venv-")
     python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        print(f"creating virtual environment {venv}", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "venv", venv])
-    print(f"pip install {' '.join(requirements)}", file=sys.stderr)
-    subprocess.check_call([python, "-m", "pip", "install", "--quiet", *requirements],
-                          stdout=sys.stderr)
+    # Several checks may share one environment and start at once (the tests of one binary run
+    # in parallel): one creates it and installs, the others wait for the lock and find the
+    # packages there.
+    os.makedirs(os.path.dirname(os.path.abspath(venv)), exist_ok=True)
+    with open(os.path.abspath(venv) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(python):
+            print(f"creating virtual environment {venv}", file=sys.stderr)
+            subprocess.check_call([sys.executable, "-m", "venv", venv])
+        print(f"pip install {' '.join(requirements)}", file=sys.stderr)
+        subprocess.check_call([python, "-m", "pip", "install", "--quiet", *requirements],
+                              stdout=sys.stderr)
     script = os.path.abspath(sys.argv[0])
     os.execve(python, [python, script, *sys.argv[1:]], dict(os.environ, **{IN_VENV: "1"}))

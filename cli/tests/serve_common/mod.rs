@@ -36,8 +36,10 @@ pub fn stdout_of(cmd: &mut Command) -> Vec<u8> {
 
 /// Runs `python3 scripts/SCRIPT --gdsllm <this build's gdsllm> --model DIR --venv V` and
 /// expects it to succeed and print `marker`. The script pip-installs its Python packages into
-/// the virtual environment V (a temporary directory, or `$venv_env` to reuse one) when they
-/// are missing. Skips (returns) when model tests are skipped.
+/// the virtual environment V when they are missing: `$venv_env`, else one named after that
+/// variable under cargo's directory for test files (`target/tmp`), shared by the checks of a
+/// binary and kept between runs (a fresh environment for each of the three `openai` checks
+/// took three minutes of a CI run). Skips (returns) when model tests are skipped.
 pub fn run_python_client_check(script: &str, venv_env: &str, marker: &str) {
     let Some(dir) = model_dir() else {
         return;
@@ -45,9 +47,11 @@ pub fn run_python_client_check(script: &str, venv_env: &str, marker: &str) {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../scripts")
         .join(script);
-    let venv = tempfile::tempdir().unwrap();
-    let venv_path =
-        std::env::var_os(venv_env).unwrap_or_else(|| venv.path().as_os_str().to_owned());
+    let venv_path = std::env::var_os(venv_env).unwrap_or_else(|| {
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(venv_env.to_lowercase())
+            .into_os_string()
+    });
     let out = Command::new("python3")
         .arg(&script)
         .args(["--gdsllm", env!("CARGO_BIN_EXE_gdsllm"), "--model"])
