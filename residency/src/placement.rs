@@ -32,7 +32,9 @@
 //! 32 `G` stays (one pass over the weights serves every row) while `C` grows about tenfold
 //! (llama.cpp's `-ngl 8` there went from 7.9 tok/s at batch 1 to 17.3 at batch 32: 32 rows
 //! cost its CPU 15 times one), so the CPU's share falls to about an eighth, and a prefill chunk
-//! of 512 rows gives it none.
+//! of 512 rows gives it none. No pass of more rows than the calibration measured beside the
+//! copies (32, [`GpuRates::SPLIT_MAX_ROWS`]) is split: past them the CPU's rate would be
+//! extrapolated, and a split's merges grow with the rows.
 //!
 //! # On one DRAM the bandwidths do not fully add
 //!
@@ -212,6 +214,13 @@ impl GpuRates {
     /// The row counts the CPU's matmul is measured at beside the copies (those of a decode
     /// step the CPU may take a share of; a prefill chunk reads the 32-row figure).
     pub const CONCURRENT_ROWS: [usize; 3] = [1, 8, 32];
+
+    /// The most rows of a pass whose matmuls may be split: the last row count measured beside
+    /// the copies. Past it the CPU's time is extrapolated, and what a split adds per call
+    /// grows with the rows: on the H100 machine a batched prefill pass of 128 rows, given a 6 %
+    /// share from the extrapolated rate, took 0.70 s where the GPU alone takes ~0.2 (the CPU
+    /// at half the extrapolated rate, each of its 109 merges 1.8 ms).
+    pub const SPLIT_MAX_ROWS: usize = Self::CONCURRENT_ROWS[2];
 
     /// The dtypes of `dtypes` without a concurrent figure yet.
     pub fn missing_concurrent(&self, dtypes: &[DType]) -> Vec<DType> {
@@ -738,7 +747,11 @@ fn place_unit(
     let compute = gpu_per_byte(unit, gpu, rows);
     let g = copy.max(compute);
     let gpu_alone = bytes as f64 * g;
-    if mode == PlacementMode::Gpu || tier == Tier::Disk || bytes == 0 {
+    if mode == PlacementMode::Gpu
+        || tier == Tier::Disk
+        || bytes == 0
+        || rows > GpuRates::SPLIT_MAX_ROWS
+    {
         return placed(tier, 0.0, gpu_alone);
     }
     // While both run: the CPU slower by its slowdown, the copies by theirs (not the GPU's
@@ -966,6 +979,26 @@ mod tests {
             "{}",
             decode.tokens_per_s
         );
+    }
+
+    #[test]
+    fn no_pass_past_the_measured_rows_is_split() {
+        let (units, plan) = f16_7b_streaming_from_host();
+        // A CPU so fast that a share would pay at any row count by its extrapolated rate.
+        let mut cal = h100();
+        for r in &mut cal.cpu {
+            r.gbps_1 *= 100.0;
+            r.gbps_8 *= 100.0;
+            r.gbps_32 = r.gbps_32.map(|g| g * 100.0);
+        }
+        let passes: Vec<(PassKind, Option<&Plan>)> = [32, 33, 128]
+            .map(|batch| (PassKind::Decode { batch }, Some(&plan)))
+            .to_vec();
+        let p = plan_placement(&units, &cal, PlacementMode::Auto, &passes).unwrap();
+        println!("{p}");
+        let split = |batch| p.pass(PassKind::Decode { batch }).unwrap().split_units();
+        assert!(split(32) > 0, "{p}");
+        assert_eq!((split(33), split(128)), (0, 0), "{p}");
     }
 
     #[test]
