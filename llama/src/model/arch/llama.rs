@@ -2,13 +2,12 @@
 //! projections without bias, RoPE (Llama 3.x: scaled, `llama3` or a GGUF's `freq_factors`),
 //! grouped-query attention, SiLU-gated FFN.
 
-use super::tensors::*;
 use super::{Activation, Family, Norm};
 
 /// The llama family.
 pub const LLAMA: Family = Family {
     architecture: "llama",
-    layer: &[ATTN_NORM, Q, K, V, ATTN_OUTPUT, FFN_NORM, GATE, UP, DOWN],
+    layer: llama_layer_with![],
     norm: Norm::Rms,
     activation: Activation::Silu,
 };

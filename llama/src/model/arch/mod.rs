@@ -8,6 +8,18 @@
 //! Adding a family: a file with its `Family` (a new tensor gets a [`LayerRole`], a new choice a
 //! variant of [`Norm`] or [`Activation`], handled in `graph.rs`), one line in [`FAMILIES`].
 
+/// Llama's layer (the attention norm, Q, K, V, the attention output, the FFN norm and the gated
+/// FFN) with the tensors `$extra` (names of [`tensors`]) that a family applies to the
+/// projections (Qwen2's biases, Qwen3's head norms) between V and the attention output, the
+/// order in which `weights_format::layout::blob_tensors` writes them. A macro because a const
+/// slice cannot be built from two others.
+macro_rules! llama_layer_with {
+    ($($extra:ident),* $(,)?) => {{
+        use $crate::model::arch::tensors::*;
+        &[ATTN_NORM, Q, K, V, $($extra,)* ATTN_OUTPUT, FFN_NORM, GATE, UP, DOWN]
+    }};
+}
+
 pub mod gemma3;
 pub mod llama;
 pub mod phi3;
