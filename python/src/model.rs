@@ -2,7 +2,6 @@
 //! blobs are read one per call, each into one buffer, and handed out as named tensor views.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use gds_io::IoChoice;
 use pyo3::exceptions::{PyIndexError, PyKeyError};
@@ -13,7 +12,7 @@ use weights_format::{BlobMeta, Model};
 use crate::dtype::ElementType;
 use crate::errors::BridgeError;
 use crate::io::{Placement, parse_io, read_region};
-use crate::tensor::{GdsTensor, Source};
+use crate::tensor::GdsTensor;
 
 /// A GdsLLM model directory opened for reading blobs into `device` memory.
 #[pyclass(module = "gdsllm._gdsllm", name = "GdsModel", frozen)]
@@ -115,17 +114,15 @@ impl GdsModel {
                 .dtype
                 .is_quantized()
                 .then(|| (meta.dtype, meta.shape.clone()));
-            let view = GdsTensor::view(
-                Arc::clone(&region.storage),
-                region.data_offset + meta.offset as usize,
+            // The region holds the whole blob, from offset 0 of its file.
+            let view = GdsTensor::in_region(
+                &region,
+                meta.offset as usize,
                 exported_shape(meta),
                 ElementType::of_stored(meta.dtype),
                 quantized,
-                Source {
-                    path: path.clone(),
-                    offset: meta.offset,
-                    io_path: region.io_path,
-                },
+                path.clone(),
+                meta.offset,
             );
             tensors.set_item(&meta.name, view)?;
         }

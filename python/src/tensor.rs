@@ -17,7 +17,7 @@ use pyo3::types::{PyBytes, PyTuple};
 
 use crate::dtype::ElementType;
 use crate::errors::BridgeError;
-use crate::io::{Placement, parse_io, read_region};
+use crate::io::{Placement, Region, parse_io, read_region};
 use crate::storage::Storage;
 
 /// A tensor whose bytes were read by gds-io into memory this package owns.
@@ -54,25 +54,31 @@ impl GdsTensor {
         self.shape.iter().product::<i64>() as usize * self.element.size()
     }
 
-    /// A view of `shape` × `element` at `data_offset` into `storage`.
+    /// A view of `shape` × `element` at byte `skip` of the bytes `region` read, the tensor's
+    /// bytes from `offset` of the file `path`.
     ///
     /// # Panics
     /// If the view does not lie inside the buffer (callers build views from checked ranges).
-    pub fn view(
-        storage: Arc<Storage>,
-        data_offset: usize,
+    pub fn in_region(
+        region: &Region,
+        skip: usize,
         shape: Vec<i64>,
         element: ElementType,
         quantized: Option<(weights_format::DType, Vec<u64>)>,
-        source: Source,
+        path: PathBuf,
+        offset: u64,
     ) -> GdsTensor {
         let tensor = GdsTensor {
-            storage,
-            data_offset,
+            storage: Arc::clone(&region.storage),
+            data_offset: region.data_offset + skip,
             shape,
             element,
             quantized,
-            source,
+            source: Source {
+                path,
+                offset,
+                io_path: region.io_path,
+            },
         };
         assert!(
             tensor.data_offset + tensor.nbytes() <= tensor.storage.len(),
@@ -309,17 +315,7 @@ pub fn gds_tensor(
     if let Some(note) = &region.note {
         crate::warn(py, note)?;
     }
-    let source = Source {
-        path,
-        offset,
-        io_path: region.io_path,
-    };
-    Ok(GdsTensor::view(
-        region.storage,
-        region.data_offset,
-        shape,
-        element,
-        None,
-        source,
+    Ok(GdsTensor::in_region(
+        &region, 0, shape, element, None, path, offset,
     ))
 }
