@@ -262,11 +262,12 @@ layouts! {
 
 /// Signed levels with one scale for all 32 values and no offset.
 fn scaled(lv: [i8; 32], a: f32) -> Block32 {
-    Block32 {
-        lv,
-        a: [a; 2],
-        c: [0.0; 2],
-    }
+    scaled_halves(lv, [a; 2])
+}
+
+/// Signed levels with a scale per 16 values and no offset.
+fn scaled_halves(lv: [i8; 32], a: [f32; 2]) -> Block32 {
+    Block32 { lv, a, c: [0.0; 2] }
 }
 
 /// q5_0 (levels − 16) or q5_1 (`ONE`: levels, plus the min `m`).
@@ -303,6 +304,16 @@ fn iq4nl_block(row: &[u8], b: usize) -> Block32 {
 #[inline(always)]
 fn super_block(row: &[u8], b: usize, bytes: usize) -> (&[u8], usize) {
     (&row[bytes * (b / 8)..bytes * (b / 8 + 1)], b % 8)
+}
+
+/// The 2-bit levels of sub-block `j` (0..8) of q2_k and q3_k, from their 64 bytes of quants:
+/// bits `2·(j % 4)` of bytes `32·(j / 4) ..` (their sub-blocks' scales are numbered `2·j`,
+/// `2·j + 1`, and q3_k's high bits are bit `j` of its `hmask`).
+#[inline(always)]
+fn two_bit_levels(quants: &[u8], j: usize) -> [u8; 32] {
+    let (n, k) = (j / 4, j % 4);
+    let qs: &[u8; 32] = quants[32 * n..][..32].try_into().unwrap();
+    std::array::from_fn(|l| (qs[l] >> (2 * k)) & 3)
 }
 
 #[inline(always)]
@@ -345,44 +356,31 @@ fn q6k_block(row: &[u8], b: usize) -> Block32 {
     }
     let d = f16_at(blk, 208);
     let a = |g: usize| d * blk[192 + 8 * n + 2 * k + g] as i8 as f32;
-    Block32 {
-        lv,
-        a: [a(0), a(1)],
-        c: [0.0; 2],
-    }
+    scaled_halves(lv, [a(0), a(1)])
 }
 
 #[inline(always)]
 fn q3k_block(row: &[u8], b: usize) -> Block32 {
     let (blk, j) = super_block(row, b, 110);
-    let (n, k) = (j / 4, j % 4);
-    let qs: &[u8; 32] = blk[32 + 32 * n..][..32].try_into().unwrap();
+    let low = two_bit_levels(&blk[32..96], j);
+    // Sub-block j's high bits are bit j of the 32 bytes of `hmask`.
     let hm: &[u8; 32] = blk[..32].try_into().unwrap();
     let mut lv = [0i8; 32];
     for l in 0..32 {
-        let high = ((hm[l] >> (4 * n + k)) & 1) << 2;
-        lv[l] = ((((qs[l] >> (2 * k)) & 3) | high) as i8).wrapping_sub(4);
+        let high = ((hm[l] >> j) & 1) << 2;
+        lv[l] = ((low[l] | high) as i8).wrapping_sub(4);
     }
     let d = f16_at(blk, 108);
-    let a = |g: usize| d * q3k_scale(8 * n + 2 * k + g, &blk[96..108]) as f32;
-    Block32 {
-        lv,
-        a: [a(0), a(1)],
-        c: [0.0; 2],
-    }
+    let a = |g: usize| d * q3k_scale(2 * j + g, &blk[96..108]) as f32;
+    scaled_halves(lv, [a(0), a(1)])
 }
 
 #[inline(always)]
 fn q2k_block(row: &[u8], b: usize) -> Block32 {
     let (blk, j) = super_block(row, b, 84);
-    let (n, k) = (j / 4, j % 4);
-    let qs: &[u8; 32] = blk[16 + 32 * n..][..32].try_into().unwrap();
-    let mut lv = [0i8; 32];
-    for l in 0..32 {
-        lv[l] = ((qs[l] >> (2 * k)) & 3) as i8;
-    }
+    let lv = two_bit_levels(&blk[16..80], j).map(|l| l as i8);
     let (d, dmin) = (f16_at(blk, 80), f16_at(blk, 82));
-    let sc = |g: usize| blk[8 * n + 2 * k + g];
+    let sc = |g: usize| blk[2 * j + g];
     Block32 {
         lv,
         a: [d * (sc(0) & 0xF) as f32, d * (sc(1) & 0xF) as f32],
@@ -624,6 +622,10 @@ pub(crate) mod avx2 {
         let ones = _mm256_set1_epi16(1);
         let low2 = _mm256_set1_epi8(3);
         let bit = _mm256_set1_epi8(1);
+        // q2_k's and q3_k's 2-bit levels of sub-block 4·n + k: bits 2k of their n-th 32 bytes.
+        let two_bits = |qs: __m256i, k: usize| {
+            _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * k as i32)), low2)
+        };
         let qx = |b: usize| load256_i8(&x.q[32 * b..32 * b + 32]);
         let s32 = |b: usize| x.s16[2 * b] + x.s16[2 * b + 1];
         // The 16 per-16-value Σq of super-block sb (activations with one scale per 256).
@@ -689,8 +691,7 @@ pub(crate) mod avx2 {
                     for n in 0..2 {
                         let qs = load256(&blk[32 + 32 * n..]);
                         for k in 0..4 {
-                            let shift = _mm_cvtsi32_si128(2 * k as i32);
-                            let q2 = _mm256_and_si256(_mm256_srl_epi16(qs, shift), low2);
+                            let q2 = two_bits(qs, k);
                             let hshift = _mm_cvtsi32_si128((4 * n + k) as i32);
                             let h = _mm256_and_si256(_mm256_srl_epi16(hm, hshift), bit);
                             let lv = _mm256_or_si256(q2, _mm256_slli_epi16(h, 2));
@@ -715,8 +716,7 @@ pub(crate) mod avx2 {
                     for n in 0..2 {
                         let qs = load256(&blk[16 + 32 * n..]);
                         for k in 0..4 {
-                            let shift = _mm_cvtsi32_si128(2 * k as i32);
-                            let lv = _mm256_and_si256(_mm256_srl_epi16(qs, shift), low2);
+                            let lv = two_bits(qs, k);
                             let g = 8 * n + 2 * k;
                             let s = halves((blk[g] & 0xF) as i16, (blk[g + 1] & 0xF) as i16);
                             let p = _mm256_maddubs_epi16(lv, qx(8 * sb + 4 * n + k));
