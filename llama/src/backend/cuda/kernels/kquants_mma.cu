@@ -5,7 +5,7 @@
 // by the 32-value block decoder of kquants.cu: each lane decodes only the two words of levels
 // its fragment holds (`kq_block_words`, values 4t..4t+3 and 16+4t..16+4t+3 of rows g and g+8)
 // and the block's affine maps (`kq_block_scales`, value = a[h]·level + c[h] per 16 values).
-// `matmul_mma_impl` (matmul_mma.cu) calls `mma_chunks_kq` for dtype codes 6 on.
+// `mma_chunks_q` (matmul_mma.cu) calls `mma_kq_load` and `mma_kq_tile` for dtype codes 6 on.
 //
 // Where both halves of a block share one map (q5_0, q5_1, iq4_nl, q4_k, q5_k, iq4_xs), one
 // m16n8k32 pair gives the block's integer dot product, scaled as in `qblock_acc`: a·d·dot, plus
@@ -67,82 +67,58 @@ __device__ __forceinline__ void mma_kq_load(const u8* row, int chunk, int t, Mma
     kq_block_scales<DTYPE>(blk, j, q.a, q.c);
 }
 
-// `mma_chunks_q` of matmul_mma.cu for these dtypes: chunks c0..c1 of the warp's MMA_MT tiles.
+// Input tile j (this lane's levels v0, v1 and the scale and Σx s0, s1 of columns 2t and 2t+1)
+// times the warp's MMA_MT weight tiles `a`, added to acc[..][j]: `mma_q_tile` of matmul_mma.cu
+// for these dtypes (its chunk loop, `mma_chunks_q`, serves them too).
 template <int DTYPE, int NT>
-__device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
-                                              const float4* xs, int n_chunks, int c0, int c1,
-                                              float (&acc)[MMA_MT][NT][4]) {
-    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    for (int c = c0; c < c1; c += MMA_QUNROLL) {
-        MmaKq a[MMA_QUNROLL][MMA_MT][2];
+__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1,
+                                            int j, float (&acc)[MMA_MT][NT][4]) {
+    u32 bh[2], bl[2];
+    mma_xfrag(v0, v1, bh, bl);
+    // q2_k: Σ of x's integers over values 0-15 (xsum[0], [1]: columns 2t, 2t+1) and
+    // 16-31 (xsum[2], [3]).
+    int xsum[4] = {0, 0, 0, 0};
+    if constexpr (DTYPE == KQ_Q2_K) {
+        const u32 ones[4] = {0x01010101u, 0u, 0u, 0x01010101u};
+        mma_dot16(ones, bh, bl, xsum);
+    }
 #pragma unroll
-        for (int u = 0; u < MMA_QUNROLL; u++) {
-            int cu = min(c + u, c1 - 1);
+    for (int mt = 0; mt < MMA_MT; mt++) {
+        const MmaKq(&q)[2] = a[mt];
+        // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
+        if constexpr (kq_mma_halves<DTYPE>()) {
+            int d[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
 #pragma unroll
-            for (int mt = 0; mt < MMA_MT; mt++) {
-                mma_kq_load<DTYPE>(wg[mt][0], cu, tq, a[u][mt][0]);
-                mma_kq_load<DTYPE>(wg[mt][1], cu, tq, a[u][mt][1]);
+            for (int h = 0; h < 2; h++) {
+                const u32 A[2] = {h ? q[0].w1 : q[0].w0, h ? q[1].w1 : q[1].w0};
+                mma_k16_s8<true>(A, bh[h], d[h]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) d[h][e] *= 256;
+                mma_k16_s8<false>(A, bl[h], d[h]);
             }
-        }
 #pragma unroll
-        for (int u = 0; u < MMA_QUNROLL; u++) {
-            if (c + u >= c1) break;  // the same for the whole warp
+            for (int e = 0; e < 4; e++) {
+                const MmaKq& r = q[e / 2];
+                const float2 s = e & 1 ? s1 : s0;
+                float v = fmaf(s.x, fmaf(r.a[0], (float)d[0][e], r.a[1] * (float)d[1][e]), acc[mt][j][e]);
+                // As `kq_block_acc`: one offset times Σx where both halves share it.
+                if constexpr (kq_mma_offsets<DTYPE>())
+                    v = r.c[0] == r.c[1] ? fmaf(r.c[0], s.y, v)
+                                         : fmaf(r.c[0], s.x * (float)xsum[e & 1],
+                                                fmaf(r.c[1], s.x * (float)xsum[2 + (e & 1)], v));
+                acc[mt][j][e] = v;
+            }
+        } else {
+            const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
+            int d[4];
+            mma_dot16(A, bh, bl, d);
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j * 8 >= t.nr) break;
-                const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c + u) * 32;
-                uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
-                u32 bh[2], bl[2];
-                mma_xfrag(v0, v1, bh, bl);
-                float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
-                float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
-                // q2_k: Σ of x's integers over values 0-15 (xsum[0], [1]: columns 2t, 2t+1) and
-                // 16-31 (xsum[2], [3]).
-                int xsum[4] = {0, 0, 0, 0};
-                if constexpr (DTYPE == KQ_Q2_K) {
-                    const u32 ones[4] = {0x01010101u, 0u, 0u, 0x01010101u};
-                    mma_dot16(ones, bh, bl, xsum);
-                }
-#pragma unroll
-                for (int mt = 0; mt < MMA_MT; mt++) {
-                    const MmaKq(&q)[2] = a[u][mt];
-                    // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
-                    if constexpr (kq_mma_halves<DTYPE>()) {
-                        int d[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const u32 A[2] = {h ? q[0].w1 : q[0].w0, h ? q[1].w1 : q[1].w0};
-                            mma_k16_s8<true>(A, bh[h], d[h]);
-#pragma unroll
-                            for (int e = 0; e < 4; e++) d[h][e] *= 256;
-                            mma_k16_s8<false>(A, bl[h], d[h]);
-                        }
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const MmaKq& r = q[e / 2];
-                            const float2 s = e & 1 ? s1 : s0;
-                            float v = fmaf(s.x, fmaf(r.a[0], (float)d[0][e], r.a[1] * (float)d[1][e]), acc[mt][j][e]);
-                            // As `kq_block_acc`: one offset times Σx where both halves share it.
-                            if constexpr (kq_mma_offsets<DTYPE>())
-                                v = r.c[0] == r.c[1] ? fmaf(r.c[0], s.y, v)
-                                                     : fmaf(r.c[0], s.x * (float)xsum[e & 1],
-                                                            fmaf(r.c[1], s.x * (float)xsum[2 + (e & 1)], v));
-                            acc[mt][j][e] = v;
-                        }
-                    } else {
-                        const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
-                        int d[4];
-                        mma_dot16(A, bh, bl, d);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            const MmaKq& r = q[e / 2];
-                            const float2 s = e & 1 ? s1 : s0;
-                            float v = fmaf(r.a[0], s.x * (float)d[e], acc[mt][j][e]);
-                            if constexpr (kq_mma_offsets<DTYPE>()) v = fmaf(r.c[0], s.y, v);
-                            acc[mt][j][e] = v;
-                        }
-                    }
-                }
+            for (int e = 0; e < 4; e++) {
+                const MmaKq& r = q[e / 2];
+                const float2 s = e & 1 ? s1 : s0;
+                float v = fmaf(r.a[0], s.x * (float)d[e], acc[mt][j][e]);
+                if constexpr (kq_mma_offsets<DTYPE>()) v = fmaf(r.c[0], s.y, v);
+                acc[mt][j][e] = v;
             }
         }
     }

@@ -179,37 +179,76 @@ template <int DTYPE> __device__ __forceinline__ constexpr int mma_block_bytes() 
 // are never stored) of B column `col` of input tile j.
 __device__ __forceinline__ int mma_xrow(const MmaTile& t, int j, int col) { return t.r0 + min(j * 8 + col, t.nr - 1); }
 
+// Chunks c0..c1 of the warp's MMA_MT weight tiles, UNROLL at a time: first this lane's fragments
+// of both 8-row halves of every tile for all UNROLL chunks (`load(row, chunk, fragment)`; past c1
+// the last chunk again, so that the loads need no branch), then `multiply(chunk, fragments)` for
+// each chunk in order. The loop of every path that loads its fragments straight from global
+// memory (f16/bf16, and the quantized dtypes of this file and of kquants_mma.cu).
+template <typename Frag, int UNROLL, typename Load, typename Multiply>
+__device__ __forceinline__ void mma_chunk_loop(const u8* const (&wg)[MMA_MT][2], int c0, int c1, Load load,
+                                               Multiply multiply) {
+    for (int c = c0; c < c1; c += UNROLL) {
+        Frag a[UNROLL][MMA_MT][2];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            int cu = min(c + u, c1 - 1);
+#pragma unroll
+            for (int mt = 0; mt < MMA_MT; mt++) {
+                load(wg[mt][0], cu, a[u][mt][0]);
+                load(wg[mt][1], cu, a[u][mt][1]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            if (c + u >= c1) break;  // the same for the whole warp
+            multiply(c + u, a[u]);
+        }
+    }
+}
+
+// The dtypes of kquants.cu (codes 6 on): their fragment, its loader and an input tile's products,
+// in kquants_mma.cu.
+struct MmaKq;
+template <int DTYPE> __device__ __forceinline__ void mma_kq_load(const u8* row, int chunk, int t, MmaKq& q);
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1,
+                                            int j, float (&acc)[MMA_MT][NT][4]);
+// A lane's part of one 32-value block of a quantized weight row: `MmaQ` for q8_0, q4_0 and q4_1,
+// `MmaKq` for the dtypes of kquants.cu.
+template <bool KQ> struct MmaQFrag {
+    using type = MmaQ;
+};
+template <> struct MmaQFrag<true> {
+    using type = MmaKq;
+};
+
+// Quantized weights (q8_0, q4_0, q4_1, and from code 6 the dtypes of kquants.cu): each chunk's
+// fragments times the input tiles' 16-bit levels (`xq`) and records (`xs`).
 template <int DTYPE, int NT>
 __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
                                              const float4* xs, int n_chunks, int c0, int c1,
                                              float (&acc)[MMA_MT][NT][4]) {
+    constexpr bool KQ = DTYPE >= 6;
+    using Frag = typename MmaQFrag<KQ>::type;
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    for (int c = c0; c < c1; c += MMA_QUNROLL) {
-        MmaQ a[MMA_QUNROLL][MMA_MT][2];
+    auto load = [&](const u8* row, int chunk, Frag& q) {
+        if constexpr (KQ) mma_kq_load<DTYPE>(row, chunk, tq, q);
+        else mma_qload<DTYPE>(row, chunk, tq, q);
+    };
+    auto multiply = [&](int c, const Frag (&a)[MMA_MT][2]) {
 #pragma unroll
-        for (int u = 0; u < MMA_QUNROLL; u++) {
-            int cu = min(c + u, c1 - 1);
-#pragma unroll
-            for (int mt = 0; mt < MMA_MT; mt++) {
-                mma_qload<DTYPE>(wg[mt][0], cu, tq, a[u][mt][0]);
-                mma_qload<DTYPE>(wg[mt][1], cu, tq, a[u][mt][1]);
-            }
+        for (int j = 0; j < NT; j++) {
+            if (j * 8 >= t.nr) break;
+            const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c) * 32;
+            uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
+            // Only the scale and Σx of each record: half the bytes of the float4.
+            float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c];
+            float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c];
+            if constexpr (KQ) mma_kq_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
+            else mma_q_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
         }
-#pragma unroll
-        for (int u = 0; u < MMA_QUNROLL; u++) {
-            if (c + u >= c1) break;  // the same for the whole warp
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j * 8 >= t.nr) break;
-                const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c + u) * 32;
-                uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
-                // Only the scale and Σx of each record: half the bytes of the float4.
-                float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c + u];
-                float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c + u];
-                mma_q_tile<DTYPE, NT>(a[u], v0, v1, s0, s1, j, acc);
-            }
-        }
-    }
+    };
+    mma_chunk_loop<Frag, MMA_QUNROLL>(wg, c0, c1, load, multiply);
 }
 
 // The staged path of quantized weights, taken when the row's chunks split into whole stages: a
@@ -333,59 +372,47 @@ __device__ __forceinline__ void mma_chunks_f(const MmaTile& t, const u8* const (
                                              int c0, int c1, float (&acc)[MMA_MT][NT][4]) {
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     constexpr int PARTS = DTYPE == 1 ? 2 : 3;
-    for (int c = c0; c < c1; c += MMA_FUNROLL) {
-        uint4 a[MMA_FUNROLL][MMA_MT][2];
+    auto load = [&](const u8* row, int chunk, uint4& w) { w = *(const uint4*)(row + (u64)chunk * 64 + 16 * tq); };
+    auto multiply = [&](int c, const uint4 (&a)[MMA_MT][2]) {
 #pragma unroll
-        for (int u = 0; u < MMA_FUNROLL; u++) {
-            int cu = min(c + u, c1 - 1);
+        for (int j = 0; j < NT; j++) {
+            if (j * 8 >= t.nr) break;
+            const float* xp = x + (u64)mma_xrow(t, j, g) * k + (u64)c * 32 + 8 * tq;
+            float4 p = *(const float4*)xp, q = *(const float4*)(xp + 4);
+            float v[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+            u16 part[PARTS][8];
 #pragma unroll
-            for (int mt = 0; mt < MMA_MT; mt++) {
-                a[u][mt][0] = *(const uint4*)(wg[mt][0] + (u64)cu * 64 + 16 * tq);
-                a[u][mt][1] = *(const uint4*)(wg[mt][1] + (u64)cu * 64 + 16 * tq);
-            }
-        }
+            for (int e = 0; e < 8; e++) {
+                float rest = v[e];
 #pragma unroll
-        for (int u = 0; u < MMA_FUNROLL; u++) {
-            if (c + u >= c1) break;
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                if (j * 8 >= t.nr) break;
-                const float* xp = x + (u64)mma_xrow(t, j, g) * k + (u64)(c + u) * 32 + 8 * tq;
-                float4 p = *(const float4*)xp, q = *(const float4*)(xp + 4);
-                float v[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
-                u16 part[PARTS][8];
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float rest = v[e];
-#pragma unroll
-                    for (int s = 0; s < PARTS; s++) {
-                        u16 h = DTYPE == 1 ? f2h(rest) : f2bf(rest);
-                        part[s][e] = h;
-                        rest -= DTYPE == 1 ? h2f(h) : bf2f(h);
-                    }
+                for (int s = 0; s < PARTS; s++) {
+                    u16 h = DTYPE == 1 ? f2h(rest) : f2bf(rest);
+                    part[s][e] = h;
+                    rest -= DTYPE == 1 ? h2f(h) : bf2f(h);
                 }
-                // The smallest parts first.
+            }
+            // The smallest parts first.
 #pragma unroll
-                for (int s = PARTS - 1; s >= 0; s--) {
-                    const u32 B0[2] = {pack_halves(part[s][0], part[s][1]), pack_halves(part[s][2], part[s][3])};
-                    const u32 B1[2] = {pack_halves(part[s][4], part[s][5]), pack_halves(part[s][6], part[s][7])};
+            for (int s = PARTS - 1; s >= 0; s--) {
+                const u32 B0[2] = {pack_halves(part[s][0], part[s][1]), pack_halves(part[s][2], part[s][3])};
+                const u32 B1[2] = {pack_halves(part[s][4], part[s][5]), pack_halves(part[s][6], part[s][7])};
 #pragma unroll
-                    for (int mt = 0; mt < MMA_MT; mt++) {
-                        const uint4(&w)[2] = a[u][mt];
-                        const u32 A0[4] = {w[0].x, w[1].x, w[0].y, w[1].y};
-                        const u32 A1[4] = {w[0].z, w[1].z, w[0].w, w[1].w};
-                        if constexpr (DTYPE == 1) {
-                            mma_f16(A0, B0, acc[mt][j]);
-                            mma_f16(A1, B1, acc[mt][j]);
-                        } else {
-                            mma_bf16(A0, B0, acc[mt][j]);
-                            mma_bf16(A1, B1, acc[mt][j]);
-                        }
+                for (int mt = 0; mt < MMA_MT; mt++) {
+                    const uint4(&w)[2] = a[mt];
+                    const u32 A0[4] = {w[0].x, w[1].x, w[0].y, w[1].y};
+                    const u32 A1[4] = {w[0].z, w[1].z, w[0].w, w[1].w};
+                    if constexpr (DTYPE == 1) {
+                        mma_f16(A0, B0, acc[mt][j]);
+                        mma_f16(A1, B1, acc[mt][j]);
+                    } else {
+                        mma_bf16(A0, B0, acc[mt][j]);
+                        mma_bf16(A1, B1, acc[mt][j]);
                     }
                 }
             }
         }
-    }
+    };
+    mma_chunk_loop<uint4, MMA_FUNROLL>(wg, c0, c1, load, multiply);
 }
 
 // The block's outputs: written (or added) directly with one slice; with more, the partial sums,
@@ -453,11 +480,7 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
 }
 
-// The dtypes of kquants.cu (codes 6 on): their chunk loop and row size, in kquants_mma.cu.
-template <int DTYPE, int NT>
-__device__ __forceinline__ void mma_chunks_kq(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
-                                              const float4* xs, int n_chunks, int c0, int c1,
-                                              float (&acc)[MMA_MT][NT][4]);
+// The dtypes of kquants.cu (codes 6 on): their row size, in kquants_mma.cu.
 template <int DTYPE> __device__ __forceinline__ u64 mma_kq_row_bytes(int n_chunks);
 
 // `x` is f32 rows for f16/bf16 weights, the 16-bit integers of `quantize_x16` (with their
@@ -504,8 +527,6 @@ __device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k
         }
         if constexpr (DTYPE == 1 || DTYPE == 2)
             mma_chunks_f<DTYPE, NT>(t, wg, (const float*)x, k, c0, c1, acc);
-        else if constexpr (DTYPE >= 6)
-            mma_chunks_kq<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
         else
             mma_chunks_q<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
     }
