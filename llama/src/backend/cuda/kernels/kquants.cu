@@ -245,33 +245,15 @@ __device__ __forceinline__ float kq_block_acc(const KqBlock& q, const int* xw, f
     return fmaf(q.c[0], xs.x * (float)s0, fmaf(q.c[1], xs.x * (float)s1, acc));
 }
 
-// The k-quant-era weights read as stored, with the activations of `quantize_x16_lanes`: lane l
-// of warp w takes the 32-value blocks (it·MM_WARPS + w)·32 + l of MM_WROWS weight rows, like
-// `matmul_q_impl` (same tiles, same store, same fixed order of the partial sums).
+// The k-quant-era weights read as stored, with the activations of `quantize_x16_lanes`: the loop
+// of `matmul_q_impl` (matmul.cu: same tiles, same store, same fixed order of the partial sums)
+// over these dtypes' 32-value blocks.
 template <int DTYPE, int NR>
 __device__ void matmul_kq_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
-    MatmulTile t;
-    if (!matmul_tile<NR>(jobs, rows, t)) return;
-    const int nw = t.nw, nr = t.nr, r0 = t.r0;
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float acc[NR][MM_WROWS] = {};
-    int n_blocks = k / 32;
+    auto load = [](const u8* row, int b, KqBlock& q) { kq_block<DTYPE>(row, (u64)b, q); };
+    auto block_acc = [](const KqBlock& q, const int* xw, float4 s, float acc) { return kq_block_acc(q, xw, s, acc); };
     u64 row_bytes = (u64)(k / kq_block_len<DTYPE>()) * kq_block_bytes<DTYPE>();
-    const u8* w0 = t.w + (u64)t.i0 * row_bytes;
-    for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
-        KqBlock q[MM_WROWS];
-#pragma unroll
-        for (int j = 0; j < MM_WROWS; j++) kq_block<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes, b, q[j]);
-#pragma unroll
-        for (int r = 0; r < NR; r++) {
-            if (r >= nr) continue;
-            int xw[16];
-            float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
-#pragma unroll
-            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = kq_block_acc(q[j], xw, s, acc[r][j]);
-        }
-    }
-    matmul_store<NR>(acc, t, jobs.accumulate);
+    matmul_x16_impl<KqBlock, NR>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
 }
 
 #define MATMUL_KQ_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_impl, DTYPE)

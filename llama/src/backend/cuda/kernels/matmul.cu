@@ -249,35 +249,52 @@ __device__ __forceinline__ float4 x16_block(const short* xq, const float4* xs, u
     return xs[xb];
 }
 
-// q8_0, q4_0 and q4_1 weights read as stored (no dequantized copy), with the activations of
-// `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block).
-template <int DTYPE, int NR>
-__device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
+// Quantized weights read as stored (no dequantized copy), `row_bytes` a row, with the activations
+// of `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block): lane
+// l of warp w takes the 32-value blocks (it·MM_WARPS + w)·32 + l of MM_WROWS weight rows,
+// `load(row, b, block)` decoding block b of a row and `block_acc(block, xw, s, acc)` adding its
+// products with an input block to acc. The loop of q8_0, q4_0 and q4_1 (`matmul_q_impl`) and of
+// the dtypes of kquants.cu (`matmul_kq_impl`).
+template <typename Block, int NR, typename Load, typename BlockAcc>
+__device__ __forceinline__ void matmul_x16_impl(const short* xq, const float4* xs, int rows, int k,
+                                                const MatmulJobs& jobs, u64 row_bytes, Load load,
+                                                BlockAcc block_acc) {
     MatmulTile t;
     if (!matmul_tile<NR>(jobs, rows, t)) return;
     const int nw = t.nw, nr = t.nr, r0 = t.r0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float acc[NR][MM_WROWS] = {};
     int n_blocks = k / 32;
-    u64 row_bytes = (u64)n_blocks * qblock_bytes<DTYPE>();
     const u8* w0 = t.w + (u64)t.i0 * row_bytes;
     // Each lane reads its own block straight (staging a warp's blocks through shared memory
     // with coalesced 16-byte loads measured slower on the H200).
     for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
-        QBlock<DTYPE> q[MM_WROWS];
+        Block q[MM_WROWS];
 #pragma unroll
-        for (int j = 0; j < MM_WROWS; j++)
-            load_qblock<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)b * qblock_bytes<DTYPE>(), q[j]);
+        for (int j = 0; j < MM_WROWS; j++) load(w0 + (j < nw ? j : 0) * row_bytes, b, q[j]);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;
             int xw[16];
             float4 s = x16_block(xq, xs, (u64)(r0 + r) * n_blocks + b, xw);
 #pragma unroll
-            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = qblock_acc(q[j], qblock_idot(q[j], xw), s, acc[r][j]);
+            for (int j = 0; j < MM_WROWS; j++) acc[r][j] = block_acc(q[j], xw, s, acc[r][j]);
         }
     }
     matmul_store<NR>(acc, t, jobs.accumulate);
+}
+
+// q8_0, q4_0 and q4_1 weights.
+template <int DTYPE, int NR>
+__device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
+    auto load = [](const u8* row, int b, QBlock<DTYPE>& q) {
+        load_qblock<DTYPE>(row + (u64)b * qblock_bytes<DTYPE>(), q);
+    };
+    auto block_acc = [](const QBlock<DTYPE>& q, const int* xw, float4 s, float acc) {
+        return qblock_acc(q, qblock_idot(q, xw), s, acc);
+    };
+    u64 row_bytes = (u64)(k / 32) * qblock_bytes<DTYPE>();
+    matmul_x16_impl<QBlock<DTYPE>, NR>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
 }
 
 // One kernel per weight dtype and row count per block: `_r1` for one input row (decoding one
