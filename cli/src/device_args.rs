@@ -41,9 +41,14 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
-    /// Whether the model may run on a GPU (`cuda`, or `auto`, which looks for one).
+    /// Whether the model may run on a GPU: `cuda`, or `auto` where the CUDA driver library
+    /// loads (a machine without one computes on the CPU, with every core).
     pub fn may_use_gpu(&self) -> bool {
-        self.device != DeviceArg::Cpu
+        match self.device {
+            DeviceArg::Cpu => false,
+            DeviceArg::Cuda => true,
+            DeviceArg::Auto => gds_io::gpu::cuda_driver_present(),
+        }
     }
 
     /// Where to compute, for `llama::open` (which decides `auto` and says why when it falls
