@@ -121,7 +121,7 @@ fn planned_shares(
     let cache: Mutex<HashMap<usize, Arc<residency::PassPlacement>>> = Mutex::default();
     Ok(Box::new(move |blob, rows| {
         let placed = {
-            let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut cache = super::lock(&cache);
             let entry = cache.entry(rows).or_insert_with(|| {
                 // Every matmul of a pass of `rows` rows: a decode step's layers and head alike.
                 let pass = [(PassKind::Decode { batch: rows }, Some(&plan))];

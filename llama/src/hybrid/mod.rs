@@ -366,8 +366,8 @@ impl SplitStats {
     }
 }
 
-/// A lock whose data stays usable if a thread panicked while holding it (the figures are
-/// statistics: a partial update is not worth a second panic).
+/// A lock whose data stays usable if a thread panicked while holding it (statistics and
+/// caches: a partial update is not worth a second panic).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -490,8 +490,9 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
         let helper_s = helper_started.elapsed().as_secs_f64();
         let mut helper_bytes = 0;
         for p in &helper_parts {
-            helper_bytes += p.1.rows * p.1.row_bytes();
-            self.stats.count(true, p.1.rows, p.1.rows * p.1.row_bytes());
+            let bytes = p.1.rows * p.1.row_bytes();
+            helper_bytes += bytes;
+            self.stats.count(true, p.1.rows, bytes);
         }
         let merge_started = Instant::now();
 
