@@ -86,12 +86,20 @@ impl OpenArgs {
     ) -> anyhow::Result<(llama::Device, llama::OpenOptions)> {
         let (device, io) = self.device.resolve()?;
         self.placement.apply_threads(self.device.may_use_gpu())?;
+        if self.placement.cpu_share.is_some()
+            && self.placement.mode() != residency::PlacementMode::Auto
+        {
+            anyhow::bail!("--cpu-share sets the CPU's share of a split: it needs --placement auto");
+        }
         let hybrid = match (self.placement.mode(), device) {
             (residency::PlacementMode::Gpu, _) | (_, llama::Device::Cpu) => None,
             (
                 residency::PlacementMode::Auto,
                 llama::Device::Auto { ordinal } | llama::Device::Cuda { ordinal },
-            ) => Some(crate::placement_args::hybrid_options(ordinal)),
+            ) => Some(crate::placement_args::hybrid_options(
+                ordinal,
+                self.placement.cpu_share,
+            )),
         };
         let options = llama::OpenOptions {
             hybrid,

@@ -18,6 +18,20 @@ pub struct PlacementArgs {
     /// drive the GPU). The calibration is per thread count.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..4096))]
     pub cpu_threads: Option<u64>,
+    /// With `--placement auto`: give the CPU this share (0 to 1) of the rows of every split
+    /// matmul of passes of up to 8 rows, instead of the planner's share (a prefill chunk still
+    /// gets none). For measuring which share is fastest on this machine, to check the planner.
+    #[arg(long, value_name = "SHARE", value_parser = parse_share)]
+    pub cpu_share: Option<f64>,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    let share: f64 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if (0.0..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!("{share} is not a share between 0 and 1"))
+    }
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +89,9 @@ impl PlacementArgs {
 /// `--placement auto` on CUDA device `ordinal`: the loader asks for this machine's figures
 /// once it knows the model's dtypes; they come from `$GDSLLM_HOME/calibration.json`, and what
 /// is missing there is measured (on this device) and kept.
-pub fn hybrid_options(ordinal: usize) -> llama::hybrid::HybridOptions {
+/// `cpu_share` (`--cpu-share`) replaces the planner's share of passes of up to
+/// [`residency::GpuRates::SPLIT_MAX_ROWS`] rows.
+pub fn hybrid_options(ordinal: usize, cpu_share: Option<f64>) -> llama::hybrid::HybridOptions {
     let calibrate = move |dtypes: &[weights_format::DType]| {
         let gpu = llama::CudaBackend::new(ordinal).map_err(|e| e.to_string())?;
         crate::calibration::ensure(&crate::calibration::home(), dtypes, Some(&gpu), false, None)
@@ -83,6 +99,7 @@ pub fn hybrid_options(ordinal: usize) -> llama::hybrid::HybridOptions {
     };
     llama::hybrid::HybridOptions {
         calibrate: Some(std::sync::Arc::new(calibrate)),
-        ..Default::default()
+        force_cpu_fraction: cpu_share,
+        force_max_rows: cpu_share.map(|_| residency::GpuRates::SPLIT_MAX_ROWS),
     }
 }

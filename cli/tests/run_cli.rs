@@ -296,3 +296,27 @@ fn ctx_size_beyond_the_model_is_clamped_with_a_warning() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report.is_object(), "{report}");
 }
+
+#[test]
+fn cpu_share_is_checked_and_needs_the_split() {
+    let out = gdsllm()
+        .args(["bench", "-m", "x", "--cpu-share", "1.5"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("1.5 is not a share between 0 and 1"),
+        "{stderr}"
+    );
+
+    let Some(dir) = model_dir() else { return };
+    let out = gdsllm()
+        .args(["bench", "--device", "cpu", "--cpu-share", "0.5", "-m"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("it needs --placement auto"), "{stderr}");
+}

@@ -33,8 +33,9 @@
 //!
 //! At batch `B` a pass over the weights serves `B` rows on the GPU for the same bytes, while
 //! the CPU's cost grows with the rows (at 32 rows it is compute-bound): the planner
-//! (`residency::placement`) gives the CPU a smaller share as the batch grows, and none to a
-//! prefill chunk.
+//! (`residency::placement`) gives the CPU a smaller share as the batch grows, none to a pass of
+//! more than 8 rows (measured: a split 32-row pass lost to the GPU alone at every share) and
+//! none to a prefill chunk.
 //!
 //! # Where everything else runs
 //!
