@@ -339,3 +339,83 @@ fn the_concurrent_probe_measures_the_cpu_and_the_copies_alone_and_at_once() {
     let up = support::cuda::up(&be, &[1.0, 2.0, 3.0]);
     assert_eq!(support::cuda::down(&be, &up, 3), [1.0, 2.0, 3.0]);
 }
+
+/// The merges of a split call on the GPU: a share's columns put into place for every row in
+/// one launch, written and added, from a device buffer (`write_columns`, the GPU's share) and
+/// from host values (`write_host_columns`, the CPU's share, read by the kernel from mapped
+/// pinned staging buffers), against the CPU backend's loops, bit for bit. More merges than the
+/// staging ring has buffers are queued before anything is read back, with the host values
+/// overwritten right after each call, and shares larger than a staging buffer's first size
+/// (so that buffers are replaced while the ring is in use).
+#[test]
+fn a_split_share_goes_into_its_columns_for_every_row() {
+    use llama::backend::NormInto;
+    use llama::hybrid::SplitTarget;
+    let Some(be) = support::cuda::gpu() else {
+        return;
+    };
+    let cpu = llama::CpuBackend::new();
+    // (rows, share columns, output columns, first column)
+    let cases = [
+        (1, 32, 96, 0),
+        (8, 64, 160, 96),
+        (5, 37, 101, 30),
+        (32, 96, 200, 0),
+        (32, 2240, 4096, 1856),
+        (40, 2048, 4096, 0),
+    ];
+    let value = |seed: usize, i: usize| ((i * 7919 + seed * 104729) % 2001) as f32 / 1000.0 - 1.0;
+    for (rows, src_cols, dst_cols, col0) in cases {
+        let start: Vec<f32> = (0..rows * dst_cols).map(|i| value(1, i)).collect();
+        let mut want = start.clone();
+        let mut dst = support::cuda::up(&be, &start);
+        // Six merges, alternating write and add, from the device and from the host, before
+        // one read: more than the ring's four staging buffers.
+        for round in 0..6 {
+            let into = if round % 2 == 0 {
+                NormInto::Write
+            } else {
+                NormInto::Add
+            };
+            let mut src: Vec<f32> = (0..rows * src_cols).map(|i| value(round + 2, i)).collect();
+            cpu.write_columns(&src, rows, src_cols, &mut want, dst_cols, col0, into)
+                .unwrap();
+            if round % 3 == 2 {
+                let dev = support::cuda::up(&be, &src);
+                be.write_columns(&dev, rows, src_cols, &mut dst, dst_cols, col0, into)
+                    .unwrap();
+            } else {
+                be.write_host_columns(&src, rows, src_cols, &mut dst, dst_cols, col0, into)
+                    .unwrap();
+                // The values were staged: the caller may reuse its buffer at once.
+                src.fill(f32::NAN);
+            }
+        }
+        let got = support::cuda::down(&be, &dst, rows * dst_cols);
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits());
+        println!(
+            "{rows} rows, columns {col0}..{} of {dst_cols}: the CPU's bits: {same}",
+            col0 + src_cols
+        );
+        assert!(
+            same,
+            "{rows} rows, {src_cols} columns at {col0} of {dst_cols}"
+        );
+        // Out of bounds: an error, nothing queued.
+        let err = be
+            .write_host_columns(
+                &vec![0.0; rows * src_cols],
+                rows,
+                src_cols,
+                &mut dst,
+                dst_cols,
+                dst_cols - src_cols + 1,
+                NormInto::Write,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("columns"), "{err}");
+    }
+}

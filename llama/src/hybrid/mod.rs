@@ -45,7 +45,8 @@
 //! keeps one sync per matmul call. (A model whose attention runs on the CPU would keep its KV
 //! in RAM; this split does not do that.)
 //!
-//! [`SplitBackend`] is generic over its two [`Backend`]s, so the whole arrangement is tested
+//! [`SplitBackend`] is generic over its two [`Backend`]s (the helper's activations being host
+//! vectors), so the whole arrangement is tested
 //! with the CPU backend on both sides (`tests/hybrid.rs`): logits against a single backend's,
 //! and [`SplitStats`] counting the rows and bytes each side computed against the plan.
 //!
@@ -61,10 +62,13 @@
 //! the pass that reads it: `hybrid::cuda` says how the first blobs of a pass, prefetched during
 //! the one before, are completed when that is less. The split costs the decode CUDA
 //! graph (off: host work sits between the GPU's ops), which streamed layers already turn off.
-//! Each handoff is a synchronising read of the activations and an upload of the CPU's output
-//! (pageable memory today; pinned staging would cut a few microseconds from each of the
-//! 4 per layer), and the columns are put in place one row at a time (a split pass has few
-//! rows).
+//! Each handoff is a synchronising read of the activations (into a host buffer the split
+//! keeps, which the CPU's matmul reads as it is) and the two merges: the GPU's share, queued
+//! right behind its matmul (so the GPU does it while the CPU computes), and the CPU's share,
+//! which the CUDA backend stages in mapped pinned host memory and has its kernel read over
+//! PCIe ([`SplitTarget::write_host_columns`]: no device allocation, no pageable copy, nothing
+//! queued on a copy engine behind the residency ring's streamed copies); each is one kernel
+//! launch for all rows. The buffers of the shares are kept from one call to the next.
 
 pub mod calibrate;
 #[cfg(feature = "cuda")]
@@ -183,6 +187,50 @@ pub trait SplitTarget: Backend {
         col0: usize,
         into: NormInto,
     ) -> Result<(), BackendError>;
+
+    /// [`SplitTarget::write_columns`] from values in host memory (the helper's share):
+    /// `host: [rows, src_cols]`. The values may be overwritten as soon as this returns. By
+    /// default uploaded into a buffer of their own first; the CUDA backend has its kernel read
+    /// them from mapped host memory instead, and a host backend writes them in place.
+    #[allow(clippy::too_many_arguments)]
+    fn write_host_columns(
+        &self,
+        host: &[f32],
+        rows: usize,
+        src_cols: usize,
+        dst: &mut Self::Buf,
+        dst_cols: usize,
+        col0: usize,
+        into: NormInto,
+    ) -> Result<(), BackendError> {
+        let up = self.upload(&host[..(rows * src_cols).min(host.len())])?;
+        self.write_columns(&up, rows, src_cols, dst, dst_cols, col0, into)
+    }
+}
+
+/// Checks a [`SplitTarget`] call's shapes against its buffers' lengths (in values): an
+/// error for `op` unless `src` holds `rows · src_cols` values, `dst` `rows · dst_cols` and the
+/// columns `col0 .. col0 + src_cols` lie within `dst_cols`.
+pub(crate) fn check_columns(
+    op: &'static str,
+    (src_len, src_cols): (usize, usize),
+    rows: usize,
+    (dst_len, dst_cols): (usize, usize),
+    col0: usize,
+) -> Result<(), BackendError> {
+    if col0 + src_cols > dst_cols || src_len < rows * src_cols || dst_len < rows * dst_cols {
+        return Err(BackendError::Unsupported {
+            op,
+            message: format!(
+                "columns {col0}..{} of {rows} rows of {dst_cols} from {src_cols} (buffers of {} \
+                 and {} values)",
+                col0 + src_cols,
+                src_len,
+                dst_len
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// [`SplitTarget::write_columns`] over host buffers.
@@ -197,18 +245,7 @@ fn write_columns_host(
     col0: usize,
     into: NormInto,
 ) -> Result<(), BackendError> {
-    if col0 + src_cols > dst_cols || src.len() < rows * src_cols || dst.len() < rows * dst_cols {
-        return Err(BackendError::Unsupported {
-            op,
-            message: format!(
-                "columns {col0}..{} of {rows} rows of {dst_cols} from {src_cols} (buffers of {} \
-                 and {} values)",
-                col0 + src_cols,
-                src.len(),
-                dst.len()
-            ),
-        });
-    }
+    check_columns(op, (src.len(), src_cols), rows, (dst.len(), dst_cols), col0)?;
     for r in 0..rows {
         let from = &src[r * src_cols..(r + 1) * src_cols];
         let to = &mut dst[r * dst_cols + col0..r * dst_cols + col0 + src_cols];
@@ -235,6 +272,19 @@ macro_rules! host_split_target {
                 into: NormInto,
             ) -> Result<(), BackendError> {
                 write_columns_host($op, src, rows, src_cols, dst, dst_cols, col0, into)
+            }
+
+            fn write_host_columns(
+                &self,
+                host: &[f32],
+                rows: usize,
+                src_cols: usize,
+                dst: &mut Vec<f32>,
+                dst_cols: usize,
+                col0: usize,
+                into: NormInto,
+            ) -> Result<(), BackendError> {
+                write_columns_host($op, host, rows, src_cols, dst, dst_cols, col0, into)
             }
         }
     };
@@ -277,7 +327,9 @@ pub struct PassTimes {
     /// Reading each split call's input from the primary: the wait for the primary's ops
     /// queued before it (the GPU's share of the previous call, attention, norms).
     pub wait_seconds: f64,
-    /// Bringing the helper's outputs into the primary's buffers.
+    /// Putting both sides' shares into the outputs' columns: the host's time to stage and
+    /// queue them (on a GPU their kernels run asynchronously; the time they take there shows
+    /// in the next split call's wait).
     pub merge_seconds: f64,
     /// Weight bytes the helper read in those passes.
     pub helper_bytes: u64,
@@ -376,9 +428,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Two backends as one: every op on `primary`, except the matmuls of the blobs the share
 /// function gives the helper a share of, whose output rows `[0, k)` the `helper` computes
 /// (from the same weight bytes, which it must be able to read: host memory for the CPU
-/// backend) while the primary computes rows `[k, n)`. The model tells which blob its ops read
-/// through [`Backend::weights_from_blob`].
-pub struct SplitBackend<P: SplitTarget, H: Backend> {
+/// backend, whose activations are host vectors too) while the primary computes rows `[k, n)`.
+/// The model tells which blob its ops read through [`Backend::weights_from_blob`].
+pub struct SplitBackend<P: SplitTarget, H: Backend<Buf = Vec<f32>>> {
     primary: P,
     helper: H,
     share: Box<ShareFn>,
@@ -387,9 +439,21 @@ pub struct SplitBackend<P: SplitTarget, H: Backend> {
     /// The blob whose weights the ops read now (`usize::MAX`: none announced).
     blob: AtomicUsize,
     stats: Arc<SplitStats>,
+    /// The buffers of the split calls, reused by every call.
+    scratch: Mutex<SplitScratch<P::Buf>>,
 }
 
-impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
+/// The buffers a split call uses, kept from one call to the next and grown to the largest
+/// asked for (only the first `rows · width` values of each are read or written): the helper's
+/// input and outputs in host memory, and the primary's share of each output (`B`, with its
+/// length in values).
+struct SplitScratch<B> {
+    x_host: Vec<f32>,
+    helper_outs: Vec<Vec<f32>>,
+    primary_outs: Vec<(usize, B)>,
+}
+
+impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> SplitBackend<P, H> {
     /// `share(blob, rows)`: the fraction of blob `blob`'s matmul rows the helper computes in a
     /// pass of `rows` rows.
     pub fn new(primary: P, helper: H, share: Box<ShareFn>) -> SplitBackend<P, H> {
@@ -400,6 +464,11 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
             on_pass: None,
             blob: AtomicUsize::new(usize::MAX),
             stats: Arc::new(SplitStats::default()),
+            scratch: Mutex::new(SplitScratch {
+                x_host: Vec::new(),
+                helper_outs: Vec::new(),
+                primary_outs: Vec::new(),
+            }),
         }
     }
 
@@ -444,11 +513,19 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
     ) -> Result<(), BackendError> {
         let rows: usize = groups.iter().map(|g| g.rows).sum();
         let cols = ws[0].cols;
+        let mut scratch = lock(&self.scratch);
+        let SplitScratch {
+            x_host,
+            helper_outs,
+            primary_outs,
+        } = &mut *scratch;
         // The helper's input first: reading it back waits for the ops before, not for the
         // primary's share queued next.
-        let mut x_host = vec![0.0; rows * cols];
+        if x_host.len() < rows * cols {
+            x_host.resize(rows * cols, 0.0);
+        }
         let started = Instant::now();
-        self.primary.read(x, &mut x_host)?;
+        self.primary.read(x, &mut x_host[..rows * cols])?;
         let wait = started.elapsed().as_secs_f64();
 
         // The primary's share: rows [k, n) of each weight that has any, into buffers of
@@ -456,37 +533,68 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
         let mut primary_parts = Vec::new();
         for (i, (w, &k)) in ws.iter().zip(ks).enumerate() {
             if k < w.rows {
-                let part = rows_of(w, k, w.rows)?;
-                let buf = self.primary.alloc(rows * part.rows)?;
-                primary_parts.push((i, k, part, buf));
+                primary_parts.push((i, k, rows_of(w, k, w.rows)?));
             }
         }
+        for (j, (_, _, part)) in primary_parts.iter().enumerate() {
+            let len = rows * part.rows;
+            match primary_outs.get(j) {
+                Some((have, _)) if *have >= len => {}
+                _ => {
+                    let buf = (len, self.primary.alloc(len)?);
+                    if j < primary_outs.len() {
+                        primary_outs[j] = buf;
+                    } else {
+                        primary_outs.push(buf);
+                    }
+                }
+            }
+        }
+        let mut merge = 0.0;
         if !primary_parts.is_empty() {
             let views: Vec<WeightView<'_>> = primary_parts.iter().map(|p| p.2).collect();
-            let mut bufs: Vec<&mut P::Buf> = primary_parts.iter_mut().map(|p| &mut p.3).collect();
+            let mut bufs: Vec<&mut P::Buf> = primary_outs
+                .iter_mut()
+                .map(|(_, b)| b)
+                .take(views.len())
+                .collect();
             self.primary.matmul_batch(x, groups, &views, &mut bufs)?;
             for p in &primary_parts {
                 self.stats
                     .count(false, p.2.rows, p.2.rows * p.2.row_bytes());
             }
+            // Its columns go in place right behind it (the other columns are the helper's),
+            // while the helper computes.
+            let merge_started = Instant::now();
+            for ((i, k, part), (_, buf)) in primary_parts.iter().zip(primary_outs.iter()) {
+                let n = ws[*i].rows;
+                self.primary
+                    .write_columns(buf, rows, part.rows, outs[*i], n, *k, into)?;
+            }
+            merge += merge_started.elapsed().as_secs_f64();
         }
 
         // The helper's share: rows [0, k) of each weight that has any.
         let mut helper_parts = Vec::new();
         for (i, (w, &k)) in ws.iter().zip(ks).enumerate() {
             if k > 0 {
-                let part = rows_of(w, 0, k)?;
-                let buf = self.helper.alloc(rows * k)?;
-                helper_parts.push((i, part, buf));
+                helper_parts.push((i, rows_of(w, 0, k)?));
+            }
+        }
+        if helper_outs.len() < helper_parts.len() {
+            helper_outs.resize_with(helper_parts.len(), Vec::new);
+        }
+        for ((_, part), out) in helper_parts.iter().zip(helper_outs.iter_mut()) {
+            if out.len() < rows * part.rows {
+                out.resize(rows * part.rows, 0.0);
             }
         }
         let helper_started = Instant::now();
-        let x_helper = self.helper.upload(&x_host)?;
         {
             let views: Vec<WeightView<'_>> = helper_parts.iter().map(|p| p.1).collect();
-            let mut bufs: Vec<&mut H::Buf> = helper_parts.iter_mut().map(|p| &mut p.2).collect();
+            let mut bufs: Vec<&mut Vec<f32>> = helper_outs.iter_mut().take(views.len()).collect();
             self.helper
-                .matmul_batch(&x_helper, groups, &views, &mut bufs)?;
+                .matmul_batch(x_host, groups, &views, &mut bufs)?;
         }
         let helper_s = helper_started.elapsed().as_secs_f64();
         let mut helper_bytes = 0;
@@ -495,23 +603,17 @@ impl<P: SplitTarget, H: Backend> SplitBackend<P, H> {
             helper_bytes += bytes;
             self.stats.count(true, p.1.rows, bytes);
         }
-        let merge_started = Instant::now();
 
-        // The halves meet in each output's columns.
-        for (i, k, part, buf) in &primary_parts {
+        // The helper's columns, straight from its host buffers.
+        let merge_started = Instant::now();
+        for ((i, part), host) in helper_parts.iter().zip(helper_outs.iter()) {
             let n = ws[*i].rows;
+            let values = &host[..rows * part.rows];
             self.primary
-                .write_columns(buf, rows, part.rows, outs[*i], n, *k, into)?;
-        }
-        for (i, part, buf) in &helper_parts {
-            let mut host = vec![0.0; rows * part.rows];
-            self.helper.read(buf, &mut host)?;
-            let up = self.primary.upload(&host)?;
-            self.primary
-                .write_columns(&up, rows, part.rows, outs[*i], ws[*i].rows, 0, into)?;
+                .write_host_columns(values, rows, part.rows, outs[*i], n, 0, into)?;
         }
         self.stats.splits.fetch_add(1, Ordering::Relaxed);
-        let merge = merge_started.elapsed().as_secs_f64();
+        merge += merge_started.elapsed().as_secs_f64();
         self.stats.add_split(helper_bytes, wait, helper_s, merge);
         Ok(())
     }
@@ -560,7 +662,7 @@ fn rows_of<'a>(w: &WeightView<'a>, r0: usize, r1: usize) -> Result<WeightView<'a
     })
 }
 
-impl<P: SplitTarget, H: Backend> Backend for SplitBackend<P, H> {
+impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> Backend for SplitBackend<P, H> {
     type Buf = P::Buf;
     type KvBuf = P::KvBuf;
 
@@ -846,5 +948,13 @@ mod tests {
             .write_columns(&src, 2, 2, &mut dst, 4, 3, NormInto::Write)
             .unwrap_err();
         assert!(err.to_string().contains("columns 3..5"), "{err}");
+        // From host values: the same, for a host backend in place.
+        be.write_host_columns(&src, 2, 2, &mut dst, 4, 0, NormInto::Add)
+            .unwrap();
+        assert_eq!(dst, [11.0, 3.0, 3.0, 12.0, 13.0, 7.0, 7.0, 14.0]);
+        let err = be
+            .write_host_columns(&src[..3], 2, 2, &mut dst, 4, 0, NormInto::Write)
+            .unwrap_err();
+        assert!(err.to_string().contains("buffers of 3"), "{err}");
     }
 }

@@ -1182,6 +1182,35 @@ void test_block_dequant() {
     }
 }
 
+// `write_columns_f32` (a split matmul's share put into its columns, all rows in one launch) against
+// a plain loop: written and added, at the left edge, inside and at the right edge of the rows,
+// ragged widths; the columns outside the share keep their values, bit for bit.
+void test_write_columns() {
+    struct Case { int rows, src_cols, dst_cols, col0; };
+    const Case cases[] = {{1, 32, 96, 0}, {8, 64, 160, 96}, {5, 37, 101, 30}, {32, 96, 200, 0}, {3, 1, 7, 6}};
+    for (const Case& cs : cases) {
+        for (int add = 0; add <= 1; add++) {
+            size_t n = (size_t)cs.rows * cs.src_cols, total = (size_t)cs.rows * cs.dst_cols;
+            std::vector<float> src = random_vec(n), before = random_vec(total);
+            Buf<float> s(src), d(before);
+            emu::launch(grid3((unsigned)((n + 255) / 256)), 256, [&] {
+                write_columns_f32(s.p, (u64)cs.src_cols, d.p, (u64)cs.dst_cols, (u64)cs.col0, (u64)n, add);
+            });
+            std::vector<float> want = before;
+            for (int r = 0; r < cs.rows; r++)
+                for (int c = 0; c < cs.src_cols; c++) {
+                    float& o = want[(size_t)r * cs.dst_cols + cs.col0 + c];
+                    float v = src[(size_t)r * cs.src_cols + c];
+                    o = add ? o + v : v;
+                }
+            bool same = std::memcmp(d.p, want.data(), total * sizeof(float)) == 0;
+            printf("write_columns_f32 %s %d rows, %d of %d columns from %d: the loop's bits: %s\n",
+                   add ? "add" : "write", cs.rows, cs.src_cols, cs.dst_cols, cs.col0, same ? "yes" : "NO");
+            if (!same) failures++;
+        }
+    }
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++)
         if (std::string(argv[i]) == "--quick") quick = true;
@@ -1198,6 +1227,7 @@ int main(int argc, char** argv) {
     test_mma8_rows_independent();
     test_kq_dequant();
     test_block_dequant();
+    test_write_columns();
     if (failures) {
         printf("%d check(s) FAILED\n", failures);
         return 1;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits,
+    DeviceRepr, DriverError, LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
 };
 use weights_format::DType;
 
@@ -473,6 +473,56 @@ impl Queue {
             .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
     }
 
+    /// `len` f32 values of page-locked host memory mapped into the device's address space, and
+    /// the device address of its first value: kernels read it over PCIe themselves, without a
+    /// copy-engine transfer (which would queue behind the residency ring's streamed copies).
+    /// The memory is zeroed.
+    pub fn alloc_mapped(
+        &self,
+        len: usize,
+        op: &'static str,
+    ) -> Result<(PinnedHostSlice<f32>, u64), BackendError> {
+        use cudarc::driver::sys;
+        let ctx = self.stream.context();
+        // SAFETY: `alloc_pinned_with_flags` leaves the memory uninitialised; it is zeroed below
+        // before anything reads it.
+        let mut host = unsafe {
+            ctx.alloc_pinned_with_flags::<f32>(len.max(1), sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .map_err(|e| self.error(op, e))?;
+        let values = host.as_mut_slice().map_err(|e| self.error(op, e))?;
+        values.fill(0.0);
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `values` is the start of a live allocation made with
+        // CU_MEMHOSTALLOC_DEVICEMAP in this context (bound to this thread by the allocation);
+        // the call writes one device pointer to a live local.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, values.as_mut_ptr().cast(), 0) }
+            .result()
+            .map_err(|e| self.error(op, e))?;
+        Ok((host, dev))
+    }
+
+    /// An event that [`Queue::record`] places on the stream and [`Queue::wait_for`] waits for
+    /// (spinning: it guards microseconds of work).
+    pub fn new_event(&self, op: &'static str) -> Result<CudaEvent, BackendError> {
+        self.stream
+            .context()
+            .new_event(None)
+            .map_err(|e| self.error(op, e))
+    }
+
+    /// Records `event` after everything queued so far.
+    pub fn record(&self, event: &CudaEvent, op: &'static str) -> Result<(), BackendError> {
+        self.issue();
+        event.record(&self.stream).map_err(|e| self.error(op, e))
+    }
+
+    /// Blocks until the work before the last [`Queue::record`] of `event` has run (at once if
+    /// it was never recorded).
+    pub fn wait_for(&self, event: &CudaEvent, op: &'static str) -> Result<(), BackendError> {
+        event.synchronize().map_err(|e| self.error(op, e))
+    }
+
     /// Device-to-device copy speed over `bytes`-byte buffers: (bytes read, bytes read + bytes
     /// written) per second, in GB/s, best of a few copies.
     pub fn measure_copy_gbps(&self, bytes: usize) -> Result<(f64, f64), BackendError> {
@@ -703,6 +753,8 @@ pub(super) struct Kernels {
     pub rmsnorm_pieces: CudaFunction,
     pub add_rmsnorm: CudaFunction,
     pub add_bias: CudaFunction,
+    /// A share of a split matmul's output columns put in place, all rows in one launch.
+    pub write_columns: CudaFunction,
     pub scale_f32: CudaFunction,
     pub softcap: CudaFunction,
     pub attention: CudaFunction,
@@ -817,6 +869,7 @@ impl Kernels {
             rmsnorm_pieces: f("rmsnorm_pieces")?,
             add_rmsnorm: f("add_rmsnorm")?,
             add_bias: f("add_bias")?,
+            write_columns: f("write_columns_f32")?,
             scale_f32: f("scale_f32")?,
             softcap: f("softcap")?,
             attention: f("attention")?,

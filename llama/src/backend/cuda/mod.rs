@@ -102,6 +102,9 @@ pub struct CudaBackend {
     /// The split-K partial sums and per-tile counters of the mma matmul kernels.
     mma_partials: Scratch<f32>,
     mma_counters: Scratch<i32>,
+    /// Mapped host buffers that bring a split matmul's CPU share into the activations
+    /// (`split`).
+    split_staging: split::HostStaging,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -159,6 +162,7 @@ impl CudaBackend {
             tensor_cores,
             mma_partials: Scratch::new("allocating matmul partial sums"),
             mma_counters: Scratch::new("allocating matmul tile counters"),
+            split_staging: split::HostStaging::new(),
         })
     }
 

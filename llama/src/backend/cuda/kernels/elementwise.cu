@@ -1,10 +1,25 @@
 // Elementwise kernels: conversions between f32 and 16-bit floats, the gated activations, the
-// bias add, scaling and soft-capping.
+// bias add, scaling and soft-capping, and the columns of a split matmul's share put in place.
 
 extern "C" __global__ void copy_f32(const float* src, float* dst, u64 n) {
     pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
+}
+
+// dst[r·dst_cols + col0 + c] = src[r·src_cols + c] (`add`: +=) for r < n / src_cols, c < src_cols,
+// one thread per source value: a share of a split matmul's output rows (columns of the
+// activations) put into place in one launch for all rows (`split.rs`). `src` may be mapped
+// pinned host memory that the threads read over PCIe.
+extern "C" __global__ void write_columns_f32(const float* src, u64 src_cols, float* dst, u64 dst_cols,
+                                             u64 col0, u64 n, int add) {
+    pdl_begin();
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 r = i / src_cols, c = i - r * src_cols;
+    float v = src[i];
+    float* d = dst + r * dst_cols + col0 + c;
+    if (add) *d += v; else *d = v;
 }
 
 // Into the f16 KV cache.
