@@ -380,16 +380,6 @@ fn cuda_ragged_batches_match_solo(dir: &Path, context: usize, label: &str) {
         &format!("{label}, paths {}", CudaPaths::all()),
         1e-3,
     );
-    drop(model);
-    // The batched tensor-core matmuls of quantized weights on 8-bit activations (`mma8`): the
-    // same rule (issue 23), the solo runs keeping the 16-bit activations of the one-row kernel.
-    let paths = CudaPaths {
-        mma8: true,
-        ..CudaPaths::all()
-    };
-    let be = llama::CudaBackend::with_paths(0, paths).unwrap();
-    let mut model = llama::load::open_uploaded_on(dir, be, context).unwrap();
-    ragged_batch_close_to_solo(&mut model, &format!("{label}, paths {paths}"), 1e-3);
 }
 
 /// A windowed family on CUDA (support::families' gemma3: window 8, rings of 16 slots, Q/K

@@ -1,7 +1,6 @@
 //! The CUDA kernel files run on the CPU emulator of `tests/cuda_emu` against slow references
-//! (`scripts/cuda-emu-check.sh --quick`: the tensor-core matmuls, on 16-bit and on 8-bit
-//! activations (`mma8`), the one-launch attention steps of a batch and flash attention against
-//! the existing kernels and f64 references). No GPU and
+//! (`scripts/cuda-emu-check.sh --quick`: the tensor-core matmuls, the one-launch attention steps
+//! of a batch and flash attention against the existing kernels and f64 references). No GPU and
 //! no `cuda` feature needed, only a C++17 compiler (`CXX`, default `c++`). Opt-in:
 //! `GDSLLM_EMU_TESTS=1` (then a missing compiler FAILS the test; `cargo xtask ci` sets it).
 

@@ -18,8 +18,8 @@ use llama::{Backend, ReferenceBackend, WeightView};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use support::cuda::{
-    alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, gpu, gpu_mma8_and_old,
-    gpu_new_and_old, on_device, up, view,
+    alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, gpu, gpu_new_and_old,
+    on_device, up, view,
 };
 use support::max_rel_diff;
 use weights_format::DType;
@@ -151,24 +151,5 @@ fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
         let w1 = random_blocks(dtype, m1 * k / dtype.block_len(), rng.random());
         let w2 = random_blocks(dtype, m2 * k / dtype.block_len(), rng.random());
         check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
-    }
-}
-
-/// The same on the `mma8` path (8-bit activations): within `support::cuda::MMA8_TOL` of the
-/// reference and of each row alone, rows 0-1 the same bits whatever the batch size.
-#[test]
-fn mma8_kquant_matmuls_match_the_reference_and_the_row_alone_within_8_bit_rounding() {
-    let Some((be, old)) = gpu_mma8_and_old() else {
-        return;
-    };
-    let mut rng = StdRng::seed_from_u64(25);
-    for dtype in kquant_dtypes() {
-        let (m, k) = if dtype.is_super_block() {
-            (300, 2048)
-        } else {
-            (300, 576)
-        };
-        let w = random_blocks(dtype, m * k / dtype.block_len(), rng.random());
-        check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
     }
 }

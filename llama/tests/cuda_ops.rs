@@ -18,9 +18,8 @@ use llama::{
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use support::cuda::{
-    MATMUL_TOL, alloc, alone_tol, batched_tol, check_matmul, check_mma_batches,
-    check_two_weights_and_add, down, down_kv, gpu, gpu_mma8_and_old, gpu_new_and_old, on_device,
-    up, via_f16, view,
+    MATMUL_TOL, alloc, check_matmul, check_mma_batches, check_two_weights_and_add, down, down_kv,
+    gpu, gpu_new_and_old, on_device, up, via_f16, view,
 };
 use support::{ALL, attention, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
@@ -205,16 +204,6 @@ fn rope_swiglu_add_match_reference() {
 #[test]
 fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
     let Some(be) = gpu() else { return };
-    // The 16-bit activations the producers write: without the `mma8` path, whose tensor-core
-    // matmuls convert their input to 8 bits themselves.
-    let be = CudaBackend::with_paths(
-        0,
-        CudaPaths {
-            mma8: false,
-            ..be.paths()
-        },
-    )
-    .unwrap();
     let mut rng = StdRng::seed_from_u64(31);
     let (rows, dim, ffn, m) = (3, 576, 1536, 40);
     let norm = weights(&mut rng, DType::F32, 1, dim);
@@ -337,12 +326,10 @@ fn fused_launches_match_reference() {
             .unwrap();
             let d = max_rel_diff(&down(&be, &o1, rows * m1), &want1)
                 .max(max_rel_diff(&down(&be, &o2, rows * m2), &want2));
-            // x as 8-bit integers where the batch takes the `mma8` path.
-            let tol = batched_tol(&be, dtype, rows);
             println!(
-                "matmul_many {dtype:?} 2 weights rows={rows}: max rel diff {d:.2e} (tol {tol:.0e})"
+                "matmul_many {dtype:?} 2 weights rows={rows}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e})"
             );
-            assert!(d < tol, "matmul_many {dtype:?} rows={rows}: {d}");
+            assert!(d < MATMUL_TOL, "matmul_many {dtype:?} rows={rows}: {d}");
 
             let groups = [RowGroup {
                 rows,
@@ -355,9 +342,12 @@ fn fused_launches_match_reference() {
             let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
             let d = max_rel_diff(&down(&be, &acc, rows * m1), &want);
             println!(
-                "matmul_add_batch {dtype:?} rows={rows}: max rel diff {d:.2e} (tol {tol:.0e})"
+                "matmul_add_batch {dtype:?} rows={rows}: max rel diff {d:.2e} (tol {MATMUL_TOL:.0e})"
             );
-            assert!(d < tol, "matmul_add_batch {dtype:?} rows={rows}: {d}");
+            assert!(
+                d < MATMUL_TOL,
+                "matmul_add_batch {dtype:?} rows={rows}: {d}"
+            );
 
             // Row by row alone: the same bits through the eight-row kernel; within f32
             // summation order through the tensor-core kernels (`mma` path, issue 23).
@@ -369,8 +359,7 @@ fn fused_launches_match_reference() {
                 let alone = down(&be, &o, m1);
                 if be.paths().mma && rows > 1 {
                     let d = max_rel_diff(&all[r * m1..(r + 1) * m1], &alone);
-                    let tol = alone_tol(&be, dtype, rows);
-                    assert!(d < tol, "{dtype:?}: row {r} of {rows}: {d} from alone");
+                    assert!(d < 1e-5, "{dtype:?}: row {r} of {rows}: {d} from alone");
                 } else {
                     assert_eq!(
                         alone,
@@ -385,7 +374,7 @@ fn fused_launches_match_reference() {
         "matmul (paths {}): every row of 5- and 9-row launches equals the row alone{}",
         be.paths(),
         if be.paths().mma {
-            " within 1e-5 (8-bit activations: 1e-2)"
+            " within 1e-5"
         } else {
             ", bit for bit"
         }
@@ -526,30 +515,6 @@ fn mma_matmul_matches_reference_and_the_row_alone() {
         );
         check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
     }
-}
-
-/// The same on the `mma8` path (8-bit activations for the quantized dtypes; f16 and bf16 keep
-/// their path): against the reference and each row alone within [`support::cuda::MMA8_TOL`],
-/// and a row's bits the same whatever the batch size.
-#[test]
-fn mma8_matmul_matches_reference_and_the_row_alone_within_8_bit_rounding() {
-    let Some((be, old)) = gpu_mma8_and_old() else {
-        return;
-    };
-    let mut rng = StdRng::seed_from_u64(43);
-    for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
-        for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
-            let w = weights(&mut rng, dtype, m, k);
-            check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
-        }
-        let (m1, m2, k) = (200, 72, 576);
-        let (w1, w2) = (
-            weights(&mut rng, dtype, m1, k),
-            weights(&mut rng, dtype, m2, k),
-        );
-        check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
-    }
-    println!("mma8 matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
 }
 
 /// A batch's RoPE/KV stores and decode attention in one launch each (`seqs` path) against the

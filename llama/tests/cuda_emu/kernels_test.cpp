@@ -153,9 +153,8 @@ Weights random_weights(int dtype, int m, int k) {
     return w;
 }
 
-// want[r, i] = Σ_c x[r, c] · w[i, c] (+ base) in f64 (x f32 values, or f64 ones).
-template <class X>
-std::vector<double> ref_matmul(const std::vector<X>& x, int rows, const Weights& w, int m, int k,
+// want[r, i] = Σ_c x[r, c] · w[i, c] (+ base) in f64.
+std::vector<double> ref_matmul(const std::vector<float>& x, int rows, const Weights& w, int m, int k,
                                const std::vector<float>* base = nullptr) {
     std::vector<double> out((size_t)rows * m);
     for (int r = 0; r < rows; r++)
@@ -226,8 +225,7 @@ struct JobOutputs {
         }
     }
     // The largest relative error of any output against the f64 reference.
-    template <class X>
-    double max_err(const std::vector<X>& x, int rows, const std::vector<Weights>& ws, int k) const {
+    double max_err(const std::vector<float>& x, int rows, const std::vector<Weights>& ws, int k) const {
         double err = 0;
         for (int j = 0; j < jobs.n_jobs; j++)
             err = std::max(err, max_rel(outs[j]->vec(), ref_matmul(x, rows, ws[j], jobs.m[j], k,
@@ -266,7 +264,7 @@ void test_existing_matmul() {
 
 // ---- the tensor-core batched matmul ---------------------------------------------------------
 
-using MmaKernel = void (*)(const void*, const void*, int, int, MatmulJobs, float*, int*, int);
+using MmaKernel = void (*)(const void*, const float4*, int, int, MatmulJobs, float*, int*, int);
 // The kernel for `nt` 8-row tiles (1, 2, 4 or 8), or null where the dtype has none that wide:
 // matmul_mma.cu stops at 4 tiles, kquants_mma.cu at 8 (as `Kernels::load` finds them).
 MmaKernel mma_kernel(int dtype, int nt) {
@@ -292,44 +290,6 @@ MmaKernel mma_kernel(int dtype, int nt) {
     return table[dtype][v];
 }
 
-// The `mma8` path's kernel (8-bit activations, `matmul_mma8_<dtype>`) for `nt` tiles: the same
-// widths as `mma_kernel`'s, quantized dtypes only.
-MmaKernel mma8_kernel(int dtype, int nt) {
-    static const MmaKernel table[15][4] = {{nullptr, nullptr, nullptr, nullptr},
-                                           {nullptr, nullptr, nullptr, nullptr},
-                                           {nullptr, nullptr, nullptr, nullptr},
-                                           MMA_ROW(matmul_mma8_q8_0),
-                                           MMA_ROW(matmul_mma8_q4_0),
-                                           MMA_ROW(matmul_mma8_q4_1),
-                                           MMA_KQ_ROW(matmul_mma8_q5_0),
-                                           MMA_KQ_ROW(matmul_mma8_q5_1),
-                                           MMA_KQ_ROW(matmul_mma8_q2_k),
-                                           MMA_KQ_ROW(matmul_mma8_q3_k),
-                                           MMA_KQ_ROW(matmul_mma8_q4_k),
-                                           MMA_KQ_ROW(matmul_mma8_q5_k),
-                                           MMA_KQ_ROW(matmul_mma8_q6_k),
-                                           MMA_KQ_ROW(matmul_mma8_iq4_nl),
-                                           MMA_KQ_ROW(matmul_mma8_iq4_xs)};
-    int v = nt <= 1 ? 0 : nt <= 2 ? 1 : nt <= 4 ? 2 : 3;
-    return table[dtype][v];
-}
-
-// x (rows·k values) as the 8-bit levels and (d, Σx) records of the `quantize_x8` kernel.
-struct X8Buf {
-    Buf<uint32_t> xq;
-    Buf<float2> xs;
-    X8Buf(const Buf<float>& x, size_t n) : xq(n / 4), xs(n / 32) {
-        emu::launch(grid3((unsigned)((n / 4 + 255) / 256)), 256, [&] { quantize_x8(x.p, (u64)n, xq.p, xs.p); });
-    }
-    int level(size_t i) const { return (int8_t)((xq.p[i / 4] >> (8 * (i % 4))) & 0xFF); }
-    // The values the kernels multiply: d·q, in f64 (exact).
-    std::vector<double> values() const {
-        std::vector<double> v(xq.n * 4);
-        for (size_t i = 0; i < v.size(); i++) v[i] = (double)xs.p[i / 32].x * level(i);
-        return v;
-    }
-};
-
 // The 8-row tiles a block of `dtype`'s kernel takes for `rows` input rows: enough for them, up to
 // the widest kernel the dtype has (`launch_mma` in matmul.rs).
 int mma_tiles(int dtype, int rows) {
@@ -339,9 +299,7 @@ int mma_tiles(int dtype, int rows) {
 }
 
 // One launch of the mma kernel over `jobs` (weights of one dtype sharing x), as the host does.
-// With `x8`, the `mma8` kernel on its 8-bit activations.
-void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k, MatmulJobs jobs, int split,
-             const X8Buf* x8 = nullptr) {
+void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k, MatmulJobs jobs, int split) {
     int blocks_x = 0, m_total = 0;
     for (int j = 0; j < jobs.n_jobs; j++) {
         blocks_x += (jobs.m[j] + MMA_BROWS - 1) / MMA_BROWS;
@@ -352,9 +310,9 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
     Buf<float> partial(std::max(1, split * rows * m_total));
     std::vector<int> zero(blocks_x * blocks_y, 0);
     Buf<int> counters(zero);
-    MmaKernel kernel = x8 ? mma8_kernel(dtype, nt) : mma_kernel(dtype, nt);
-    const void* xp = x8 ? (const void*)x8->xq.p : dtype <= BF16 ? (const void*)x.p : (const void*)x16->xq.p;
-    const void* xs = x8 ? (const void*)x8->xs.p : dtype <= BF16 ? nullptr : (const void*)x16->xs.p;
+    MmaKernel kernel = mma_kernel(dtype, nt);
+    const void* xp = dtype <= BF16 ? (const void*)x.p : (const void*)x16->xq.p;
+    const float4* xs = dtype <= BF16 ? nullptr : x16->xs.p;
     emu::launch(grid3(blocks_x, blocks_y, split), MMA_WARPS * 32,
                 [&] { kernel(xp, xs, rows, k, jobs, partial.p, counters.p, split); });
     for (int c : counters.vec())
@@ -919,213 +877,6 @@ void test_kq_mma_rows_independent() {
                                    });
 }
 
-// ---- the `mma8` path: 8-bit activations ------------------------------------------------------
-
-// `quantize_x8` against its definition: levels within ±127, each value within half a step
-// (d/2, d = max|x|/127 of its block) of d·q, d that of the block's largest value, and Σx of the
-// f32 values; blocks of zeros (d = 0), one with an outlier, ragged magnitudes.
-void test_quantize_x8() {
-    const int n_blocks = 41, n = 32 * n_blocks;
-    auto x = random_vec(n);
-    for (int i = 0; i < 32; i++) x[32 + i] = 0.f;
-    x[64 + 5] = -50.f;
-    for (int i = 0; i < 32; i++) x[96 + i] *= 1e-3f;
-    Buf<float> xd(x);
-    X8Buf x8(xd, n);
-    double step_err = 0, d_err = 0, sum_err = 0;
-    int out_of_range = 0;
-    for (int b = 0; b < n_blocks; b++) {
-        double amax = 0, sum = 0, abs_sum = 0;
-        for (int j = 0; j < 32; j++) {
-            double v = x[32 * b + j];
-            amax = std::max(amax, std::fabs(v));
-            sum += v;
-            abs_sum += std::fabs(v);
-        }
-        double d = x8.xs.p[b].x;
-        d_err = std::max(d_err, amax > 0 ? std::fabs(d - amax / 127) / (amax / 127) : std::fabs(d));
-        sum_err = std::max(sum_err, std::fabs(x8.xs.p[b].y - sum) / std::max(abs_sum, 1e-30));
-        for (int j = 0; j < 32; j++) {
-            int q = x8.level(32 * b + j);
-            if (q < -127 || q > 127) out_of_range++;
-            double e = std::fabs(x[32 * b + j] - d * q);
-            step_err = std::max(step_err, amax > 0 ? e / d : e);
-        }
-    }
-    printf("quantize_x8: levels outside ±127: %d\n", out_of_range);
-    if (out_of_range) failures++;
-    check("quantize_x8: |x - d·q| / d (at most half a step)", step_err, 0.5 + 1e-4);
-    check("quantize_x8: d against max|x| / 127", d_err, 1e-6);
-    check("quantize_x8: the record's Σx against the f64 sum (relative to Σ|x|)", sum_err, 1e-6);
-}
-
-// The f64 product of weight `w` [m, k] of `dtype` with the 8-bit activations as the kernels use
-// them: Σ w·(d·q), where the offset types q4_1 and q5_1 (value = a·level + c per 32-value block)
-// multiply c by the record's exact Σx, as the kernels (and llama.cpp) do: + c·(Σx − Σ d·q) per
-// block. False for the k-quants with offsets (q2_k, q4_k, q5_k: not written here).
-bool ref_mma8(int dtype, const Weights& w, int m, int k, int rows, const X8Buf& x8, const std::vector<double>& xv,
-              const std::vector<float>* base, std::vector<double>& out) {
-    if (dtype == KQ2 || dtype == KQ4 || dtype == KQ5) return false;
-    out = ref_matmul(xv, rows, w, m, k, base);
-    if (dtype != Q4_1 && dtype != KQ51) return true;
-    const size_t bb = dtype == Q4_1 ? 20 : 24;
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < m; i++)
-            for (int b = 0; b < k / 32; b++) {
-                const uint8_t* blk = &w.bytes[((size_t)i * (k / 32) + b) * bb];
-                double c = emu_h2f((uint16_t)(blk[2] | (blk[3] << 8))), dx = 0;
-                for (int j = 0; j < 32; j++) dx += xv[(size_t)r * k + 32 * b + j];
-                out[(size_t)r * m + i] += c * ((double)x8.xs.p[((size_t)r * k) / 32 + b].y - dx);
-            }
-    return true;
-}
-
-// ‖got − want‖ / ‖want‖ over all values.
-double rel_l2(const std::vector<float>& got, const std::vector<double>& want) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); i++) {
-        num += ((double)got[i] - want[i]) * ((double)got[i] - want[i]);
-        den += want[i] * want[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-300));
-}
-
-// One case of the `mma8` path's matmul: weights `ws` of `dtype` in one launch, 1-70 input rows
-// (partial 8-row tiles, one to three row tiles), 1, 3 and 16 column slices (as many as the
-// columns allow), with and without +=. Against two f64 references:
-// - the kernels' own arithmetic on the 8-bit activations (`ref_mma8`: exact integer sums, f32
-//   scaling and sums in another order): tol 1e-5, where `ref_mma8` is defined;
-// - the product of x itself, which adds x's rounding to 8 bits (at most half a step,
-//   max|x|/254 of its block, a value): as random errors over k products about 1/254/√3 of the
-//   rms output, ~4e-3 relative L2 here (uniform x): tol 1e-2 on the relative L2 error over the
-//   launch's outputs, and 3e-2 on the max relative error (to the largest output); launches of
-//   fewer than 64 outputs (one weight row, 1-2 rows of x: too few for the average) 5e-2 on both
-//   (one output of 32-256 products reached 2.8e-2).
-void check_mma8_case(int dtype, const std::string& name, const std::vector<int>& ms, int k,
-                     const std::vector<Weights>& ws, double& worst) {
-    std::vector<std::unique_ptr<Buf<uint8_t>>> wd;
-    for (auto& w : ws) wd.emplace_back(new Buf<uint8_t>(w.bytes));
-    std::string shape;
-    for (int m : ms) shape += (shape.empty() ? "" : "+") + std::to_string(m);
-    for (int rows : {1, 2, 3, 7, 9, 17, 33, 64, 70}) {
-        if (quick && rows > 33 && rows != 64) continue;
-        auto x = random_vec((size_t)rows * k);
-        Buf<float> xd(x);
-        X8Buf x8(xd, (size_t)rows * k);
-        const std::vector<double> xv = x8.values();
-        for (int split : {1, 3, 16}) {
-            if (split > k / 32) continue;
-            for (int accumulate : {0, 1}) {
-                if (accumulate && split != 3) continue;
-                JobOutputs o(wd, ms, rows, accumulate);
-                run_mma(dtype, xd, nullptr, rows, k, o.jobs, split, &x8);
-                const std::string what = "mma8 " + name + " [" + shape + "]x" + std::to_string(k) +
-                                         " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
-                                         (accumulate ? " +=" : "");
-                double exact = 0, l2_num = 0, l2_den = 0;
-                bool has_exact = true;
-                for (int j = 0; j < o.jobs.n_jobs; j++) {
-                    const std::vector<float>* base = accumulate ? &o.base[j] : nullptr;
-                    std::vector<double> want;
-                    if (ref_mma8(dtype, ws[j], ms[j], k, rows, x8, xv, base, want))
-                        exact = std::max(exact, max_rel(o.outs[j]->vec(), want));
-                    else
-                        has_exact = false;
-                    // The relative L2 of the product alone (without the += base).
-                    std::vector<double> prod = ref_matmul(x, rows, ws[j], ms[j], k);
-                    std::vector<float> got = o.outs[j]->vec();
-                    for (size_t i = 0; i < got.size(); i++) {
-                        double g = got[i] - (base ? (*base)[i] : 0.f);
-                        l2_num += (g - prod[i]) * (g - prod[i]);
-                        l2_den += prod[i] * prod[i];
-                    }
-                }
-                if (has_exact) check(what + " vs f64 of its d·q", exact, 1e-5);
-                const double err = o.max_err(x, rows, ws, k), l2 = std::sqrt(l2_num / std::max(l2_den, 1e-300));
-                int outputs = 0;
-                for (int mj : ms) outputs += rows * mj;
-                const bool few = outputs < 64;
-                if (!few) worst = std::max(worst, l2);
-                check(what + " vs f64 of x", err, few ? 5e-2 : 3e-2);
-                check(what + " vs f64 of x, relative L2", l2, few ? 5e-2 : 1e-2);
-            }
-        }
-    }
-}
-
-// Every quantized dtype of matmul_mma.cu and kquants_mma.cu on the `mma8` path, the shapes of
-// `test_mma_matmul` / `test_kq_mma_matmul`.
-void test_mma8_matmul() {
-    struct Case {
-        std::vector<int> ms;
-        int blocks;  // 32-value blocks (q8_0/q4_0/q4_1) or the dtype's blocks per row
-    };
-    std::vector<Case> cases = {{{1}, 1}, {{77}, 3}, {{130, 40, 7}, 18}, {{256}, 48}};
-    std::vector<Case> kq_cases = {{{1}, 1}, {{77}, 3}, {{130, 40, 7}, 6}};
-    if (quick) cases.pop_back();
-    for (int dtype = Q8_0; dtype <= Q4_1; dtype++) {
-        double worst = 0;
-        for (auto& cs : cases) {
-            std::vector<Weights> ws;
-            for (int m : cs.ms) ws.push_back(random_weights(dtype, m, cs.blocks * 32));
-            check_mma8_case(dtype, dtype_name(dtype), cs.ms, cs.blocks * 32, ws, worst);
-        }
-        printf("mma8 %s: worst relative L2 error vs f64 of x (8-bit activations, >= 64 outputs): %.2e\n",
-               dtype_name(dtype), worst);
-    }
-    for (int dtype : KQ_ALL) {
-        double worst = 0;
-        for (auto& cs : kq_cases) {
-            int k = cs.blocks * kq_len(dtype);
-            std::vector<Weights> ws;
-            for (int m : cs.ms) ws.push_back(random_kq_weights(dtype, m, k));
-            check_mma8_case(dtype, kq_name(dtype), cs.ms, k, ws, worst);
-        }
-        printf("mma8 %s: worst relative L2 error vs f64 of x (8-bit activations, >= 64 outputs): %.2e\n",
-               kq_name(dtype), worst);
-    }
-}
-
-// A row's result on the `mma8` path does not depend on its batch (rows 0-1 the same bits in
-// batches of 64, 9 and 2, four slices), and its distance from the 16-bit path's (the activations'
-// rounding alone; relative L2 over the row's outputs printed).
-void test_mma8_rows_independent() {
-    const int m = 300, k = 1024;
-    std::vector<int> dtypes = {Q8_0, Q4_0, Q4_1};
-    dtypes.insert(dtypes.end(), std::begin(KQ_ALL), std::end(KQ_ALL));
-    for (int dtype : dtypes) {
-        const std::string name = dtype <= Q4_1 ? dtype_name(dtype) : kq_name(dtype);
-        Weights w = dtype <= Q4_1 ? random_weights(dtype, m, k) : random_kq_weights(dtype, m, k);
-        Buf<uint8_t> wd(w.bytes);
-        auto x = random_vec((size_t)64 * k);
-        std::vector<std::vector<float>> results;
-        std::vector<float> x16_rows;
-        for (int rows : {64, 9, 2}) {
-            Buf<float> xd(std::vector<float>(x.begin(), x.begin() + (size_t)rows * k));
-            X8Buf x8(xd, (size_t)rows * k);
-            X16Buf x16(xd, (size_t)rows * k);
-            Buf<float> out((size_t)rows * m), out16((size_t)rows * m);
-            MatmulJobs jobs{};
-            jobs.n_jobs = 1;
-            jobs.w[0] = wd.p;
-            jobs.out[0] = out.p;
-            jobs.m[0] = m;
-            run_mma(dtype, xd, nullptr, rows, k, jobs, 4, &x8);
-            results.push_back(std::vector<float>(out.p, out.p + (size_t)2 * m));
-            if (rows == 2) {
-                jobs.out[0] = out16.p;
-                run_mma(dtype, xd, &x16, rows, k, jobs, 4);
-                x16_rows.assign(out16.p, out16.p + (size_t)2 * m);
-            }
-        }
-        bool same = results[1] == results[0] && results[2] == results[0];
-        printf("mma8 %s: rows 0-1 of batches of 64, 9 and 2 are the same bits: %s\n", name.c_str(), same ? "yes" : "NO");
-        if (!same) failures++;
-        check("mma8 " + name + " vs the 16-bit mma path: relative L2",
-              rel_l2(results[2], std::vector<double>(x16_rows.begin(), x16_rows.end())), 1e-2);
-    }
-}
-
 }  // namespace
 
 // The prompt path's conversion of q4_k / q5_k / q6_k weights to f16 for cuBLAS: the per-block
@@ -1222,9 +973,6 @@ int main(int argc, char** argv) {
     test_kq_matmul();
     test_kq_mma_matmul();
     test_kq_mma_rows_independent();
-    test_quantize_x8();
-    test_mma8_matmul();
-    test_mma8_rows_independent();
     test_kq_dequant();
     test_block_dequant();
     test_write_columns();

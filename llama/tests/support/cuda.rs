@@ -35,16 +35,6 @@ pub fn gpu_new_and_old(paths: CudaPaths) -> Option<(CudaBackend, CudaBackend)> {
     Some((open(paths), open(CudaPaths::none())))
 }
 
-/// [`gpu_new_and_old`] with the `mma` and `mma8` paths (tensor-core batched matmuls, quantized
-/// weights on 8-bit activations) as the new ones.
-pub fn gpu_mma8_and_old() -> Option<(CudaBackend, CudaBackend)> {
-    gpu_new_and_old(CudaPaths {
-        mma: true,
-        mma8: true,
-        ..CudaPaths::none()
-    })
-}
-
 pub fn up(be: &CudaBackend, data: &[f32]) -> CudaBuf {
     be.upload(data).expect("upload")
 }
@@ -86,38 +76,6 @@ pub fn via_f16(v: &[f32]) -> Vec<f32> {
 pub const MATMUL_TOL: f32 = 1e-4;
 /// Quantized weights through cuBLAS: each dequantized weight rounded to f16.
 pub const QUANT_GEMM_TOL: f32 = 2e-3;
-/// Quantized weights on the `mma8` path's tensor-core matmuls: x rounded to 8-bit integers per
-/// 32-value block, each value within half a step (max|x|/254 of its block); over k random
-/// products about 1/254/√3 of the rms output, 3-5e-3 of the largest output on these random
-/// inputs (the CPU emulator's figure, `scripts/cuda-emu-check.sh`).
-pub const MMA8_TOL: f32 = 1e-2;
-
-/// Whether `be` runs a decode batch of `rows` rows times a `dtype` weight on 8-bit activations
-/// (the `mma8` path: quantized dtypes, from the rows that take the tensor cores on).
-pub fn takes_mma8(be: &CudaBackend, dtype: DType, rows: usize) -> bool {
-    let paths = be.paths();
-    paths.mma && paths.mma8 && dtype.is_quantized() && rows >= mma_min_rows(dtype)
-}
-
-/// The tolerance of `be`'s batched matmul of `rows` rows (below a prompt's) against the
-/// reference: [`MMA8_TOL`] where it takes 8-bit activations, else [`MATMUL_TOL`].
-pub fn batched_tol(be: &CudaBackend, dtype: DType, rows: usize) -> f32 {
-    if takes_mma8(be, dtype, rows) {
-        MMA8_TOL
-    } else {
-        MATMUL_TOL
-    }
-}
-
-/// The tolerance of a tensor-core batched row against the row alone (the one-row kernel, 16-bit
-/// activations): f32 summation order (1e-5), or on 8-bit activations [`MMA8_TOL`].
-pub fn alone_tol(be: &CudaBackend, dtype: DType, rows: usize) -> f32 {
-    if takes_mma8(be, dtype, rows) {
-        MMA8_TOL
-    } else {
-        1e-5
-    }
-}
 
 /// `x · Wᵀ` for `rows` random rows of x on the device (weights `bytes` of `dtype`, `[m, k]`)
 /// against the reference backend, the max relative difference printed and checked against the
@@ -148,10 +106,8 @@ pub fn check_matmul(
     // accumulation alone does not have (bf16 converts exactly).
     let tol = if via_cublas && !matches!(dtype, DType::F16 | DType::Bf16) {
         QUANT_GEMM_TOL
-    } else if via_cublas {
-        MATMUL_TOL
     } else {
-        batched_tol(be, dtype, rows)
+        MATMUL_TOL
     };
     let mut want = vec![0f32; rows * m];
     matmul(&ReferenceBackend, &x_ref, rows, host, &mut want);
@@ -175,8 +131,7 @@ pub fn decode_rows(rows: usize) -> Vec<RowGroup> {
 /// Decode batches of 2 to 70 rows times the `dtype` weight `w` [m, k] through `be`'s tensor-core
 /// matmuls (`mma` path): against the reference (tol [`MATMUL_TOL`]), against each row alone
 /// through `old`'s one-row kernel (within f32 summation order, the quantized products being the
-/// same integers: tol 1e-5), and rows 0-1 the same bits whatever the batch size. On the `mma8`
-/// path (8-bit activations) both tolerances are [`MMA8_TOL`] ([`batched_tol`], [`alone_tol`]).
+/// same integers: tol 1e-5), and rows 0-1 the same bits whatever the batch size.
 pub fn check_mma_batches(
     be: &CudaBackend,
     old: &CudaBackend,
@@ -210,14 +165,12 @@ pub fn check_mma_batches(
             alone.extend(down(old, &o, m));
         }
         let d_alone = max_rel_diff(&got, &alone);
-        let (tol, tol_alone) = (batched_tol(be, dtype, rows), alone_tol(be, dtype, rows));
         println!(
-            "mma matmul {dtype} [{m}x{k}] rows={rows} (paths {}): max rel diff {d:.2e} vs reference (tol {tol:.0e}), {d_alone:.2e} vs each row alone (tol {tol_alone:.0e})",
-            be.paths()
+            "mma matmul {dtype} [{m}x{k}] rows={rows}: max rel diff {d:.2e} vs reference (tol {MATMUL_TOL:.0e}), {d_alone:.2e} vs each row alone (tol 1e-5)"
         );
-        assert!(d < tol, "mma {dtype} {m}x{k} rows={rows}: {d}");
+        assert!(d < MATMUL_TOL, "mma {dtype} {m}x{k} rows={rows}: {d}");
         assert!(
-            d_alone < tol_alone,
+            d_alone < 1e-5,
             "mma {dtype} {m}x{k} rows={rows} vs alone: {d_alone}"
         );
         // Batches below `mma_min_rows` run the row kernels (the one-row kernel's bits, checked
@@ -238,7 +191,7 @@ pub fn check_mma_batches(
 
 /// Q/K/V-style weights `w1` [m1, k] and `w2` [m2, k] of `dtype` in one launch of `be`'s batched
 /// matmul, and the residual add, for a decode batch of 12 rows, against the reference (tol
-/// [`batched_tol`]).
+/// [`MATMUL_TOL`]).
 pub fn check_two_weights_and_add(
     be: &CudaBackend,
     dtype: DType,
@@ -278,10 +231,8 @@ pub fn check_two_weights_and_add(
         .unwrap();
     let want: Vec<f32> = base.iter().zip(&want1).map(|(a, b)| a + b).collect();
     let d_add = max_rel_diff(&down(be, &acc, rows * m1), &want);
-    let tol = batched_tol(be, dtype, rows);
     println!(
-        "mma matmul {dtype} (paths {}): two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {tol:.0e})",
-        be.paths()
+        "mma matmul {dtype}: two weights in one launch {d:.2e}, residual add {d_add:.2e} (tol {MATMUL_TOL:.0e})"
     );
-    assert!(d < tol && d_add < tol, "{dtype}: {d} {d_add}");
+    assert!(d < MATMUL_TOL && d_add < MATMUL_TOL, "{dtype}: {d} {d_add}");
 }

@@ -321,17 +321,6 @@ mod tests {
             weights_format::DType::ALL.len() - 1,
             "every dtype but f32"
         );
-        // The same on 8-bit activations (`mma8` path): every quantized dtype.
-        let mma8 = stamped_once(
-            "mma8",
-            &["MATMUL_MMA_KERNELS", "MATMUL_MMA_KQ_KERNELS"],
-            "matmul_mma8",
-        );
-        assert_eq!(
-            mma8,
-            weights_format::DType::ALL.len() - 3,
-            "every dtype but f32, f16, bf16"
-        );
         // The `superblock` path's k-quant matmuls: `_r1` and `_r8` stamped out by one macro each.
         let superblock = stamped_once("sb", &["MATMUL_KQ_SB_KERNELS"], "matmul_sb");
         assert_eq!(superblock, 3, "q4_k, q5_k, q6_k");
@@ -373,9 +362,6 @@ mod tests {
                 "matmul_mma_bf16_n1",
                 "matmul_mma_q4_k_n8",
                 "matmul_mma_q6_k_n4",
-                "matmul_mma8_q4_1_n4",
-                "matmul_mma8_q4_k_n8",
-                "quantize_x8",
                 "attention_flash_hd128",
                 "attention_decode_seqs",
                 "rope_store_kv_seqs",

@@ -770,8 +770,6 @@ pub(super) struct Kernels {
     pub dequant_blocks_f16: CudaFunction,
     pub dequant_f32: CudaFunction,
     pub quantize_x16: CudaFunction,
-    /// The 8-bit activations of the `mma8` path (`quant.cu`).
-    pub quantize_x8: CudaFunction,
     /// `embed_rows` for the dtypes of `kquants.cu`.
     pub kq_embed_rows: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
@@ -780,9 +778,6 @@ pub(super) struct Kernels {
     /// per block (`matmul_mma.cu`), and 64 for the k-quant-era dtypes (`kquants_mma.cu`); more
     /// rows take more blocks.
     pub matmul_mma: [Option<Vec<CudaFunction>>; DType::ALL.len()],
-    /// The same kernels on 8-bit activations (`quantize_x8`; the `mma8` path), for the
-    /// quantized dtypes: `matmul_mma8_<dtype>`, as wide as `matmul_mma`'s.
-    pub matmul_mma8: [Option<Vec<CudaFunction>>; DType::ALL.len()],
     /// The block shape of the tensor-core kernels, as compiled (`mma_geometry` there).
     pub mma_geometry: MmaGeometry,
     /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
@@ -836,18 +831,15 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| device_error(format!("kernel `{name}`: {e}")))
         };
-        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code, ..)` stamps out `_n1`, `_n2` and `_n4`,
-        // `MATMUL_MMA_KQ_KERNELS` also `_n8`; `matmul_mma8_<dtype>` the same on 8-bit
-        // activations.
-        let stamped = |stem: &str, widest: usize| -> Result<Vec<CudaFunction>, LlamaError> {
+        // `MATMUL_MMA_KERNELS(matmul_mma_<dtype>, code)` stamps out `_n1`, `_n2` and `_n4`,
+        // `MATMUL_MMA_KQ_KERNELS` also `_n8`.
+        let mma = |dtype: &str, widest: usize| -> Result<Vec<CudaFunction>, LlamaError> {
             [1, 2, 4, 8]
                 .into_iter()
                 .take_while(|&nt| nt <= widest)
-                .map(|nt| f(&format!("{stem}_n{nt}")))
+                .map(|nt| f(&format!("matmul_mma_{dtype}_n{nt}")))
                 .collect()
         };
-        let mma = |dtype: &str, widest: usize| stamped(&format!("matmul_mma_{dtype}"), widest);
-        let mma8 = |dtype: &str, widest: usize| stamped(&format!("matmul_mma8_{dtype}"), widest);
         let mma_geometry = MmaGeometry::read(ctx, &module)?;
         // `MATMUL_KQ_SB_KERNELS(matmul_sb_<dtype>, ..)` stamps out `_r1` and `_r8`.
         let sb = |dtype: &str| -> Result<[CudaFunction; 2], LlamaError> {
@@ -882,7 +874,6 @@ impl Kernels {
             dequant_blocks_f16: f("dequant_blocks_f16")?,
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
-            quantize_x8: f("quantize_x8")?,
             kq_embed_rows: f("kq_embed_rows")?,
             // `matmul_<dtype>_r1` and `_r8`, in dtype-code order.
             matmul: DType::ALL
@@ -911,24 +902,6 @@ impl Kernels {
                 Some(mma("q6_k", 8)?),
                 Some(mma("iq4_nl", 8)?),
                 Some(mma("iq4_xs", 8)?),
-            ],
-            // In dtype-code order; none for f32, f16 and bf16.
-            matmul_mma8: [
-                None,
-                None,
-                None,
-                Some(mma8("q8_0", 4)?),
-                Some(mma8("q4_0", 4)?),
-                Some(mma8("q4_1", 4)?),
-                Some(mma8("q5_0", 8)?),
-                Some(mma8("q5_1", 8)?),
-                Some(mma8("q2_k", 8)?),
-                Some(mma8("q3_k", 8)?),
-                Some(mma8("q4_k", 8)?),
-                Some(mma8("q5_k", 8)?),
-                Some(mma8("q6_k", 8)?),
-                Some(mma8("iq4_nl", 8)?),
-                Some(mma8("iq4_xs", 8)?),
             ],
             mma_geometry,
             matmul_superblock: [sb("q4_k")?, sb("q5_k")?, sb("q6_k")?],

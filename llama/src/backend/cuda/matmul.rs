@@ -55,13 +55,11 @@ impl MatmulJobs {
 }
 
 /// What a matmul kernel reads as x: f32 rows, or (quantized weights) `quantize_x16`'s
-/// integers and block records, or (the tensor-core kernels of the `mma8` path) `quantize_x8`'s,
-/// by device address.
+/// integers and block records, by device address.
 #[derive(Clone, Copy)]
 enum MatmulInput {
     F32(u64),
     Int16 { xq: u64, xs: u64 },
-    Int8 { xq: u64, xs: u64 },
 }
 
 /// Most column slices of a tensor-core matmul (`MMA_SPLIT_MAX` in `matmul_mma.cu`).
@@ -203,8 +201,6 @@ impl CudaBackend {
         };
         let blas = self.queue.has_blas() && solo_rows >= CUBLAS_MIN_ROWS;
         let mut x16 = self.x16.lookup(&self.queue, xp, rows * first.cols);
-        // The `mma8` path's 8-bit activations, converted once for the jobs that take them.
-        let mut x8 = None;
         let mut start = 0;
         while start < jobs.len() {
             let first = jobs[start].0;
@@ -221,30 +217,26 @@ impl CudaBackend {
             {
                 end += 1;
             }
-            let mma = self.mma_applies(rows, first);
-            // x converted once (or found converted) for every job that takes that format.
-            let converted = |slot: &mut Option<(u64, u64)>, eight_bit| match *slot {
-                Some(q) => Ok(q),
-                None => {
-                    let n = rows * first.cols;
-                    let (queue, graphs, kernels) = (&self.queue, &self.graphs, &self.kernels);
-                    let q = self
-                        .x16
-                        .quantize(queue, graphs, kernels, xp, n, eight_bit)?;
-                    *slot = Some(q);
-                    Ok::<_, BackendError>(q)
-                }
-            };
-            let x = if first.dtype.is_quantized() && mma && self.mma8_applies(first) {
-                let (xq, xs) = converted(&mut x8, true)?;
-                MatmulInput::Int8 { xq, xs }
-            } else if first.dtype.is_quantized() {
-                let (xq, xs) = converted(&mut x16, false)?;
+            let x = if first.dtype.is_quantized() {
+                let (xq, xs) = match x16 {
+                    Some(q) => q,
+                    None => {
+                        let q = self.x16.quantize(
+                            &self.queue,
+                            &self.graphs,
+                            &self.kernels,
+                            xp,
+                            rows * first.cols,
+                        )?;
+                        x16 = Some(q);
+                        q
+                    }
+                };
                 MatmulInput::Int16 { xq, xs }
             } else {
                 MatmulInput::F32(xp)
             };
-            if mma {
+            if self.mma_applies(rows, first) {
                 self.launch_mma(x, rows, &jobs[start..end], accumulate)?;
             } else {
                 self.launch_matmul(x, rows, &jobs[start..end], accumulate)?;
@@ -266,27 +258,16 @@ impl CudaBackend {
             && self.tensor_cores
             && rows >= min_rows
             && w.cols.is_multiple_of(32)
-            && self.mma_kernels(w.dtype, false).is_some()
+            && self.mma_kernels(w.dtype).is_some()
             && device_ptr(w).is_ok_and(|p| p.addr().is_multiple_of(16))
-    }
-
-    /// Whether a tensor-core matmul of `w` (where [`Self::mma_applies`]) takes 8-bit
-    /// activations: the `mma8` path is on and the dtype has those kernels (the quantized ones).
-    fn mma8_applies(&self, w: &WeightView<'_>) -> bool {
-        self.paths.mma8 && self.mma_kernels(w.dtype, true).is_some()
     }
 
     /// The tensor-core kernels of `dtype`, if it has them (every dtype but f32: `matmul_mma.cu`
     /// and, for the k-quant-era dtypes, `kquants_mma.cu`; a dtype without them keeps the
-    /// one-row and eight-row kernels); with `eight_bit`, those on 8-bit activations (the
-    /// quantized dtypes').
-    fn mma_kernels(&self, dtype: DType, eight_bit: bool) -> Option<&[CudaFunction]> {
-        let table = if eight_bit {
-            &self.kernels.matmul_mma8
-        } else {
-            &self.kernels.matmul_mma
-        };
-        table
+    /// one-row and eight-row kernels).
+    fn mma_kernels(&self, dtype: DType) -> Option<&[CudaFunction]> {
+        self.kernels
+            .matmul_mma
             .get(dtype_code(dtype) as usize)
             .and_then(Option::as_ref)
             .map(Vec::as_slice)
@@ -319,21 +300,10 @@ impl CudaBackend {
             n_chunks,
             geometry.blocks_per_sm * self.sms as usize,
         );
-        let eight_bit = matches!(x, MatmulInput::Int8 { .. });
-        let kernels = self
-            .mma_kernels(w.dtype, eight_bit)
-            .ok_or(BackendError::Unsupported {
-                op: "matmul_mma",
-                message: format!(
-                    "no tensor-core matmul for {:?}{}",
-                    w.dtype,
-                    if eight_bit {
-                        " on 8-bit activations"
-                    } else {
-                        ""
-                    }
-                ),
-            })?;
+        let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
+            op: "matmul_mma",
+            message: format!("no tensor-core matmul for {:?}", w.dtype),
+        })?;
         // Kernel v takes 8·2^v rows a block.
         let variant =
             (rows.div_ceil(8).next_power_of_two().trailing_zeros() as usize).min(kernels.len() - 1);
@@ -350,7 +320,7 @@ impl CudaBackend {
             .room(&self.queue, &self.graphs, blocks_x * blocks_y)?;
         let (x0, xs) = match x {
             MatmulInput::F32(xp) => (xp, 0u64),
-            MatmulInput::Int16 { xq, xs } | MatmulInput::Int8 { xq, xs } => (xq, xs),
+            MatmulInput::Int16 { xq, xs } => (xq, xs),
         };
         let (rows_i, k, split_i) = (rows as i32, w.cols as i32, split as i32);
         let mut b = self.queue.kernel(&kernels[variant], "matmul_mma kernel");
@@ -368,8 +338,7 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         // SAFETY: x holds rows·k values (f32 for f16/bf16 weights, else the 16-bit integers and
-        // block records of `quantize_x16`, or for the `matmul_mma8_*` kernels picked above the
-        // 8-bit ones of `quantize_x8`), k a multiple of 32 (checked by `mma_applies`); each
+        // block records of `quantize_x16`), k a multiple of 32 (checked by `mma_applies`); each
         // job's weight has m rows of k values of the shared dtype in device memory and its
         // output rows·m values; the partial sums hold split·rows·Σm values when split > 1 and
         // the counters one per (column tile, row tile) of the grid, zero between launches (the
@@ -398,12 +367,6 @@ impl CudaBackend {
         let (x0, x1) = match x {
             MatmulInput::F32(xp) => (xp, None),
             MatmulInput::Int16 { xq, xs } => (xq, Some(xs)),
-            MatmulInput::Int8 { .. } => {
-                return Err(BackendError::Unsupported {
-                    op: "matmul",
-                    message: "the row kernels take 16-bit activations, not 8-bit ones".into(),
-                });
-            }
         };
         // One-row q6_k decoding takes the super-block kernel on every path: on the H100 it
         // lifted a random 7B Q6_K's tg128 from 0.63× to 0.99× llama.cpp (BENCHMARKS.md), while

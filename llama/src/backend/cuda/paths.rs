@@ -3,10 +3,7 @@
 //! `GDSLLM_CUDA_PATHS`). `mma`, `seqs` and `flash` are on by default since the H100 runs showed
 //! them correct and faster (a 7B q4_k prompt of 512 tokens 6331 -> 9210 tok/s, batched decode
 //! about 2x); `superblock` stays opt-in (slower for q4_k/q5_k there). `none` restores the
-//! kernels whose batched rows equal their solo rows bit for bit. `mma8` (8-bit activations for
-//! the tensor-core matmuls of quantized weights) is opt-in and outside `all`: it changes a
-//! batched row's numerics by more than f32 rounding (`GDSLLM_CUDA_PATHS=default,mma8` turns it
-//! on over the default paths).
+//! kernels whose batched rows equal their solo rows bit for bit.
 
 use crate::LlamaError;
 
@@ -35,18 +32,11 @@ pub struct CudaPaths {
     /// take the super-block kernel whether this is on or not (the GPU run showed it faster);
     /// with `mma` on, matmuls of two rows or more take the tensor cores instead.
     pub superblock: bool,
-    /// With `mma`: the tensor-core matmuls of quantized weights take their activations as 8-bit
-    /// integers per 32-value block (`quantize_x8`, llama.cpp's q8_1; kernels `matmul_mma8_*`),
-    /// one 8-bit MMA per product and half the activation bytes, instead of the 16-bit integers
-    /// of `quantize_x16` (two MMAs). A batched row then differs from its solo run (the one-row
-    /// kernel keeps the 16-bit integers) by x's rounding to 2^-8 of its block's largest value;
-    /// it stays independent of the other rows of its batch. Named alone it turns `mma` on too.
-    pub mma8: bool,
 }
 
 impl CudaPaths {
     /// The names `parse` takes, each with what it turns on.
-    pub const NAMES: [&'static str; 5] = ["mma", "seqs", "flash", "superblock", "mma8"];
+    pub const NAMES: [&'static str; 4] = ["mma", "seqs", "flash", "superblock"];
 
     /// No new path: every batched row is computed as alone, bit for bit.
     pub fn none() -> CudaPaths {
@@ -55,18 +45,16 @@ impl CudaPaths {
             seqs: false,
             flash: false,
             superblock: false,
-            mma8: false,
         }
     }
 
-    /// Every new path but `mma8` (see the module's doc).
+    /// Every new path.
     pub fn all() -> CudaPaths {
         CudaPaths {
             mma: true,
             seqs: true,
             flash: true,
             superblock: true,
-            mma8: false,
         }
     }
 
@@ -83,10 +71,6 @@ impl CudaPaths {
                 "seqs" => paths.seqs = true,
                 "flash" => paths.flash = true,
                 "superblock" => paths.superblock = true,
-                "mma8" => {
-                    paths.mma = true;
-                    paths.mma8 = true;
-                }
                 other => {
                     return Err(LlamaError::Config {
                         setting: PATHS_ENV,
@@ -126,7 +110,7 @@ impl Default for CudaPaths {
 
 impl std::fmt::Display for CudaPaths {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let on: Vec<&str> = [self.mma, self.seqs, self.flash, self.superblock, self.mma8]
+        let on: Vec<&str> = [self.mma, self.seqs, self.flash, self.superblock]
             .iter()
             .zip(CudaPaths::NAMES)
             .filter(|(on, _)| **on)
@@ -164,11 +148,5 @@ mod tests {
         assert_eq!(CudaPaths::all().to_string(), "mma,seqs,flash,superblock");
         assert_eq!(CudaPaths::none().to_string(), "none");
         assert_eq!(CudaPaths::default().to_string(), "mma,seqs,flash");
-        // `mma8` is opt-in, outside `all`, and brings `mma` with it.
-        assert!(!CudaPaths::all().mma8 && !CudaPaths::default().mma8);
-        let p = CudaPaths::parse("default,mma8").unwrap();
-        assert!(p.mma && p.mma8 && p.seqs && p.flash && !p.superblock);
-        assert_eq!(p.to_string(), "mma,seqs,flash,mma8");
-        assert_eq!(CudaPaths::parse("mma8").unwrap().to_string(), "mma,mma8");
     }
 }

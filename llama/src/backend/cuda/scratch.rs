@@ -5,7 +5,7 @@
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 
 use crate::backend::BackendError;
 
@@ -88,13 +88,8 @@ struct X16Memo {
 /// while nothing else has been queued since ([`Queue::issued`] has not moved): every launch,
 /// copy and allocation goes through the [`Queue`], which counts it, so no op can write the
 /// activations (or reuse their memory) without the memo seeing it.
-///
-/// It also holds the 8-bit activations of the `mma8` path (`quantize_x8`: per block 32 signed
-/// levels and a (scale, sum) float2), in a buffer of their own (so that they never overwrite
-/// 16-bit ones a memo points at), converted per matmul input: no producer writes them.
 pub(super) struct X16 {
     scratch: Scratch<u8>,
-    scratch8: Scratch<u8>,
     memo: Mutex<Option<X16Memo>>,
     /// Launches of `quantize_x16` (the inputs that no producer had quantized).
     launches: AtomicU64,
@@ -104,7 +99,6 @@ impl X16 {
     pub fn new() -> X16 {
         X16 {
             scratch: Scratch::new("allocating quantized activations"),
-            scratch8: Scratch::new("allocating 8-bit activations"),
             memo: Mutex::new(None),
             launches: AtomicU64::new(0),
         }
@@ -119,13 +113,6 @@ impl X16 {
     fn layout(n: usize) -> (usize, u64) {
         let n_blocks = n / 32;
         (n_blocks * 80, (n_blocks * 64) as u64)
-    }
-
-    /// [`X16::layout`] for the 8-bit activations: 32 bytes of levels and an 8-byte record a
-    /// block.
-    fn layout8(n: usize) -> (usize, u64) {
-        let n_blocks = n / 32;
-        (n_blocks * 40, (n_blocks * 32) as u64)
     }
 
     /// Where a producer of `n` activations writes their quantized form (when `n` is whole
@@ -167,9 +154,7 @@ impl X16 {
         })
     }
 
-    /// `n` activations at `xp` converted by a `quantize_x16` launch of their own, or with
-    /// `eight_bit` to the 8-bit levels and records of `quantize_x8` (the `mma8` path; in their
-    /// own buffer, valid until the next such call; not counted in [`X16::launches`]).
+    /// `n` activations at `xp` converted by a `quantize_x16` launch of their own.
     pub fn quantize(
         &self,
         queue: &Queue,
@@ -177,43 +162,18 @@ impl X16 {
         kernels: &Kernels,
         xp: u64,
         n: usize,
-        eight_bit: bool,
     ) -> Result<(u64, u64), BackendError> {
-        let (scratch, kernel, layout) = if eight_bit {
-            (&self.scratch8, &kernels.quantize_x8, X16::layout8(n))
-        } else {
-            (&self.scratch, &kernels.quantize_x16, X16::layout(n))
-        };
-        let q = launch_quantize(queue, graphs, scratch, kernel, xp, n, layout)?;
-        if !eight_bit {
-            self.launches.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(q)
+        let (bytes, records) = X16::layout(n);
+        let xq = self.scratch.room(queue, graphs, bytes)?;
+        let xs = xq + records;
+        let n64 = n as u64;
+        let mut b = queue.kernel(&kernels.quantize_x16, "quantize_x16 kernel");
+        b.arg(&xp).arg(&n64).arg(&xq).arg(&xs);
+        // SAFETY: x holds n f32 values (n a multiple of 32; activation rows are 16-byte
+        // aligned); the scratch holds n/32 64-byte blocks of integers at xq and n/32 16-byte
+        // records at xs (16-byte aligned: n/32·64 is). One thread per 4 values.
+        unsafe { b.run(elementwise(n / 4)) }?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok((xq, xs))
     }
-}
-
-/// One launch of `kernel` (`quantize_x16` or `quantize_x8`, a thread per 4 values) over the
-/// `n` activations at `xp` into `scratch`, grown to `bytes` with the records at offset
-/// `records`: the levels' and the records' addresses.
-fn launch_quantize(
-    queue: &Queue,
-    graphs: &Graphs,
-    scratch: &Scratch<u8>,
-    kernel: &CudaFunction,
-    xp: u64,
-    n: usize,
-    (bytes, records): (usize, u64),
-) -> Result<(u64, u64), BackendError> {
-    let xq = scratch.room(queue, graphs, bytes)?;
-    let xs = xq + records;
-    let n64 = n as u64;
-    let mut b = queue.kernel(kernel, "quantize kernel");
-    b.arg(&xp).arg(&n64).arg(&xq).arg(&xs);
-    // SAFETY: x holds n f32 values (n a multiple of 32; activation rows are 16-byte aligned);
-    // the scratch holds `bytes` bytes: n/32 blocks of levels at xq (64 bytes each for
-    // `quantize_x16`, 32 for `quantize_x8`) and n/32 records at xs (16 bytes, 16-byte aligned
-    // since n/32·64 is; or 8 bytes, 8-byte aligned since n/32·32 is), the layout of `X16::layout`
-    // / `X16::layout8` the caller passed with its kernel. One thread per 4 values.
-    unsafe { b.run(elementwise(n / 4)) }?;
-    Ok((xq, xs))
 }

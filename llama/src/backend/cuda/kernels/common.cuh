@@ -114,9 +114,8 @@ __device__ float load_elem(const u8* row, int dtype, int j) {
 // lane's block exists. The kernels that produce a matmul's input (rmsnorm, gated_act) write this
 // as they write x, and `quantize_x16` does it for any other input, all through this function,
 // so the integers and sums are the same bits whichever kernel made them.
-// The largest |x| and Σx of the 32-value block whose values 4t..4t+3 this lane holds (lane t of
-// eight consecutive lanes), in every lane of the eight: every lane of the warp calls this.
-__device__ __forceinline__ float2 block_amax_sum(float4 v) {
+__device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
+    int t = threadIdx.x % 8;
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
     float sum = ((v.x + v.y) + v.z) + v.w;
 #pragma unroll
@@ -124,13 +123,6 @@ __device__ __forceinline__ float2 block_amax_sum(float4 v) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
     }
-    return make_float2(amax, sum);
-}
-
-__device__ __forceinline__ void quantize_x16_lanes(float4 v, bool live, u64 block, short* xq, float4* xs) {
-    int t = threadIdx.x % 8;
-    const float2 as = block_amax_sum(v);
-    const float amax = as.x, sum = as.y;
     float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int a = max(-32767, min(32767, __float2int_rn(v.x * inv)));
     int b = max(-32767, min(32767, __float2int_rn(v.y * inv)));

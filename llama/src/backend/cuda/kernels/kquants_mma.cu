@@ -16,9 +16,7 @@
 // does), which one more m16n8k32 pair gives for all 8 columns at once (A: ones in the first half
 // of rows 0-7 and in the second half of rows 8-15). Every integer is the
 // one-row kernel's, so a row's result differs from it in f32 summation order only, and (split
-// and order fixed by the weight's shape) not at all with the batch. The `mma8` path's kernels
-// (`matmul_mma8_<dtype>`) take the 8-bit levels of `quantize_x8` instead: one 8-bit product where
-// the 16-bit levels take two (`mma_xdot`), the same scaling; q2_k's Σ of the integers alike.
+// and order fixed by the weight's shape) not at all with the batch.
 
 // c += A·B for m16n8k16 8-bit integers: A reg0 (row g, k 4t..4t+3), reg1 (row g+8, same k),
 // B (k 4t..4t+3, column g), signed (`B_SIGNED`) or not.
@@ -69,18 +67,20 @@ __device__ __forceinline__ void mma_kq_load(const u8* row, int chunk, int t, Mma
     kq_block_scales<DTYPE>(blk, j, q.a, q.c);
 }
 
-// Input tile j (this lane's fragment x and the scale and Σx s0, s1 of columns 2t and 2t+1)
+// Input tile j (this lane's levels v0, v1 and the scale and Σx s0, s1 of columns 2t and 2t+1)
 // times the warp's MMA_MT weight tiles `a`, added to acc[..][j]: `mma_q_tile` of matmul_mma.cu
 // for these dtypes (its chunk loop, `mma_chunks_q`, serves them too).
-template <int DTYPE, int NT, bool X8>
-__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], const MmaX<X8>& x, float2 s0, float2 s1,
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1,
                                             int j, float (&acc)[MMA_MT][NT][4]) {
+    u32 bh[2], bl[2];
+    mma_xfrag(v0, v1, bh, bl);
     // q2_k: Σ of x's integers over values 0-15 (xsum[0], [1]: columns 2t, 2t+1) and
     // 16-31 (xsum[2], [3]).
     int xsum[4] = {0, 0, 0, 0};
     if constexpr (DTYPE == KQ_Q2_K) {
         const u32 ones[4] = {0x01010101u, 0u, 0u, 0x01010101u};
-        mma_xdot<X8>(ones, x, xsum);
+        mma_dot16(ones, bh, bl, xsum);
     }
 #pragma unroll
     for (int mt = 0; mt < MMA_MT; mt++) {
@@ -91,14 +91,10 @@ __device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], const M
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const u32 A[2] = {h ? q[0].w1 : q[0].w0, h ? q[1].w1 : q[1].w0};
-                if constexpr (X8) {
-                    mma_k16_s8<true>(A, x.b[h], d[h]);
-                } else {
-                    mma_k16_s8<true>(A, x.h[h], d[h]);
+                mma_k16_s8<true>(A, bh[h], d[h]);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) d[h][e] *= 256;
-                    mma_k16_s8<false>(A, x.l[h], d[h]);
-                }
+                for (int e = 0; e < 4; e++) d[h][e] *= 256;
+                mma_k16_s8<false>(A, bl[h], d[h]);
             }
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -115,7 +111,7 @@ __device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], const M
         } else {
             const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
             int d[4];
-            mma_xdot<X8>(A, x, d);
+            mma_dot16(A, bh, bl, d);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const MmaKq& r = q[e / 2];
@@ -134,33 +130,24 @@ __device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], const M
 // they took 172-182 registers (sm_90; one block, 8 warps, per multiprocessor), asked they spill
 // 0-24 bytes. q2_k and q3_k would spill 200-400 bytes and keep one block.
 #define KQ_MMA_N8_MIN_BLOCKS(DTYPE) (DTYPE == KQ_Q2_K || DTYPE == KQ_Q3_K ? MMA_MIN_BLOCKS / 2 : MMA_MIN_BLOCKS)
-#define MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, X8, NT, BOUNDS)                                              \
-    extern "C" __global__ void BOUNDS NAME##_n##NT(const void* x, const void* xs, int rows, int k,      \
+#define MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, NT, BOUNDS)                                                  \
+    extern "C" __global__ void BOUNDS NAME##_n##NT(const void* x, const float4* xs, int rows, int k,    \
                                                    MatmulJobs jobs, float* partial, int* counters,     \
                                                    int split) {                                        \
         pdl_begin();                                                                                   \
-        matmul_mma_impl<DTYPE, NT, X8>(x, (const float2*)xs, rows, k, jobs, partial, counters, split); \
+        matmul_mma_impl<DTYPE, NT>(x, xs, rows, k, jobs, partial, counters, split);                    \
     }
-#define MATMUL_MMA_KQ_KERNELS(NAME, DTYPE, X8)                                                           \
-    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, X8, 1, __launch_bounds__(MMA_WARPS * 32))                        \
-    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, X8, 2, __launch_bounds__(MMA_WARPS * 32))                        \
-    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, X8, 4, __launch_bounds__(MMA_WARPS * 32))                        \
-    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, X8, 8, __launch_bounds__(MMA_WARPS * 32, KQ_MMA_N8_MIN_BLOCKS(DTYPE)))
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_0, KQ_Q5_0, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_1, KQ_Q5_1, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_iq4_nl, KQ_IQ4_NL, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q2_k, KQ_Q2_K, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q3_k, KQ_Q3_K, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q4_k, KQ_Q4_K, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_k, KQ_Q5_K, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_q6_k, KQ_Q6_K, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma_iq4_xs, KQ_IQ4_XS, false)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q5_0, KQ_Q5_0, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q5_1, KQ_Q5_1, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_iq4_nl, KQ_IQ4_NL, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q2_k, KQ_Q2_K, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q3_k, KQ_Q3_K, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q4_k, KQ_Q4_K, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q5_k, KQ_Q5_K, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_q6_k, KQ_Q6_K, true)
-MATMUL_MMA_KQ_KERNELS(matmul_mma8_iq4_xs, KQ_IQ4_XS, true)
+#define MATMUL_MMA_KQ_KERNELS(NAME, DTYPE)                                                               \
+    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, 1, __launch_bounds__(MMA_WARPS * 32))                            \
+    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, 2, __launch_bounds__(MMA_WARPS * 32))                            \
+    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, 4, __launch_bounds__(MMA_WARPS * 32))                            \
+    MATMUL_MMA_KQ_KERNEL(NAME, DTYPE, 8, __launch_bounds__(MMA_WARPS * 32, KQ_MMA_N8_MIN_BLOCKS(DTYPE)))
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_0, KQ_Q5_0)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_1, KQ_Q5_1)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_iq4_nl, KQ_IQ4_NL)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q2_k, KQ_Q2_K)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q3_k, KQ_Q3_K)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q4_k, KQ_Q4_K)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q5_k, KQ_Q5_K)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_q6_k, KQ_Q6_K)
+MATMUL_MMA_KQ_KERNELS(matmul_mma_iq4_xs, KQ_IQ4_XS)

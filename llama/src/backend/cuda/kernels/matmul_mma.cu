@@ -16,12 +16,7 @@
 // Quantized weights (q8_0, q4_0, q4_1) take x in the 16-bit integer format of
 // `quantize_x16_lanes`, split into its high (signed) and low (unsigned) bytes: two 8-bit
 // integer products (mma m16n8k32, exact int32 sums) give exactly the integer dot products of the
-// one-row kernel, scaled the same way. The `mma8` path (kernels `matmul_mma8_<dtype>`) takes x
-// instead as the 8-bit levels of `quantize_x8` (32 bytes and a (d, Σx) record a block, llama.cpp's
-// q8_1 activations): one 8-bit product per chunk and half the activation bytes in shared memory
-// and L1, at the price of x's rounding to 2^-8 of its block's largest value (the batched rows
-// then differ from their solo run, which keeps the 16-bit integers, by that rounding; rows stay
-// independent of their batch). f16 and bf16 weights take x as f32 split into two f16
+// one-row kernel, scaled the same way. f16 and bf16 weights take x as f32 split into two f16
 // (x ≈ hi + lo, within 2^-22 of x) or three bf16 parts, each multiplied on the tensor cores with
 // f32 sums: products as exact as the f32 kernel's up to the summation order.
 // grid = (Σ_jobs ceil(m_j / MMA_BROWS), ceil(rows / (8·NT)), split), MMA_WARPS·32 threads.
@@ -155,55 +150,19 @@ __device__ __forceinline__ void mma_dot16(const u32 (&A)[4], const u32 (&bh)[2],
     mma_s8u8(A, bl, d);
 }
 
-// An 8-row input tile's B fragments of one 32-value chunk, this lane's (values 4t..4t+3 and
-// 16+4t..16+4t+3 of column g): the 16-bit levels of `quantize_x16` as their signed high and
-// unsigned low bytes (`h`, `l`), or (X8: the `mma8` path) the 8-bit levels of `quantize_x8` as
-// they are (`b`).
-template <bool X8> struct MmaX {
-    u32 h[2], l[2];
-};
-template <> struct MmaX<true> {
-    u32 b[2];
-};
-// Bytes of a chunk's levels, and float2s from one block's record to the next (a float4 for the
-// 16-bit levels, of which the kernels read the scale and Σx; a float2 for the 8-bit ones).
-template <bool X8> __device__ __forceinline__ constexpr int mma_xchunk_bytes() { return X8 ? 32 : 64; }
-template <bool X8> __device__ __forceinline__ constexpr int mma_xrecord() { return X8 ? 1 : 2; }
-
-// This lane's fragment of the chunk whose levels start at `p` (global or shared memory).
-template <bool X8> __device__ __forceinline__ MmaX<X8> mma_xload(const u8* p, int t) {
-    MmaX<X8> x;
-    if constexpr (X8) {
-        x.b[0] = *(const u32*)(p + 4 * t);
-        x.b[1] = *(const u32*)(p + 16 + 4 * t);
-    } else {
-        mma_xfrag(*(const uint2*)(p + 8 * t), *(const uint2*)(p + 32 + 8 * t), x.h, x.l);
-    }
-    return x;
-}
-
-// d = A·x over a chunk with exact int32 sums: one 8-bit integer product (X8) or two (`mma_dot16`).
-template <bool X8> __device__ __forceinline__ void mma_xdot(const u32 (&A)[4], const MmaX<X8>& x, int (&d)[4]) {
-    if constexpr (X8) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) d[e] = 0;
-        mma_s8s8(A, x.b, d);
-    } else {
-        mma_dot16(A, x.h, x.l, d);
-    }
-}
-
-// Input tile j (this lane's fragment x and the scale and Σx s0, s1 of columns 2t and 2t+1)
+// Input tile j (this lane's levels v0, v1 and the scale and Σx s0, s1 of columns 2t and 2t+1)
 // times the warp's MMA_MT weight tiles `a`, added to acc[..][j].
-template <int DTYPE, int NT, bool X8>
-__device__ __forceinline__ void mma_q_tile(const MmaQ (&a)[MMA_MT][2], const MmaX<X8>& x, float2 s0, float2 s1, int j,
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_q_tile(const MmaQ (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1, int j,
                                            float (&acc)[MMA_MT][NT][4]) {
+    u32 bh[2], bl[2];
+    mma_xfrag(v0, v1, bh, bl);
 #pragma unroll
     for (int mt = 0; mt < MMA_MT; mt++) {
         const MmaQ(&q)[2] = a[mt];
         const u32 A[4] = {q[0].w0, q[1].w0, q[0].w1, q[1].w1};
         int d[4];
-        mma_xdot<X8>(A, x, d);
+        mma_dot16(A, bh, bl, d);
         // d: (row g, col 2t), (row g, col 2t+1), (row g+8, col 2t), (row g+8, col 2t+1).
         acc[mt][j][0] = mma_qacc<DTYPE>(q[0], d[0], s0, acc[mt][j][0]);
         acc[mt][j][1] = mma_qacc<DTYPE>(q[0], d[1], s1, acc[mt][j][1]);
@@ -251,8 +210,8 @@ __device__ __forceinline__ void mma_chunk_loop(const u8* const (&wg)[MMA_MT][2],
 // in kquants_mma.cu.
 struct MmaKq;
 template <int DTYPE> __device__ __forceinline__ void mma_kq_load(const u8* row, int chunk, int t, MmaKq& q);
-template <int DTYPE, int NT, bool X8>
-__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], const MmaX<X8>& x, float2 s0, float2 s1,
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_kq_tile(const MmaKq (&a)[MMA_MT][2], uint2 v0, uint2 v1, float2 s0, float2 s1,
                                             int j, float (&acc)[MMA_MT][NT][4]);
 // A lane's part of one 32-value block of a quantized weight row: `MmaQ` for q8_0, q4_0 and q4_1,
 // `MmaKq` for the dtypes of kquants.cu.
@@ -264,12 +223,11 @@ template <> struct MmaQFrag<true> {
 };
 
 // Quantized weights (q8_0, q4_0, q4_1, and from code 6 the dtypes of kquants.cu): each chunk's
-// fragments times the input tiles' levels (`xq`: 16-bit, or 8-bit with X8) and records (`xs`).
-template <int DTYPE, int NT, bool X8>
-__device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const u8* xq,
-                                             const float2* xs, int n_chunks, int c0, int c1,
+// fragments times the input tiles' 16-bit levels (`xq`) and records (`xs`).
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (&wg)[MMA_MT][2], const short* xq,
+                                             const float4* xs, int n_chunks, int c0, int c1,
                                              float (&acc)[MMA_MT][NT][4]) {
-    constexpr int XC = mma_xchunk_bytes<X8>(), RS = mma_xrecord<X8>();
     constexpr bool KQ = DTYPE >= 6;
     using Frag = typename MmaQFrag<KQ>::type;
     const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
@@ -281,12 +239,13 @@ __device__ __forceinline__ void mma_chunks_q(const MmaTile& t, const u8* const (
 #pragma unroll
         for (int j = 0; j < NT; j++) {
             if (j * 8 >= t.nr) break;
-            const MmaX<X8> x = mma_xload<X8>(xq + ((u64)mma_xrow(t, j, g) * n_chunks + c) * XC, tq);
-            // Only the scale and Σx of each record (of the 16-bit levels' float4, half the bytes).
-            float2 s0 = xs[((u64)mma_xrow(t, j, 2 * tq) * n_chunks + c) * RS];
-            float2 s1 = xs[((u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c) * RS];
-            if constexpr (KQ) mma_kq_tile<DTYPE, NT, X8>(a, x, s0, s1, j, acc);
-            else mma_q_tile<DTYPE, NT, X8>(a, x, s0, s1, j, acc);
+            const short* xp = xq + ((u64)mma_xrow(t, j, g) * n_chunks + c) * 32;
+            uint2 v0 = *(const uint2*)(xp + 4 * tq), v1 = *(const uint2*)(xp + 16 + 4 * tq);
+            // Only the scale and Σx of each record: half the bytes of the float4.
+            float2 s0 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq) * n_chunks + c];
+            float2 s1 = *(const float2*)&xs[(u64)mma_xrow(t, j, 2 * tq + 1) * n_chunks + c];
+            if constexpr (KQ) mma_kq_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
+            else mma_q_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
         }
     };
     mma_chunk_loop<Frag, MMA_QUNROLL>(wg, c0, c1, load, multiply);
@@ -319,16 +278,14 @@ template <int DTYPE> __device__ __forceinline__ constexpr int mma_stage_copy() {
     return b % 16 == 0 ? 16 : b % 8 == 0 ? 8 : 4;
 }
 
-template <int DTYPE, int NT, bool X8>
-__device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, const u8* xq, const float2* xs,
+template <int DTYPE, int NT>
+__device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, const short* xq, const float4* xs,
                                                     int n_chunks, int c0, int c1, float (&acc)[MMA_MT][NT][4]) {
     constexpr int G = mma_stage_chunks<DTYPE>(), NB = mma_stage_buffers<DTYPE>(), BB = mma_block_bytes<DTYPE>();
     constexpr int CP = mma_stage_copy<DTYPE>(), WROW = mma_stage_wrow<DTYPE>();
     constexpr int W_COPIES = G * BB / CP;  // per weight row
-    constexpr int XC = mma_xchunk_bytes<X8>(), RS = mma_xrecord<X8>(), XCOPY_ROW = G * XC / 16;
-    // An input row's G chunks (XC·G bytes) plus 32 (16 for the 8-bit levels: rows 20 words
-    // apart): the 8 rows of a fragment load in distinct banks.
-    constexpr int XROW = G * XC + (X8 ? 16 : 32), XR = NT * 8;
+    // An input row's G chunks (64·G bytes) plus 32: the 8 rows of a fragment load in distinct banks.
+    constexpr int XROW = G * 64 + 32, XR = NT * 8;
     constexpr int W_BYTES = MMA_BROWS * WROW, X_BYTES = XR * XROW;
     __shared__ uint4 sw4[NB * W_BYTES / 16];
     __shared__ uint4 sx4[NB * X_BYTES / 16];
@@ -342,7 +299,7 @@ __device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, co
     // (then the compiler keeps their row pointers across stages instead of recomputing them;
     // q8_0's 17 four-byte copies would take as many pointers and spill).
     static_assert(MMA_BROWS == MMA_WARPS * 32, "one weight row a thread");
-    constexpr int X_COPIES = XR * XCOPY_ROW, R_COPIES = XR * G, THREADS = MMA_WARPS * 32;
+    constexpr int X_COPIES = XR * G * 4, R_COPIES = XR * G, THREADS = MMA_WARPS * 32;
     constexpr int W_UNROLL = W_COPIES <= 8 ? W_COPIES : 1;
     auto copy_stage = [&](int c, int b) {
         u8* sw = (u8*)sw4 + b * W_BYTES;
@@ -356,16 +313,16 @@ __device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, co
         }
 #pragma unroll
         for (int q = 0; q < (X_COPIES + THREADS - 1) / THREADS; q++) {
-            const int i = threadIdx.x + q * THREADS, r = i / XCOPY_ROW, p = i % XCOPY_ROW;
+            const int i = threadIdx.x + q * THREADS, r = i / (G * 4), p = i % (G * 4);
             if (X_COPIES % THREADS != 0 && i >= X_COPIES) break;
-            const u8* src = xq + ((u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c) * XC + p * 16;
+            const short* src = xq + ((u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c) * 32 + p * 8;
             cp_async<16>(sx + r * XROW + p * 16, src);
         }
 #pragma unroll
         for (int q = 0; q < (R_COPIES + THREADS - 1) / THREADS; q++) {
             const int i = threadIdx.x + q * THREADS, r = i / G, u = i % G;
             if (R_COPIES % THREADS != 0 && i >= R_COPIES) break;
-            cp_async<8>(&sr[b * XR * G + i], &xs[((u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c + u) * RS]);
+            cp_async<8>(&sr[b * XR * G + i], &xs[(u64)(t.r0 + min(r, t.nr - 1)) * n_chunks + c + u]);
         }
         cp_async_commit();
     };
@@ -395,9 +352,10 @@ __device__ __forceinline__ void mma_chunks_q_staged(const MmaTile& t, int wr, co
 #pragma unroll
                 for (int j = 0; j < NT; j++) {
                     if (j * 8 >= t.nr) break;
-                    const MmaX<X8> x = mma_xload<X8>(sx + (j * 8 + g) * XROW + u * XC, tq);
+                    const u8* xp = sx + (j * 8 + g) * XROW + u * 64;
+                    uint2 v0 = *(const uint2*)(xp + 8 * tq), v1 = *(const uint2*)(xp + 32 + 8 * tq);
                     const float2 s0 = srb[(j * 8 + 2 * tq) * G + u], s1 = srb[(j * 8 + 2 * tq + 1) * G + u];
-                    mma_q_tile<DTYPE, NT, X8>(a, x, s0, s1, j, acc);
+                    mma_q_tile<DTYPE, NT>(a, v0, v1, s0, s1, j, acc);
                 }
             }
         }
@@ -526,12 +484,10 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
 template <int DTYPE> __device__ __forceinline__ u64 mma_kq_row_bytes(int n_chunks);
 
 // `x` is f32 rows for f16/bf16 weights, the 16-bit integers of `quantize_x16` (with their
-// records `xs`) for quantized ones, or with X8 the 8-bit ones of `quantize_x8`; rows of whole
-// 32-value chunks.
-template <int DTYPE, int NT, bool X8>
-__device__ void matmul_mma_impl(const void* x, const float2* xs, int rows, int k, const MatmulJobs& jobs,
+// records `xs`) for quantized ones; rows of whole 32-value chunks.
+template <int DTYPE, int NT>
+__device__ void matmul_mma_impl(const void* x, const float4* xs, int rows, int k, const MatmulJobs& jobs,
                                 float* partial, int* counters, int split) {
-    static_assert(!X8 || DTYPE >= 3, "8-bit activations are for quantized weights");
     MmaTile t;
     if (!mma_tile<NT>(jobs, rows, t)) return;  // the whole block, before any barrier
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
@@ -553,7 +509,7 @@ __device__ void matmul_mma_impl(const void* x, const float2* xs, int rows, int k
     const int wr = t.i0 + warp * MMA_MT * 16;
     if constexpr (STAGED_DTYPE) {
         if (staged) {  // the same for the whole block: every thread reaches the stage barriers
-            mma_chunks_q_staged<DTYPE, NT, X8>(t, wr, (const u8*)x, xs, n_chunks, c0, c1, acc);
+            mma_chunks_q_staged<DTYPE, NT>(t, wr, (const short*)x, xs, n_chunks, c0, c1, acc);
             mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
             return;
         }
@@ -572,7 +528,7 @@ __device__ void matmul_mma_impl(const void* x, const float2* xs, int rows, int k
         if constexpr (DTYPE == 1 || DTYPE == 2)
             mma_chunks_f<DTYPE, NT>(t, wg, (const float*)x, k, c0, c1, acc);
         else
-            mma_chunks_q<DTYPE, NT, X8>(t, wg, (const u8*)x, xs, n_chunks, c0, c1, acc);
+            mma_chunks_q<DTYPE, NT>(t, wg, (const short*)x, xs, n_chunks, c0, c1, acc);
     }
     mma_store<NT>(acc, t, rows, jobs.accumulate, partial, counters, split);
 }
@@ -582,25 +538,20 @@ __device__ void matmul_mma_impl(const void* x, const float2* xs, int rows, int k
 // 162-168 registers (sm_90), one block of 8 warps per multiprocessor, too few to hide the
 // latency of the staged loads and barriers (ncu, H100, q4_1 at 32 rows: 12.5 % occupancy, issue
 // slots 25 % busy); asked, q4_1 spills 40 bytes, q4_0 24. A 64-row variant would take 158-236
-// registers and keep one block. X8: the `mma8` path's kernels (`matmul_mma8_<dtype>`), which
-// take the 8-bit activations of `quantize_x8`; `xs` points at float4 records (16-bit levels) or
-// float2 ones (8-bit).
-#define MATMUL_MMA_KERNEL(NAME, DTYPE, X8, NT)                                                          \
+// registers and keep one block.
+#define MATMUL_MMA_KERNEL(NAME, DTYPE, NT)                                                              \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, MMA_MIN_BLOCKS)                      \
-        NAME##_n##NT(const void* x, const void* xs, int rows, int k, MatmulJobs jobs, float* partial,   \
+        NAME##_n##NT(const void* x, const float4* xs, int rows, int k, MatmulJobs jobs, float* partial, \
                      int* counters, int split) {                                                       \
         pdl_begin();                                                                                   \
-        matmul_mma_impl<DTYPE, NT, X8>(x, (const float2*)xs, rows, k, jobs, partial, counters, split); \
+        matmul_mma_impl<DTYPE, NT>(x, xs, rows, k, jobs, partial, counters, split);                    \
     }
-#define MATMUL_MMA_KERNELS(NAME, DTYPE, X8) \
-    MATMUL_MMA_KERNEL(NAME, DTYPE, X8, 1)   \
-    MATMUL_MMA_KERNEL(NAME, DTYPE, X8, 2)   \
-    MATMUL_MMA_KERNEL(NAME, DTYPE, X8, 4)
-MATMUL_MMA_KERNELS(matmul_mma_f16, 1, false)
-MATMUL_MMA_KERNELS(matmul_mma_bf16, 2, false)
-MATMUL_MMA_KERNELS(matmul_mma_q8_0, 3, false)
-MATMUL_MMA_KERNELS(matmul_mma_q4_0, 4, false)
-MATMUL_MMA_KERNELS(matmul_mma_q4_1, 5, false)
-MATMUL_MMA_KERNELS(matmul_mma8_q8_0, 3, true)
-MATMUL_MMA_KERNELS(matmul_mma8_q4_0, 4, true)
-MATMUL_MMA_KERNELS(matmul_mma8_q4_1, 5, true)
+#define MATMUL_MMA_KERNELS(NAME, DTYPE) \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 1)   \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 2)   \
+    MATMUL_MMA_KERNEL(NAME, DTYPE, 4)
+MATMUL_MMA_KERNELS(matmul_mma_f16, 1)
+MATMUL_MMA_KERNELS(matmul_mma_bf16, 2)
+MATMUL_MMA_KERNELS(matmul_mma_q8_0, 3)
+MATMUL_MMA_KERNELS(matmul_mma_q4_0, 4)
+MATMUL_MMA_KERNELS(matmul_mma_q4_1, 5)

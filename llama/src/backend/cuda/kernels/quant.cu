@@ -18,28 +18,6 @@ extern "C" __global__ void quantize_x16(const float* x, u64 n, short* xq, float4
     quantize_x16_lanes(v, live, c / 8, xq, xs);
 }
 
-// x (n values, a multiple of 32) as 8-bit integers per 32-value block, the activations of the
-// `mma8` path's tensor-core matmuls (llama.cpp's q8_1 with an f32 record): the levels
-// q = rn(x / d), d = max|x| / 127, |q| <= 127 (32 bytes a block at `xq`, blocks of consecutive
-// rows contiguous as in `quantize_x16`), and per block (d, Σx) in a float2 at `xs` (Σx of the
-// f32 values, exact for q4_1's and the k-quants' offsets: the same bits as `quantize_x16`'s).
-// One float4 per thread, eight consecutive lanes a block.
-extern "C" __global__ void quantize_x8(const float* x, u64 n, u32* xq, float2* xs) {
-    pdl_begin();
-    u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    bool live = c < n / 4;
-    float4 v = live ? ((const float4*)x)[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-    const float2 as = block_amax_sum(v);
-    float inv = as.x > 0.f ? 127.f / as.x : 0.f;
-    u32 a = (u32)max(-127, min(127, __float2int_rn(v.x * inv))) & 0xFFu;
-    u32 b = (u32)max(-127, min(127, __float2int_rn(v.y * inv))) & 0xFFu;
-    u32 d = (u32)max(-127, min(127, __float2int_rn(v.z * inv))) & 0xFFu;
-    u32 e = (u32)max(-127, min(127, __float2int_rn(v.w * inv))) & 0xFFu;
-    if (!live) return;
-    xq[c] = a | (b << 8) | (d << 16) | (e << 24);
-    if (c % 8 == 0) xs[c / 8] = make_float2(as.x / 127.f, as.y);
-}
-
 // W[m, k] of any dtype as f32 or f16 (`out`, m·k values), each value of `load_elem` rounded
 // once: the operand of a cuBLAS GEMM for prefill (bf16 as f32, quantized weights as f16), a
 // temporary of one matrix freed after its GEMM. Eight values per thread (grid over n_blocks·4
