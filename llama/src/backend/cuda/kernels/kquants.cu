@@ -203,6 +203,25 @@ template <int DTYPE>
 __device__ __forceinline__ void kq_block(const u8* row, u64 b, KqBlock& q) {
     int j;
     const u8* blk = kq_block_at<DTYPE>(row, b, j);
+    // q5_k: its 32 high-bit bytes as two 16-byte loads a lane instead of eight 4-byte ones
+    // (super-blocks are 176 bytes and rows start 16-aligned, so blk + 16 and blk + 32 are).
+    // Measured on the H200 (Q5_K_M 7B tg128, two rounds): 265.0 / 265.9 against 257.7 / 254.1
+    // tok/s; the low-bit bytes as 16-byte loads too were no faster (261.8 / 265.5).
+    if constexpr (DTYPE == KQ_Q5_K) {
+        const uint4 h0 = *(const uint4*)(blk + 16), h1 = *(const uint4*)(blk + 32);
+        const u32 hl[4] = {h0.x, h0.y, h0.z, h0.w}, hh[4] = {h1.x, h1.y, h1.z, h1.w};
+        const u8* qs = blk + 48 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            u32 lo = (kq_u32<true>(qs + 4 * t) >> shift) & 0x0F0F0F0Fu;
+            u32 hi = (kq_u32<true>(qs + 16 + 4 * t) >> shift) & 0x0F0F0F0Fu;
+            q.w[t] = (int)(lo | (((hl[t] >> j) & 0x01010101u) << 4));
+            q.w[4 + t] = (int)(hi | (((hh[t] >> j) & 0x01010101u) << 4));
+        }
+        kq_block_scales<DTYPE>(blk, j, q.a, q.c);
+        return;
+    }
 #pragma unroll
     for (int t = 0; t < 4; t++) {
         u32 lo, hi;
