@@ -352,13 +352,9 @@ impl ToolsRequest {
 
 fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
     let at = format!("tools[{i}]");
-    let Value::Object(obj) = tool else {
-        return Err(crate::params::type_error(
-            &at,
-            "a {type: function, function: {…}} object",
-            tool,
-        ));
-    };
+    let obj = tool.as_object().ok_or_else(|| {
+        crate::params::type_error(&at, "a {type: function, function: {…}} object", tool)
+    })?;
     if obj.get("type").and_then(Value::as_str) != Some("function") {
         return Err(ApiError::invalid_param(
             format!("{at}.type"),
@@ -395,13 +391,9 @@ fn check_tool(i: usize, tool: &Value) -> Result<(), ApiError> {
 /// Reads `tool_calls` of an assistant message in a request (`at`: `messages[i]`).
 pub fn request_tool_calls(at: &str, value: &Value) -> Result<Vec<ToolCall>, ApiError> {
     let param = format!("{at}.tool_calls");
-    let Value::Array(list) = value else {
-        return Err(crate::params::type_error(
-            &param,
-            "a list of {id, type, function} objects",
-            value,
-        ));
-    };
+    let list = value.as_array().ok_or_else(|| {
+        crate::params::type_error(&param, "a list of {id, type, function} objects", value)
+    })?;
     list.iter()
         .enumerate()
         .map(|(j, call)| {
@@ -785,6 +777,13 @@ mod tests {
         whole
     }
 
+    /// The calls of [`parse_both`]'s reply to `text`, which must have no content besides them.
+    fn calls_only(format: ToolFormat, text: &str) -> Vec<ToolCall> {
+        let reply = parse_both(format, text);
+        assert_eq!(reply.content, None, "content of {text:?}");
+        reply.calls
+    }
+
     #[test]
     fn formats_are_detected_from_the_template() {
         let hermes = "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}\
@@ -805,10 +804,8 @@ mod tests {
     #[test]
     fn hermes_replies_as_qwen_writes_them() {
         let text = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>";
-        let r = parse_both(ToolFormat::Hermes, text);
-        assert_eq!(r.content, None);
         assert_eq!(
-            r.calls,
+            calls_only(ToolFormat::Hermes, text),
             vec![call(
                 "call_1",
                 "get_weather",
@@ -880,10 +877,8 @@ mod tests {
     #[test]
     fn llama3_json_replies() {
         let text = "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
-        let r = parse_both(ToolFormat::Llama3Json, text);
-        assert_eq!(r.content, None);
         assert_eq!(
-            r.calls,
+            calls_only(ToolFormat::Llama3Json, text),
             vec![call("call_1", "get_weather", r#"{"city":"Paris"}"#)]
         );
         let text = "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"s\": \"x;y\"}}; {\"name\": \"b\", \"arguments\": {}}";

@@ -236,25 +236,26 @@ fn dequantize_block(dtype: DType, b: &[u8], o: &mut [f32]) {
     }
 }
 
+/// Decodes the little-endian `N`-byte scalars of `src` into `dst` with `decode` (the float
+/// dtypes: f32, f16, bf16), as many as both hold.
+#[inline(always)]
+pub fn decode_scalars<const N: usize>(
+    src: &[u8],
+    dst: &mut [f32],
+    decode: impl Fn([u8; N]) -> f32,
+) {
+    for (o, c) in dst.iter_mut().zip(src.as_chunks::<N>().0) {
+        *o = decode(*c);
+    }
+}
+
 /// Decodes `src` (whole blocks of `dtype`) into `dst`, whose length is the number of values.
 pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     check(dtype, dst.len(), src.len())?;
     match dtype {
-        DType::F32 => {
-            for (o, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::Bf16 => {
-            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
+        DType::F32 => decode_scalars(src, dst, f32::from_le_bytes),
+        DType::F16 => decode_scalars(src, dst, |b| f16::from_le_bytes(b).to_f32()),
+        DType::Bf16 => decode_scalars(src, dst, |b| bf16::from_le_bytes(b).to_f32()),
         _ => {
             let (len, bytes) = (dtype.block_len(), dtype.block_bytes());
             for (o, b) in dst.chunks_exact_mut(len).zip(src.chunks_exact(bytes)) {

@@ -11,6 +11,7 @@
 use multiversion::multiversion;
 use multiversion::target::target_cfg_f;
 use weights_format::DType;
+use weights_format::quant::decode_scalars;
 
 use super::int8;
 use super::kquants::{self, QuantizedActs};
@@ -474,21 +475,9 @@ fn dot_q4_rows<const FMA: bool, const MIN: bool, const R: usize>(
 #[inline(always)]
 fn dequant_row(dtype: DType, row: &[u8], out: &mut [f32]) {
     match dtype {
-        DType::F32 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
-                *o = f16_bits_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
-        DType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
-                *o = bf16_bits_to_f32(u16::from_le_bytes([c[0], c[1]]));
-            }
-        }
+        DType::F32 => decode_scalars(row, out, f32::from_le_bytes),
+        DType::F16 => decode_scalars(row, out, |b| f16_bits_to_f32(u16::from_le_bytes(b))),
+        DType::Bf16 => decode_scalars(row, out, |b| bf16_bits_to_f32(u16::from_le_bytes(b))),
         DType::Q8_0 => {
             for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(34)) {
                 let b: &[u8; 34] = b.try_into().unwrap();
