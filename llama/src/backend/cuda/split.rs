@@ -93,6 +93,25 @@ impl HostStaging {
 }
 
 impl CudaBackend {
+    /// Checks a share's shape against `dst` ([`check_columns`]) and that no decode pass is
+    /// being recorded; `false`: nothing to write (no rows or no columns).
+    fn columns_to_write(
+        &self,
+        op: &'static str,
+        (src_len, src_cols): (usize, usize),
+        rows: usize,
+        (dst, dst_cols): (&CudaBuf, usize),
+        col0: usize,
+    ) -> Result<bool, BackendError> {
+        check_columns(op, (src_len, src_cols), rows, (dst.0.len(), dst_cols), col0)?;
+        if rows == 0 || src_cols == 0 {
+            return Ok(false);
+        }
+        self.graphs
+            .forbid_while_recording("a split matmul's columns")?;
+        Ok(true)
+    }
+
     /// One launch of `write_columns_f32`: `rows · src_cols` values at device address `src`
     /// into columns `col0..` of `dst` (checked by the caller).
     #[allow(clippy::too_many_arguments)]
@@ -144,19 +163,15 @@ impl SplitTarget for CudaBackend {
         col0: usize,
         into: NormInto,
     ) -> Result<(), BackendError> {
-        let op = "cuda write_columns";
-        check_columns(
-            op,
+        if !self.columns_to_write(
+            "cuda write_columns",
             (src.0.len(), src_cols),
             rows,
-            (dst.0.len(), dst_cols),
+            (dst, dst_cols),
             col0,
-        )?;
-        if rows == 0 || src_cols == 0 {
+        )? {
             return Ok(());
         }
-        self.graphs
-            .forbid_while_recording("a split matmul's columns")?;
         let from = self.addr(src, 0);
         self.write_columns_launch(from, rows, src_cols, dst, dst_cols, col0, into)
     }
@@ -171,19 +186,15 @@ impl SplitTarget for CudaBackend {
         col0: usize,
         into: NormInto,
     ) -> Result<(), BackendError> {
-        let op = "cuda write_host_columns";
-        check_columns(
-            op,
+        if !self.columns_to_write(
+            "cuda write_host_columns",
             (host.len(), src_cols),
             rows,
-            (dst.0.len(), dst_cols),
+            (dst, dst_cols),
             col0,
-        )?;
-        if rows == 0 || src_cols == 0 {
+        )? {
             return Ok(());
         }
-        self.graphs
-            .forbid_while_recording("a split matmul's columns from the host")?;
         let values = &host[..rows * src_cols];
         self.split_staging.stage(&self.queue, values, |from| {
             self.write_columns_launch(from, rows, src_cols, dst, dst_cols, col0, into)
