@@ -358,7 +358,7 @@ mod tests {
             for entry in [
                 "matmul_q4_1_r1",
                 "matmul_sb_q6_k_r8",
-                "matmul_mma_q4_1_n8",
+                "matmul_mma_q4_1_n4",
                 "matmul_mma_bf16_n1",
                 "matmul_mma_q4_k_n8",
                 "matmul_mma_q6_k_n4",
@@ -427,6 +427,10 @@ mod tests {
                 format!("MATMUL_Q_KERNELS({name}, {code})"),
                 format!(
                     "MATMUL_KQ_KERNELS({name}, KQ_{})",
+                    dtype.name().to_uppercase()
+                ),
+                format!(
+                    "MATMUL_KQ_R1MIN_KERNELS({name}, KQ_{})",
                     dtype.name().to_uppercase()
                 ),
             ];
