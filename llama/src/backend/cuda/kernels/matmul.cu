@@ -310,9 +310,10 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
         pdl_begin();                                                                                 \
         matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs);                                               \
     }
-// The kernels of an implementation `IMPL<DTYPE, NR>` over the 16-bit activations.
-#define MATMUL_X16_KERNELS(NAME, IMPL, DTYPE)                                                         \
-    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+// The kernels of an implementation `IMPL<DTYPE, NR>` over the 16-bit activations, the one-row
+// kernel with the launch bounds `R1_BOUNDS`.
+#define MATMUL_X16_KERNELS_BOUNDED(NAME, IMPL, DTYPE, R1_BOUNDS)                                      \
+    extern "C" __global__ void R1_BOUNDS                                                             \
         NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
         pdl_begin();                                                                                 \
         IMPL<DTYPE, 1>(xq, xs, rows, k, jobs);                                                       \
@@ -322,6 +323,8 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
         pdl_begin();                                                                                 \
         IMPL<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                                 \
     }
+#define MATMUL_X16_KERNELS(NAME, IMPL, DTYPE) \
+    MATMUL_X16_KERNELS_BOUNDED(NAME, IMPL, DTYPE, __launch_bounds__(MM_WARPS * 32))
 #define MATMUL_Q_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_q_impl, DTYPE)
 MATMUL_KERNELS(matmul_f32, 0)
 MATMUL_KERNELS(matmul_f16, 1)
