@@ -341,16 +341,16 @@ fn the_concurrent_probe_measures_the_cpu_and_the_copies_alone_and_at_once() {
 }
 
 /// The merges of a split call on the GPU: a share's columns put into place for every row in
-/// one launch, written and added, from a device buffer (`write_columns`, the GPU's share) and
-/// from host values (`write_host_columns`, the CPU's share, read by the kernel from mapped
-/// pinned staging buffers), against the CPU backend's loops, bit for bit. More merges than the
-/// staging ring has buffers are queued before anything is read back, with the host values
-/// overwritten right after each call, and shares larger than a staging buffer's first size
-/// (so that buffers are replaced while the ring is in use).
+/// one launch, written and added, from a device buffer (`ColumnSource::Buffer`, the GPU's
+/// share) and from host values (`ColumnSource::Host`, the CPU's share, read by the kernel from
+/// mapped pinned staging buffers), against the CPU backend's loops, bit for bit. More merges
+/// than the staging ring has buffers are queued before anything is read back, with the host
+/// values overwritten right after each call, and shares larger than a staging buffer's first
+/// size (so that buffers are replaced while the ring is in use).
 #[test]
 fn a_split_share_goes_into_its_columns_for_every_row() {
     use llama::backend::NormInto;
-    use llama::hybrid::SplitTarget;
+    use llama::hybrid::{ColumnPlacement, ColumnSource, SplitTarget};
     let Some(be) = support::cuda::gpu() else {
         return;
     };
@@ -377,15 +377,22 @@ fn a_split_share_goes_into_its_columns_for_every_row() {
             } else {
                 NormInto::Add
             };
+            let at = ColumnPlacement {
+                rows,
+                src_cols,
+                dst_cols,
+                col0,
+                into,
+            };
             let mut src: Vec<f32> = (0..rows * src_cols).map(|i| value(round + 2, i)).collect();
-            cpu.write_columns(&src, rows, src_cols, &mut want, dst_cols, col0, into)
+            cpu.write_columns(ColumnSource::Buffer(&src), &mut want, at)
                 .unwrap();
             if round % 3 == 2 {
                 let dev = support::cuda::up(&be, &src);
-                be.write_columns(&dev, rows, src_cols, &mut dst, dst_cols, col0, into)
+                be.write_columns(ColumnSource::Buffer(&dev), &mut dst, at)
                     .unwrap();
             } else {
-                be.write_host_columns(&src, rows, src_cols, &mut dst, dst_cols, col0, into)
+                be.write_columns(ColumnSource::Host(&src), &mut dst, at)
                     .unwrap();
                 // The values were staged: the caller may reuse its buffer at once.
                 src.fill(f32::NAN);
@@ -406,14 +413,16 @@ fn a_split_share_goes_into_its_columns_for_every_row() {
         );
         // Out of bounds: an error, nothing queued.
         let err = be
-            .write_host_columns(
-                &vec![0.0; rows * src_cols],
-                rows,
-                src_cols,
+            .write_columns(
+                ColumnSource::Host(&vec![0.0; rows * src_cols]),
                 &mut dst,
-                dst_cols,
-                dst_cols - src_cols + 1,
-                NormInto::Write,
+                ColumnPlacement {
+                    rows,
+                    src_cols,
+                    dst_cols,
+                    col0: dst_cols - src_cols + 1,
+                    into: NormInto::Write,
+                },
             )
             .unwrap_err();
         assert!(err.to_string().contains("columns"), "{err}");

@@ -739,6 +739,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// The default's copy without zeroing it first (`alloc` zeroes): this runs for every
+    /// layer's Q and K.
     fn rmsnorm_pieces(
         &self,
         x: &mut Vec<f32>,

@@ -344,14 +344,19 @@ pub trait Backend: Send + Sync {
     ) -> Result<(), BackendError>;
 
     /// [`Backend::rmsnorm`] in place over `pieces` consecutive pieces of `weight.cols` values
-    /// each: the per-head norm of Q or K (`pieces = rows · heads`, `weight: [head_dim]`).
+    /// each: the per-head norm of Q or K (`pieces = rows · heads`, `weight: [head_dim]`). By
+    /// default just that, from a copy of the pieces.
     fn rmsnorm_pieces(
         &self,
         x: &mut Self::Buf,
         pieces: usize,
         weight: WeightView<'_>,
         eps: f32,
-    ) -> Result<(), BackendError>;
+    ) -> Result<(), BackendError> {
+        let mut input = self.alloc(pieces * weight.cols)?;
+        self.copy_rows(x, 0, &mut input, 0, pieces, weight.cols)?;
+        self.rmsnorm(&input, pieces, weight, eps, x, NormInto::Write)
+    }
 
     /// `x = factor · x` over `len` values (Gemma's embedding scale).
     fn scale(&self, x: &mut Self::Buf, len: usize, factor: f32) -> Result<(), BackendError>;

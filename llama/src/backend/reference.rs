@@ -316,20 +316,6 @@ impl Backend for ReferenceBackend {
         Ok(())
     }
 
-    fn rmsnorm_pieces(
-        &self,
-        x: &mut Vec<f32>,
-        pieces: usize,
-        weight: WeightView<'_>,
-        eps: f32,
-    ) -> Result<(), BackendError> {
-        let normed = ReferenceBackend::normed(x, pieces, weight, eps)?;
-        for (o, v) in x.iter_mut().zip(normed) {
-            *o = v as f32;
-        }
-        Ok(())
-    }
-
     fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) -> Result<(), BackendError> {
         for v in &mut x[..len] {
             *v = (*v as f64 * factor as f64) as f32;

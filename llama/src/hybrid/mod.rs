@@ -66,7 +66,7 @@
 //! keeps, which the CPU's matmul reads as it is) and the two merges: the GPU's share, queued
 //! right behind its matmul (so the GPU does it while the CPU computes), and the CPU's share,
 //! which the CUDA backend stages in mapped pinned host memory and has its kernel read over
-//! PCIe ([`SplitTarget::write_host_columns`]: no device allocation, no pageable copy, nothing
+//! PCIe ([`ColumnSource::Host`]: no device allocation, no pageable copy, nothing
 //! queued on a copy engine behind the residency ring's streamed copies); each is one kernel
 //! launch for all rows. The buffers of the shares are kept from one call to the next.
 
@@ -171,85 +171,94 @@ pub fn primary_ranges(blob: &weights_format::BlobMeta, fraction: f64) -> Vec<(u6
     ranges
 }
 
-/// A backend that can place a block of values into some columns of a wider buffer: what
-/// brings a share's output rows (which are columns of the activations) home.
-pub trait SplitTarget: Backend {
-    /// `dst[r, col0 .. col0+src_cols] = src[r, :]` (or `+=` with [`NormInto::Add`]) for
-    /// `r < rows`, `src: [rows, src_cols]`, `dst: [rows, dst_cols]`.
-    #[allow(clippy::too_many_arguments)]
-    fn write_columns(
-        &self,
-        src: &Self::Buf,
-        rows: usize,
-        src_cols: usize,
-        dst: &mut Self::Buf,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
-    ) -> Result<(), BackendError>;
+/// Where a share's output block goes: `rows` rows of `src_cols` values into columns
+/// `col0 .. col0 + src_cols` of a buffer of `rows` rows of `dst_cols` values, written over
+/// them or added to them. One value, so that the trait, its checks and its kernels take the
+/// geometry together rather than as five loose numbers in a fixed order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ColumnPlacement {
+    pub rows: usize,
+    pub src_cols: usize,
+    pub dst_cols: usize,
+    pub col0: usize,
+    pub into: NormInto,
+}
 
-    /// [`SplitTarget::write_columns`] from values in host memory (the helper's share):
-    /// `host: [rows, src_cols]`. The values may be overwritten as soon as this returns. By
-    /// default uploaded into a buffer of their own first; the CUDA backend has its kernel read
-    /// them from mapped host memory instead, and a host backend writes them in place.
-    #[allow(clippy::too_many_arguments)]
-    fn write_host_columns(
+impl ColumnPlacement {
+    /// Values the block to place holds: `rows · src_cols`.
+    pub fn src_len(&self) -> usize {
+        self.rows * self.src_cols
+    }
+
+    /// Checks the placement against its buffers' lengths (in values): an error for `op`
+    /// unless the source holds `rows · src_cols` values, the destination `rows · dst_cols`
+    /// and the columns `col0 .. col0 + src_cols` lie within `dst_cols`.
+    pub(crate) fn check(
         &self,
-        host: &[f32],
-        rows: usize,
-        src_cols: usize,
-        dst: &mut Self::Buf,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
+        op: &'static str,
+        src_len: usize,
+        dst_len: usize,
     ) -> Result<(), BackendError> {
-        let up = self.upload(&host[..(rows * src_cols).min(host.len())])?;
-        self.write_columns(&up, rows, src_cols, dst, dst_cols, col0, into)
+        let ColumnPlacement {
+            rows,
+            src_cols,
+            dst_cols,
+            col0,
+            ..
+        } = *self;
+        if col0 + src_cols > dst_cols || src_len < rows * src_cols || dst_len < rows * dst_cols {
+            return Err(BackendError::Unsupported {
+                op,
+                message: format!(
+                    "columns {col0}..{} of {rows} rows of {dst_cols} from {src_cols} (buffers of \
+                     {} and {} values)",
+                    col0 + src_cols,
+                    src_len,
+                    dst_len
+                ),
+            });
+        }
+        Ok(())
     }
 }
 
-/// Checks a [`SplitTarget`] call's shapes against its buffers' lengths (in values): an
-/// error for `op` unless `src` holds `rows · src_cols` values, `dst` `rows · dst_cols` and the
-/// columns `col0 .. col0 + src_cols` lie within `dst_cols`.
-pub(crate) fn check_columns(
-    op: &'static str,
-    (src_len, src_cols): (usize, usize),
-    rows: usize,
-    (dst_len, dst_cols): (usize, usize),
-    col0: usize,
-) -> Result<(), BackendError> {
-    if col0 + src_cols > dst_cols || src_len < rows * src_cols || dst_len < rows * dst_cols {
-        return Err(BackendError::Unsupported {
-            op,
-            message: format!(
-                "columns {col0}..{} of {rows} rows of {dst_cols} from {src_cols} (buffers of {} \
-                 and {} values)",
-                col0 + src_cols,
-                src_len,
-                dst_len
-            ),
-        });
-    }
-    Ok(())
+/// The block [`SplitTarget::write_columns`] places: a buffer of the backend's (the primary's
+/// share), or values in host memory (the helper's share).
+pub enum ColumnSource<'a, B> {
+    Buffer(&'a B),
+    /// May be overwritten as soon as the call returns.
+    Host(&'a [f32]),
+}
+
+/// A backend that can place a block of values into some columns of a wider buffer: what
+/// brings a share's output rows (which are columns of the activations) home. One method for
+/// both kinds of [`ColumnSource`], so that each backend decides in one place how host values
+/// get there: the CUDA backend has its kernel read them from mapped host memory, a host
+/// backend writes them in place as it does a buffer's.
+pub trait SplitTarget: Backend {
+    /// `dst[r, col0 .. col0+src_cols] = src[r, :]` (or `+=` with [`NormInto::Add`]) for
+    /// `r < rows`, `src: [rows, src_cols]`, `dst: [rows, dst_cols]` (see [`ColumnPlacement`]).
+    fn write_columns(
+        &self,
+        src: ColumnSource<'_, Self::Buf>,
+        dst: &mut Self::Buf,
+        at: ColumnPlacement,
+    ) -> Result<(), BackendError>;
 }
 
 /// [`SplitTarget::write_columns`] over host buffers.
-#[allow(clippy::too_many_arguments)]
 fn write_columns_host(
     op: &'static str,
     src: &[f32],
-    rows: usize,
-    src_cols: usize,
     dst: &mut [f32],
-    dst_cols: usize,
-    col0: usize,
-    into: NormInto,
+    at: ColumnPlacement,
 ) -> Result<(), BackendError> {
-    check_columns(op, (src.len(), src_cols), rows, (dst.len(), dst_cols), col0)?;
-    for r in 0..rows {
+    at.check(op, src.len(), dst.len())?;
+    let (src_cols, dst_cols, col0) = (at.src_cols, at.dst_cols, at.col0);
+    for r in 0..at.rows {
         let from = &src[r * src_cols..(r + 1) * src_cols];
         let to = &mut dst[r * dst_cols + col0..r * dst_cols + col0 + src_cols];
-        match into {
+        match at.into {
             NormInto::Write => to.copy_from_slice(from),
             NormInto::Add => to.iter_mut().zip(from).for_each(|(a, b)| *a += b),
         }
@@ -263,28 +272,15 @@ macro_rules! host_split_target {
         impl SplitTarget for $backend {
             fn write_columns(
                 &self,
-                src: &Vec<f32>,
-                rows: usize,
-                src_cols: usize,
+                src: ColumnSource<'_, Vec<f32>>,
                 dst: &mut Vec<f32>,
-                dst_cols: usize,
-                col0: usize,
-                into: NormInto,
+                at: ColumnPlacement,
             ) -> Result<(), BackendError> {
-                write_columns_host($op, src, rows, src_cols, dst, dst_cols, col0, into)
-            }
-
-            fn write_host_columns(
-                &self,
-                host: &[f32],
-                rows: usize,
-                src_cols: usize,
-                dst: &mut Vec<f32>,
-                dst_cols: usize,
-                col0: usize,
-                into: NormInto,
-            ) -> Result<(), BackendError> {
-                write_columns_host($op, host, rows, src_cols, dst, dst_cols, col0, into)
+                let values = match src {
+                    ColumnSource::Buffer(buf) => buf.as_slice(),
+                    ColumnSource::Host(host) => host,
+                };
+                write_columns_host($op, values, dst, at)
             }
         }
     };
@@ -513,6 +509,15 @@ impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> SplitBackend<P, H> {
     ) -> Result<(), BackendError> {
         let rows: usize = groups.iter().map(|g| g.rows).sum();
         let cols = ws[0].cols;
+        // A share of weight `i` (its rows from `first_row` on) is columns `first_row..` of
+        // `outs[i]`.
+        let placement = |i: usize, part: &WeightView<'_>, first_row: usize| ColumnPlacement {
+            rows,
+            src_cols: part.rows,
+            dst_cols: ws[i].rows,
+            col0: first_row,
+            into,
+        };
         let mut scratch = lock(&self.scratch);
         let SplitScratch {
             x_host,
@@ -567,9 +572,9 @@ impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> SplitBackend<P, H> {
             // while the helper computes.
             let merge_started = Instant::now();
             for ((i, k, part), (_, buf)) in primary_parts.iter().zip(primary_outs.iter()) {
-                let n = ws[*i].rows;
+                let at = placement(*i, part, *k);
                 self.primary
-                    .write_columns(buf, rows, part.rows, outs[*i], n, *k, into)?;
+                    .write_columns(ColumnSource::Buffer(buf), outs[*i], at)?;
             }
             merge += merge_started.elapsed().as_secs_f64();
         }
@@ -607,10 +612,9 @@ impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> SplitBackend<P, H> {
         // The helper's columns, straight from its host buffers.
         let merge_started = Instant::now();
         for ((i, part), host) in helper_parts.iter().zip(helper_outs.iter()) {
-            let n = ws[*i].rows;
-            let values = &host[..rows * part.rows];
-            self.primary
-                .write_host_columns(values, rows, part.rows, outs[*i], n, 0, into)?;
+            let at = placement(*i, part, 0);
+            let values = ColumnSource::Host(&host[..at.src_len()]);
+            self.primary.write_columns(values, outs[*i], at)?;
         }
         self.stats.splits.fetch_add(1, Ordering::Relaxed);
         merge += merge_started.elapsed().as_secs_f64();
@@ -938,22 +942,31 @@ mod tests {
         let be = CpuBackend::new();
         let src = vec![1.0, 2.0, 3.0, 4.0]; // [2, 2]
         let mut dst = vec![10.0; 8]; // [2, 4]
-        be.write_columns(&src, 2, 2, &mut dst, 4, 1, NormInto::Write)
+        let at = |col0, into| ColumnPlacement {
+            rows: 2,
+            src_cols: 2,
+            dst_cols: 4,
+            col0,
+            into,
+        };
+        let buffer = ColumnSource::Buffer;
+        be.write_columns(buffer(&src), &mut dst, at(1, NormInto::Write))
             .unwrap();
         assert_eq!(dst, [10.0, 1.0, 2.0, 10.0, 10.0, 3.0, 4.0, 10.0]);
-        be.write_columns(&src, 2, 2, &mut dst, 4, 2, NormInto::Add)
+        be.write_columns(buffer(&src), &mut dst, at(2, NormInto::Add))
             .unwrap();
         assert_eq!(dst, [10.0, 1.0, 3.0, 12.0, 10.0, 3.0, 7.0, 14.0]);
         let err = be
-            .write_columns(&src, 2, 2, &mut dst, 4, 3, NormInto::Write)
+            .write_columns(buffer(&src), &mut dst, at(3, NormInto::Write))
             .unwrap_err();
         assert!(err.to_string().contains("columns 3..5"), "{err}");
         // From host values: the same, for a host backend in place.
-        be.write_host_columns(&src, 2, 2, &mut dst, 4, 0, NormInto::Add)
+        let host = ColumnSource::Host;
+        be.write_columns(host(&src), &mut dst, at(0, NormInto::Add))
             .unwrap();
         assert_eq!(dst, [11.0, 3.0, 3.0, 12.0, 13.0, 7.0, 7.0, 14.0]);
         let err = be
-            .write_host_columns(&src[..3], 2, 2, &mut dst, 4, 0, NormInto::Write)
+            .write_columns(host(&src[..3]), &mut dst, at(0, NormInto::Write))
             .unwrap_err();
         assert!(err.to_string().contains("buffers of 3"), "{err}");
     }

@@ -2,9 +2,9 @@
 //! into the full activations (`crate::hybrid`), every row in one launch of
 //! `write_columns_f32` (`kernels/elementwise.cu`).
 //!
-//! The helper's (the CPU's) share arrives as host values ([`SplitTarget::write_host_columns`]):
-//! they are copied into a small ring of page-locked host buffers mapped into the device's
-//! address space ([`HostStaging`]), and the same kernel reads them from there over PCIe. No
+//! The helper's (the CPU's) share arrives as host values ([`ColumnSource::Host`]): they are
+//! copied into a small ring of page-locked host buffers mapped into the device's address
+//! space ([`HostStaging`]), and the same kernel reads them from there over PCIe. No
 //! device allocation, no pageable copy, and no copy-engine transfer: an async host→device copy
 //! would queue behind the residency ring's streamed weight copies (hundreds of MB per layer),
 //! while the kernel's reads of a few hundred KB share the link with them.
@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use cudarc::driver::{CudaEvent, PinnedHostSlice};
 
 use crate::backend::{BackendError, NormInto};
-use crate::hybrid::{SplitTarget, check_columns};
+use crate::hybrid::{ColumnPlacement, ColumnSource, SplitTarget};
 
 use super::device::{Queue, elementwise};
 use super::{CudaBackend, CudaBuf};
@@ -93,18 +93,17 @@ impl HostStaging {
 }
 
 impl CudaBackend {
-    /// Checks a share's shape against `dst` ([`check_columns`]) and that no decode pass is
-    /// being recorded; `false`: nothing to write (no rows or no columns).
+    /// Checks a share's shape against `dst` ([`ColumnPlacement::check`]) and that no decode
+    /// pass is being recorded; `false`: nothing to write (no rows or no columns).
     fn columns_to_write(
         &self,
         op: &'static str,
-        (src_len, src_cols): (usize, usize),
-        rows: usize,
-        (dst, dst_cols): (&CudaBuf, usize),
-        col0: usize,
+        src_len: usize,
+        dst: &CudaBuf,
+        at: ColumnPlacement,
     ) -> Result<bool, BackendError> {
-        check_columns(op, (src_len, src_cols), rows, (dst.0.len(), dst_cols), col0)?;
-        if rows == 0 || src_cols == 0 {
+        at.check(op, src_len, dst.0.len())?;
+        if at.rows == 0 || at.src_cols == 0 {
             return Ok(false);
         }
         self.graphs
@@ -114,25 +113,20 @@ impl CudaBackend {
 
     /// One launch of `write_columns_f32`: `rows · src_cols` values at device address `src`
     /// into columns `col0..` of `dst` (checked by the caller).
-    #[allow(clippy::too_many_arguments)]
     fn write_columns_launch(
         &self,
         src: u64,
-        rows: usize,
-        src_cols: usize,
         dst: &CudaBuf,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
+        at: ColumnPlacement,
     ) -> Result<(), BackendError> {
-        let n = rows * src_cols;
+        let n = at.src_len();
         let to = self.addr(dst, 0);
         let (sc, dc, c0, n64, add) = (
-            src_cols as u64,
-            dst_cols as u64,
-            col0 as u64,
+            at.src_cols as u64,
+            at.dst_cols as u64,
+            at.col0 as u64,
             n as u64,
-            i32::from(into == NormInto::Add),
+            i32::from(at.into == NormInto::Add),
         );
         let mut b = self
             .queue
@@ -155,49 +149,25 @@ impl CudaBackend {
 impl SplitTarget for CudaBackend {
     fn write_columns(
         &self,
-        src: &CudaBuf,
-        rows: usize,
-        src_cols: usize,
+        src: ColumnSource<'_, CudaBuf>,
         dst: &mut CudaBuf,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
+        at: ColumnPlacement,
     ) -> Result<(), BackendError> {
-        if !self.columns_to_write(
-            "cuda write_columns",
-            (src.0.len(), src_cols),
-            rows,
-            (dst, dst_cols),
-            col0,
-        )? {
+        let (op, src_len) = match src {
+            ColumnSource::Buffer(buf) => ("cuda write_columns", buf.0.len()),
+            ColumnSource::Host(host) => ("cuda write_host_columns", host.len()),
+        };
+        if !self.columns_to_write(op, src_len, dst, at)? {
             return Ok(());
         }
-        let from = self.addr(src, 0);
-        self.write_columns_launch(from, rows, src_cols, dst, dst_cols, col0, into)
-    }
-
-    fn write_host_columns(
-        &self,
-        host: &[f32],
-        rows: usize,
-        src_cols: usize,
-        dst: &mut CudaBuf,
-        dst_cols: usize,
-        col0: usize,
-        into: NormInto,
-    ) -> Result<(), BackendError> {
-        if !self.columns_to_write(
-            "cuda write_host_columns",
-            (host.len(), src_cols),
-            rows,
-            (dst, dst_cols),
-            col0,
-        )? {
-            return Ok(());
+        match src {
+            ColumnSource::Buffer(buf) => self.write_columns_launch(self.addr(buf, 0), dst, at),
+            ColumnSource::Host(host) => {
+                let values = &host[..at.src_len()];
+                self.split_staging.stage(&self.queue, values, |from| {
+                    self.write_columns_launch(from, dst, at)
+                })
+            }
         }
-        let values = &host[..rows * src_cols];
-        self.split_staging.stage(&self.queue, values, |from| {
-            self.write_columns_launch(from, rows, src_cols, dst, dst_cols, col0, into)
-        })
     }
 }
