@@ -114,8 +114,10 @@ impl ParallelRead {
     /// The request size for a read of `len` bytes: at most `request_bytes` (aligned), and as
     /// even as alignment allows over a number of requests that is a multiple of `threads`, so
     /// every thread has the same work. With a fixed size, a 147 MB layer (7B Q5_K_M) was 9 × 16
-    /// MiB requests on 8 threads: a second round with one request in flight, and the streamed
-    /// model read at 1.05 GB/s from a disk that gives 1.66 to 8 × 16 MiB (H200 VM, 2026-11-28).
+    /// MiB requests on 8 threads: a second round with one request in flight. Measured on the
+    /// H200 VM (2026-11-28) it did not move that model's disk-streamed decode (its layers read at
+    /// 1.0–1.05 GB/s before and after, where `bench-io`'s raw pass makes 1.6): the even split
+    /// only removes an idle tail; what slows those reads is elsewhere.
     pub fn balanced_request(&self, len: u64) -> usize {
         let max = align_up(self.request_bytes.max(1) as u64);
         let threads = self.threads.max(1) as u64;
