@@ -63,25 +63,16 @@ __device__ __forceinline__ u32 kq_iq4_levels(u32 idx) {
     return (lo & ~high) | (hi & high);
 }
 
-// The 6-bit scale and min of sub-block j of a q4_k/q5_k super-block from its packed bytes (see
-// `k4_scale_min` in weights_format::quant).
-__device__ __forceinline__ void kq_scale_min_k4(int j, const u8* s, int& sc, int& m) {
-    if (j < 4) {
-        sc = s[j] & 63;
-        m = s[j + 4] & 63;
-    } else {
-        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 // q4_k/q5_k: the affine map of sub-block j from the super-block's first 16 bytes in one 16-byte
 // load (d, dmin and the 12 packed scale bytes; super-blocks of 144 and 176 bytes in 16-aligned
 // rows keep it aligned), the scale and min picked without a branch on j (the lanes of a warp
-// hold all eight sub-blocks). The same values as `kq_scale_min_k4`. Against two 16-bit loads of
-// d and dmin and two to four byte loads with a divergent branch, it took the one-row kernels'
-// registers from 87 to 72 (q5_k) and Q5_K_M 7B tg128 from 261 to 276-282 tok/s (H200, with
-// `kq_block_acc_one_scale`; alone 280).
+// hold all eight sub-blocks), as `k4_scale_min` in weights_format::quant unpacks them: the low
+// six bits of bytes 4 + j (scale) and 8 + j (min) for j < 4, else the nibbles of byte 12 + j - 4
+// with the top two bits of bytes 4 + j - 4 and 8 + j - 4. Every q4_k/q5_k kernel reads its
+// scales here (`kq_block_scales`). Against two 16-bit loads of d and dmin and two to four byte
+// loads with a divergent branch, it took the one-row kernels' registers from 87 to 72 (q5_k)
+// and Q5_K_M 7B tg128 from 261 to 276-282 tok/s (H200, with `kq_block_acc_one_scale`; alone
+// 280).
 __device__ __forceinline__ void kq_scales_k4_wide(const u8* blk, int j, float (&a)[2], float (&c)[2]) {
     const uint4 h = *(const uint4*)blk;
     const int sh = 8 * (j & 3);
@@ -118,11 +109,7 @@ __device__ __forceinline__ void kq_block_scales(const u8* blk, int j, float (&a)
         a[0] = a[1] = d;
         c[0] = c[1] = 0.f;
     } else if constexpr (DTYPE == KQ_Q4_K || DTYPE == KQ_Q5_K) {
-        float d = h2f(load_u16(blk)), dmin = h2f(load_u16(blk + 2));
-        int sc, m;
-        kq_scale_min_k4(j, blk + 4, sc, m);
-        a[0] = a[1] = d * (float)sc;
-        c[0] = c[1] = -(dmin * (float)m);
+        kq_scales_k4_wide(blk, j, a, c);
     } else if constexpr (DTYPE == KQ_Q6_K) {
         const int n = j / 4, k = j % 4;
         float d = h2f(load_u16(blk + 208));
@@ -238,7 +225,7 @@ __device__ __forceinline__ void kq_block(const u8* row, u64 b, KqBlock& q) {
             q.w[t] = (int)(lo | (((hl[t] >> j) & 0x01010101u) << 4));
             q.w[4 + t] = (int)(hi | (((hh[t] >> j) & 0x01010101u) << 4));
         }
-        kq_scales_k4_wide(blk, j, q.a, q.c);
+        kq_block_scales<DTYPE>(blk, j, q.a, q.c);
         return;
     }
 #pragma unroll
@@ -247,10 +234,6 @@ __device__ __forceinline__ void kq_block(const u8* row, u64 b, KqBlock& q) {
         kq_block_words<DTYPE>(blk, j, t, lo, hi);
         q.w[t] = (int)lo;
         q.w[4 + t] = (int)hi;
-    }
-    if constexpr (DTYPE == KQ_Q4_K) {
-        kq_scales_k4_wide(blk, j, q.a, q.c);
-        return;
     }
     kq_block_scales<DTYPE>(blk, j, q.a, q.c);
 }
@@ -384,7 +367,7 @@ __device__ __forceinline__ void kq_lane_load(const u8* blk, int q, int c, KqLane
             r.h[0] = kq_u32<true>(blk + 16 + 4 * c);
             r.h[1] = kq_u32<true>(blk + 32 + 4 * c);
         }
-        // The scale bytes of sub-blocks 2q and 2q + 1 (see `kq_scale_min_k4`): scales[2q..],
+        // The scale bytes of sub-blocks 2q and 2q + 1 (see `kq_scales_k4_wide`): scales[2q..],
         // scales[2q+4..] and, for q >= 2, scales[2q-4..], as pairs.
         const u8* sc = blk + 4;
         r.s[0] = kq_u16_at(sc + 2 * q);
@@ -438,7 +421,7 @@ __device__ __forceinline__ float kq_lane_acc(const KqLaneRaw& r, int q, int c, c
             dot_b += kq_lane_dot_half(b, xb[h]);
         }
         // The 6-bit scales and mins of sub-blocks ja (low byte) and jb (high byte), both bytes at
-        // once: `kq_scale_min_k4` for j = 2q and 2q + 1.
+        // once: `kq_scales_k4_wide`'s unpacking for j = 2q and 2q + 1.
         u32 scs, mns;
         if (q < 2) {
             scs = r.s[0] & 0x3F3Fu;
