@@ -126,11 +126,13 @@ fn superblock_kquant_matmuls_match_the_reference_and_the_row_alone() {
 /// The tensor-core matmuls of these dtypes (`mma` path, `kquants_mma.cu`) for decode batches of
 /// 2 to 70 rows (one sequence a row): against the reference, against each row alone through the
 /// one-row kernel, rows 0-1 the same bits whatever the batch size (`check_mma_batches`); then two
-/// weights in one launch and the residual add.
+/// weights in one launch and the residual add; the column slices summed by their own kernel
+/// (`slicesum`, the default; the last block of each tile's sum is checked in `cuda_ops`).
 #[test]
 fn mma_kquant_matmuls_match_the_reference_and_the_row_alone() {
     let Some((be, old)) = gpu_new_and_old(CudaPaths {
         mma: true,
+        slicesum: true,
         ..CudaPaths::none()
     }) else {
         return;

@@ -487,33 +487,38 @@ fn attention_over_f16_cache_matches_reference_for_decode_and_prefill() {
 
 /// The tensor-core matmuls (`mma` path) of a decode batch against the reference, against each
 /// row alone through the one-row kernel (within f32 summation order: the quantized products are
-/// the same integers), and a row's bits the same whatever the batch size.
+/// the same integers), and a row's bits the same whatever the batch size; with the column
+/// slices summed by the last block of each tile and by their own kernel (`slicesum`).
 #[test]
 fn mma_matmul_matches_reference_and_the_row_alone() {
-    let Some((be, old)) = gpu_new_and_old(CudaPaths {
-        mma: true,
-        ..CudaPaths::none()
-    }) else {
-        return;
-    };
-    let mut rng = StdRng::seed_from_u64(41);
-    for dtype in ALL {
-        // Ragged weight rows (blocks of 128), several column splits, rows across blocks of 64.
-        for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
-            let w = weights(&mut rng, dtype, m, k);
-            check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
+    for slicesum in [false, true] {
+        let Some((be, old)) = gpu_new_and_old(CudaPaths {
+            mma: true,
+            slicesum,
+            ..CudaPaths::none()
+        }) else {
+            return;
+        };
+        println!("paths {}", be.paths());
+        let mut rng = StdRng::seed_from_u64(41);
+        for dtype in ALL {
+            // Ragged weight rows (blocks of 128), several column splits, rows across blocks of 64.
+            for (m, k) in [(77, 96), (300, 576), (1000, 1536), (130, 4096)] {
+                let w = weights(&mut rng, dtype, m, k);
+                check_mma_batches(&be, &old, dtype, (m, k), &w, &mut rng);
+            }
         }
-    }
-    println!("mma matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
+        println!("mma matmul: rows 0-1 the same bits in batches of 2 to 70 rows");
 
-    // Q/K/V-style weights in one launch, and the residual add, on the mma path.
-    for dtype in [DType::F16, DType::Q4_1, DType::Q8_0] {
-        let (m1, m2, k) = (200, 72, 576);
-        let (w1, w2) = (
-            weights(&mut rng, dtype, m1, k),
-            weights(&mut rng, dtype, m2, k),
-        );
-        check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
+        // Q/K/V-style weights in one launch, and the residual add, on the mma path.
+        for dtype in [DType::F16, DType::Q4_1, DType::Q8_0] {
+            let (m1, m2, k) = (200, 72, 576);
+            let (w1, w2) = (
+                weights(&mut rng, dtype, m1, k),
+                weights(&mut rng, dtype, m2, k),
+            );
+            check_two_weights_and_add(&be, dtype, (m1, m2, k), (&w1, &w2), &mut rng);
+        }
     }
 }
 

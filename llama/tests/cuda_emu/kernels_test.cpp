@@ -224,6 +224,13 @@ struct JobOutputs {
             jobs.m[j] = ms[j];
         }
     }
+    // The same jobs into outputs of their own, holding what `other`'s hold now.
+    JobOutputs(const JobOutputs& other) : base(other.base), jobs(other.jobs) {
+        for (int j = 0; j < jobs.n_jobs; j++) {
+            outs.emplace_back(new Buf<float>(other.outs[j]->vec()));
+            jobs.out[j] = outs[j]->p;
+        }
+    }
     // The largest relative error of any output against the f64 reference.
     double max_err(const std::vector<float>& x, int rows, const std::vector<Weights>& ws, int k) const {
         double err = 0;
@@ -298,8 +305,11 @@ int mma_tiles(int dtype, int rows) {
     return nt;
 }
 
-// One launch of the mma kernel over `jobs` (weights of one dtype sharing x), as the host does.
-void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k, MatmulJobs jobs, int split) {
+// One launch of the mma kernel over `jobs` (weights of one dtype sharing x), as the host does:
+// with `sum_apart` (the `slicesum` path) its slices summed by `mma_sum_slices`, else by the last
+// block of each tile.
+void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k, MatmulJobs jobs, int split,
+             bool sum_apart = false) {
     int blocks_x = 0, m_total = 0;
     for (int j = 0; j < jobs.n_jobs; j++) {
         blocks_x += (jobs.m[j] + MMA_BROWS - 1) / MMA_BROWS;
@@ -313,8 +323,11 @@ void run_mma(int dtype, const Buf<float>& x, const X16Buf* x16, int rows, int k,
     MmaKernel kernel = mma_kernel(dtype, nt);
     const void* xp = dtype <= BF16 ? (const void*)x.p : (const void*)x16->xq.p;
     const float4* xs = dtype <= BF16 ? nullptr : x16->xs.p;
+    sum_apart = sum_apart && split > 1;
     emu::launch(grid3(blocks_x, blocks_y, split), MMA_WARPS * 32,
-                [&] { kernel(xp, xs, rows, k, jobs, partial.p, counters.p, split); });
+                [&] { kernel(xp, xs, rows, k, jobs, partial.p, sum_apart ? nullptr : counters.p, split); });
+    if (sum_apart)
+        emu::launch(grid3((m_total + 255) / 256, rows, 1), 256, [&] { mma_sum_slices(partial.p, rows, split, jobs); });
     for (int c : counters.vec())
         if (c != 0) {
             printf("a split-K counter was left at %d\n", c);
@@ -339,11 +352,21 @@ void check_mma_case(int dtype, const std::string& name, const std::vector<int>& 
         for (int split : {1, 3}) {
             if (split > k / 32) continue;
             for (int accumulate : {0, 1}) {
-                JobOutputs o(wd, ms, rows, accumulate);
+                JobOutputs o(wd, ms, rows, accumulate), apart(o);
                 run_mma(dtype, xd, &x16, rows, k, o.jobs, split);
-                check("mma matmul " + name + " [" + shape + "]x" + std::to_string(k) + " rows=" + std::to_string(rows) +
-                          " split=" + std::to_string(split) + (accumulate ? " +=" : ""),
-                      o.max_err(x, rows, ws, k), tol);
+                const std::string what = "mma matmul " + name + " [" + shape + "]x" + std::to_string(k) +
+                                         " rows=" + std::to_string(rows) + " split=" + std::to_string(split) +
+                                         (accumulate ? " +=" : "");
+                check(what, o.max_err(x, rows, ws, k), tol);
+                if (split == 1) continue;
+                // The slices summed by `mma_sum_slices` instead: the same bits.
+                run_mma(dtype, xd, &x16, rows, k, apart.jobs, split, true);
+                bool same = true;
+                for (int j = 0; j < o.jobs.n_jobs; j++) same = same && o.outs[j]->vec() == apart.outs[j]->vec();
+                if (!same) {
+                    printf("%s: the slice-sum kernel's outputs differ from the last block's\n", what.c_str());
+                    failures++;
+                }
             }
         }
     }

@@ -365,6 +365,7 @@ mod tests {
                 "attention_flash_hd128",
                 "attention_decode_seqs",
                 "rope_store_kv_seqs",
+                "mma_sum_slices",
             ] {
                 assert!(
                     text.contains(&format!(".entry {entry}(")),

@@ -780,6 +780,8 @@ pub(super) struct Kernels {
     pub matmul_mma: [Option<Vec<CudaFunction>>; DType::ALL.len()],
     /// The block shape of the tensor-core kernels, as compiled (`mma_geometry` there).
     pub mma_geometry: MmaGeometry,
+    /// The sum of a split tensor-core launch's column slices (the `slicesum` path).
+    pub mma_sum_slices: CudaFunction,
     /// The `superblock` path's q4_k, q5_k and q6_k kernels (`matmul_sb_*` of `kquants.cu`), one
     /// row and `MM_ROWS` rows per block, as `matmul`.
     pub matmul_superblock: [[CudaFunction; 2]; 3],
@@ -795,6 +797,8 @@ pub struct MmaGeometry {
     pub rows: usize,
     /// Blocks a multiprocessor the kernels are compiled to fit.
     pub blocks_per_sm: usize,
+    /// Most column slices a launch is split into.
+    pub split_max: usize,
 }
 
 impl MmaGeometry {
@@ -817,6 +821,7 @@ impl MmaGeometry {
             threads: field(0)? as u32,
             rows: field(1)? as usize,
             blocks_per_sm: field(2)? as usize,
+            split_max: field(3)? as usize,
         })
     }
 }
@@ -875,6 +880,7 @@ impl Kernels {
             dequant_f32: f("dequant_f32")?,
             quantize_x16: f("quantize_x16")?,
             kq_embed_rows: f("kq_embed_rows")?,
+            mma_sum_slices: f("mma_sum_slices")?,
             // `matmul_<dtype>_r1` and `_r8`, in dtype-code order.
             matmul: DType::ALL
                 .iter()

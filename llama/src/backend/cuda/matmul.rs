@@ -62,9 +62,6 @@ enum MatmulInput {
     Int16 { xq: u64, xs: u64 },
 }
 
-/// Most column slices of a tensor-core matmul (`MMA_SPLIT_MAX` in `matmul_mma.cu`).
-const MMA_SPLIT_MAX: usize = 16;
-
 /// The fewest rows the k-quant dtypes (q5_0 … iq4_xs) take to the tensor cores: measured on the
 /// H100 (synth 7B q4_k, `bench --batch 8`), the eight-row kernel decodes 8 rows at 825 tok/s
 /// and `kquants_mma.cu` at 550 (each lane decodes its block's scales per chunk); from 9 rows
@@ -84,14 +81,15 @@ pub fn mma_min_rows(dtype: DType) -> usize {
 
 /// How many slices the columns of a tensor-core matmul are split into (grid.z): as many as keep
 /// the blocks within one wave (`places`: blocks a multiprocessor times multiprocessors), at
-/// least 8 chunks of 32 columns per slice, at most [`MMA_SPLIT_MAX`]. Rounding up instead left
+/// least 8 chunks of 32 columns per slice, at most `split_max` (`MMA_SPLIT_MAX` of
+/// `matmul_mma.cu`, 16 unless a define changes it). Rounding up instead left
 /// a second wave of a few blocks (48 tiles: 288 blocks for 264 places), each as long as the
 /// first. From the weights' shape and the device alone (not the row count), so that a row's
 /// result does not depend on its batch.
-fn mma_split(column_tiles: usize, n_chunks: usize, places: usize) -> usize {
+fn mma_split(column_tiles: usize, n_chunks: usize, places: usize, split_max: usize) -> usize {
     (places / column_tiles.max(1))
         .min(n_chunks / 8)
-        .clamp(1, MMA_SPLIT_MAX)
+        .clamp(1, split_max.max(1))
 }
 
 /// Matmuls of at least this many input rows go to cuBLAS (tensor cores; prefill is
@@ -299,6 +297,7 @@ impl CudaBackend {
             blocks_x,
             n_chunks,
             geometry.blocks_per_sm * self.sms as usize,
+            geometry.split_max,
         );
         let kernels = self.mma_kernels(w.dtype).ok_or(BackendError::Unsupported {
             op: "matmul_mma",
@@ -314,10 +313,16 @@ impl CudaBackend {
         } else {
             0
         };
-        // Zeroed when allocated; the last block of each tile sets its counter back to 0.
-        let counters = self
-            .mma_counters
-            .room(&self.queue, &self.graphs, blocks_x * blocks_y)?;
+        // With `slicesum` the slices are summed by a launch of their own (no counters: a null
+        // pointer tells the kernel); else the last block of each tile sums them, its counter
+        // zeroed when allocated and set back to 0 by that block.
+        let sum_apart = split > 1 && self.paths.slicesum;
+        let counters = if sum_apart {
+            0
+        } else {
+            self.mma_counters
+                .room(&self.queue, &self.graphs, blocks_x * blocks_y)?
+        };
         let (x0, xs) = match x {
             MatmulInput::F32(xp) => (xp, 0u64),
             MatmulInput::Int16 { xq, xs } => (xq, xs),
@@ -342,8 +347,24 @@ impl CudaBackend {
         // job's weight has m rows of k values of the shared dtype in device memory and its
         // output rows·m values; the partial sums hold split·rows·Σm values when split > 1 and
         // the counters one per (column tile, row tile) of the grid, zero between launches (the
-        // kernel resets them); the grid is the one the kernel expects for these shapes.
-        unsafe { b.run(cfg) }
+        // kernel resets them) or null; the grid is the one the kernel expects for these shapes.
+        unsafe { b.run(cfg) }?;
+        if sum_apart {
+            let mut b = self
+                .queue
+                .kernel(&self.kernels.mma_sum_slices, "matmul_mma slice sum");
+            b.arg(&partial).arg(&rows_i).arg(&split_i).arg(&params);
+            let cfg = LaunchConfig {
+                grid_dim: (m_total.div_ceil(256) as u32, rows as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the partial sums hold split·rows·Σm values, written by the launch just
+            // queued before it on the same stream; each job's output holds rows·m values; one
+            // thread per (row, column of Σm), those past Σm return.
+            unsafe { b.run(cfg) }?;
+        }
+        Ok(())
     }
 
     /// One launch of a matmul kernel over up to [`MM_MAX_JOBS`] weights of one dtype.
@@ -536,23 +557,25 @@ mod tests {
         let places = 264;
         // A 7B layer's matmuls in tiles of 256 rows: O (4096 x 4096: 16 tiles of 128 chunks),
         // Q/K/V together (48 tiles), gate and up together (86), down (16 tiles, 344 chunks).
-        assert_eq!(mma_split(16, 128, places), 16);
-        assert_eq!(mma_split(48, 128, places), 5);
-        assert_eq!(mma_split(86, 128, places), 3);
-        assert_eq!(mma_split(16, 344, places), 16);
+        assert_eq!(mma_split(16, 128, places, 16), 16);
+        assert_eq!(mma_split(48, 128, places, 16), 5);
+        assert_eq!(mma_split(86, 128, places, 16), 3);
+        assert_eq!(mma_split(16, 344, places, 16), 16);
         // Within one wave of two blocks per multiprocessor.
         for tiles in 1..300 {
-            let split = mma_split(tiles, 4096, places);
+            let split = mma_split(tiles, 4096, places, 16);
             assert!(
                 split == 1 || tiles * split <= places,
                 "{tiles} tiles: {split} slices"
             );
         }
         // A small model (3 tiles, 18 chunks): no slice thinner than 8 chunks.
-        assert_eq!(mma_split(3, 18, places), 2);
+        assert_eq!(mma_split(3, 18, places, 16), 2);
         // Enough tiles already, or too few chunks: one slice.
-        assert_eq!(mma_split(400, 128, places), 1);
-        assert_eq!(mma_split(1, 3, places), 1);
-        assert_eq!(mma_split(1, 4096, places), 16);
+        assert_eq!(mma_split(400, 128, places, 16), 1);
+        assert_eq!(mma_split(1, 3, places, 16), 1);
+        assert_eq!(mma_split(1, 4096, places, 16), 16);
+        // A module built with fewer slices at most (`MMA_SPLIT_MAX=8`).
+        assert_eq!(mma_split(16, 128, places, 8), 8);
     }
 }

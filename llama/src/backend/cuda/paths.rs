@@ -2,8 +2,10 @@
 //! compare the old and the new path (tests build a backend per choice; benches set
 //! `GDSLLM_CUDA_PATHS`). `mma`, `seqs` and `flash` are on by default since the H100 runs showed
 //! them correct and faster (a 7B q4_k prompt of 512 tokens 6331 -> 9210 tok/s, batched decode
-//! about 2x); `superblock` stays opt-in (slower for q4_k/q5_k there). `none` restores the
-//! kernels whose batched rows equal their solo rows bit for bit.
+//! about 2x), and `slicesum` since the H200 showed it the same bits and faster (synth 7B q4_1
+//! batched decode, 8 / 32 / 64 rows: 1293 / 1976 / 2546 -> 1543 / 2689 / 2898 tok/s);
+//! `superblock` stays opt-in (slower for q4_k/q5_k there). `none` restores the kernels whose
+//! batched rows equal their solo rows bit for bit.
 
 use crate::LlamaError;
 
@@ -32,11 +34,15 @@ pub struct CudaPaths {
     /// take the super-block kernel whether this is on or not (the GPU run showed it faster);
     /// with `mma` on, matmuls of two rows or more take the tensor cores instead.
     pub superblock: bool,
+    /// The column slices of a split tensor-core matmul summed by a kernel of their own across
+    /// the whole GPU (`mma_sum_slices`; off: by the last block of each tile to finish, which
+    /// left most multiprocessors idle at the end of each launch). The same bits either way.
+    pub slicesum: bool,
 }
 
 impl CudaPaths {
     /// The names `parse` takes, each with what it turns on.
-    pub const NAMES: [&'static str; 4] = ["mma", "seqs", "flash", "superblock"];
+    pub const NAMES: [&'static str; 5] = ["mma", "seqs", "flash", "superblock", "slicesum"];
 
     /// No new path: every batched row is computed as alone, bit for bit.
     pub fn none() -> CudaPaths {
@@ -45,6 +51,7 @@ impl CudaPaths {
             seqs: false,
             flash: false,
             superblock: false,
+            slicesum: false,
         }
     }
 
@@ -55,6 +62,7 @@ impl CudaPaths {
             seqs: true,
             flash: true,
             superblock: true,
+            slicesum: true,
         }
     }
 
@@ -71,6 +79,7 @@ impl CudaPaths {
                 "seqs" => paths.seqs = true,
                 "flash" => paths.flash = true,
                 "superblock" => paths.superblock = true,
+                "slicesum" => paths.slicesum = true,
                 other => {
                     return Err(LlamaError::Config {
                         setting: PATHS_ENV,
@@ -98,7 +107,7 @@ impl CudaPaths {
     }
 }
 
-/// The paths the GPU runs showed correct and faster: `mma`, `seqs` and `flash`.
+/// The paths the GPU runs showed correct and faster: `mma`, `seqs`, `flash` and `slicesum`.
 impl Default for CudaPaths {
     fn default() -> CudaPaths {
         CudaPaths {
@@ -110,12 +119,18 @@ impl Default for CudaPaths {
 
 impl std::fmt::Display for CudaPaths {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let on: Vec<&str> = [self.mma, self.seqs, self.flash, self.superblock]
-            .iter()
-            .zip(CudaPaths::NAMES)
-            .filter(|(on, _)| **on)
-            .map(|(_, name)| name)
-            .collect();
+        let on: Vec<&str> = [
+            self.mma,
+            self.seqs,
+            self.flash,
+            self.superblock,
+            self.slicesum,
+        ]
+        .iter()
+        .zip(CudaPaths::NAMES)
+        .filter(|(on, _)| **on)
+        .map(|(_, name)| name)
+        .collect();
         if on.is_empty() {
             f.write_str("none")
         } else {
@@ -145,8 +160,11 @@ mod tests {
         assert_eq!(CudaPaths::parse("all,none").unwrap(), CudaPaths::none());
         let e = CudaPaths::parse("mma,fast").unwrap_err().to_string();
         assert!(e.contains("unknown kernel path `fast`"), "{e}");
-        assert_eq!(CudaPaths::all().to_string(), "mma,seqs,flash,superblock");
+        assert_eq!(
+            CudaPaths::all().to_string(),
+            "mma,seqs,flash,superblock,slicesum"
+        );
         assert_eq!(CudaPaths::none().to_string(), "none");
-        assert_eq!(CudaPaths::default().to_string(), "mma,seqs,flash");
+        assert_eq!(CudaPaths::default().to_string(), "mma,seqs,flash,slicesum");
     }
 }

@@ -7,8 +7,8 @@
 // kernel's time at 8-32 rows: ncu showed L1 ~60-75 % busy and DRAM ~20 %). Its warps walk the
 // same 32-column chunks, so the input rows they all read come from L1; the chunks of a row are split into `split` contiguous slices
 // over grid.z (split-K), so that a few thousand weight rows still fill the GPU. With one slice
-// a block writes its outputs; with more, each writes its partial sums and the last block of a
-// tile to finish (a counter per tile) adds them in slice order. Every output is thus computed in
+// a block writes its outputs; with more, each writes its partial sums, which `mma_sum_slices`
+// adds in slice order (or, given counters, the last block of a tile to finish adds them). Every output is thus computed in
 // an order fixed by the weight's shape alone: a row's result does not depend on the other rows
 // of the batch (it differs from the one-row kernel of matmul.cu in the last bits only, f32
 // summation order).
@@ -30,11 +30,14 @@
 #define MMA_BROWS (16 * MMA_MT * MMA_WARPS)
 // Blocks a multiprocessor the kernels are compiled for (`__launch_bounds__`): 16 warps.
 #define MMA_MIN_BLOCKS (16 / MMA_WARPS)
-// What the host needs of the above: threads a block, weight rows a block, blocks a
-// multiprocessor (`launch_mma` and `mma_split` in matmul.rs).
-extern "C" __device__ const int mma_geometry[3] = {MMA_WARPS * 32, MMA_BROWS, MMA_MIN_BLOCKS};
-// Most column slices (`mma_split` in matmul.rs clamps to 16, `MMA_SPLIT_MAX` there).
+// Most column slices a launch is split into (`mma_split` in matmul.rs clamps to it); a define for
+// experiments, as MMA_WARPS.
+#ifndef MMA_SPLIT_MAX
 #define MMA_SPLIT_MAX 16
+#endif
+// What the host needs of the above: threads a block, weight rows a block, blocks a
+// multiprocessor, most slices (`launch_mma` and `mma_split` in matmul.rs).
+extern "C" __device__ const int mma_geometry[4] = {MMA_WARPS * 32, MMA_BROWS, MMA_MIN_BLOCKS, MMA_SPLIT_MAX};
 // Outputs a thread of the last block of a tile adds up at once (`mma_store`).
 #define MMA_FIX_OUTPUTS 4
 // Chunks whose weights a warp loads before multiplying any of them (loads in flight: times
@@ -439,7 +442,8 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
                 }
             }
     }
-    if (split == 1) return;
+    // Without counters the slices are summed by `mma_sum_slices`, launched after this kernel.
+    if (split == 1 || counters == nullptr) return;
     __shared__ int last;
     __threadfence();  // this thread's partial sums are visible to the block that adds them
     __syncthreads();
@@ -478,6 +482,44 @@ __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][NT][4], con
         }
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+}
+
+// The column slices of a split launch summed over the whole GPU, one output a thread: out[r, i]
+// (+)= Σ_s partial[s][r][col0 + i], in slice order from 0 (the same bits as the last-block sum
+// of `mma_store`). Why a kernel of its own: in that sum only the last block of each tile works,
+// so the launch ended in a tail where most multiprocessors idled. ncu of a 32-row decode step of
+// a 7B q4_1 (H200): the O projection (16 tiles of 16 slices) took 65 µs, its multiprocessors
+// active 30 % of it, the tail's 16 blocks a fifth of all warp samples; QKV and gate+up (5 and 3
+// slices) a quarter. grid = (ceil(Σ m_j / 256), rows), 256 threads; consecutive threads read
+// consecutive columns of every slice.
+extern "C" __global__ void __launch_bounds__(256) mma_sum_slices(const float* partial, int rows, int split,
+                                                                 MatmulJobs jobs) {
+    pdl_begin();
+    const int col = blockIdx.x * 256 + threadIdx.x, r = blockIdx.y;
+    // The job of this column, by unrolled conditional moves (as `mma_tile`).
+    float* out = jobs.out[0];
+    int m = jobs.m[0], i = col, m_total = jobs.m[0];
+#pragma unroll
+    for (int j = 1; j < MM_MAX_JOBS; j++) {
+        if (j >= jobs.n_jobs) break;
+        if (i >= m) {
+            i -= m;
+            out = jobs.out[j];
+            m = jobs.m[j];
+        }
+        m_total += jobs.m[j];
+    }
+    if (col >= m_total) return;
+    float parts[MMA_SPLIT_MAX];
+#pragma unroll
+    for (int s = 0; s < MMA_SPLIT_MAX; s++)
+        parts[s] = s < split ? __ldcg(partial + ((u64)s * rows + r) * m_total + col) : 0.f;
+    float v = 0.f;
+#pragma unroll
+    for (int s = 0; s < MMA_SPLIT_MAX; s++)
+        if (s < split) v += parts[s];
+    float* o = out + (u64)r * m + i;
+    *o = jobs.accumulate ? *o + v : v;
 }
 
 // The dtypes of kquants.cu (codes 6 on): their row size, in kquants_mma.cu.
