@@ -390,6 +390,7 @@ impl<B: Backend> Batcher<B> {
         model: &mut Llama<B, W>,
         mut next: impl FnMut(SeqId, &[f32]) -> Option<u32>,
     ) -> Result<Vec<Finished>, LlamaError> {
+        let started = std::time::Instant::now();
         self.admit(model)?;
         let decoding = self.running.iter().filter(|r| r.pending.is_some()).count();
         let mut prefill_left = self
@@ -445,8 +446,10 @@ impl<B: Backend> Batcher<B> {
                 },
             });
         }
+        let before_pass = started.elapsed();
         let logits = model.forward_batch(&mut entries)?;
         drop(entries);
+        let after_pass = started.elapsed();
         let mut finished = std::mem::take(&mut self.ended);
 
         let vocab = self.vocab;
@@ -493,6 +496,14 @@ impl<B: Backend> Batcher<B> {
             self.kv_used -= r.kv_bytes;
             finished.push(Finished { id: r.id, end });
         }
+        // `RUST_LOG=llama::pass_timing=trace`: the step's host time around its pass.
+        tracing::trace!(
+            target: "llama::pass_timing",
+            before_pass_us = before_pass.as_micros() as u64,
+            pass_us = (after_pass - before_pass).as_micros() as u64,
+            after_pass_us = (started.elapsed() - after_pass).as_micros() as u64,
+            "batch step"
+        );
         Ok(finished)
     }
 }

@@ -458,6 +458,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         logits_out: &mut Vec<f32>,
         single: bool,
     ) -> Result<(), LlamaError> {
+        let started = std::time::Instant::now();
         let n_logits = segs.iter().filter(|s| s.logits).count();
         self.ensure_logit_rows(n_logits)?;
         let Llama {
@@ -528,12 +529,22 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let ended = be.end_pass(ran.is_ok());
         let output_guard = ran?;
         ended?;
+        let queued = started.elapsed();
         if n_logits > 0 {
             logits_out.resize(n_logits * c.vocab_size, 0.0);
             be.read(&s.logits, logits_out)?;
         } else {
             logits_out.clear();
         }
+        // Where a pass's wall time goes on the host: queueing its work, then waiting for it
+        // (and for the logits): `RUST_LOG=llama::pass_timing=trace`.
+        tracing::trace!(
+            target: "llama::pass_timing",
+            rows = tokens.len(),
+            queued_us = queued.as_micros() as u64,
+            waited_us = (started.elapsed() - queued).as_micros() as u64,
+            "pass"
+        );
         drop(output_guard);
         drop(embed_guard);
         weights.end_pass();
