@@ -99,14 +99,14 @@ pub fn argmax(logits: &[f32]) -> u32 {
             chunk_of[j] = if greater { c as u32 } else { chunk_of[j] };
         }
     }
-    // Every lane's (key, index) is an element's (a lane never raised holds element j's key,
-    // i32::MIN), except without a whole chunk, where index 0 stands for "none yet".
-    let (mut best_key, mut best_at) = (i32::MIN, 0u32);
-    let mut first = true;
-    for j in 0..LANES {
+    // With a whole chunk, every lane's (key, index) is an element's (a lane never raised
+    // stands for element j of chunk 0, whose key is then i32::MIN); without one, lane 0 stands
+    // for "none yet" and the tail's first element replaces it below.
+    let (mut best_key, mut best_at) = (best[0], chunk_of[0] * LANES as u32);
+    for j in 1..LANES {
         let at = chunk_of[j] * LANES as u32 + j as u32;
-        if first || best[j] > best_key || (best[j] == best_key && at < best_at) {
-            (best_key, best_at, first) = (best[j], at, false);
+        if best[j] > best_key || (best[j] == best_key && at < best_at) {
+            (best_key, best_at) = (best[j], at);
         }
     }
     let tail_start = (logits.len() / LANES * LANES) as u32;
