@@ -137,6 +137,9 @@ pub struct DirectFile {
     path: PathBuf,
     direct: bool,
     len: u64,
+    /// A buffered handle for [`DirectFile::read_span`], opened at its first call when `file`
+    /// is O_DIRECT.
+    buffered: std::sync::OnceLock<File>,
 }
 
 impl DirectFile {
@@ -173,6 +176,7 @@ impl DirectFile {
             path,
             direct,
             len,
+            buffered: std::sync::OnceLock::new(),
         })
     }
 
@@ -335,8 +339,11 @@ impl DirectFile {
         Ok((buf, record))
     }
 
-    /// Reads an arbitrary (unaligned) byte range into `dst`, through an aligned bounce buffer
-    /// covering it. For small on-demand reads such as embedding rows.
+    /// Reads an arbitrary (unaligned) byte range into `dst` through the page cache (a second,
+    /// buffered handle when this one is O_DIRECT). For small on-demand reads such as the rows
+    /// of an untied embedding table, one a token: through O_DIRECT each went to the disk every
+    /// time (a 32-sequence decode step read its 32 rows one after another before its first
+    /// kernel), where the page cache keeps the rows in use in RAM.
     pub fn read_span(&self, offset: u64, dst: &mut [u8]) -> Result<ReadRecord, HostIoError> {
         let len = dst.len() as u64;
         let end = offset
@@ -346,19 +353,39 @@ impl DirectFile {
             return Err(self.out_of_range(offset, len));
         }
         let start = Instant::now();
-        let lo = align_down(offset);
-        let hi = align_up(end);
-        let mut bounce = AlignedBuf::zeroed((hi - lo) as usize)?;
-        let got = self.fill_at(lo, &mut bounce)? as u64;
-        if lo + got < end {
-            return Err(self.out_of_range(offset, len));
-        }
-        let skip = (offset - lo) as usize;
-        dst.copy_from_slice(&bounce[skip..skip + dst.len()]);
+        let file = if self.direct {
+            match self.buffered.get() {
+                Some(file) => file,
+                None => {
+                    let file = File::open(&self.path).map_err(|source| HostIoError::Open {
+                        path: self.path.clone(),
+                        source,
+                    })?;
+                    // Another thread may have set it first: either handle reads the same file.
+                    let _ = self.buffered.set(file);
+                    self.buffered.get().expect("set just above")
+                }
+            }
+        } else {
+            &self.file
+        };
+        use std::os::unix::fs::FileExt;
+        file.read_exact_at(dst, offset).map_err(|err| {
+            if err.kind() == std::io::ErrorKind::UnexpectedEof {
+                self.out_of_range(offset, len)
+            } else {
+                HostIoError::Read {
+                    path: self.path.clone(),
+                    offset,
+                    len: len as usize,
+                    source: err,
+                }
+            }
+        })?;
         Ok(ReadRecord {
             bytes: len,
             io_path: IO_PATH_NAME,
-            direct: self.direct,
+            direct: false,
             via_host_memory: true,
             elapsed: start.elapsed(),
             requests: 1,
