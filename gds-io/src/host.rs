@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::aligned::{AlignedBuf, IO_ALIGN, align_down, align_up};
+use crate::aligned::{AlignedBuf, IO_ALIGN, align_up};
 
 /// Name of this I/O path in [`ReadRecord::io_path`].
 pub const IO_PATH_NAME: &str = "host";
