@@ -369,7 +369,6 @@ impl DirectFile {
         } else {
             &self.file
         };
-        use std::os::unix::fs::FileExt;
         file.read_exact_at(dst, offset).map_err(|err| {
             if err.kind() == std::io::ErrorKind::UnexpectedEof {
                 self.out_of_range(offset, len)
