@@ -62,6 +62,7 @@ fn main() -> Result<(), Error> {
             be.begin_pass(&PassInfo {
                 rows: 1,
                 single_sequence: true,
+                sequence: 0,
                 pos: 0,
                 weights_stable: stable,
                 generation: 0,

@@ -382,6 +382,54 @@ fn cuda_ragged_batches_match_solo(dir: &Path, context: usize, label: &str) {
     );
 }
 
+/// A sequence alone in the batcher decodes through the recorded pass of one sequence (its
+/// cache named by its number, `PassInfo::sequence`), as `Llama::forward` does: two requests one
+/// after the other (the second with a cache of its own, so a recording of its own; prompts of
+/// at most one prefill chunk, so that they are computed as alone), each
+/// giving exactly its tokens alone, and most of their decode steps replayed. Opt-in as above
+/// (`cargo test -p llama --features cuda --test batch cuda`).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_a_lone_batched_sequence_replays_its_decode_steps() {
+    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        let be = llama::CudaBackend::new(0).unwrap();
+        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+        let vocab = model.config().vocab_size as u32;
+        let reqs: Vec<Req> = [(0, 5, 40), (45, 7, 40)]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (at, len, max_new))| Req {
+                at,
+                prompt: prompt(20 + i as u32, len, vocab),
+                max_new,
+            })
+            .collect();
+        let solo = solo_runs(&mut model, &reqs);
+        let before = model.backend().step_replays();
+        let config = ragged_config(&model);
+        let (batched, most) = run_batched(&mut model, config, &reqs);
+        let replayed = model.backend().step_replays() - before;
+        let label = format!("cuda {dtype} tied={tied}, one sequence at a time");
+        println!("{label}: {replayed} of 80 decode steps replayed from a recording");
+        assert_eq!(most, 1, "{label}: the requests overlapped");
+        for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
+            assert_eq!(*end, SeqEnd::Length);
+            assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
+        }
+        assert!(
+            replayed >= 60,
+            "{label}: only {replayed} decode steps were replayed"
+        );
+    }
+}
+
 /// A windowed family on CUDA (support::families' gemma3: window 8, rings of 16 slots, Q/K
 /// head norms, post-norms, the GeLU gate, a soft-cap): the ragged workload, prompts of up to 40
 /// tokens and outputs past the window, gives each sequence its tokens alone with the default

@@ -132,10 +132,14 @@ impl<Kv> KvStoreSeq<'_, Kv> {
 pub struct PassInfo {
     /// Positions computed, all sequences together.
     pub rows: usize,
-    /// The pass computes the model's own single sequence, whose buffers (activations and KV
-    /// cache) change only with `generation`; a batch of sequences with caches of their own is
-    /// not.
+    /// The pass computes one sequence: the model's own or a batch's alone in its pass (a
+    /// server with one request). Its buffers (activations and KV cache) change only with
+    /// `generation` and `sequence`; a pass of several sequences is not one.
     pub single_sequence: bool,
+    /// Which KV cache a one-sequence pass uses: 0 for the model's own, else the number of a
+    /// batch's cache ([`crate::KvCache`]), never reused for another cache while the model
+    /// lives. A recording of one sequence's pass serves the passes of that cache only.
+    pub sequence: u64,
     /// Position of the first row (of the first sequence).
     pub pos: usize,
     /// Every weight stays at its address for the model's lifetime.

@@ -21,12 +21,18 @@ use graph::{Graph, Layer, PassShape, Segment, State};
 /// Per layer, a key and a value cache buffer.
 type KvLayers<B> = Vec<(<B as Backend>::KvBuf, <B as Backend>::KvBuf)>;
 
+/// The number of the next [`KvCache`] made (0 is the model's own sequence's).
+static NEXT_KV_CACHE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// One sequence's keys and values for every layer, `[slots, kv_dim]` each, and how many
 /// positions are filled. A layer keeps all `capacity` positions, or on a sliding-window layer
 /// a ring of at most twice its window (`residency::kv_positions`: position `p` in slot
 /// `p % slots`). Batched decoding gives each sequence its own cache of the size it needs (see
 /// [`crate::batch`] for why per-sequence rather than paged).
 pub struct KvCache<B: Backend> {
+    /// This cache's number ([`PassInfo::sequence`]): from [`NEXT_KV_CACHE`], so never one that
+    /// an earlier cache had, even when its buffers land where an earlier cache's were.
+    id: u64,
     layers: KvLayers<B>,
     kv_dim: usize,
     capacity: usize,
@@ -261,6 +267,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     pub fn new_kv_cache(&self, capacity: usize) -> Result<KvCache<B>, LlamaError> {
         between_1_and("KV cache capacity", capacity, self.context, "the context")?;
         Ok(KvCache {
+            id: NEXT_KV_CACHE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             layers: self.alloc_kv_layers(capacity)?,
             kv_dim: self.config.kv_dim(),
             capacity,
@@ -341,11 +348,11 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             solo_rows: tokens.len(),
             logits: true,
         }];
-        let mut done = self.pass(tokens, &mut seg, &mut logits, true);
+        let mut done = self.pass(tokens, &mut seg, &mut logits, Some(0));
         if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
             // The backend tried to record the pass and could not; it runs op by op from now.
             tracing::debug!("{reason}; running the pass op by op");
-            done = self.pass(tokens, &mut seg, &mut logits, true);
+            done = self.pass(tokens, &mut seg, &mut logits, Some(0));
         }
         self.kv_cache = kv;
         self.logits = logits;
@@ -409,6 +416,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             self.batch_logits.clear();
             return Ok(&self.batch_logits);
         }
+        // A sequence alone in its pass runs as the model's own would (its decode steps may be
+        // recorded and replayed by the backend), identified by its cache.
+        let sequence = match &*seqs {
+            [alone] => Some(alone.kv.id),
+            _ => None,
+        };
         let mut row0 = 0;
         let mut segs: Vec<Segment<'_, B>> = seqs
             .iter_mut()
@@ -426,7 +439,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             })
             .collect();
         let mut logits = std::mem::take(&mut self.batch_logits);
-        let done = self.pass(&tokens, &mut segs, &mut logits, false);
+        let mut done = self.pass(&tokens, &mut segs, &mut logits, sequence);
+        if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
+            // As in `single_pass`: the recording failed, the backend runs the pass op by op.
+            tracing::debug!("{reason}; running the pass op by op");
+            done = self.pass(&tokens, &mut segs, &mut logits, sequence);
+        }
         self.batch_logits = logits;
         done?;
         for s in seqs.iter_mut() {
@@ -449,14 +467,15 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     }
 
     /// One pass over all weights for `tokens` (at most `max_rows`): the rows of each segment,
-    /// each at its own positions in its own cache (`single`: the model's own sequence). The
-    /// logits after each segment that asks for them go to `logits_out` (`[n, vocab]`).
+    /// each at its own positions in its own cache (`sequence`: the one segment's cache number,
+    /// [`PassInfo::sequence`], when it is alone). The logits after each segment that asks for
+    /// them go to `logits_out` (`[n, vocab]`).
     fn pass(
         &mut self,
         tokens: &[u32],
         segs: &mut [Segment<'_, B>],
         logits_out: &mut Vec<f32>,
-        single: bool,
+        sequence: Option<u64>,
     ) -> Result<(), LlamaError> {
         let started = std::time::Instant::now();
         let n_logits = segs.iter().filter(|s| s.logits).count();
@@ -485,7 +504,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let embed_guard = embed(be, weights, table, tokens, &mut s.x)?;
         be.begin_pass(&PassInfo {
             rows: tokens.len(),
-            single_sequence: single,
+            single_sequence: sequence.is_some(),
+            sequence: sequence.unwrap_or(0),
             pos: segs.first().map_or(0, |g| g.pos0),
             weights_stable: weights.all_resident(),
             generation: *generation,

@@ -2,14 +2,15 @@
 //! decided from the [`PassInfo`] the model gives at [`Backend::begin_pass`] (as ggml-cuda
 //! decides from the graph it is handed), invisible to the model.
 //!
-//! A pass qualifies when it is one decode row of the model's own sequence and every weight
-//! stays where it is: then the same kernels run with the same addresses at every step, and
-//! only the position differs. The kernels that depend on it ([`super::attention`]) read it from
+//! A pass qualifies when it is one decode row of one sequence (the model's own, or a batch's
+//! alone in its pass: [`PassInfo::sequence`] says which cache) and every weight stays where it
+//! is: then the same kernels run with the same addresses at every step, and only the position
+//! differs. The kernels that depend on it ([`super::attention`]) read it from
 //! a parameter in device memory while recording, which each replay sets first. The first
 //! qualifying pass of a [`PassInfo::generation`] runs op by op (it creates every buffer a pass
 //! creates lazily); the next is recorded and then launched; the ones after are replayed, their
-//! ops skipped as the model calls them. A new generation, or a scratch buffer of the backend
-//! growing, drops the recording. `GDSLLM_CUDA_GRAPH=0` turns all of it off.
+//! ops skipped as the model calls them. A new generation or sequence, or a scratch buffer of
+//! the backend growing, drops the recording. `GDSLLM_CUDA_GRAPH=0` turns all of it off.
 //!
 //! [`Backend::begin_pass`]: crate::backend::Backend::begin_pass
 
@@ -36,7 +37,9 @@ enum Mode {
 /// A CUDA graph owned by the backend.
 struct StepGraph {
     graph: CudaGraph,
+    /// The buffers it uses: the model's generation and the sequence's cache.
     generation: u64,
+    sequence: u64,
     /// The kernels (launches and GEMMs) recorded in it.
     kernels: u64,
 }
@@ -49,15 +52,16 @@ unsafe impl Send for StepGraph {}
 struct State {
     mode: Mode,
     graph: Option<StepGraph>,
-    /// The generation whose qualifying pass last ran op by op.
-    eager_generation: Option<u64>,
+    /// The generation and sequence whose qualifying pass last ran op by op.
+    eager: Option<(u64, u64)>,
     /// Set when a recording failed: every pass then runs op by op.
     failed: bool,
     /// The position of the recorded pass (one i32 in device memory), written before each
     /// replay.
     pos: CudaSlice<i32>,
-    /// The generation of the current pass.
+    /// The generation and sequence of the current pass.
     generation: u64,
+    sequence: u64,
 }
 
 /// The recording and replaying of passes.
@@ -80,10 +84,11 @@ impl Graphs {
             state: Mutex::new(State {
                 mode: Mode::Eager,
                 graph: None,
-                eager_generation: None,
+                eager: None,
                 failed: false,
                 pos,
                 generation: 0,
+                sequence: 0,
             }),
             replaying: AtomicBool::new(false),
             recording: AtomicBool::new(false),
@@ -125,6 +130,7 @@ impl Graphs {
         let mut st = self.state();
         st.mode = Mode::Eager;
         st.generation = info.generation;
+        st.sequence = info.sequence;
         let qualifies = self.enabled
             && !st.failed
             && info.rows == 1
@@ -133,10 +139,11 @@ impl Graphs {
         if !qualifies {
             return Ok(());
         }
+        let buffers = (info.generation, info.sequence);
         if st
             .graph
             .as_ref()
-            .is_some_and(|g| g.generation != info.generation)
+            .is_some_and(|g| (g.generation, g.sequence) != buffers)
         {
             st.graph = None;
         }
@@ -146,7 +153,7 @@ impl Graphs {
             queue.write(&pos, param, "writing the pass position")?;
             st.mode = Mode::Replay;
             self.replaying.store(true, Ordering::Relaxed);
-        } else if st.eager_generation == Some(info.generation) {
+        } else if st.eager == Some(buffers) {
             let State { pos: param, .. } = &mut *st;
             queue.write(&pos, param, "writing the pass position")?;
             match queue.begin_capture() {
@@ -160,7 +167,7 @@ impl Graphs {
                 }
             }
         } else {
-            st.eager_generation = Some(info.generation);
+            st.eager = Some(buffers);
         }
         Ok(())
     }
@@ -170,7 +177,7 @@ impl Graphs {
     /// passes run op by op from then on, and the error says the pass did not run.
     pub fn end(&self, queue: &Queue, ran: bool) -> Result<(), BackendError> {
         let mut st = self.state();
-        let generation = st.generation;
+        let (generation, sequence) = (st.generation, st.sequence);
         let mode = std::mem::replace(&mut st.mode, Mode::Eager);
         self.replaying.store(false, Ordering::Relaxed);
         match mode {
@@ -192,6 +199,7 @@ impl Graphs {
                         st.graph = Some(StepGraph {
                             graph,
                             generation,
+                            sequence,
                             kernels,
                         });
                         self.launch(queue, &st)

@@ -101,6 +101,12 @@ impl WeightSource for DeviceWeights {
     }
 
     fn end_pass(&self) {}
+
+    /// Uploaded once: every blob stays at its device address while the weights live (so the
+    /// backend may record decode passes, as it does for a wholly resident residency plan).
+    fn all_resident(&self) -> bool {
+        true
+    }
 }
 
 impl CudaBackend {
