@@ -416,10 +416,15 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             self.batch_logits.clear();
             return Ok(&self.batch_logits);
         }
-        // A sequence alone in its pass runs as the model's own would (its decode steps may be
-        // recorded and replayed by the backend), identified by its cache.
+        // A sequence alone in its pass, computed as the model's own pass of the same rows would
+        // be (all of its rows as one chunk, its logits wanted), runs as that one does: its
+        // decode steps may be recorded and replayed by the backend, keyed by its cache. A
+        // piece of a longer prompt chunk (`solo_rows` larger) or a pass without logits runs
+        // other kernels, so it is not offered as one.
         let sequence = match &*seqs {
-            [alone] => Some(alone.kv.id),
+            [alone] if alone.logits && alone.solo_rows.max(1) == alone.tokens.len() => {
+                Some(alone.kv.id)
+            }
             _ => None,
         };
         let mut row0 = 0;
