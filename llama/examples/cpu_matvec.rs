@@ -61,8 +61,7 @@ fn main() -> Result<(), Error> {
             let be = CpuBackend::new();
             be.begin_pass(&PassInfo {
                 rows: 1,
-                single_sequence: true,
-                sequence: 0,
+                sequence: Some(0),
                 pos: 0,
                 weights_stable: stable,
                 generation: 0,

@@ -341,8 +341,7 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    if !support::cuda::enabled() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -391,8 +390,7 @@ fn cuda_ragged_batches_match_solo(dir: &Path, context: usize, label: &str) {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_a_lone_batched_sequence_replays_its_decode_steps() {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    if !support::cuda::enabled() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -438,8 +436,7 @@ fn cuda_a_lone_batched_sequence_replays_its_decode_steps() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_windowed_family_batched_equals_solo() {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    if !support::cuda::enabled() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -879,8 +876,7 @@ fn prefix_cache_evicts_the_least_recently_used_entry_within_its_budget() {
 #[test]
 fn cuda_prefix_cached_greedy_equals_solo() {
     use llama::backend::cuda::CudaPaths;
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    if !support::cuda::enabled() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -67,8 +67,7 @@ fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
     ];
     let stable = PassInfo {
         rows: 1,
-        single_sequence: true,
-        sequence: 0,
+        sequence: Some(0),
         pos: 0,
         weights_stable: true,
         generation: 0,

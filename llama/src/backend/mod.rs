@@ -132,14 +132,13 @@ impl<Kv> KvStoreSeq<'_, Kv> {
 pub struct PassInfo {
     /// Positions computed, all sequences together.
     pub rows: usize,
-    /// The pass computes one sequence: the model's own or a batch's alone in its pass (a
-    /// server with one request). Its buffers (activations and KV cache) change only with
-    /// `generation` and `sequence`; a pass of several sequences is not one.
-    pub single_sequence: bool,
-    /// Which KV cache a one-sequence pass uses: 0 for the model's own, else the number of a
-    /// batch's cache ([`crate::KvCache`]), never reused for another cache while the model
-    /// lives. A recording of one sequence's pass serves the passes of that cache only.
-    pub sequence: u64,
+    /// Some when the pass computes one sequence, the model's own or a batch's alone in its pass
+    /// (a server with one request): the number of its KV cache, 0 for the model's own, else a
+    /// batch cache's ([`crate::KvCache`]), never reused for another cache. Its buffers
+    /// (activations and KV cache) then change only with `generation` and this number, so a
+    /// recording of its pass serves the later passes of the same cache. None for a pass of
+    /// several sequences.
+    pub sequence: Option<u64>,
     /// Position of the first row (of the first sequence).
     pub pos: usize,
     /// Every weight stays at its address for the model's lifetime.

@@ -509,8 +509,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let embed_guard = embed(be, weights, table, tokens, &mut s.x)?;
         be.begin_pass(&PassInfo {
             rows: tokens.len(),
-            single_sequence: sequence.is_some(),
-            sequence: sequence.unwrap_or(0),
+            sequence,
             pos: segs.first().map_or(0, |g| g.pos0),
             weights_stable: weights.all_resident(),
             generation: *generation,

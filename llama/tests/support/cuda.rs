@@ -12,10 +12,18 @@ use weights_format::DType;
 
 use super::{matmul, max_rel_diff, random};
 
+/// Whether the CUDA tests run (`GDSLLM_GPU_TESTS=1`: they need a GPU); says so when not.
+pub fn enabled() -> bool {
+    let on = std::env::var("GDSLLM_GPU_TESTS").as_deref() == Ok("1");
+    if !on {
+        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    }
+    on
+}
+
 /// The backend on device 0, `None` (after saying so) unless `GDSLLM_GPU_TESTS=1`.
 pub fn gpu() -> Option<CudaBackend> {
-    if std::env::var("GDSLLM_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set GDSLLM_GPU_TESTS=1 to run the CUDA tests (they need a GPU)");
+    if !enabled() {
         return None;
     }
     match CudaBackend::new(0) {

@@ -34,12 +34,18 @@ enum Mode {
     Replay,
 }
 
+/// What a recording's launches point into: the model's buffers of one generation and one
+/// sequence's KV cache ([`PassInfo::generation`], [`PassInfo::sequence`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Buffers {
+    generation: u64,
+    sequence: u64,
+}
+
 /// A CUDA graph owned by the backend.
 struct StepGraph {
     graph: CudaGraph,
-    /// The buffers it uses: the model's generation and the sequence's cache.
-    generation: u64,
-    sequence: u64,
+    buffers: Buffers,
     /// The kernels (launches and GEMMs) recorded in it.
     kernels: u64,
 }
@@ -52,16 +58,15 @@ unsafe impl Send for StepGraph {}
 struct State {
     mode: Mode,
     graph: Option<StepGraph>,
-    /// The generation and sequence whose qualifying pass last ran op by op.
-    eager: Option<(u64, u64)>,
+    /// The buffers of the qualifying pass that last ran op by op.
+    eager: Option<Buffers>,
     /// Set when a recording failed: every pass then runs op by op.
     failed: bool,
     /// The position of the recorded pass (one i32 in device memory), written before each
     /// replay.
     pos: CudaSlice<i32>,
-    /// The generation and sequence of the current pass.
-    generation: u64,
-    sequence: u64,
+    /// The buffers of the current qualifying pass.
+    current: Buffers,
 }
 
 /// The recording and replaying of passes.
@@ -87,8 +92,10 @@ impl Graphs {
                 eager: None,
                 failed: false,
                 pos,
-                generation: 0,
-                sequence: 0,
+                current: Buffers {
+                    generation: 0,
+                    sequence: 0,
+                },
             }),
             replaying: AtomicBool::new(false),
             recording: AtomicBool::new(false),
@@ -129,22 +136,16 @@ impl Graphs {
     pub fn begin(&self, queue: &Queue, info: &PassInfo) -> Result<(), BackendError> {
         let mut st = self.state();
         st.mode = Mode::Eager;
-        st.generation = info.generation;
-        st.sequence = info.sequence;
-        let qualifies = self.enabled
-            && !st.failed
-            && info.rows == 1
-            && info.single_sequence
-            && info.weights_stable;
-        if !qualifies {
+        let qualifies = self.enabled && !st.failed && info.rows == 1 && info.weights_stable;
+        let Some(sequence) = info.sequence.filter(|_| qualifies) else {
             return Ok(());
-        }
-        let buffers = (info.generation, info.sequence);
-        if st
-            .graph
-            .as_ref()
-            .is_some_and(|g| (g.generation, g.sequence) != buffers)
-        {
+        };
+        let buffers = Buffers {
+            generation: info.generation,
+            sequence,
+        };
+        st.current = buffers;
+        if st.graph.as_ref().is_some_and(|g| g.buffers != buffers) {
             st.graph = None;
         }
         let pos = [info.pos as i32];
@@ -177,7 +178,6 @@ impl Graphs {
     /// passes run op by op from then on, and the error says the pass did not run.
     pub fn end(&self, queue: &Queue, ran: bool) -> Result<(), BackendError> {
         let mut st = self.state();
-        let (generation, sequence) = (st.generation, st.sequence);
         let mode = std::mem::replace(&mut st.mode, Mode::Eager);
         self.replaying.store(false, Ordering::Relaxed);
         match mode {
@@ -198,8 +198,7 @@ impl Graphs {
                     Ok((Some(graph), kernels)) => {
                         st.graph = Some(StepGraph {
                             graph,
-                            generation,
-                            sequence,
+                            buffers: st.current,
                             kernels,
                         });
                         self.launch(queue, &st)
