@@ -34,12 +34,28 @@ use crate::backend::Backend;
 use crate::generate::{FinishReason, GenerateOptions, Generation, SeqStep};
 use crate::model::{BatchSeq, KvCache, Llama};
 use crate::prefix_cache::{PREFIX_BLOCK, PrefixCache, PrefixCacheStats, positions_in_wide_chunks};
-use crate::sampling::Sampler;
+use crate::sampling::{Sampler, Scores};
 use crate::tokenizer::Tokenizer;
 use crate::weights::WeightSource;
 
 /// Names a sequence of one [`Batcher`].
 pub type SeqId = u64;
+
+/// How the caller of [`Batcher::step`] chooses a sequence's tokens, which decides what a pass
+/// hands back for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Choosing {
+    /// From the whole row of logits (sampling, penalties, grammars, log-probabilities):
+    /// `step` hands over [`Scores::Logits`].
+    #[default]
+    FromLogits,
+    /// Always the largest logit ([`crate::sampling::argmax`]). When every sequence with
+    /// logits in a pass chooses so, the backend takes the argmax where the logits are
+    /// ([`Llama::forward_batch_greedy`]: on a GPU only the ids come back) and `step` hands
+    /// over [`Scores::Greedy`]; otherwise [`Scores::Logits`], whose [`Scores::greedy`] is the
+    /// same token.
+    Greedy,
+}
 
 /// Limits of a [`Batcher`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +114,7 @@ pub struct Finished {
 
 struct Waiting {
     id: SeqId,
+    choosing: Choosing,
     prompt: Vec<u32>,
     max_new: usize,
     /// KV positions to reserve at admission.
@@ -106,6 +123,7 @@ struct Waiting {
 
 struct Running<B: Backend> {
     id: SeqId,
+    choosing: Choosing,
     prompt: Vec<u32>,
     /// Prompt tokens already computed.
     fed: usize,
@@ -212,6 +230,16 @@ impl<B: Backend> Batcher<B> {
     /// token outside the vocabulary, a prompt longer than the context, or a cache larger than
     /// the whole budget.
     pub fn submit(&mut self, prompt: Vec<u32>, max_new: usize) -> Result<SeqId, LlamaError> {
+        self.submit_choosing(prompt, max_new, Choosing::FromLogits)
+    }
+
+    /// [`Batcher::submit`] for a sequence whose tokens are chosen as `choosing` says.
+    pub fn submit_choosing(
+        &mut self,
+        prompt: Vec<u32>,
+        max_new: usize,
+        choosing: Choosing,
+    ) -> Result<SeqId, LlamaError> {
         if prompt.is_empty() {
             return Err(LlamaError::Config {
                 setting: "prompt",
@@ -251,6 +279,7 @@ impl<B: Backend> Batcher<B> {
         } else {
             self.waiting.push_back(Waiting {
                 id,
+                choosing,
                 prompt,
                 max_new,
                 capacity,
@@ -367,6 +396,7 @@ impl<B: Backend> Batcher<B> {
             self.kv_used += bytes;
             self.running.push(Running {
                 id: w.id,
+                choosing: w.choosing,
                 prompt: w.prompt,
                 fed,
                 pending: None,
@@ -381,14 +411,15 @@ impl<B: Backend> Batcher<B> {
 
     /// One pass over the weights: admits what fits, then computes every decoding sequence's
     /// last token and a chunk of the prompts being prefilled. For each sequence with new
-    /// logits (decoding, or its prompt just completed) `next(id, logits)` returns the next
-    /// token, or `None` to end the sequence. Returns the sequences that ended (their caches are
+    /// logits (decoding, or its prompt just completed) `next(id, scores)` returns the next
+    /// token, or `None` to end the sequence; `scores` is the row of logits, or the greedy token
+    /// when every such sequence of the pass was submitted as [`Choosing::Greedy`]. Returns the sequences that ended (their caches are
     /// freed). A step with nothing to run returns at once. On an error nothing has advanced, so
     /// the step can be retried.
     pub fn step<W: WeightSource>(
         &mut self,
         model: &mut Llama<B, W>,
-        mut next: impl FnMut(SeqId, &[f32]) -> Option<u32>,
+        mut next: impl FnMut(SeqId, Scores<'_>) -> Option<u32>,
     ) -> Result<Vec<Finished>, LlamaError> {
         let started = std::time::Instant::now();
         self.admit(model)?;
@@ -418,6 +449,12 @@ impl<B: Backend> Batcher<B> {
             return Ok(std::mem::take(&mut self.ended));
         }
 
+        // Greedy ids instead of logits when nobody of this pass needs more.
+        let greedy = plan.iter().all(|&(i, take, _)| {
+            let r = &self.running[i];
+            let wants_logits = r.pending.is_some() || r.fed + take == r.prompt.len();
+            !wants_logits || r.choosing == Choosing::Greedy
+        });
         let mut planned = plan.iter().peekable();
         let mut entries = Vec::with_capacity(plan.len());
         for (i, r) in self.running.iter_mut().enumerate() {
@@ -447,7 +484,11 @@ impl<B: Backend> Batcher<B> {
             });
         }
         let before_pass = started.elapsed();
-        let logits = model.forward_batch(&mut entries)?;
+        let (logits, ids): (&[f32], &[u32]) = if greedy {
+            (&[], model.forward_batch_greedy(&mut entries)?)
+        } else {
+            (model.forward_batch(&mut entries)?, &[])
+        };
         drop(entries);
         let after_pass = started.elapsed();
         let mut finished = std::mem::take(&mut self.ended);
@@ -466,9 +507,13 @@ impl<B: Backend> Batcher<B> {
                 }
                 prefilled.push(i);
             }
-            let l = &logits[row * vocab..(row + 1) * vocab];
+            let scores = if greedy {
+                Scores::Greedy(ids[row])
+            } else {
+                Scores::Logits(&logits[row * vocab..(row + 1) * vocab])
+            };
             row += 1;
-            let Some(token) = next(r.id, l) else {
+            let Some(token) = next(r.id, scores) else {
                 ended.push((i, SeqEnd::Stopped));
                 continue;
             };
@@ -533,10 +578,19 @@ pub fn generate_batch<B: Backend, W: WeightSource>(
     let mut index = HashMap::new();
     let mut seqs = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
-        index.insert(batcher.submit(p.clone(), options.max_tokens)?, i);
         let sampler = Sampler::new(options.sampler.clone())?;
+        let step = SeqStep::new(p, sampler, &eos, &options.stop);
+        let choosing = if step.is_plain_greedy() {
+            Choosing::Greedy
+        } else {
+            Choosing::FromLogits
+        };
+        index.insert(
+            batcher.submit_choosing(p.clone(), options.max_tokens, choosing)?,
+            i,
+        );
         seqs.push(Seq {
-            out: Some(SeqStep::new(p, sampler, &eos, &options.stop)),
+            out: Some(step),
             end: None,
             first_token: None,
             result: None,
@@ -545,12 +599,12 @@ pub fn generate_batch<B: Backend, W: WeightSource>(
     let started = Instant::now();
     let mut failure = None;
     while !batcher.is_idle() {
-        let finished = batcher.step(model, |id, logits| {
+        let finished = batcher.step(model, |id, scores| {
             let i = index[&id];
             let s = &mut seqs[i];
             s.first_token.get_or_insert_with(Instant::now);
             let out = s.out.as_mut().expect("running sequences have their output");
-            match out.next(logits, tokenizer) {
+            match out.next_from(scores, tokenizer) {
                 Ok(step) => {
                     if !step.text.is_empty() {
                         on_text(i, &step.text);

@@ -14,7 +14,7 @@ use crate::LlamaError;
 use crate::backend::Backend;
 use crate::grammar::Constraint;
 use crate::model::Llama;
-use crate::sampling::{Sampler, SamplerConfig};
+use crate::sampling::{Sampler, SamplerConfig, Scores};
 use crate::stop::StopMatcher;
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::weights::WeightSource;
@@ -218,6 +218,52 @@ impl SeqStep {
             logits
         };
         let token = self.sampler.sample(logits, &self.history);
+        let logprobs = self.logprobs.map(|k| logprobs(logits, token, k));
+        self.accept(token, logprobs, tokenizer)
+    }
+
+    /// Whether this step picks the largest logit and needs nothing else of the logits: a
+    /// greedy sampler without a repetition penalty, and no penalties, biases, grammar or
+    /// log-probabilities. Such a step can take its token from [`Scores::Greedy`] (a batch
+    /// hands that over when the backend took the argmax, see
+    /// [`crate::batch::Choosing::Greedy`]).
+    pub fn is_plain_greedy(&self) -> bool {
+        let c = self.sampler.config();
+        c.temperature <= 0.0
+            && c.repeat_penalty == 1.0
+            && !self.penalties.active()
+            && self.logit_bias.is_empty()
+            && self.constraint.is_none()
+            && self.logprobs.is_none()
+    }
+
+    /// [`SeqStep::next`] from what a batched step hands over: the logits, or (for a plain
+    /// greedy step, [`SeqStep::is_plain_greedy`]) the greedy token itself, which is what
+    /// `next` would choose from those logits.
+    pub fn next_from(
+        &mut self,
+        scores: Scores<'_>,
+        tokenizer: &Tokenizer,
+    ) -> Result<Step, LlamaError> {
+        match scores {
+            Scores::Logits(logits) => self.next(logits, tokenizer),
+            Scores::Greedy(token) if self.is_plain_greedy() => self.accept(token, None, tokenizer),
+            Scores::Greedy(_) => Err(LlamaError::Config {
+                setting: "sampling",
+                message: "a greedy token was handed to a sequence that samples from its logits"
+                    .into(),
+            }),
+        }
+    }
+
+    /// The rest of a step once `token` is chosen (with its log-probabilities, when the step
+    /// reports them; not for an end-of-sequence token).
+    fn accept(
+        &mut self,
+        token: u32,
+        logprobs: Option<Logprobs>,
+        tokenizer: &Tokenizer,
+    ) -> Result<Step, LlamaError> {
         self.tokens.push(token);
         self.history.push(token);
         if let Some(constraint) = &mut self.constraint {
@@ -231,7 +277,6 @@ impl SeqStep {
                 end: Some(FinishReason::Eos),
             });
         }
-        let logprobs = self.logprobs.map(|k| logprobs(logits, token, k));
         let piece = self.decoder.push(tokenizer, token)?;
         *self.counts.entry(token).or_default() += 1;
         let out = self.stop.push(&piece);

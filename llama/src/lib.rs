@@ -34,7 +34,7 @@ pub use backend::{
 };
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DeviceWeights};
-pub use batch::{BatchConfig, Batcher, Finished, SeqEnd, SeqId, generate_batch};
+pub use batch::{BatchConfig, Batcher, Choosing, Finished, SeqEnd, SeqId, generate_batch};
 pub use chat::{ChatTemplate, ChatValue, Message};
 pub use config::{LlamaConfig, clamp_context, rope_inv_freq};
 pub use error::LlamaError;
@@ -47,7 +47,7 @@ pub use load::CudaModel;
 pub use load::{CpuModel, Device, LoadedModel, OpenOptions, OpenedModel, open};
 pub use model::{BatchSeq, KvCache, Llama};
 pub use prefix_cache::{PREFIX_BLOCK, PrefixCache, PrefixCacheStats};
-pub use sampling::{Sampler, SamplerConfig};
+pub use sampling::{Sampler, SamplerConfig, Scores};
 pub use stop::{StopMatcher, StopOutcome};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 pub use weights::{BlobBytes, DevicePtr, InMemoryWeights, WeightBytes, WeightSource, WeightView};

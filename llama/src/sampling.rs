@@ -122,6 +122,34 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best_at
 }
 
+/// What a batched step hands the code that chooses a sequence's next token.
+#[derive(Debug, Clone, Copy)]
+pub enum Scores<'a> {
+    /// The row of logits.
+    Logits(&'a [f32]),
+    /// Only the greedy choice, [`argmax`] of the row, taken where the logits were computed
+    /// (for sequences that choose nothing else, [`crate::batch::Choosing::Greedy`]).
+    Greedy(u32),
+}
+
+impl<'a> Scores<'a> {
+    /// The greedy choice: the id handed over, or [`argmax`] of the logits.
+    pub fn greedy(&self) -> u32 {
+        match *self {
+            Scores::Logits(logits) => argmax(logits),
+            Scores::Greedy(id) => id,
+        }
+    }
+
+    /// The row of logits, when that is what was handed over.
+    pub fn logits(&self) -> Option<&'a [f32]> {
+        match *self {
+            Scores::Logits(logits) => Some(logits),
+            Scores::Greedy(_) => None,
+        }
+    }
+}
+
 /// A sampler with its own RNG stream.
 pub struct Sampler {
     config: SamplerConfig,

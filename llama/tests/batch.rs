@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use gdsllm_convert::synth::{SynthOptions, SynthShape, synth};
 use llama::{
-    Backend, BatchConfig, Batcher, CpuBackend, GenerateOptions, InMemoryWeights, Llama,
-    SamplerConfig, SeqEnd, SeqId, Session, Tokenizer, WeightSource, generate_batch,
+    Backend, BatchConfig, Batcher, Choosing, CpuBackend, GenerateOptions, InMemoryWeights, Llama,
+    SamplerConfig, Scores, SeqEnd, SeqId, Session, Tokenizer, WeightSource, generate_batch,
 };
 use residency::{HostCache, Residency, ResidencyOptions};
 use weights_format::{DType, Model};
@@ -147,6 +147,18 @@ fn run_batched<B: Backend, W: WeightSource>(
     run_batched_seeing_logits(model, config, reqs, |_, _| {})
 }
 
+/// [`run_batched`] with every request submitted as [`Choosing::Greedy`]: each step must hand
+/// over the greedy ids the backend took ([`Scores::Greedy`]), never the logits.
+fn run_batched_greedy_ids<B: Backend, W: WeightSource>(
+    model: &mut Llama<B, W>,
+    config: BatchConfig,
+    reqs: &[Req],
+) -> (Vec<(Vec<u32>, SeqEnd)>, usize) {
+    let batcher = Batcher::new(model, config).unwrap();
+    let (out, most, _) = run_choosing(batcher, model, reqs, Choosing::Greedy, |_, _| {});
+    (out, most)
+}
+
 /// [`run_batched`], showing `seen` each request's logits (request index, logits) as sampled.
 fn run_batched_seeing_logits<B: Backend, W: WeightSource>(
     model: &mut Llama<B, W>,
@@ -162,9 +174,22 @@ fn run_batched_seeing_logits<B: Backend, W: WeightSource>(
 /// [`run_batched_seeing_logits`] on a given batcher, returned at the end.
 #[allow(clippy::type_complexity)]
 fn run_on<B: Backend, W: WeightSource>(
+    batcher: Batcher<B>,
+    model: &mut Llama<B, W>,
+    reqs: &[Req],
+    seen: impl FnMut(usize, &[f32]),
+) -> (Vec<(Vec<u32>, SeqEnd)>, usize, Batcher<B>) {
+    run_choosing(batcher, model, reqs, Choosing::FromLogits, seen)
+}
+
+/// [`run_on`] with the requests submitted as `choosing` says (`seen` sees the logits only
+/// when they are handed over).
+#[allow(clippy::type_complexity)]
+fn run_choosing<B: Backend, W: WeightSource>(
     mut batcher: Batcher<B>,
     model: &mut Llama<B, W>,
     reqs: &[Req],
+    choosing: Choosing,
     mut seen: impl FnMut(usize, &[f32]),
 ) -> (Vec<(Vec<u32>, SeqEnd)>, usize, Batcher<B>) {
     let mut ids: HashMap<SeqId, usize> = HashMap::new();
@@ -175,13 +200,25 @@ fn run_on<B: Backend, W: WeightSource>(
     while ends.iter().any(Option::is_none) {
         for (i, r) in reqs.iter().enumerate() {
             if r.at == step {
-                ids.insert(batcher.submit(r.prompt.clone(), r.max_new).unwrap(), i);
+                let id = batcher
+                    .submit_choosing(r.prompt.clone(), r.max_new, choosing)
+                    .unwrap();
+                ids.insert(id, i);
             }
         }
         let finished = batcher
-            .step(model, |id, logits| {
-                let t = argmax(logits);
-                seen(ids[&id], logits);
+            .step(model, |id, scores| {
+                let t = match scores {
+                    Scores::Logits(logits) => {
+                        assert_eq!(choosing, Choosing::FromLogits, "logits for greedy ids");
+                        seen(ids[&id], logits);
+                        argmax(logits)
+                    }
+                    Scores::Greedy(t) => {
+                        assert_eq!(choosing, Choosing::Greedy, "greedy ids for logits");
+                        t
+                    }
+                };
                 tokens[ids[&id]].push(t);
                 Some(t)
             })
@@ -237,6 +274,16 @@ fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>
         assert_eq!(*end, SeqEnd::Length);
         assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
     }
+    // The same with the backend taking the argmax (`Choosing::Greedy`).
+    let (by_ids, _) = run_batched_greedy_ids(model, config, &reqs);
+    for (i, ((tokens, end), want)) in by_ids.iter().zip(&solo).enumerate() {
+        assert_eq!(*end, SeqEnd::Length);
+        assert_eq!(
+            tokens, want,
+            "{label}: sequence {i} differs from alone (greedy ids)"
+        );
+    }
+    println!("{label}: the greedy ids the backend took gave the same tokens");
 }
 
 #[test]
@@ -330,6 +377,16 @@ fn ragged_batch_close_to_solo<B: Backend, W: WeightSource>(
         "{label}: {compared} steps, logits at most {worst:.2e} relative L2 from alone (tol {tol:.0e}); \
          greedy tokens equal at all {decided} steps with a top-2 margin >= 0.05"
     );
+    // The same batches with the backend taking the argmax: the same logits, so the same
+    // tokens, near ties included.
+    let (by_ids, _) = run_batched_greedy_ids(model, config, &reqs);
+    for (i, ((tokens, _), (want, _))) in by_ids.iter().zip(&batched).enumerate() {
+        assert_eq!(
+            tokens, want,
+            "{label}: sequence {i}: the greedy ids differ from the argmax of the logits"
+        );
+    }
+    println!("{label}: the greedy ids the backend took equal the host's argmax at every step");
 }
 
 /// The same on the CUDA backend (weights resident). With no new kernel path (`CudaPaths::none`) every row of
@@ -492,14 +549,14 @@ fn bytes_streamed_per_decode_step_do_not_grow_with_the_batch() {
             batcher.submit(prompt(i as u32, 5, vocab), 40).unwrap();
         }
         // The first step prefills every prompt; from then on each step decodes every sequence.
-        batcher.step(&mut model, |_, l| Some(argmax(l))).unwrap();
+        batcher.step(&mut model, |_, s| Some(s.greedy())).unwrap();
         let before = settled_bytes(model.weights());
         let mut tokens = 0;
         for _ in 0..steps {
             let ended = batcher
-                .step(&mut model, |_, l| {
+                .step(&mut model, |_, s| {
                     tokens += 1;
-                    Some(argmax(l))
+                    Some(s.greedy())
                 })
                 .unwrap();
             assert!(ended.is_empty());
@@ -542,7 +599,7 @@ fn kv_budget_exhaustion_makes_requests_wait_and_they_complete_later() {
     for r in &reqs {
         batcher.submit(r.prompt.clone(), r.max_new).unwrap();
     }
-    batcher.step(&mut model, |_, l| Some(argmax(l))).unwrap();
+    batcher.step(&mut model, |_, s| Some(s.greedy())).unwrap();
     assert_eq!((batcher.running(), batcher.waiting()), (2, 3));
     assert_eq!(batcher.kv_used(), 2 * per_seq);
     drop(batcher);
@@ -592,8 +649,8 @@ fn cancelling_a_sequence_frees_its_kv_at_once_and_lets_the_next_in() {
     let mut tokens: HashMap<SeqId, Vec<u32>> = HashMap::new();
     let mut greedy = |batcher: &mut Batcher<CpuBackend>, model: &mut Llama<_, _>| {
         batcher
-            .step(model, |id, l| {
-                let t = argmax(l);
+            .step(model, |id, s| {
+                let t = s.greedy();
                 tokens.entry(id).or_default().push(t);
                 Some(t)
             })
@@ -650,8 +707,8 @@ fn a_long_prompt_is_prefilled_in_chunks_while_running_sequences_keep_decoding() 
     let mut step = |batcher: &mut Batcher<CpuBackend>, model: &mut Llama<_, _>| {
         let mut this: HashMap<SeqId, usize> = HashMap::new();
         batcher
-            .step(model, |id, l| {
-                let t = argmax(l);
+            .step(model, |id, s| {
+                let t = s.greedy();
                 got.entry(id).or_default().push(t);
                 *this.entry(id).or_default() += 1;
                 Some(t)

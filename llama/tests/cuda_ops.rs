@@ -41,6 +41,60 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
     }
 }
 
+/// `argmax_rows` (greedy sampling where the logits are) against the host's
+/// `sampling::argmax` of each row, exactly: random rows of SmolLM2's and Gemma 3's vocabulary
+/// sizes, ties far apart (the lowest id wins), ±0, ±inf, NaNs of both signs, rows of one value,
+/// a ragged width, and no columns.
+#[test]
+fn argmax_rows_equals_the_host_argmax() {
+    let Some(be) = gpu() else { return };
+    let mut rng = StdRng::seed_from_u64(19);
+    for cols in [49_152usize, 262_144, 1000, 7, 1, 0] {
+        let rows = 33;
+        let mut x: Vec<f32> = random(&mut rng, rows * cols)
+            .into_iter()
+            .map(|v| 8.0 * v)
+            .collect();
+        for (r, row) in x.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+            if cols < 8 {
+                continue;
+            }
+            let at = |k: usize| (r * 7919 + k * 104_729) % cols;
+            match r % 6 {
+                1 => {
+                    for k in 0..4 {
+                        row[at(k)] = 50.0; // ties: the lowest of four ids
+                    }
+                }
+                2 => {
+                    row.iter_mut().for_each(|v| *v = -v.abs() - 1.0);
+                    row[at(0)] = -0.0;
+                    row[at(1)] = 0.0; // +0 above -0 in `total_cmp`'s order
+                }
+                3 => {
+                    row[at(0)] = f32::from_bits(0xffc0_0000); // a negative NaN: below every number
+                    row[at(1)] = f32::INFINITY;
+                    row[at(2)] = f32::NAN; // above +inf
+                }
+                4 => row.iter_mut().for_each(|v| *v = 1.25), // all equal: id 0
+                5 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                _ => {}
+            }
+        }
+        let buf = up(&be, if x.is_empty() { &[0.0] } else { &x }); // no empty allocation
+        let mut got = vec![u32::MAX; rows];
+        be.argmax_rows(&buf, cols, &mut got).unwrap();
+        let want: Vec<u32> = (0..rows)
+            .map(|r| llama::sampling::argmax(&x[r * cols..(r + 1) * cols]))
+            .collect();
+        println!("argmax_rows, {rows} rows of {cols}: ids {:?}…", &got[..6]);
+        assert_eq!(
+            got, want,
+            "{cols} columns: the device's greedy ids differ from the host's"
+        );
+    }
+}
+
 #[test]
 fn embed_rows_and_rmsnorm_match_reference() {
     let Some(be) = gpu() else { return };

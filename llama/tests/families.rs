@@ -249,7 +249,8 @@ fn windowed_family_batched_equals_each_sequence_alone() {
             }
         }
         let finished = batcher
-            .step(&mut model, |id, logits| {
+            .step(&mut model, |id, scores| {
+                let logits = scores.logits().expect("submitted for logits");
                 got[index[&id]].push(logits.to_vec());
                 Some(argmax_margin(logits).0)
             })

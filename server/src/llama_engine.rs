@@ -13,9 +13,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use llama::{
-    Backend, BatchConfig, Batcher, ChatTemplate, ChatValue, Constraint, Device, FinishReason,
-    GrammarCompiler, GrammarSpec, LlamaError, LoadedModel, Message, OpenOptions, OpenedModel,
-    Penalties, Sampler, SamplerConfig, SeqEnd, SeqStep, Session, Step, Tokenizer, WeightSource,
+    Backend, BatchConfig, Batcher, ChatTemplate, ChatValue, Choosing, Constraint, Device,
+    FinishReason, GrammarCompiler, GrammarSpec, LlamaError, LoadedModel, Message, OpenOptions,
+    OpenedModel, Penalties, Sampler, SamplerConfig, SeqEnd, SeqStep, Session, Step, Tokenizer,
+    WeightSource,
 };
 use parking_lot::Mutex;
 
@@ -287,9 +288,15 @@ struct LlamaBatch<'a, B: Backend, W: WeightSource> {
 impl<B: Backend, W: WeightSource + Send> EngineBatch for LlamaBatch<'_, B, W> {
     fn add(&mut self, request: &GenerationRequest) -> Result<u64, EngineError> {
         let step = self.engine.seq_step(request)?;
+        // A plain greedy request needs only the argmax, which the backend can take on the GPU.
+        let choosing = if step.is_plain_greedy() {
+            Choosing::Greedy
+        } else {
+            Choosing::FromLogits
+        };
         let id = self
             .batcher
-            .submit(request.prompt.clone(), request.max_tokens)
+            .submit_choosing(request.prompt.clone(), request.max_tokens, choosing)
             .map_err(engine_error)?;
         self.seqs.insert(id, BatchedSeq { step, end: None });
         Ok(id)
@@ -310,9 +317,9 @@ impl<B: Backend, W: WeightSource + Send> EngineBatch for LlamaBatch<'_, B, W> {
             let mut session = engine.session.lock();
             let (model, tokenizer) = session.parts_mut();
             self.batcher
-                .step(model, |id, logits| {
+                .step(model, |id, scores| {
                     let seq = seqs.get_mut(&id)?;
-                    match seq.step.next(logits, tokenizer) {
+                    match seq.step.next_from(scores, tokenizer) {
                         Ok(step) if step.end == Some(FinishReason::Eos) => {
                             seq.end = Some(Ok(EngineFinish::EndOfSequence));
                             None

@@ -42,6 +42,11 @@ pub struct Args {
     /// tok_per_s [per repetition], mean, best, per_seq_tok_per_s, bytes_per_token}].
     #[arg(long, value_name = "N,N,...", value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub batch: Vec<u64>,
+    /// With --batch: hand each sequence's logits back to the host and take the greedy token
+    /// there, as requests that sample do (by default the sequences are greedy, and the backend
+    /// takes the argmax where the logits are: on a GPU only the ids come back).
+    #[arg(long, requires = "batch")]
+    pub logits_to_host: bool,
     #[command(flatten)]
     pub open: OpenArgs,
 }
@@ -377,6 +382,11 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
             );
         }
         let (mut tok_per_s, mut bytes, mut tokens) = (Vec::new(), 0u64, 0usize);
+        let choosing = if args.logits_to_host {
+            llama::Choosing::FromLogits
+        } else {
+            llama::Choosing::Greedy
+        };
         for _ in 0..reps {
             let mut batcher = llama::Batcher::new(llama, config)?;
             for s in 0..size as u32 {
@@ -385,9 +395,10 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
                 let prompt = (0..n_prompt as u32)
                     .map(|i| base + (i * 7919 + s * 104_729) % (vocab - base))
                     .collect();
-                batcher.submit(prompt, max_new)?;
+                batcher.submit_choosing(prompt, max_new, choosing)?;
             }
-            let greedy = |_: llama::SeqId, l: &[f32]| Some(llama::sampling::argmax(l));
+            // Greedy, as a server's greedy requests (with --logits-to-host, from the logits).
+            let greedy = |_: llama::SeqId, s: llama::Scores<'_>| Some(s.greedy());
             let mut started: HashSet<llama::SeqId> = HashSet::new();
             while started.len() < size {
                 batcher.step(llama, |id, l| {

@@ -556,6 +556,23 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn argmax_rows(
+        &self,
+        logits: &Vec<f32>,
+        cols: usize,
+        out: &mut [u32],
+    ) -> Result<(), BackendError> {
+        if cols == 0 {
+            out.fill(0);
+            return Ok(());
+        }
+        // The rows where they are, without the copy of the default.
+        for (id, row) in out.iter_mut().zip(logits.chunks_exact(cols)) {
+            *id = crate::sampling::argmax(row);
+        }
+        Ok(())
+    }
+
     fn embed_rows(
         &self,
         table: WeightView<'_>,

@@ -709,6 +709,15 @@ impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> Backend for SplitBackend<P, H> 
         self.primary.read(buf, out)
     }
 
+    fn argmax_rows(
+        &self,
+        logits: &P::Buf,
+        cols: usize,
+        out: &mut [u32],
+    ) -> Result<(), BackendError> {
+        self.primary.argmax_rows(logits, cols, out)
+    }
+
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
         self.blob.store(usize::MAX, Ordering::Relaxed);
         self.stats.begin_pass(pass.rows);

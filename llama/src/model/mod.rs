@@ -146,6 +146,9 @@ pub struct Llama<B: Backend, W: WeightSource> {
     logits: Vec<f32>,
     /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
     batch_logits: Vec<f32>,
+    /// The greedy token of each sequence with logits of the last
+    /// [`Llama::forward_batch_greedy`].
+    batch_greedy: Vec<u32>,
     /// Bumped whenever `state` or `kv_cache` get new buffers (see [`PassInfo::generation`]).
     generation: u64,
 }
@@ -186,6 +189,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             pos: 0,
             logits,
             batch_logits: Vec::new(),
+            batch_greedy: Vec::new(),
             generation: 0,
         })
     }
@@ -348,11 +352,21 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             solo_rows: tokens.len(),
             logits: true,
         }];
-        let mut done = self.pass(tokens, &mut seg, &mut logits, Some(0));
+        let mut done = self.pass(
+            tokens,
+            &mut seg,
+            &mut Readback::Logits(&mut logits),
+            Some(0),
+        );
         if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
             // The backend tried to record the pass and could not; it runs op by op from now.
             tracing::debug!("{reason}; running the pass op by op");
-            done = self.pass(tokens, &mut seg, &mut logits, Some(0));
+            done = self.pass(
+                tokens,
+                &mut seg,
+                &mut Readback::Logits(&mut logits),
+                Some(0),
+            );
         }
         self.kv_cache = kv;
         self.logits = logits;
@@ -368,6 +382,24 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     /// together must fit one pass (`max_rows()`), and each sequence's
     /// [`Llama::max_rows_per_sequence`].
     pub fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_, B>]) -> Result<&[f32], LlamaError> {
+        self.batch_pass(seqs, false)?;
+        Ok(&self.batch_logits)
+    }
+
+    /// [`Llama::forward_batch`] for sequences that choose their next token greedily: instead
+    /// of the logits, the greedy token after each entry that asked for logits (in entry order),
+    /// [`crate::sampling::argmax`] of the row that `forward_batch` would return, taken by the
+    /// backend where the logits are (on a GPU only the ids come back).
+    pub fn forward_batch_greedy(
+        &mut self,
+        seqs: &mut [BatchSeq<'_, B>],
+    ) -> Result<&[u32], LlamaError> {
+        self.batch_pass(seqs, true)?;
+        Ok(&self.batch_greedy)
+    }
+
+    /// The pass of [`Llama::forward_batch`] (`greedy`: of [`Llama::forward_batch_greedy`]).
+    fn batch_pass(&mut self, seqs: &mut [BatchSeq<'_, B>], greedy: bool) -> Result<(), LlamaError> {
         let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if rows > self.max_rows {
             return Err(LlamaError::Config {
@@ -414,7 +446,8 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
         if seqs.is_empty() {
             self.batch_logits.clear();
-            return Ok(&self.batch_logits);
+            self.batch_greedy.clear();
+            return Ok(());
         }
         // A sequence alone in its pass, computed as the model's own pass of the same rows would
         // be (all of its rows as one chunk, its logits wanted), runs as that one does: its
@@ -444,18 +477,25 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             })
             .collect();
         let mut logits = std::mem::take(&mut self.batch_logits);
-        let mut done = self.pass(&tokens, &mut segs, &mut logits, sequence);
+        let mut ids = std::mem::take(&mut self.batch_greedy);
+        let mut readback = if greedy {
+            Readback::Greedy(&mut ids)
+        } else {
+            Readback::Logits(&mut logits)
+        };
+        let mut done = self.pass(&tokens, &mut segs, &mut readback, sequence);
         if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
             // As in `single_pass`: the recording failed, the backend runs the pass op by op.
             tracing::debug!("{reason}; running the pass op by op");
-            done = self.pass(&tokens, &mut segs, &mut logits, sequence);
+            done = self.pass(&tokens, &mut segs, &mut readback, sequence);
         }
         self.batch_logits = logits;
+        self.batch_greedy = ids;
         done?;
         for s in seqs.iter_mut() {
             s.kv.len += s.tokens.len();
         }
-        Ok(&self.batch_logits)
+        Ok(())
     }
 
     /// Makes `last`, `last_norm` and `logits` hold `n` rows.
@@ -474,12 +514,12 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
     /// One pass over all weights for `tokens` (at most `max_rows`): the rows of each segment,
     /// each at its own positions in its own cache (`sequence`: the one segment's cache number,
     /// [`PassInfo::sequence`], when it is alone). The logits after each segment that asks for
-    /// them go to `logits_out` (`[n, vocab]`).
+    /// them, or their greedy tokens, go to `readback`.
     fn pass(
         &mut self,
         tokens: &[u32],
         segs: &mut [Segment<'_, B>],
-        logits_out: &mut Vec<f32>,
+        readback: &mut Readback<'_>,
         sequence: Option<u64>,
     ) -> Result<(), LlamaError> {
         let started = std::time::Instant::now();
@@ -554,11 +594,19 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         let output_guard = ran?;
         ended?;
         let queued = started.elapsed();
-        if n_logits > 0 {
-            logits_out.resize(n_logits * c.vocab_size, 0.0);
-            be.read(&s.logits, logits_out)?;
-        } else {
-            logits_out.clear();
+        match readback {
+            Readback::Logits(logits) => {
+                logits.resize(n_logits * c.vocab_size, 0.0);
+                if n_logits > 0 {
+                    be.read(&s.logits, logits)?;
+                }
+            }
+            Readback::Greedy(ids) => {
+                ids.resize(n_logits, 0);
+                if n_logits > 0 {
+                    be.argmax_rows(&s.logits, c.vocab_size, ids)?;
+                }
+            }
         }
         // Where a pass's wall time goes on the host: queueing its work, then waiting for it
         // (and for the logits): `RUST_LOG=llama::pass_timing=trace`.
@@ -574,6 +622,14 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         weights.end_pass();
         Ok(())
     }
+}
+
+/// What a pass hands back for the segments that want logits, in segment order.
+enum Readback<'a> {
+    /// The logits, `[n, vocab]`.
+    Logits(&'a mut Vec<f32>),
+    /// The greedy token of each row (the backend's [`Backend::argmax_rows`]).
+    Greedy(&'a mut Vec<u32>),
 }
 
 /// An error for `setting` unless `1 <= value <= max` (`max` being `what`).

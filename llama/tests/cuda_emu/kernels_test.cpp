@@ -985,6 +985,63 @@ void test_write_columns() {
     }
 }
 
+// `argmax_rows` (greedy sampling on the device) against a plain loop with the host's order (the
+// largest in `f32::total_cmp`'s order, the lowest index among equal ones): random rows, ties
+// spread over threads and warps, ±0, ±inf, NaNs of either sign (the all-ones NaN is the smallest
+// key there is), ragged and tiny widths, and no columns at all (0, as the host gives).
+void test_argmax_rows() {
+    auto key = [](float v) {
+        int32_t bits;
+        memcpy(&bits, &v, 4);
+        return bits ^ (int32_t)((uint32_t)(bits >> 31) >> 1);
+    };
+    auto nan_bits = [](uint32_t b) { float f; memcpy(&f, &b, 4); return f; };
+    struct Case { const char* what; int cols; };
+    const Case cases[] = {{"random", 49152}, {"ragged", 1000}, {"one", 1}, {"narrower than a warp", 7},
+                          {"ties across warps", 5000}, {"signed zeros", 3000}, {"NaNs", 4097},
+                          {"all the smallest NaN", 2500}, {"infinities", 1500}, {"empty", 0}};
+    for (const Case& cs : cases) {
+        const int rows = 3;
+        std::vector<float> x = random_vec((size_t)rows * cs.cols, 10.f);
+        std::string what = cs.what;
+        for (int r = 0; r < rows && cs.cols > 0; r++) {
+            float* row = x.data() + (size_t)r * cs.cols;
+            int n = cs.cols;
+            if (what == "ties across warps") {
+                for (int i : {n - 1, 1500 + r, 40 + 1024 * r}) row[i % n] = 20.f;
+            } else if (what == "signed zeros") {
+                for (int i = 0; i < n; i++) row[i] = -std::fabs(row[i]) - 1.f;
+                row[(7 * r + 900) % n] = -0.f;
+                row[(11 * r + 2000) % n] = 0.f;  // +0 is larger than -0 in that order
+                row[(13 * r + 100) % n] = -0.f;
+            } else if (what == "NaNs") {
+                row[(r * 977 + 3) % n] = nan_bits(0x7fc00000u);   // the largest key
+                row[(r * 131 + 4000) % n] = nan_bits(0xffc00000u); // a negative NaN: below every number
+                row[(r * 57 + 1) % n] = INFINITY;
+            } else if (what == "all the smallest NaN") {
+                for (int i = 0; i < n; i++) row[i] = nan_bits(0xffffffffu);
+            } else if (what == "infinities") {
+                for (int i = 0; i < n; i++) row[i] = -INFINITY;
+                row[(r * 300 + 700) % n] = INFINITY;
+                row[(r * 300 + 1200) % n] = INFINITY;
+            }
+        }
+        std::vector<uint32_t> want(rows, 0);
+        for (int r = 0; r < rows; r++) {
+            const float* row = x.data() + (size_t)r * cs.cols;
+            for (int i = 1; i < cs.cols; i++)
+                if (key(row[i]) > key(row[want[r]])) want[r] = i;
+        }
+        Buf<float> xb(x);
+        Buf<uint32_t> out((size_t)rows);
+        emu::launch(grid3((unsigned)rows), ARGMAX_THREADS, [&] { argmax_rows(xb.p, (u64)cs.cols, out.p); });
+        bool same = std::memcmp(out.p, want.data(), rows * sizeof(uint32_t)) == 0;
+        printf("argmax_rows %s (%d columns): the host order's ids %u %u %u: %s\n", cs.what, cs.cols, want[0],
+               want[1], want[2], same ? "yes" : "NO");
+        if (!same) failures++;
+    }
+}
+
 int main(int argc, char** argv) {
     for (int i = 1; i < argc; i++)
         if (std::string(argv[i]) == "--quick") quick = true;
@@ -999,6 +1056,7 @@ int main(int argc, char** argv) {
     test_kq_dequant();
     test_block_dequant();
     test_write_columns();
+    test_argmax_rows();
     if (failures) {
         printf("%d check(s) FAILED\n", failures);
         return 1;

@@ -757,6 +757,8 @@ pub(super) struct Kernels {
     pub write_columns: CudaFunction,
     pub scale_f32: CudaFunction,
     pub softcap: CudaFunction,
+    /// The greedy id of each row of the logits (`sampling::argmax` on the device).
+    pub argmax_rows: CudaFunction,
     pub attention: CudaFunction,
     pub attention_decode: CudaFunction,
     pub attention_decode_seqs: CudaFunction,
@@ -869,6 +871,7 @@ impl Kernels {
             write_columns: f("write_columns_f32")?,
             scale_f32: f("scale_f32")?,
             softcap: f("softcap")?,
+            argmax_rows: f("argmax_rows")?,
             attention: f("attention")?,
             attention_decode: f("attention_decode")?,
             attention_decode_seqs: f("attention_decode_seqs")?,

@@ -16,6 +16,8 @@ const EMBED_THREADS: u32 = 256;
 const RMS_THREADS: u32 = 1024;
 /// Pieces (one warp each) per block of `rmsnorm_pieces` (RMS_PIECE_WARPS in norm_rope.cu).
 const RMS_PIECE_WARPS: u32 = 8;
+/// Threads per block (one block a row) of `argmax_rows` (ARGMAX_THREADS in elementwise.cu).
+const ARGMAX_THREADS: u32 = 1024;
 
 /// The gate activations of the `gated_act` kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,6 +220,43 @@ impl CudaBackend {
         b.arg(&xp).arg(&n).arg(&param);
         // SAFETY: x holds at least len values; the kernel takes (float*, u64, float).
         unsafe { b.run(elementwise(len)) }
+    }
+
+    /// The greedy id of each of the first `out.len()` rows of `logits` (`[rows, cols]`): one
+    /// block a row (`argmax_rows`), then only the ids come back.
+    pub(super) fn argmax_launch(
+        &self,
+        logits: &CudaBuf,
+        cols: usize,
+        out: &mut [u32],
+    ) -> Result<(), BackendError> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let rows = out.len();
+        if logits.0.len() < rows * cols {
+            return Err(BackendError::Unsupported {
+                op: "argmax_rows",
+                message: format!(
+                    "{rows} rows of {cols} logits from a buffer of {} values",
+                    logits.0.len()
+                ),
+            });
+        }
+        let ids = self
+            .queue
+            .alloc_zeros::<u32>(rows, "allocating the greedy ids")?;
+        let (xp, n, op) = (self.addr(logits, 0), cols as u64, self.queue.addr(&ids));
+        let mut b = self
+            .queue
+            .kernel(&self.kernels.argmax_rows, "argmax_rows kernel");
+        b.arg(&xp).arg(&n).arg(&op);
+        let cfg = blocks((rows as u32, 1), ARGMAX_THREADS);
+        // SAFETY: `logits` holds rows·cols values (checked above), `ids` `rows` u32; the kernel
+        // takes (const float*, u64, u32*) and writes ids[blockIdx.x] only.
+        unsafe { b.run(cfg) }?;
+        self.queue
+            .read(&ids, out, "copying the greedy ids to the host")
     }
 
     /// `n` values from device address `src` to `dst` through a `copy_*` kernel (which converts

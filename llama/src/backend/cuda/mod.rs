@@ -289,6 +289,17 @@ impl Backend for CudaBackend {
         self.queue.read(&buf.0, out, "copying results to the host")
     }
 
+    fn argmax_rows(
+        &self,
+        logits: &CudaBuf,
+        cols: usize,
+        out: &mut [u32],
+    ) -> Result<(), BackendError> {
+        self.graphs
+            .forbid_while_recording("a copy to host memory")?;
+        self.argmax_launch(logits, cols, out)
+    }
+
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
         self.graphs.begin(&self.queue, pass)
     }
