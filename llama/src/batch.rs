@@ -413,9 +413,9 @@ impl<B: Backend> Batcher<B> {
     /// last token and a chunk of the prompts being prefilled. For each sequence with new
     /// logits (decoding, or its prompt just completed) `next(id, scores)` returns the next
     /// token, or `None` to end the sequence; `scores` is the row of logits, or the greedy token
-    /// when every such sequence of the pass was submitted as [`Choosing::Greedy`]. Returns the sequences that ended (their caches are
-    /// freed). A step with nothing to run returns at once. On an error nothing has advanced, so
-    /// the step can be retried.
+    /// when every such sequence of the pass was submitted as [`Choosing::Greedy`]. Returns the
+    /// sequences that ended (their caches are freed). A step with nothing to run returns at
+    /// once. On an error nothing has advanced, so the step can be retried.
     pub fn step<W: WeightSource>(
         &mut self,
         model: &mut Llama<B, W>,
