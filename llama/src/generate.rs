@@ -501,11 +501,19 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
         on_step: &mut impl FnMut(&Step) -> ControlFlow<()>,
     ) -> Result<FinishReason, LlamaError> {
         let context = self.model.context();
+        // A plain greedy step needs only each position's argmax, which the backend takes where
+        // the logits are (the prompt's logits are already here).
+        let greedy = step.is_plain_greedy();
+        let mut chosen: Option<u32> = None;
         loop {
             if step.tokens().len() >= max_tokens {
                 return Ok(FinishReason::Length);
             }
-            let s = step.next(logits, &self.tokenizer)?;
+            let scores = match chosen {
+                Some(token) => Scores::Greedy(token),
+                None => Scores::Logits(logits),
+            };
+            let s = step.next_from(scores, &self.tokenizer)?;
             if s.end == Some(FinishReason::Eos) {
                 return Ok(FinishReason::Eos);
             }
@@ -521,8 +529,12 @@ impl<B: Backend, W: WeightSource> Session<B, W> {
             if self.model.pos() >= context {
                 return Ok(FinishReason::Context);
             }
-            logits.clear();
-            logits.extend_from_slice(self.model.forward(&[s.token])?);
+            if greedy {
+                chosen = Some(self.model.forward_greedy(&[s.token])?);
+            } else {
+                logits.clear();
+                logits.extend_from_slice(self.model.forward(&[s.token])?);
+            }
         }
     }
 }

@@ -812,6 +812,39 @@ fn generate_batch_equals_session_on_a_synthetic_model() {
     batch_equals_session(&dir, &prompts, &sampled, 5);
 }
 
+/// `Llama::forward_greedy` (the backend's argmax of each step) gives the tokens of the argmax of
+/// `forward`'s logits, a prompt longer than one pass included, and leaves no stale logits.
+#[test]
+fn forward_greedy_equals_the_argmax_of_forward() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (dtype, tied) in [(DType::Q4_1, true), (DType::F16, false)] {
+        let dir = tmp.path().join(format!("{dtype}-{tied}"));
+        synth_model(&dir, dtype, tied);
+        // Passes of at most 16 rows, so that a 21-token prompt takes two.
+        let model = &mut in_memory(&dir, 256, 16);
+        let label = format!("cpu {dtype} tied={tied}");
+        let vocab = model.config().vocab_size as u32;
+        let long = prompt(3, model.max_rows_per_sequence() + 5, vocab);
+        for p in [prompt(1, 1, vocab), prompt(2, 9, vocab), long] {
+            model.truncate(0);
+            let mut want = vec![argmax(model.forward(&p).unwrap())];
+            for _ in 0..12 {
+                let t = *want.last().unwrap();
+                want.push(argmax(model.forward(&[t]).unwrap()));
+            }
+            model.truncate(0);
+            let mut got = vec![model.forward_greedy(&p).unwrap()];
+            for _ in 0..12 {
+                let t = *got.last().unwrap();
+                got.push(model.forward_greedy(&[t]).unwrap());
+            }
+            assert_eq!(got, want, "{label}: prompt of {}", p.len());
+            assert!(model.last_logits().is_empty(), "{label}: stale logits");
+        }
+        assert!(model.forward_greedy(&[]).is_err(), "{label}: no tokens");
+    }
+}
+
 #[test]
 fn smollm2_batch_equals_each_prompt_alone() {
     let Some(dir) = common::model_dir() else {

@@ -875,6 +875,28 @@ fn greedy_run<W: llama::WeightSource>(
     (tokens, all)
 }
 
+/// The tokens of [`greedy_run`] from the start of the sequence through `Llama::forward_greedy`
+/// (the backend's argmax of each step's logits: only the id comes back).
+fn greedy_ids_run<W: llama::WeightSource>(
+    model: &mut Llama<CudaBackend, W>,
+    steps: usize,
+) -> Vec<u32> {
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 7919 + 11) % vocab).collect();
+    model.truncate(0);
+    let mut token = model.forward_greedy(&prompt).unwrap();
+    let mut tokens = Vec::new();
+    for _ in 0..steps {
+        tokens.push(token);
+        token = model.forward_greedy(&[token]).unwrap();
+    }
+    assert!(
+        model.last_logits().is_empty(),
+        "stale logits after greedy steps"
+    );
+    tokens
+}
+
 /// `dir` on device 0 through the production path (`llama::open`: weights in device memory
 /// through residency, read by gds-io).
 fn open_cuda(
@@ -981,6 +1003,13 @@ fn streamed_matches_resident(dir: &std::path::Path, label: &str) {
                 "{label} {name}: no host-tier copies"
             );
         }
+        // The same steps with the backend taking each argmax (recorded and replayed as well).
+        let ids = greedy_ids_run(&mut llama, steps);
+        println!(
+            "{label} {name}: the backend's greedy ids equal the argmax of the logits: {}",
+            ids == want_tokens
+        );
+        assert_eq!(ids, want_tokens, "{label} {name}: greedy ids differ");
     }
 }
 

@@ -254,7 +254,7 @@ fn bench<B: Backend, W: WeightSource>(
         let mut next = 300u32;
         let t = std::time::Instant::now();
         for _ in 0..args.n_gen {
-            next = llama::sampling::argmax(llama.forward(&[next])?);
+            next = llama.forward_greedy(&[next])?;
         }
         tg.push(args.n_gen as f64 / t.elapsed().as_secs_f64());
         tg_bytes += streamed_bytes(llama) - before;

@@ -18,7 +18,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         for chunk in tokens.chunks(self.max_rows_per_sequence()) {
             // The pass leaves the chunk's residual stream in `state.x`; only its last row was
             // normed, so the output norm is applied again to all rows.
-            self.single_pass(chunk)?;
+            self.single_pass(chunk, false)?;
             let rows = chunk.len();
             let out = &self.table.output;
             let guard = self.weights.acquire(out.blob)?;

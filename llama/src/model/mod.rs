@@ -147,7 +147,7 @@ pub struct Llama<B: Backend, W: WeightSource> {
     /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
     batch_logits: Vec<f32>,
     /// The greedy token of each sequence with logits of the last
-    /// [`Llama::forward_batch_greedy`].
+    /// [`Llama::forward_batch_greedy`] (or of the last [`Llama::forward_greedy`]).
     batch_greedy: Vec<u32>,
     /// Bumped whenever `state` or `kv_cache` get new buffers (see [`PassInfo::generation`]).
     generation: u64,
@@ -285,7 +285,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         self.pos
     }
 
-    /// Logits after the last position computed.
+    /// Logits after the last position computed (empty after a [`Llama::forward_greedy`]).
     pub fn last_logits(&self) -> &[f32] {
         &self.logits
     }
@@ -330,20 +330,43 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
         self.check_tokens(tokens)?;
         for chunk in tokens.chunks(self.max_rows_per_sequence()) {
-            self.single_pass(chunk)?;
+            self.single_pass(chunk, false)?;
         }
         Ok(&self.logits)
     }
 
+    /// [`Llama::forward`] for a sequence that chooses greedily: the greedy token after the last
+    /// position, [`crate::sampling::argmax`] of the logits `forward` would return, taken by the
+    /// backend where the logits are (on a GPU only the id comes back, not the whole row, and no
+    /// host time goes into the argmax). [`Llama::last_logits`] is empty afterwards.
+    pub fn forward_greedy(&mut self, tokens: &[u32]) -> Result<u32, LlamaError> {
+        if tokens.is_empty() {
+            return Err(LlamaError::Config {
+                setting: "tokens",
+                message: "a greedy step needs at least one token".into(),
+            });
+        }
+        self.check_tokens(tokens)?;
+        // The chunks of `forward`, the last one read back as its greedy token.
+        let per = self.max_rows_per_sequence();
+        let last = (tokens.len() - 1) / per * per;
+        for chunk in tokens[..last].chunks(per) {
+            self.single_pass(chunk, false)?;
+        }
+        self.single_pass(&tokens[last..], true)?;
+        Ok(self.batch_greedy[0])
+    }
+
     /// One pass of the single sequence over `tokens` at positions `pos ..`, on the model's own
-    /// cache.
-    fn single_pass(&mut self, tokens: &[u32]) -> Result<(), LlamaError> {
+    /// cache: the logits into `logits`, or with `greedy` the greedy token into `batch_greedy[0]`.
+    fn single_pass(&mut self, tokens: &[u32], greedy: bool) -> Result<(), LlamaError> {
         if self.kv_cache.is_empty() {
             self.kv_cache = self.alloc_kv_layers(self.context)?;
             self.generation += 1;
         }
         let mut kv = std::mem::take(&mut self.kv_cache);
         let mut logits = std::mem::take(&mut self.logits);
+        let mut ids = std::mem::take(&mut self.batch_greedy);
         let mut seg = [Segment {
             kv: &mut kv,
             row0: 0,
@@ -352,24 +375,21 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             solo_rows: tokens.len(),
             logits: true,
         }];
-        let mut done = self.pass(
-            tokens,
-            &mut seg,
-            &mut Readback::Logits(&mut logits),
-            Some(0),
-        );
+        let mut readback = if greedy {
+            logits.clear(); // no longer the logits after the last position
+            Readback::Greedy(&mut ids)
+        } else {
+            Readback::Logits(&mut logits)
+        };
+        let mut done = self.pass(tokens, &mut seg, &mut readback, Some(0));
         if let Err(LlamaError::Backend(BackendError::PassNotRun { reason })) = &done {
             // The backend tried to record the pass and could not; it runs op by op from now.
             tracing::debug!("{reason}; running the pass op by op");
-            done = self.pass(
-                tokens,
-                &mut seg,
-                &mut Readback::Logits(&mut logits),
-                Some(0),
-            );
+            done = self.pass(tokens, &mut seg, &mut readback, Some(0));
         }
         self.kv_cache = kv;
         self.logits = logits;
+        self.batch_greedy = ids;
         done?;
         self.pos += tokens.len();
         Ok(())
