@@ -24,23 +24,10 @@ __device__ __forceinline__ u64 slot_of(int s0, int t, int slots) {
 // Dims of the output a lane of `attention_decode` accumulates: head_dim <= 8 · 32.
 // (Positions per chunk of `attention_decode`: ATT_SPLIT in cuda/attention.rs.)
 #define ATT_DPL 8
-// Scaled scores of one query head (`qs`, in shared memory) against positions t0..t0+n of the
-// f16 K cache of `slots` positions into p[]: each warp scores whole positions (lanes over
-// head_dim, coalesced). Returns their maximum (NEG_INF when n is 0). Every thread of the block
-// calls it.
-__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int slots, int t0,
-                                                  int n, int kv_width, int kvh, int head_dim, float scale,
-                                                  float* p, float* red) {
+// The largest of p[0..n) (NEG_INF when n is 0), once every thread has written its scores (the
+// caller's barrier); `red` holds a float a warp. Every thread of the block calls it and gets it.
+__device__ __forceinline__ float attention_block_max(const float* p, int n, float* red) {
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
-    int s0 = t0 % slots;
-    for (int t = warp; t < n; t += n_warps) {
-        const u16* kt = k_cache + slot_of(s0, t, slots) * kv_width + kvh * head_dim;
-        float s = 0.f;
-        for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
-        s = warp_sum(s);
-        if (lane == 0) p[t] = s * scale;
-    }
-    __syncthreads();
     float m = NEG_INF;
     for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
     m = warp_max(m);
@@ -50,6 +37,26 @@ __device__ __forceinline__ float attention_scores(const float* qs, const u16* k_
     for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
     __syncthreads();  // everyone has read red[] before it is reused
     return m;
+}
+
+// Scaled scores of one query head (`qs`, in shared memory) against positions t0..t0+n of the
+// f16 K cache of `slots` positions into p[]: each warp scores whole positions (lanes over
+// head_dim, coalesced). Returns their maximum (NEG_INF when n is 0). Every thread of the block
+// calls it.
+__device__ __forceinline__ float attention_scores(const float* qs, const u16* k_cache, int slots, int t0,
+                                                  int n, int kv_width, int kvh, int head_dim, float scale,
+                                                  float* p, float* red) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+    int s0 = t0 % slots;
+    for (int t = warp; t < n; t += n_warps) {
+        const u16* kt = k_cache + slot_of(s0, t, slots) * kv_width + kvh * head_dim;
+        float s = 0.f;
+        for (int d = lane; d < head_dim; d += 32) s += qs[d] * h2f(kt[d]);
+        s = warp_sum(s);
+        if (lane == 0) p[t] = s * scale;
+    }
+    __syncthreads();
+    return attention_block_max(p, n, red);
 }
 
 // `attention_scores` for a decode chunk, a pair of threads a position: each thread loads its half
@@ -64,7 +71,7 @@ __device__ __forceinline__ float attention_scores_by_key(const float* qs, const 
                                                          float* p, float* red) {
     if (head_dim % 16 != 0 || head_dim > 256 || kv_width % 8 != 0)
         return attention_scores(qs, k_cache, slots, t0, n, kv_width, kvh, head_dim, scale, p, red);
-    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, n_warps = blockDim.x / 32;
+    int tid = threadIdx.x;
     const int per = head_dim / 2, vecs = per / 8, half = tid & 1;
     const float4* q4 = (const float4*)(qs + half * per);
     int s0 = t0 % slots;
@@ -97,15 +104,7 @@ __device__ __forceinline__ float attention_scores_by_key(const float* qs, const 
         if (t < n && half == 0) p[t] = s * scale;
     }
     __syncthreads();
-    float m = NEG_INF;
-    for (int t = tid; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = NEG_INF;
-    for (int w = 0; w < n_warps; w++) m = fmaxf(m, red[w]);
-    __syncthreads();  // everyone has read red[] before it is reused
-    return m;
+    return attention_block_max(p, n, red);
 }
 
 // p[t] = e^(p[t] − ref) for t < n; returns their sum. Every thread of the block calls it.
