@@ -243,20 +243,23 @@ impl CudaBackend {
                 ),
             });
         }
-        let ids = self
-            .queue
-            .alloc_zeros::<u32>(rows, "allocating the greedy ids")?;
-        let (xp, n, op) = (self.addr(logits, 0), cols as u64, self.queue.addr(&ids));
+        // Room for 256 ids at least, so that growing (which drops a recorded pass) happens
+        // once for every batch a server runs.
+        let op = self
+            .greedy_ids
+            .room(&self.queue, &self.graphs, rows.max(256))?;
+        let (xp, n) = (self.addr(logits, 0), cols as u64);
         let mut b = self
             .queue
             .kernel(&self.kernels.argmax_rows, "argmax_rows kernel");
         b.arg(&xp).arg(&n).arg(&op);
         let cfg = blocks((rows as u32, 1), ARGMAX_THREADS);
-        // SAFETY: `logits` holds rows·cols values (checked above), `ids` `rows` u32; the kernel
-        // takes (const float*, u64, u32*) and writes ids[blockIdx.x] only.
+        // SAFETY: `logits` holds rows·cols values (checked above), the scratch at `op` room
+        // for `rows` u32; the kernel takes (const float*, u64, u32*) and writes ids[blockIdx.x]
+        // only.
         unsafe { b.run(cfg) }?;
-        self.queue
-            .read(&ids, out, "copying the greedy ids to the host")
+        self.greedy_ids
+            .read(&self.queue, out, "copying the greedy ids to the host")
     }
 
     /// `n` values from device address `src` to `dst` through a `copy_*` kernel (which converts

@@ -102,6 +102,9 @@ pub struct CudaBackend {
     /// The split-K partial sums and per-tile counters of the mma matmul kernels.
     mma_partials: Scratch<f32>,
     mma_counters: Scratch<i32>,
+    /// The ids `argmax_rows` writes (one per row), reused by every greedy step: an allocation
+    /// per decode step cost as much as the kernel.
+    greedy_ids: Scratch<u32>,
     /// Mapped host buffers that bring a split matmul's CPU share into the activations
     /// (`split`).
     split_staging: split::HostStaging,
@@ -162,6 +165,7 @@ impl CudaBackend {
             tensor_cores,
             mma_partials: Scratch::new("allocating matmul partial sums"),
             mma_counters: Scratch::new("allocating matmul tile counters"),
+            greedy_ids: Scratch::new("allocating the greedy ids"),
             split_staging: split::HostStaging::new(),
         })
     }

@@ -48,6 +48,19 @@ impl<T: DeviceRepr + ValidAsZeroBits> Scratch<T> {
         }
     }
 
+    /// The first `out.len()` values of the buffer on the host, after the work queued before
+    /// (`out` must fit in what [`Scratch::room`] last gave).
+    pub fn read(&self, queue: &Queue, out: &mut [T], op: &'static str) -> Result<(), BackendError> {
+        let slot = self.buf.lock().expect("not poisoned");
+        match slot.as_ref() {
+            Some(b) if b.len() >= out.len() => queue.read(b, out, op),
+            _ => Err(BackendError::Unsupported {
+                op,
+                message: format!("reading {} values from a smaller scratch buffer", out.len()),
+            }),
+        }
+    }
+
     /// [`Scratch::room`] for an optional use: None instead of growing while recording.
     pub fn room_if_free(
         &self,
