@@ -47,6 +47,12 @@ pub struct Args {
     /// takes the argmax where the logits are: on a GPU only the ids come back).
     #[arg(long, requires = "batch")]
     pub logits_to_host: bool,
+    /// Skip the untimed warm-up before the timed repetitions (one prompt pass of -p tokens and
+    /// one decode step, as llama-bench does): without it the first repetition also pays the
+    /// one-time costs of a new shape (cuBLAS choosing and loading its kernels for the prompt's
+    /// GEMMs, memory pools growing, the decode step's graph being recorded).
+    #[arg(long)]
+    pub no_warmup: bool,
     #[command(flatten)]
     pub open: OpenArgs,
 }
@@ -237,6 +243,16 @@ fn bench<B: Backend, W: WeightSource>(
     let after_load = llama.weights().residency_stats().unwrap_or_default();
     let load_bytes = after_load.total.disk_read_bytes();
     let load_gbps = after_load.total.disk_read_gbps();
+
+    if !args.no_warmup {
+        llama.truncate(0);
+        if args.n_prompt > 1 {
+            llama.forward(&prompt)?;
+        }
+        if args.n_gen > 0 {
+            llama.forward_greedy(&[300])?;
+        }
+    }
 
     let mut pp = Vec::new();
     let mut tg = Vec::new();
