@@ -172,7 +172,8 @@ impl CudaBackend {
                 let tp = self.queue.addr(&tmp);
                 for &(at, rows) in &prefills {
                     let (xp, op) = (self.addr(x, at * cols), self.addr(out, at * w.rows));
-                    self.matmul_cublas(xp, rows, w, tp, to, op, accumulate)?;
+                    let mut x_half = None;
+                    self.matmul_cublas(xp, rows, w, tp, to, op, accumulate, &mut x_half)?;
                 }
                 // Freed in stream order, after the GEMMs that read it.
                 drop(tmp);
@@ -199,11 +200,14 @@ impl CudaBackend {
         };
         let blas = self.queue.has_blas() && solo_rows >= CUBLAS_MIN_ROWS;
         let mut x16 = self.x16.lookup(&self.queue, xp, rows * first.cols);
+        // x rounded to f16 for cuBLAS, once for all the GEMMs of this input (Q, K and V; gate
+        // and up): three conversions of the same rows were 16 % of a 7B prompt pass (ncu).
+        let mut x_half = None;
         let mut start = 0;
         while start < jobs.len() {
             let first = jobs[start].0;
             if blas && first.dtype != DType::F32 {
-                self.matmul_blas(xp, rows, first, jobs[start].1, accumulate)?;
+                self.matmul_blas(xp, rows, first, jobs[start].1, accumulate, &mut x_half)?;
                 start += 1;
                 continue;
             }
@@ -427,7 +431,8 @@ impl CudaBackend {
     }
 
     /// One cuBLAS GEMM: f16 weights as they are, bf16 through an f32 copy, quantized ones
-    /// through an f16 copy (see [`CUBLAS_MIN_ROWS`]).
+    /// through an f16 copy (see [`CUBLAS_MIN_ROWS`]); `x_half` is x rounded to f16, made by
+    /// the first GEMM of this x that needs it.
     fn matmul_blas(
         &self,
         xp: u64,
@@ -435,16 +440,19 @@ impl CudaBackend {
         w: &WeightView<'_>,
         op: u64,
         accumulate: bool,
+        x_half: &mut Option<CudaSlice<u16>>,
     ) -> Result<(), BackendError> {
         let wp = device_ptr(w)?.addr();
         let to = match w.dtype {
-            DType::F16 => return self.matmul_cublas(xp, rows, w, wp, DType::F16, op, accumulate),
+            DType::F16 => {
+                return self.matmul_cublas(xp, rows, w, wp, DType::F16, op, accumulate, x_half);
+            }
             DType::Bf16 => DType::F32,
             _ => DType::F16,
         };
         let tmp = self.dequantize(w, wp, to)?;
         let tp = self.queue.addr(&tmp);
-        self.matmul_cublas(xp, rows, w, tp, to, op, accumulate)?;
+        self.matmul_cublas(xp, rows, w, tp, to, op, accumulate, x_half)?;
         // Freed in stream order, after the GEMM that reads it.
         drop(tmp);
         Ok(())
@@ -490,8 +498,8 @@ impl CudaBackend {
     }
 
     /// `out[rows, m] (+)= x[rows, k] · W[m, k]ᵀ` with cuBLAS, W of type `w_type` (f16 or f32)
-    /// at `w_ptr`: x is rounded to that type (tensor cores take both operands in one type),
-    /// products accumulate in f32.
+    /// at `w_ptr`: x is rounded to that type (tensor cores take both operands in one type) into
+    /// `x_half` unless an earlier GEMM of the same x did, products accumulate in f32.
     #[allow(clippy::too_many_arguments)]
     fn matmul_cublas(
         &self,
@@ -502,27 +510,34 @@ impl CudaBackend {
         w_type: DType,
         op: u64,
         accumulate: bool,
+        x_half: &mut Option<CudaSlice<u16>>,
     ) -> Result<(), BackendError> {
         let (m, k) = (w.rows, w.cols);
         let n = rows * k;
-        // x in the weights' type: f32 as it is, else a rounded copy.
-        let (x_in, x16, ab_type) = if w_type == DType::F32 {
-            (xp, None, cudaDataType::CUDA_R_32F)
+        // x in the weights' type: f32 as it is, else the rounded copy (weights reach cuBLAS as
+        // f16 or f32 only).
+        let (x_in, ab_type) = if w_type == DType::F32 {
+            (xp, cudaDataType::CUDA_R_32F)
         } else {
-            let x16 = self
-                .queue
-                .alloc_zeros::<u16>(n, "allocating a half-precision copy of x")?;
-            let x16p = self.queue.addr(&x16);
-            let (convert, data_type) = match w_type {
-                DType::F16 => (&self.kernels.copy_f32_to_f16, cudaDataType::CUDA_R_16F),
-                _ => (&self.kernels.copy_f32_to_bf16, cudaDataType::CUDA_R_16BF),
-            };
-            let n64 = n as u64;
-            let mut b = self.queue.kernel(convert, "f32 to half kernel");
-            b.arg(&xp).arg(&x16p).arg(&n64);
-            // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
-            unsafe { b.run(elementwise(n)) }?;
-            (x16p, Some(x16), data_type)
+            if x_half.is_none() {
+                // SAFETY: the conversion below writes all n values before any GEMM reads them
+                // (a failed launch stops the pass before the GEMM).
+                let x16 = unsafe {
+                    self.queue
+                        .alloc::<u16>(n, "allocating a half-precision copy of x")
+                }?;
+                let x16p = self.queue.addr(&x16);
+                let n64 = n as u64;
+                let mut b = self
+                    .queue
+                    .kernel(&self.kernels.copy_f32_to_f16, "f32 to half kernel");
+                b.arg(&xp).arg(&x16p).arg(&n64);
+                // SAFETY: x holds rows·k values and x16 was allocated with exactly that many.
+                unsafe { b.run(elementwise(n)) }?;
+                *x_half = Some(x16);
+            }
+            let x16 = x_half.as_ref().expect("made above");
+            (self.queue.addr(x16), cudaDataType::CUDA_R_16F)
         };
         let args = GemmArgs {
             m: m as i32,
@@ -539,11 +554,9 @@ impl CudaBackend {
         // transposed, x16 is k×rows (ld k), out is m×rows (ld m) = row-major [rows, m]. Every
         // pointer is a live device allocation of at least that extent (the weight's shape was
         // checked when the model resolved it; x and out hold rows·k and rows·m values); the
-        // handle runs on the queue's stream, so x16 outlives the queued GEMM (its free is
-        // ordered on the same stream).
-        unsafe { self.queue.gemm(args) }?;
-        drop(x16);
-        Ok(())
+        // handle runs on the queue's stream, so x16 outlives the queued GEMM (the caller drops
+        // it later, its free ordered on the same stream).
+        unsafe { self.queue.gemm(args) }
     }
 }
 

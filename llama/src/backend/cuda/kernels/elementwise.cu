@@ -29,12 +29,6 @@ extern "C" __global__ void copy_f32_to_f16(const float* src, u16* dst, u64 n) {
     if (i < n) dst[i] = f2h(src[i]);
 }
 
-extern "C" __global__ void copy_f32_to_bf16(const float* src, u16* dst, u64 n) {
-    pdl_begin();
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dst[i] = f2bf(src[i]);
-}
-
 extern "C" __global__ void copy_f16_to_f32(const u16* src, float* dst, u64 n) {
     pdl_begin();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
