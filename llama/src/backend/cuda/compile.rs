@@ -262,12 +262,33 @@ mod tests {
                 .unwrap_or("");
             let name = src[at..body].split('(').next().unwrap_or("").trim();
             assert!(
-                first.starts_with("pdl_begin();"),
-                "{name} starts with `{first}`, not pdl_begin()"
+                first.starts_with("pdl_begin();") || first.starts_with("pdl_deferred();"),
+                "{name} starts with `{first}`, not pdl_begin() or pdl_deferred()"
             );
             kernels += 1;
         }
         assert!(kernels >= 30, "found {kernels} kernel definitions");
+        // The matmul implementations behind `pdl_deferred()` wait themselves, once their
+        // first weights are loaded.
+        let marker = "// Called after pdl_deferred(): pdl_begin() comes after the first weights";
+        let mut deferred = 0;
+        for (at, _) in src.match_indices(marker) {
+            let body = &src[at..];
+            let end = body.find("\n}\n").expect("a function ends");
+            let name = body
+                .lines()
+                .find(|l| l.contains("__device__"))
+                .unwrap_or("");
+            assert!(
+                body[..end].contains("pdl_begin();"),
+                "{name} is marked as waiting itself but has no pdl_begin()"
+            );
+            deferred += 1;
+        }
+        assert_eq!(
+            deferred, 3,
+            "the matmul implementations that wait themselves"
+        );
     }
 
     /// Every kernel `Kernels::load` looks up is defined in exactly one file.

@@ -64,6 +64,20 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// The first statement of a matmul kernel whose implementation calls pdl_begin() itself, after
+// loading its first weights: weights are written by copies (uploads, the streamed and host-tier
+// slots), never by a kernel, so they can be read while the kernel before is still finishing and
+// their load latency overlaps its tail instead of following it. Anything a kernel writes (the
+// activations, the outputs) is touched only after pdl_begin().
+__device__ __forceinline__ void pdl_deferred() {}
+// `GDSLLM_CUDA_DEFINES=PDL_WEIGHTS_AFTER_WAIT` loads them after the wait instead, as every other
+// kernel does (to measure what the overlap gives).
+#ifdef PDL_WEIGHTS_AFTER_WAIT
+#define PDL_EARLY_WEIGHTS 0
+#else
+#define PDL_EARLY_WEIGHTS 1
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -295,7 +295,7 @@ __device__ void matmul_kq_impl(const short* xq, const float4* xs, int rows, int 
         return kq_block_acc(q, xw, s, acc);
     };
     u64 row_bytes = (u64)(k / kq_block_len<DTYPE>()) * kq_block_bytes<DTYPE>();
-    matmul_x16_impl<KqBlock, NR>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
+    matmul_x16_impl<KqBlock, NR, true>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
 }
 
 #define MATMUL_KQ_KERNELS(NAME, DTYPE) MATMUL_X16_KERNELS(NAME, matmul_kq_impl, DTYPE)
@@ -441,6 +441,7 @@ __device__ __forceinline__ float kq_lane_acc(const KqLaneRaw& r, int q, int c, c
     }
 }
 
+// Called after pdl_deferred(): pdl_begin() comes after the first weights are loaded.
 template <int DTYPE, int NR>
 __device__ void matmul_kq_sb_impl(const short* xq, const float4* xs, int rows, int k, const MatmulJobs& jobs) {
     MatmulTile t;
@@ -456,11 +457,17 @@ __device__ void matmul_kq_sb_impl(const short* xq, const float4* xs, int rows, i
     const int n_sb = k / 256, n_blocks = k / 32;
     const u64 row_bytes = (u64)n_sb * bytes;
     const u8* w0 = t.w + (u64)t.i0 * row_bytes;
-    for (int s = 2 * warp + lane / 16; s < n_sb; s += 2 * MM_WARPS) {
-        KqLaneRaw raw[MM_WROWS];
+    const int first = 2 * warp + lane / 16;
+    KqLaneRaw raw[MM_WROWS];
+    auto load_rows = [&](int s) {
 #pragma unroll
         for (int j = 0; j < MM_WROWS; j++)
             kq_lane_load<DTYPE>(w0 + (j < nw ? j : 0) * row_bytes + (u64)s * bytes, q, c, raw[j]);
+    };
+    if (PDL_EARLY_WEIGHTS && first < n_sb) load_rows(first);  // before the wait: see pdl_deferred (common.cuh)
+    pdl_begin();
+    for (int s = first; s < n_sb; s += 2 * MM_WARPS) {
+        if (!PDL_EARLY_WEIGHTS || s != first) load_rows(s);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;

@@ -97,6 +97,7 @@ __device__ __forceinline__ float half_bits(u32 bits, int dtype) {
 }
 
 // f32, f16 and bf16 weights with f32 activations.
+// Called after pdl_deferred(): pdl_begin() comes after the first weights are loaded.
 template <int DTYPE, int NR>
 __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
     MatmulTile t;
@@ -110,12 +111,18 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
         u64 row_bytes = (u64)k * 2;
         const u8* w0 = t.w + (u64)t.i0 * row_bytes;
         int k8 = (k % 8 == 0 && ((u64)w0 & 15) == 0) ? k / 8 : 0;
-#pragma unroll 2
-        for (int c8 = warp * 32 + lane; c8 < k8; c8 += step) {
-            uint4 raw[MM_WROWS];
+        const int first = warp * 32 + lane;
+        auto load = [&](int c8, uint4 (&raw)[MM_WROWS]) {
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++)
                 raw[j] = j < nw ? ((const uint4*)(w0 + j * row_bytes))[c8] : make_uint4(0, 0, 0, 0);
+        };
+        uint4 raw[MM_WROWS];
+        if (PDL_EARLY_WEIGHTS && first < k8) load(first, raw);  // before the wait: see pdl_deferred
+        pdl_begin();
+#pragma unroll 2
+        for (int c8 = first; c8 < k8; c8 += step) {
+            if (!PDL_EARLY_WEIGHTS || c8 != first) load(c8, raw);
             float wv[MM_WROWS][8];
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) {
@@ -157,6 +164,7 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
             }
         }
     } else {
+        pdl_begin();
         for (int c = warp * 32 + lane; c < k; c += step) {
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) {
@@ -249,13 +257,15 @@ __device__ __forceinline__ float4 x16_block(const short* xq, const float4* xs, u
     return xs[xb];
 }
 
+// Called after pdl_deferred(): pdl_begin() comes after the first weights are loaded when EARLY,
+// else before any load.
 // Quantized weights read as stored (no dequantized copy), `row_bytes` a row, with the activations
 // of `quantize_x16_lanes` (`xq`: 32 16-bit integers per block, `xs`: one float4 per block): lane
 // l of warp w takes the 32-value blocks (it·MM_WARPS + w)·32 + l of MM_WROWS weight rows,
 // `load(row, b, block)` decoding block b of a row and `block_acc(block, xw, s, acc)` adding its
 // products with an input block to acc. The loop of q8_0, q4_0 and q4_1 (`matmul_q_impl`) and of
 // the dtypes of kquants.cu (`matmul_kq_impl`).
-template <typename Block, int NR, typename Load, typename BlockAcc>
+template <typename Block, int NR, bool EARLY, typename Load, typename BlockAcc>
 __device__ __forceinline__ void matmul_x16_impl(const short* xq, const float4* xs, int rows, int k,
                                                 const MatmulJobs& jobs, u64 row_bytes, Load load,
                                                 BlockAcc block_acc) {
@@ -266,12 +276,19 @@ __device__ __forceinline__ void matmul_x16_impl(const short* xq, const float4* x
     float acc[NR][MM_WROWS] = {};
     int n_blocks = k / 32;
     const u8* w0 = t.w + (u64)t.i0 * row_bytes;
-    // Each lane reads its own block straight (staging a warp's blocks through shared memory
-    // with coalesced 16-byte loads measured slower on the H200).
-    for (int b = warp * 32 + lane; b < n_blocks; b += MM_WARPS * 32) {
-        Block q[MM_WROWS];
+    const int first = warp * 32 + lane;
+    Block q[MM_WROWS];
+    auto load_rows = [&](int b) {
 #pragma unroll
         for (int j = 0; j < MM_WROWS; j++) load(w0 + (j < nw ? j : 0) * row_bytes, b, q[j]);
+    };
+    constexpr bool early = EARLY && PDL_EARLY_WEIGHTS;
+    if (early && first < n_blocks) load_rows(first);  // before the wait: see pdl_deferred
+    pdl_begin();
+    // Each lane reads its own block straight (staging a warp's blocks through shared memory
+    // with coalesced 16-byte loads measured slower on the H200).
+    for (int b = first; b < n_blocks; b += MM_WARPS * 32) {
+        if (!early || b != first) load_rows(b);
 #pragma unroll
         for (int r = 0; r < NR; r++) {
             if (r >= nr) continue;
@@ -294,7 +311,11 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
         return qblock_acc(q, qblock_idot(q, xw), s, acc);
     };
     u64 row_bytes = (u64)(k / 32) * qblock_bytes<DTYPE>();
-    matmul_x16_impl<QBlock<DTYPE>, NR>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
+    // q8_0 and q4_0 (16-bit loads) load their weights after the wait: before it, the 7B tg128
+    // on the H200 went 308 -> 294 (q8_0) and 428 -> 411 tok/s (q4_0) where q4_1 went 456 -> 467
+    // and a SmolLM2-shaped q4_1 1,028 -> 1,203 (BENCHMARKS.md, 2026-11-28).
+    constexpr bool early = DTYPE == 5;
+    matmul_x16_impl<QBlock<DTYPE>, NR, early>(xq, xs, rows, k, jobs, row_bytes, load, block_acc);
 }
 
 // One kernel per weight dtype and row count per block: `_r1` for one input row (decoding one
@@ -302,12 +323,12 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 #define MATMUL_KERNELS(NAME, DTYPE)                                                                   \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r1(const float* x, int rows, int k, MatmulJobs jobs) {                               \
-        pdl_begin();                                                                                 \
+        pdl_deferred();                                                                              \
         matmul_impl<DTYPE, 1>(x, rows, k, jobs);                                                     \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r8(const float* x, int rows, int k, MatmulJobs jobs) {                               \
-        pdl_begin();                                                                                 \
+        pdl_deferred();                                                                              \
         matmul_impl<DTYPE, MM_ROWS>(x, rows, k, jobs);                                               \
     }
 // The kernels of an implementation `IMPL<DTYPE, NR>` over the 16-bit activations, the one-row
@@ -315,12 +336,12 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 #define MATMUL_X16_KERNELS_BOUNDED(NAME, IMPL, DTYPE, R1_BOUNDS)                                      \
     extern "C" __global__ void R1_BOUNDS                                                             \
         NAME##_r1(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        pdl_begin();                                                                                 \
+        pdl_deferred();                                                                              \
         IMPL<DTYPE, 1>(xq, xs, rows, k, jobs);                                                       \
     }                                                                                                \
     extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
         NAME##_r8(const short* xq, const float4* xs, int rows, int k, MatmulJobs jobs) {             \
-        pdl_begin();                                                                                 \
+        pdl_deferred();                                                                              \
         IMPL<DTYPE, MM_ROWS>(xq, xs, rows, k, jobs);                                                 \
     }
 #define MATMUL_X16_KERNELS(NAME, IMPL, DTYPE) \
