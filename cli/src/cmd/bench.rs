@@ -48,9 +48,10 @@ pub struct Args {
     #[arg(long, requires = "batch")]
     pub logits_to_host: bool,
     /// Skip the untimed warm-up before the timed repetitions (one prompt pass of -p tokens and
-    /// one decode step, as llama-bench does): without it the first repetition also pays the
-    /// one-time costs of a new shape (cuBLAS choosing and loading its kernels for the prompt's
-    /// GEMMs, memory pools growing, the decode step's graph being recorded).
+    /// one decode step, as llama-bench does; with --batch, two decode steps of each batch after
+    /// its prefill): without it the first repetition also pays the one-time costs of a new
+    /// shape (cuBLAS choosing and loading its kernels for the prompt's GEMMs, memory pools and
+    /// buffers growing, the decode step's graph being recorded).
     #[arg(long)]
     pub no_warmup: bool,
     #[command(flatten)]
@@ -357,8 +358,14 @@ fn batch_sizes(list: &[u64]) -> Vec<usize> {
 /// plus a chunk, apart from the context, so a 7B model's KV caches stay small.)
 fn batch_context(n_prompt: usize, n_gen: usize, most: usize) -> usize {
     let prefill_steps = (most * n_prompt.max(1)).div_ceil(DEFAULT_PREFILL_CHUNK);
-    n_prompt + n_gen + prefill_steps + 2
+    n_prompt + n_gen + prefill_steps + BATCH_WARMUP_STEPS + 2
 }
+
+/// Untimed decode steps of every batch before its timed ones (unless `--no-warmup`): the first
+/// steps at a new batch size also pay one-time costs (buffers growing to the new shape), which
+/// made a batch of 32's first repetition on the H200 0.97× llama-batched-bench where later
+/// ones made 1.05× (BENCHMARKS.md, 2026-11-28).
+const BATCH_WARMUP_STEPS: usize = 2;
 
 /// One batch size's results.
 struct BatchRow {
@@ -390,7 +397,7 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
             .min(llama.max_rows().saturating_sub(size).max(1));
         let prefill_steps = (size * n_prompt).div_ceil(config.prefill_chunk);
         // Nobody may finish inside the timed steps.
-        let max_new = args.n_gen + prefill_steps + 2;
+        let max_new = args.n_gen + prefill_steps + BATCH_WARMUP_STEPS + 2;
         if n_prompt + max_new > llama.context() {
             anyhow::bail!(
                 "batch {size}: {n_prompt} prompt + {max_new} tokens exceed the context {}",
@@ -421,6 +428,11 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
                     started.insert(id);
                     greedy(id, l)
                 })?;
+            }
+            if !args.no_warmup {
+                for _ in 0..BATCH_WARMUP_STEPS {
+                    batcher.step(llama, greedy)?;
+                }
             }
             let before = streamed(llama.weights());
             let mut n = 0usize;
