@@ -449,12 +449,8 @@ impl<B: Backend> Batcher<B> {
             return Ok(std::mem::take(&mut self.ended));
         }
 
-        // Greedy ids instead of logits when nobody of this pass needs more.
-        let greedy = plan.iter().all(|&(i, take, _)| {
-            let r = &self.running[i];
-            let wants_logits = r.pending.is_some() || r.fed + take == r.prompt.len();
-            !wants_logits || r.choosing == Choosing::Greedy
-        });
+        // Greedy ids instead of logits when no entry that wants logits needs more than its id.
+        let mut greedy = true;
         let mut planned = plan.iter().peekable();
         let mut entries = Vec::with_capacity(plan.len());
         for (i, r) in self.running.iter_mut().enumerate() {
@@ -466,9 +462,10 @@ impl<B: Backend> Batcher<B> {
                 fed,
                 pending,
                 kv,
+                choosing,
                 ..
             } = r;
-            entries.push(match pending {
+            let entry = match pending {
                 Some(token) => BatchSeq {
                     kv,
                     tokens: std::slice::from_ref(token),
@@ -481,7 +478,9 @@ impl<B: Backend> Batcher<B> {
                     solo_rows,
                     logits: *fed + take == prompt.len(),
                 },
-            });
+            };
+            greedy &= !entry.logits || *choosing == Choosing::Greedy;
+            entries.push(entry);
         }
         let before_pass = started.elapsed();
         let (logits, ids): (&[f32], &[u32]) = if greedy {

@@ -146,9 +146,10 @@ pub struct Llama<B: Backend, W: WeightSource> {
     logits: Vec<f32>,
     /// `[sequences with logits, vocab]` of the last [`Llama::forward_batch`].
     batch_logits: Vec<f32>,
-    /// The greedy token of each sequence with logits of the last
-    /// [`Llama::forward_batch_greedy`] (or of the last [`Llama::forward_greedy`]).
-    batch_greedy: Vec<u32>,
+    /// The greedy tokens of the last greedy pass: one per sequence with logits of
+    /// [`Llama::forward_batch_greedy`], or the one of [`Llama::forward_greedy`] (a pass of one
+    /// sequence).
+    greedy_ids: Vec<u32>,
     /// Bumped whenever `state` or `kv_cache` get new buffers (see [`PassInfo::generation`]).
     generation: u64,
 }
@@ -189,7 +190,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             pos: 0,
             logits,
             batch_logits: Vec::new(),
-            batch_greedy: Vec::new(),
+            greedy_ids: Vec::new(),
             generation: 0,
         })
     }
@@ -354,11 +355,11 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             self.single_pass(chunk, false)?;
         }
         self.single_pass(&tokens[last..], true)?;
-        Ok(self.batch_greedy[0])
+        Ok(self.greedy_ids[0])
     }
 
     /// One pass of the single sequence over `tokens` at positions `pos ..`, on the model's own
-    /// cache: the logits into `logits`, or with `greedy` the greedy token into `batch_greedy[0]`.
+    /// cache: the logits into `logits`, or with `greedy` the greedy token into `greedy_ids[0]`.
     fn single_pass(&mut self, tokens: &[u32], greedy: bool) -> Result<(), LlamaError> {
         if self.kv_cache.is_empty() {
             self.kv_cache = self.alloc_kv_layers(self.context)?;
@@ -366,7 +367,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
         let mut kv = std::mem::take(&mut self.kv_cache);
         let mut logits = std::mem::take(&mut self.logits);
-        let mut ids = std::mem::take(&mut self.batch_greedy);
+        let mut ids = std::mem::take(&mut self.greedy_ids);
         let mut seg = [Segment {
             kv: &mut kv,
             row0: 0,
@@ -389,7 +390,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
         self.kv_cache = kv;
         self.logits = logits;
-        self.batch_greedy = ids;
+        self.greedy_ids = ids;
         done?;
         self.pos += tokens.len();
         Ok(())
@@ -415,7 +416,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         seqs: &mut [BatchSeq<'_, B>],
     ) -> Result<&[u32], LlamaError> {
         self.batch_pass(seqs, true)?;
-        Ok(&self.batch_greedy)
+        Ok(&self.greedy_ids)
     }
 
     /// The pass of [`Llama::forward_batch`] (`greedy`: of [`Llama::forward_batch_greedy`]).
@@ -466,7 +467,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
         }
         if seqs.is_empty() {
             self.batch_logits.clear();
-            self.batch_greedy.clear();
+            self.greedy_ids.clear();
             return Ok(());
         }
         // A sequence alone in its pass, computed as the model's own pass of the same rows would
@@ -497,7 +498,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             })
             .collect();
         let mut logits = std::mem::take(&mut self.batch_logits);
-        let mut ids = std::mem::take(&mut self.batch_greedy);
+        let mut ids = std::mem::take(&mut self.greedy_ids);
         let mut readback = if greedy {
             Readback::Greedy(&mut ids)
         } else {
@@ -510,7 +511,7 @@ impl<B: Backend, W: WeightSource> Llama<B, W> {
             done = self.pass(&tokens, &mut segs, &mut readback, sequence);
         }
         self.batch_logits = logits;
-        self.batch_greedy = ids;
+        self.greedy_ids = ids;
         done?;
         for s in seqs.iter_mut() {
             s.kv.len += s.tokens.len();
