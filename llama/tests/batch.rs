@@ -260,6 +260,14 @@ fn ragged_requests(vocab: u32) -> Vec<Req> {
     .collect()
 }
 
+/// Every sequence of a batch ran to its length and gave exactly its tokens alone.
+fn assert_tokens_as_alone(batched: &[(Vec<u32>, SeqEnd)], solo: &[Vec<u32>], label: &str) {
+    for (i, ((tokens, end), want)) in batched.iter().zip(solo).enumerate() {
+        assert_eq!(*end, SeqEnd::Length, "{label}: sequence {i}");
+        assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
+    }
+}
+
 /// The ragged workload through a batcher (4 at a time, prefill chunks of 8) against each
 /// request alone on the same model.
 fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>, label: &str) {
@@ -270,19 +278,10 @@ fn ragged_batch_equals_solo<B: Backend, W: WeightSource>(model: &mut Llama<B, W>
     let (batched, most) = run_batched(model, config, &reqs);
     println!("{label}: up to {most} sequences per pass");
     assert!(most >= 3, "the sequences did not overlap");
-    for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
-        assert_eq!(*end, SeqEnd::Length);
-        assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
-    }
+    assert_tokens_as_alone(&batched, &solo, label);
     // The same with the backend taking the argmax (`Choosing::Greedy`).
     let (by_ids, _) = run_batched_greedy_ids(model, config, &reqs);
-    for (i, ((tokens, end), want)) in by_ids.iter().zip(&solo).enumerate() {
-        assert_eq!(*end, SeqEnd::Length);
-        assert_eq!(
-            tokens, want,
-            "{label}: sequence {i} differs from alone (greedy ids)"
-        );
-    }
+    assert_tokens_as_alone(&by_ids, &solo, &format!("{label} (greedy ids)"));
     println!("{label}: the greedy ids the backend took gave the same tokens");
 }
 
@@ -420,6 +419,48 @@ fn cuda_batched_greedy_equals_solo_for_ragged_sequences_that_join_late() {
     cuda_ragged_batches_match_solo(&dir, 256, "cuda q4_k_m mix");
 }
 
+/// Several prompts long enough for cuBLAS prefilled in one step (each quantized weight converted
+/// to f16 once for all of their GEMMs, and each prompt's x rounded to f16 once for all the
+/// weights that read it): every sequence's greedy tokens exactly its tokens alone, on the
+/// kernels whose batched rows equal their solo rows (`CudaPaths::none`). Opt-in as above.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_prompts_prefilled_in_one_step_equal_solo() {
+    use llama::backend::cuda::CudaPaths;
+    if !support::cuda::enabled() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for dtype in [DType::Q4_1, DType::Q8_0] {
+        let dir = tmp.path().join(format!("{dtype}"));
+        synth_model(&dir, dtype, true);
+        let be = llama::CudaBackend::with_paths(0, CudaPaths::none()).unwrap();
+        let mut model = llama::load::open_uploaded_on(&dir, be, 256).unwrap();
+        let vocab = model.config().vocab_size as u32;
+        // Every prompt past `CUBLAS_MIN_ROWS` (16), all arriving at once, one step's chunk for
+        // all of them.
+        let reqs: Vec<Req> = [20, 17, 33]
+            .into_iter()
+            .enumerate()
+            .map(|(i, len)| Req {
+                at: 0,
+                prompt: prompt(40 + i as u32, len, vocab),
+                max_new: 6,
+            })
+            .collect();
+        let solo = solo_runs(&mut model, &reqs);
+        let config = BatchConfig {
+            max_batch: 4,
+            prefill_chunk: 96,
+            ..BatchConfig::for_model(&model, 4)
+        };
+        let (batched, most) = run_batched(&mut model, config, &reqs);
+        assert_eq!(most, 3, "{dtype}: the prompts did not share a step");
+        assert_tokens_as_alone(&batched, &solo, &format!("cuda {dtype}"));
+        println!("cuda {dtype}: 3 prompts of 17-33 tokens prefilled in one step, tokens as alone");
+    }
+}
+
 /// The ragged workload on CUDA on the model at `dir` (a context of `context`): each sequence's
 /// tokens alone with the default kernel paths, and close to alone with all the new ones.
 #[cfg(feature = "cuda")]
@@ -474,10 +515,7 @@ fn cuda_a_lone_batched_sequence_replays_its_decode_steps() {
         let label = format!("cuda {dtype} tied={tied}, one sequence at a time");
         println!("{label}: {replayed} of 80 decode steps replayed from a recording");
         assert_eq!(most, 1, "{label}: the requests overlapped");
-        for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
-            assert_eq!(*end, SeqEnd::Length);
-            assert_eq!(tokens, want, "{label}: sequence {i} differs from alone");
-        }
+        assert_tokens_as_alone(&batched, &solo, &label);
         assert!(
             replayed >= 60,
             "{label}: only {replayed} decode steps were replayed"
@@ -610,10 +648,7 @@ fn kv_budget_exhaustion_makes_requests_wait_and_they_complete_later() {
         .collect();
     let (batched, most) = run_batched(&mut model, config, &reqs);
     assert_eq!(most, 2, "the budget admits two at a time");
-    for (i, ((tokens, end), want)) in batched.iter().zip(&solo).enumerate() {
-        assert_eq!(*end, SeqEnd::Length, "request {i}");
-        assert_eq!(tokens, want, "request {i} differs from alone");
-    }
+    assert_tokens_as_alone(&batched, &solo, "kv budget");
 
     // A request that could never fit is refused at once; the others are not disturbed.
     let mut batcher = Batcher::new(&model, config).unwrap();

@@ -162,6 +162,8 @@ impl CudaBackend {
             row0 += rows;
         }
         if shared_conversion {
+            // Each sequence's x rounded to f16 once, by its first GEMM, for all the weights.
+            let mut x_halves: Vec<Option<CudaSlice<u16>>> = prefills.iter().map(|_| None).collect();
             for (w, out) in ws.iter().zip(outs.iter()) {
                 let to = if w.dtype == DType::Bf16 {
                     DType::F32
@@ -170,10 +172,9 @@ impl CudaBackend {
                 };
                 let tmp = self.dequantize(w, device_ptr(w)?.addr(), to)?;
                 let tp = self.queue.addr(&tmp);
-                for &(at, rows) in &prefills {
+                for (&(at, rows), x_half) in prefills.iter().zip(x_halves.iter_mut()) {
                     let (xp, op) = (self.addr(x, at * cols), self.addr(out, at * w.rows));
-                    let mut x_half = None;
-                    self.matmul_cublas(xp, rows, w, tp, to, op, accumulate, &mut x_half)?;
+                    self.matmul_cublas(xp, rows, w, tp, to, op, accumulate, x_half)?;
                 }
                 // Freed in stream order, after the GEMMs that read it.
                 drop(tmp);
