@@ -215,6 +215,11 @@ fn streamed_bytes<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u64 {
     streamed_total(llama.weights())
 }
 
+/// The first id of `bench`'s text-like prompts, and the token its decode steps (timed and
+/// warm-up) start from (half the vocabulary when that is smaller): ids below it are often
+/// special tokens, which some models treat apart.
+const FIRST_TEXT_ID: u32 = 300;
+
 /// pp and tg: `launch_counts` reads the kernels run so far (CUDA), `placement` what the run
 /// placed where (read after it), `predict` the planner's tok/s for a pass.
 #[allow(clippy::too_many_arguments)]
@@ -230,8 +235,9 @@ fn bench<B: Backend, W: WeightSource>(
 ) -> anyhow::Result<()> {
     let vocab = llama.config().vocab_size as u32;
     // Ordinary text-like ids; what they are does not change the work done.
+    let first_id = FIRST_TEXT_ID.min(vocab / 2);
     let prompt: Vec<u32> = (0..args.n_prompt as u32)
-        .map(|i| 300 + (i * 7919) % (vocab - 300))
+        .map(|i| first_id + (i * 7919) % (vocab - first_id))
         .collect();
     let reps = args.repetitions.max(1);
 
@@ -251,7 +257,7 @@ fn bench<B: Backend, W: WeightSource>(
             llama.forward(&prompt)?;
         }
         if args.n_gen > 0 {
-            llama.forward_greedy(&[300])?;
+            llama.forward_greedy(&[first_id])?;
         }
     }
 
@@ -268,7 +274,7 @@ fn bench<B: Backend, W: WeightSource>(
 
         let before = streamed_bytes(llama);
         let counts_before = launch_counts(llama.backend());
-        let mut next = 300u32;
+        let mut next = first_id;
         let t = std::time::Instant::now();
         for _ in 0..args.n_gen {
             next = llama.forward_greedy(&[next])?;
@@ -414,7 +420,7 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
             let mut batcher = llama::Batcher::new(llama, config)?;
             for s in 0..size as u32 {
                 // Ordinary text-like ids (past the specials), different for each sequence.
-                let base = 300.min(vocab / 2);
+                let base = FIRST_TEXT_ID.min(vocab / 2);
                 let prompt = (0..n_prompt as u32)
                     .map(|i| base + (i * 7919 + s * 104_729) % (vocab - base))
                     .collect();
