@@ -220,6 +220,20 @@ fn streamed_bytes<B: Backend, W: WeightSource>(llama: &Llama<B, W>) -> u64 {
 /// special tokens, which some models treat apart.
 const FIRST_TEXT_ID: u32 = 300;
 
+/// [`FIRST_TEXT_ID`] for a vocabulary of `vocab` ids.
+fn first_text_id(vocab: u32) -> u32 {
+    FIRST_TEXT_ID.min(vocab / 2)
+}
+
+/// `len` ordinary text-like ids (from [`first_text_id`] on), different for each `seq`; what
+/// they are does not change the work done.
+fn text_prompt(vocab: u32, len: usize, seq: u32) -> Vec<u32> {
+    let first = first_text_id(vocab);
+    (0..len as u32)
+        .map(|i| first + (i * 7919 + seq * 104_729) % (vocab - first))
+        .collect()
+}
+
 /// pp and tg: `launch_counts` reads the kernels run so far (CUDA), `placement` what the run
 /// placed where (read after it), `predict` the planner's tok/s for a pass.
 #[allow(clippy::too_many_arguments)]
@@ -234,11 +248,8 @@ fn bench<B: Backend, W: WeightSource>(
     predict: &dyn Fn(residency::PassKind) -> Option<f64>,
 ) -> anyhow::Result<()> {
     let vocab = llama.config().vocab_size as u32;
-    // Ordinary text-like ids; what they are does not change the work done.
-    let first_id = FIRST_TEXT_ID.min(vocab / 2);
-    let prompt: Vec<u32> = (0..args.n_prompt as u32)
-        .map(|i| first_id + (i * 7919) % (vocab - first_id))
-        .collect();
+    let first_id = first_text_id(vocab);
+    let prompt = text_prompt(vocab, args.n_prompt, 0);
     let reps = args.repetitions.max(1);
 
     // The first pass reads every blob from disk: that is the load speed (and, on CUDA, it
@@ -419,12 +430,7 @@ fn bench_batches<B: llama::Backend, W: llama::WeightSource>(
         for _ in 0..reps {
             let mut batcher = llama::Batcher::new(llama, config)?;
             for s in 0..size as u32 {
-                // Ordinary text-like ids (past the specials), different for each sequence.
-                let base = FIRST_TEXT_ID.min(vocab / 2);
-                let prompt = (0..n_prompt as u32)
-                    .map(|i| base + (i * 7919 + s * 104_729) % (vocab - base))
-                    .collect();
-                batcher.submit_choosing(prompt, max_new, choosing)?;
+                batcher.submit_choosing(text_prompt(vocab, n_prompt, s), max_new, choosing)?;
             }
             // Greedy, as a server's greedy requests (with --logits-to-host, from the logits).
             let greedy = |_: llama::SeqId, s: llama::Scores<'_>| Some(s.greedy());
