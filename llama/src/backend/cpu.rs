@@ -22,15 +22,18 @@
 //! that `int8::gemm8` does not take, and in the exact mode every k-quant prompt, decode each
 //! weight row once to f32.
 //!
-//! Threads: the thread running the passes should be one of the pool's workers
-//! ([`CpuBackend::adopt_current_thread`]); element-wise work (norms, RoPE, activations, the
-//! quantizing of activations) is split over the threads only when it is a prompt's size.
+//! Threads: the parallel regions (matmul row chunks, attention heads, a prompt's element-wise
+//! work) run on `pool`: workers that spin between a decode step's microsecond-long regions
+//! instead of sleeping, the calling thread taking tasks too (`GDSLLM_CPU_POOL=rayon` for rayon's
+//! pool); the thread count is rayon's global pool's ([`CpuBackend::adopt_current_thread`],
+//! `--cpu-threads`). Element-wise work (norms, RoPE, activations, the quantizing of
+//! activations) is split over the threads only when it is a prompt's size.
 
+mod pool;
 mod repack;
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
 use weights_format::DType;
 
 use self::repack::{Packing, RepackCache};
@@ -43,7 +46,10 @@ use super::{
 };
 use super::{int8, vnni16};
 
-/// Multi-threaded CPU backend on the global rayon pool.
+/// The CPU backend's parallel regions (`pool`), for the kernels' modules beside it.
+pub(super) use self::pool::for_each as for_each_task;
+
+/// Multi-threaded CPU backend (its threads: `pool`).
 #[derive(Debug, Default)]
 pub struct CpuBackend {
     /// f32 activations for q4_0/q4_1/q8_0 rows (see the module doc).
@@ -93,7 +99,9 @@ impl CpuBackend {
     /// and attention regions paid a wake-up of a worker and one of the caller (a tenth of a
     /// decode step in `perf` with a pool of one worker; the caller's own core sat idle too).
     /// From a worker the region runs at once, the caller taking its share while idle workers
-    /// steal the rest.
+    /// steal the rest. (The parallel regions now run on `pool`'s spinning workers, whose caller
+    /// takes tasks from any thread; this still sizes them, and matters for
+    /// `GDSLLM_CPU_POOL=rayon` and the work left on rayon.)
     ///
     /// Returns whether the pool was set up here: not for a single thread (that thread would
     /// be the pool's only worker, and a parallel region another thread started would wait
@@ -122,9 +130,10 @@ impl CpuBackend {
         }
     }
 
-    /// The threads the CPU backend's parallel regions run on (rayon's global pool).
+    /// The threads the CPU backend's parallel regions are shared among (the caller included):
+    /// as many as rayon's global pool has.
     pub fn threads() -> usize {
-        rayon::current_num_threads()
+        pool::threads()
     }
 
     /// Whether every row of a matmul of `dtype` (a prompt's too) takes 8-bit activations and
@@ -212,7 +221,7 @@ fn packed_rows(
 /// SmolLM2-sized matmul on 2 threads would otherwise be 5 tasks, 3 on one thread and 2 on
 /// the other).
 fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads().max(1);
     let total_work = out_rows * work_per_row.max(1);
     let mut tasks = (4 * threads)
         .min(total_work.div_ceil(min_work_per_task()))
@@ -256,9 +265,8 @@ fn zip_chunks(a: &mut [f32], b: &[f32], unit: usize, f: impl Fn(&mut [f32], &[f3
     }
     let chunk = (PARALLEL_MIN_VALUES / 4).div_ceil(unit) * unit;
     let len = a.len();
-    a.par_chunks_mut(chunk)
-        .zip(b[..len].par_chunks(chunk))
-        .for_each(|(a, b)| f(a, b));
+    let mut tasks: Vec<_> = a.chunks_mut(chunk).zip(b[..len].chunks(chunk)).collect();
+    pool::for_each(&mut tasks, |(a, b)| f(a, b));
 }
 
 /// A gated unit: `unit(gate, up)` over the first `len` values (`kernels::swiglu`, `geglu`).
@@ -328,7 +336,7 @@ fn matmul_rows_of(
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
-    let task = |(ci, o): (usize, &mut [f32])| {
+    let task = |ci: usize, o: &mut [f32]| {
         let first = ci * chunk;
         let n_rows = o.len() / rows;
         let range = first * row_bytes..(first + n_rows) * row_bytes;
@@ -362,22 +370,19 @@ fn matmul_rows_of(
         }
     };
     if rows == 1 {
-        out[..m].par_chunks_mut(chunk).enumerate().for_each(task);
+        let mut tasks: Vec<_> = out[..m].chunks_mut(chunk).enumerate().collect();
+        pool::for_each(&mut tasks, |(ci, o)| task(*ci, o));
     } else {
         // Each task owns whole weight rows, so it writes a transposed [m, rows] block.
         let mut out_t = vec![0f32; m * rows];
-        out_t
-            .par_chunks_mut(chunk * rows)
-            .enumerate()
-            .for_each(task);
-        out[..rows * m]
-            .par_chunks_mut(m)
-            .enumerate()
-            .for_each(|(r, o)| {
-                for (i, v) in o.iter_mut().enumerate() {
-                    *v = out_t[i * rows + r];
-                }
-            });
+        let mut tasks: Vec<_> = out_t.chunks_mut(chunk * rows).enumerate().collect();
+        pool::for_each(&mut tasks, |(ci, o)| task(*ci, o));
+        let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
+        pool::for_each(&mut rows_out, |(r, o)| {
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = out_t[i * rows + *r];
+            }
+        });
     }
     Ok(())
 }
@@ -391,11 +396,10 @@ fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
 fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq: &[f32]) {
     if x.len() >= PARALLEL_MIN_VALUES && x.len() >= 2 * width {
         let rows_per_task = (PARALLEL_MIN_VALUES / 4).div_ceil(width);
-        x.par_chunks_mut(rows_per_task * width)
-            .enumerate()
-            .for_each(|(t, part)| {
-                rope_rows(part, width, head_dim, pos0 + t * rows_per_task, inv_freq)
-            });
+        let mut tasks: Vec<_> = x.chunks_mut(rows_per_task * width).enumerate().collect();
+        pool::for_each(&mut tasks, |(t, part)| {
+            rope_rows(part, width, head_dim, pos0 + *t * rows_per_task, inv_freq)
+        });
         return;
     }
     let half = head_dim / 2;
@@ -481,27 +485,26 @@ impl CpuBackend {
             }
         }
         let (xq, int8) = (&xq, !self.exact);
-        tasks
-            .into_par_iter()
-            .for_each(|(w, bytes, packed, first, o)| {
-                let rb = w.row_bytes();
-                let wb = &bytes[first * rb..(first + o.len()) * rb];
-                if let Some(packing) = packed {
-                    packed_rows(w.dtype, wb, rb, packing, xq, 1, None, o);
-                } else {
-                    let ops = RowsOperands {
-                        dtype: w.dtype,
-                        w: wb,
-                        row_bytes: rb,
-                        cols: w.cols,
-                        x: &x[..w.cols],
-                        xsums: &xsums,
-                        xq,
-                        int8,
-                    };
-                    kernels::matmul_rows(ops, &[false], true, o);
-                }
-            });
+        pool::for_each(&mut tasks, |(w, bytes, packed, first, o)| {
+            let (first, packed) = (*first, *packed);
+            let rb = w.row_bytes();
+            let wb = &bytes[first * rb..(first + o.len()) * rb];
+            if let Some(packing) = packed {
+                packed_rows(w.dtype, wb, rb, packing, xq, 1, None, o);
+            } else {
+                let ops = RowsOperands {
+                    dtype: w.dtype,
+                    w: wb,
+                    row_bytes: rb,
+                    cols: w.cols,
+                    x: &x[..w.cols],
+                    xsums: &xsums,
+                    xq,
+                    int8,
+                };
+                kernels::matmul_rows(ops, &[false], true, o);
+            }
+        });
         Ok(())
     }
 }
@@ -708,25 +711,27 @@ impl Backend for CpuBackend {
         for (i, s) in seqs.iter().enumerate() {
             row_seq[s.row0..s.row0 + s.rows].fill(i);
         }
-        out[..rows * n_heads * head_dim]
-            .par_chunks_mut(head_dim)
+        let mut tasks: Vec<_> = out[..rows * n_heads * head_dim]
+            .chunks_mut(head_dim)
             .enumerate()
-            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
-                let (row, h) = (idx / n_heads, idx % n_heads);
-                let Some(s) = seqs.get(row_seq[row]) else {
-                    return;
-                };
-                let r = row - s.row0;
-                let qh = &q[idx * head_dim..(idx + 1) * head_dim];
-                let pos = s.pos0 + r;
-                let head = kernels::CachedHead {
-                    k: s.k_cache,
-                    v: s.v_cache,
-                    width: kv_width,
-                    offset: (h / group) * head_dim,
-                };
-                kernels::attend(qh, head, params.first_key(pos)..pos + 1, scale, scores, o);
-            });
+            .collect();
+        pool::for_each_init(&mut tasks, Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
+            let idx = *idx;
+            let (row, h) = (idx / n_heads, idx % n_heads);
+            let Some(s) = seqs.get(row_seq[row]) else {
+                return;
+            };
+            let r = row - s.row0;
+            let qh = &q[idx * head_dim..(idx + 1) * head_dim];
+            let pos = s.pos0 + r;
+            let head = kernels::CachedHead {
+                k: s.k_cache,
+                v: s.v_cache,
+                width: kv_width,
+                offset: (h / group) * head_dim,
+            };
+            kernels::attend(qh, head, params.first_key(pos)..pos + 1, scale, scores, o);
+        });
         Ok(())
     }
 

@@ -17,7 +17,6 @@
 
 use multiversion::multiversion;
 use multiversion::target::match_target;
-use rayon::prelude::*;
 use weights_format::DType;
 use weights_format::quant::{IQ4_LEVELS, iq4xs_scale, q3k_scale};
 
@@ -80,11 +79,15 @@ impl Acts {
             return;
         }
         let c = QUANTIZE_CHUNK.next_multiple_of(block);
-        x.par_chunks(c)
-            .zip(q.par_chunks_mut(c))
-            .zip(d.par_chunks_mut(c / 32))
-            .zip(s16.par_chunks_mut(c / 16).zip(bsums.par_chunks_mut(c / 16)))
-            .for_each(|(((x, q), d), (s16, bsums))| quantize_into(x, block, q, d, s16, bsums));
+        let mut tasks: Vec<_> = x
+            .chunks(c)
+            .zip(q.chunks_mut(c))
+            .zip(d.chunks_mut(c / 32))
+            .zip(s16.chunks_mut(c / 16).zip(bsums.chunks_mut(c / 16)))
+            .collect();
+        super::cpu::for_each_task(&mut tasks, |(((x, q), d), (s16, bsums))| {
+            quantize_into(x, block, q, d, s16, bsums)
+        });
     }
 }
 
