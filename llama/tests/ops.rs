@@ -125,6 +125,27 @@ fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
                     row0 += g.rows;
                 }
                 println!("resident {dtype} [{m}x{k}] {mode}: a batch's sequences as alone (tol 0)");
+                if !cpu.is_exact() {
+                    // A prompt long enough that its rows are split into spans among the
+                    // threads as well as its weight rows (`activation_spans`): every row bit
+                    // for bit as alone.
+                    let rows = 40;
+                    let x = random(&mut rng, rows * k);
+                    let mut together = vec![0f32; rows * m];
+                    matmul(&cpu, &x, rows, view, &mut together);
+                    for r in 0..rows {
+                        let mut alone = vec![0f32; m];
+                        matmul(&cpu, &x[r * k..(r + 1) * k].to_vec(), 1, view, &mut alone);
+                        assert_eq!(
+                            &together[r * m..(r + 1) * m],
+                            &alone[..],
+                            "{dtype} [{m}x{k}]: row {r} of a {rows}-row prompt"
+                        );
+                    }
+                    println!(
+                        "resident {dtype} [{m}x{k}]: a {rows}-row prompt's rows as alone (tol 0)"
+                    );
+                }
             }
         }
     }

@@ -170,11 +170,12 @@ impl CpuBackend {
     }
 }
 
-/// `out_t[i·n + r]` = weight row `i` of `w` (in the interleaved layout `packing`: whole groups
-/// of rows, then the rows left over as stored) dotted with activation row `r` of `xq` (`n`
-/// rows), for every `r` but those `skip` marks: the groups through `int8::gemm8_packed` or
-/// `vnni16::gemm16`, the rows left over through the row kernels (`int8::dot_rows`,
-/// `kquants::dot`). Every activation row gets the same result however many come together.
+/// `out_t[i·n + (r − first)]` = weight row `i` of `w` (in the interleaved layout `packing`:
+/// whole groups of rows, then the rows left over as stored) dotted with activation row `r` of
+/// `xq`, for every `r` of `acts_rows` (`n` = its length) but those `skip` (indexed by `r`)
+/// marks: the groups through `int8::gemm8_packed` or `vnni16::gemm16`, the rows left over
+/// through the row kernels (`int8::dot_rows`, `kquants::dot`). Every activation row gets the
+/// same result however many come together.
 #[allow(clippy::too_many_arguments)]
 fn packed_rows(
     dtype: DType,
@@ -182,15 +183,18 @@ fn packed_rows(
     row_bytes: usize,
     packing: Packing,
     xq: &QuantizedActs,
-    n: usize,
+    acts_rows: std::ops::Range<usize>,
     skip: Option<&[bool]>,
     out_t: &mut [f32],
 ) {
-    let columns: Vec<usize> = (0..n).filter(|&r| skip.is_none_or(|s| !s[r])).collect();
+    let (first, n) = (acts_rows.start, acts_rows.len());
+    let columns: Vec<usize> = (0..n)
+        .filter(|&c| skip.is_none_or(|s| !s[first + c]))
+        .collect();
     if columns.is_empty() {
         return;
     }
-    let acts: Vec<_> = columns.iter().map(|&r| xq.row(dtype, r)).collect();
+    let acts: Vec<_> = columns.iter().map(|&c| xq.row(dtype, first + c)).collect();
     let out = int8::Columns {
         out_t: &mut *out_t,
         stride: n,
@@ -336,9 +340,11 @@ fn matmul_rows_of(
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let chunk = rows_per_task(m, k * rows);
-    let task = |ci: usize, o: &mut [f32]| {
+    // A task: weight rows from `ci · chunk` against the activation rows `acts`, into `o`
+    // ([its weight rows, acts.len()]). Only the all-packed path splits the activation rows.
+    let task = |ci: usize, acts: std::ops::Range<usize>, o: &mut [f32]| {
         let first = ci * chunk;
-        let n_rows = o.len() / rows;
+        let n_rows = o.len() / acts.len();
         let range = first * row_bytes..(first + n_rows) * row_bytes;
         let ops = |wb| RowsOperands {
             dtype: w.dtype,
@@ -357,34 +363,88 @@ fn matmul_rows_of(
                 row_bytes,
                 *packing,
                 &xq,
-                rows,
+                acts,
                 None,
                 o,
             ),
             Some((bytes, packing)) => {
                 kernels::matmul_rows(ops(&stored[range.clone()]), wide, false, o);
                 let wb = &bytes[range];
-                packed_rows(w.dtype, wb, row_bytes, *packing, &xq, rows, Some(wide), o);
+                packed_rows(
+                    w.dtype,
+                    wb,
+                    row_bytes,
+                    *packing,
+                    &xq,
+                    0..rows,
+                    Some(wide),
+                    o,
+                );
             }
             None => kernels::matmul_rows(ops(&stored[range]), wide, true, o),
         }
     };
     if rows == 1 {
         let mut tasks: Vec<_> = out[..m].chunks_mut(chunk).enumerate().collect();
-        pool::for_each(&mut tasks, |(ci, o)| task(*ci, o));
-    } else {
-        // Each task owns whole weight rows, so it writes a transposed [m, rows] block.
-        let mut out_t = vec![0f32; m * rows];
-        let mut tasks: Vec<_> = out_t.chunks_mut(chunk * rows).enumerate().collect();
-        pool::for_each(&mut tasks, |(ci, o)| task(*ci, o));
-        let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
-        pool::for_each(&mut rows_out, |(r, o)| {
-            for (i, v) in o.iter_mut().enumerate() {
-                *v = out_t[i * rows + *r];
-            }
-        });
+        pool::for_each(&mut tasks, |(ci, o)| task(*ci, 0..1, o));
+        return Ok(());
     }
+    // Each task owns whole weight rows of one span of activation rows, so it writes a
+    // transposed [m, span] block; the spans' blocks lie one after the other in `out_t`.
+    let spans = activation_spans(m.div_ceil(chunk), rows, all_rows_packed);
+    let mut out_t = vec![0f32; m * rows];
+    let mut tasks = Vec::new();
+    let mut rest = &mut out_t[..];
+    for span in &spans {
+        let (block, tail) = rest.split_at_mut(m * span.len());
+        rest = tail;
+        for (ci, o) in block.chunks_mut(chunk * span.len()).enumerate() {
+            tasks.push((ci, span.clone(), o));
+        }
+    }
+    pool::for_each(&mut tasks, |(ci, acts, o)| task(*ci, acts.clone(), o));
+    let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
+    pool::for_each(&mut rows_out, |(r, o)| {
+        let span = spans
+            .iter()
+            .find(|s| s.contains(r))
+            .expect("spans cover the rows");
+        let block = &out_t[m * span.start..m * span.end];
+        let (c, n) = (*r - span.start, span.len());
+        for (i, v) in o.iter_mut().enumerate() {
+            *v = block[i * n + c];
+        }
+    });
     Ok(())
+}
+
+/// The spans of activation rows a prompt's matmul of `weight_tasks` weight-row tasks is split
+/// into: one (all `rows`) unless `split` (the all-packed path) and the weight tasks alone are too
+/// few to keep every thread busy. Why: a small model's prompt matmul is tens of microseconds on
+/// 16 threads, and a SmolLM2 576-row matrix makes 36 tasks of 16 rows (whole groups for
+/// `vnni16`): 2.25 a thread, so a third of the threads idle for a third of the region.
+/// Splitting the prompt's rows as well (each task then reads its weight rows again, from
+/// cache) gives a whole number of tasks a thread, at least four.
+fn activation_spans(weight_tasks: usize, rows: usize, split: bool) -> Vec<std::ops::Range<usize>> {
+    let threads = pool::threads();
+    // Activation rows a span keeps at least: the packed kernels take them four at a time.
+    const MIN_SPAN: usize = 8;
+    if !split || threads < 2 || rows < 2 * MIN_SPAN || weight_tasks >= 8 * threads {
+        return vec![0..rows];
+    }
+    let mut spans = (4 * threads)
+        .div_ceil(weight_tasks)
+        .min(rows / MIN_SPAN)
+        .max(1);
+    // A whole number of tasks a thread where the rows allow it.
+    while spans < rows / MIN_SPAN && !(spans * weight_tasks).is_multiple_of(threads) {
+        spans += 1;
+    }
+    let per = rows.div_ceil(spans);
+    (0..rows)
+        .step_by(per)
+        .map(|start| start..(start + per).min(rows))
+        .collect()
 }
 
 fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
@@ -490,7 +550,7 @@ impl CpuBackend {
             let rb = w.row_bytes();
             let wb = &bytes[first * rb..(first + o.len()) * rb];
             if let Some(packing) = packed {
-                packed_rows(w.dtype, wb, rb, packing, xq, 1, None, o);
+                packed_rows(w.dtype, wb, rb, packing, xq, 0..1, None, o);
             } else {
                 let ops = RowsOperands {
                     dtype: w.dtype,
