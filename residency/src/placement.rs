@@ -120,8 +120,9 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// CPU's matmuls and the pinned host→device copies measured at the same time
 /// ([`ConcurrentRate`]): on one DRAM they do not add up. 5: the CPU's kernels changed — the
 /// AVX-512 sixteen-row kernels and the f16 tiles of 8 and 32 rows — so figures measured with
-/// the earlier ones understate it.)
-pub const CALIBRATION_VERSION: u32 = 5;
+/// the earlier ones understate it. 6: the f16 tiles of 3 weight rows × 8 activation rows and
+/// the CPU's parallel regions on spinning workers.)
+pub const CALIBRATION_VERSION: u32 = 6;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
 /// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then

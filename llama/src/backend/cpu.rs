@@ -430,7 +430,7 @@ fn activation_spans(weight_tasks: usize, rows: usize, split: bool) -> Vec<std::o
     // Activation rows a span keeps at least: the packed kernels take them four at a time.
     const MIN_SPAN: usize = 8;
     if !split || threads < 2 || rows < 2 * MIN_SPAN || weight_tasks >= 8 * threads {
-        return vec![0..rows];
+        return std::iter::once(0..rows).collect();
     }
     let mut spans = (4 * threads)
         .div_ceil(weight_tasks)

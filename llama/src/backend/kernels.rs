@@ -259,17 +259,19 @@ mod f16c {
     }
 }
 
-/// Four f16 weight rows at a time against every activation row of `xs` (prompt and decode
-/// rows), into `out` (weight row `i`, activation row `c` at `out_t[i·stride + columns[c]]`), for
-/// the whole groups of four rows of `w` (`row_bytes` each). Returns how many weight rows it
-/// computed (none without AVX-512 or with `GDSLLM_CPU_AVX512=0`: the caller then takes
-/// [`dot_f16_many_fma`] a row at a time). Each result is bit for bit that function's (the same
-/// 16 lanes, FMAs and final sum), so the rows after the last group may take it.
+/// Every f16 weight row of `w` (`row_bytes` each) against every activation row of `xs` (prompt
+/// and decode rows), into `out` (weight row `i`, activation row `c` at `out_t[i·stride +
+/// columns[c]]`). Returns how many weight rows it computed: all of them, or none without
+/// AVX-512 or with `GDSLLM_CPU_AVX512=0` (the caller then takes [`dot_f16_many_fma`] a row at a
+/// time). Each result is bit for bit that function's (the same 16 lanes, FMAs and final sum).
 ///
 /// Why: `dot_f16_many_fma` converts each 16 weights once for four activation rows, but loads
 /// two activation vectors per two FMAs, so an 8-row f16 matmul ran at ~4 GB/s a core (~35
-/// GFLOP/s) where a 32-row one is compute-bound. A tile of 4 weight rows × up to 4 activation
-/// rows in 512-bit registers makes 16 FMAs per 8 loads.
+/// GFLOP/s) where a 32-row one is compute-bound. A tile of 3 weight rows × up to 8 activation
+/// rows in 512-bit registers reads each weight once for 8 rows and makes 24 FMAs per 3
+/// conversions and 8 activation loads (the tile of 4 × 4 before it made two passes over the
+/// weights for 8 rows, and its inner loop reloaded each activation row's slice from the stack
+/// and checked its bounds for every 16 values: ~70 instructions per 16 FMAs, 4.1 GB/s a core).
 #[multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c"))]
 fn f16_wide_tiles(w: &[u8], row_bytes: usize, xs: &[&[f32]], out: int8::Columns<'_>) -> usize {
     multiversion::target::match_target! {
@@ -291,37 +293,89 @@ mod f16x16 {
     use std::arch::x86_64::*;
 
     use super::super::int8::Columns;
+    use super::super::kquants::avx2::prefetch_ahead;
     use super::*;
 
-    /// Weight rows a tile.
-    const R: usize = 4;
+    /// Weight rows a tile: 3 × 8 accumulators, 3 converted weight vectors and an activation
+    /// vector are 28 of the 32 zmm registers.
+    const R: usize = 3;
+    /// Activation rows a tile at most.
+    const T: usize = 8;
 
+    /// The 16-lane sums of `RR` weight rows (`rows[r]`, `n` whole chunks of 16 values each)
+    /// against `TT` activation rows packed by [`pack`]: `acc[r][c]`, lane j summing the
+    /// products of values 16i + j in order of i with FMA, as [`f16c::dot`] does. Not inlined:
+    /// that keeps the accumulators in registers (inlined into its caller, whose closures index
+    /// them, LLVM stored half of them to the stack in every iteration).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[inline]
-    fn load_w(s: &[u8]) -> __m512 {
-        let a: [u8; 32] = s[..32].try_into().unwrap();
-        _mm512_cvtph_ps(bytemuck::cast::<[u8; 32], __m256i>(a))
-    }
-
-    /// `R` weight rows (`rows[r]`) against `T` activation rows: `sums[r][c]`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[inline]
-    fn tile<const T: usize>(rows: [&[u8]; R], xs: &[&[f32]], sums: &mut [[f32; T]; R]) {
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let cols = rows[0].len() / 2;
-        let whole = cols / 16;
-        for i in 0..whole {
-            let wv: [__m512; R] = std::array::from_fn(|r| load_w(&rows[r][32 * i..]));
-            for c in 0..T {
-                let x = load_lanes::<16, __m512>(&xs[c][16 * i..]);
-                for r in 0..R {
-                    acc[r][c] = _mm512_fmadd_ps(wv[r], x, acc[r][c]);
+    #[inline(never)]
+    fn accumulate<const RR: usize, const TT: usize>(
+        rows: [&[u8]; RR],
+        xp: &[f32],
+        n: usize,
+    ) -> [[__m512; TT]; RR] {
+        // Each slice exactly `n` long, so that indexing them with `i < n` needs no checks.
+        let x: &[[[f32; 16]; TT]] = &xp.as_chunks::<16>().0.as_chunks::<TT>().0[..n];
+        let w: [&[[u8; 32]]; RR] = rows.map(|r| &r.as_chunks::<32>().0[..n]);
+        let mut acc = [[_mm512_setzero_ps(); TT]; RR];
+        for i in 0..n {
+            if i % 2 == 0 {
+                for row in &w {
+                    prefetch_ahead(&row[i][..1]);
+                }
+            }
+            let wv: [__m512; RR] = std::array::from_fn(|r| {
+                _mm512_cvtph_ps(bytemuck::cast::<[u8; 32], __m256i>(w[r][i]))
+            });
+            for c in 0..TT {
+                let xv: __m512 = bytemuck::cast(x[i][c]);
+                for r in 0..RR {
+                    acc[r][c] = _mm512_fmadd_ps(wv[r], xv, acc[r][c]);
                 }
             }
         }
-        for r in 0..R {
-            let lanes = |c: usize| bytemuck::cast(acc[r][c]);
-            finish_f16_row(rows[r], whole * 16, xs, lanes, &mut sums[r]);
+        acc
+    }
+
+    /// The whole 16-value chunks of the activation rows `part` interleaved (chunk i of row c
+    /// at `16·(i·t + c)`), so that a tile reads one contiguous stream of activations instead of
+    /// one slice per row (whose pointers and lengths LLVM reloaded and checked each time).
+    fn pack(part: &[&[f32]], n: usize, out: &mut Vec<f32>) {
+        out.clear();
+        for i in 0..n {
+            for x in part {
+                out.extend_from_slice(&x[16 * i..16 * i + 16]);
+            }
+        }
+    }
+
+    /// The weight rows `first..first + RR` of `w` against `part` (packed in `xp`), into `out_t`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn run<const RR: usize, const TT: usize>(
+        w: &[u8],
+        row_bytes: usize,
+        first: usize,
+        part: &[&[f32]],
+        xp: &[f32],
+        out_t: &mut [f32],
+        n: usize,
+        columns: &[usize],
+    ) {
+        let rows: [&[u8]; RR] = std::array::from_fn(|r| {
+            let at = (first + r) * row_bytes;
+            &w[at..at + row_bytes]
+        });
+        let whole = row_bytes / 32;
+        let acc = accumulate::<RR, TT>(rows, xp, whole);
+        for (r, acc) in acc.iter().enumerate() {
+            let mut sums = [0f32; TT];
+            let lanes = |c: usize| bytemuck::cast(acc[c]);
+            finish_f16_row(rows[r], whole * 16, part, lanes, &mut sums);
+            for (c, v) in sums.iter().enumerate() {
+                out_t[(first + r) * n + columns[c]] = *v;
+            }
         }
     }
 
@@ -333,40 +387,48 @@ mod f16x16 {
             stride: n,
             columns,
         } = out;
-        let groups = w.len() / row_bytes / R;
-        for g in 0..groups {
-            let rows: [&[u8]; R] = std::array::from_fn(|r| {
-                let at = (g * R + r) * row_bytes;
-                &w[at..at + row_bytes]
-            });
-            let mut first = 0;
-            while first < xs.len() {
-                let t = (xs.len() - first).min(4);
-                let part = &xs[first..first + t];
-                let mut put = |r: usize, c: usize, v: f32| {
-                    out_t[(g * R + r) * n + columns[first + c]] = v;
-                };
-                macro_rules! run {
-                    ($t:literal) => {{
-                        let mut sums = [[0f32; $t]; R];
-                        tile::<$t>(rows, part, &mut sums);
-                        for r in 0..R {
-                            for c in 0..$t {
-                                put(r, c, sums[r][c]);
-                            }
+        let m = w.len() / row_bytes;
+        // The activation rows in passes of at most `T`, as even as they go (9 rows: 5 + 4, not
+        // 8 + 1, whose lone row would leave 3 accumulators to hide the FMA latency).
+        let passes = xs.len().div_ceil(T);
+        let bounds = |p: usize| (xs.len() * p / passes, xs.len() * (p + 1) / passes);
+        let whole = row_bytes / 32;
+        let packed: Vec<Vec<f32>> = (0..passes)
+            .map(|p| {
+                let (from, to) = bounds(p);
+                let mut xp = Vec::new();
+                pack(&xs[from..to], whole, &mut xp);
+                xp
+            })
+            .collect();
+        let mut first = 0;
+        while first < m {
+            // Groups of `R` weight rows, then the one or two rows left a row at a time (a
+            // task's rows are a multiple of 16).
+            let rr = if m - first >= R { R } else { 1 };
+            for (p, xp) in packed.iter().enumerate() {
+                let (from, to) = bounds(p);
+                let (part, cols) = (&xs[from..to], &columns[from..to]);
+                macro_rules! go {
+                    ($($t:literal)*) => {
+                        match (rr, part.len()) {
+                            $(
+                                (R, $t) => {
+                                    run::<R, $t>(w, row_bytes, first, part, xp, out_t, n, cols)
+                                }
+                                (_, $t) => {
+                                    run::<1, $t>(w, row_bytes, first, part, xp, out_t, n, cols)
+                                }
+                            )*
+                            _ => unreachable!("passes of 1..={T} rows"),
                         }
-                    }};
+                    };
                 }
-                match t {
-                    1 => run!(1),
-                    2 => run!(2),
-                    3 => run!(3),
-                    _ => run!(4),
-                }
-                first += t;
+                go!(1 2 3 4 5 6 7 8);
             }
+            first += rr;
         }
-        groups * R
+        m
     }
 }
 
@@ -623,8 +685,8 @@ fn matmul_rows_impl<const FMA: bool>(
             &[]
         }
     };
-    // Those f16 rows: four weight rows × four activation rows in registers where the CPU has
-    // AVX-512, else each weight row converted once per four activation rows.
+    // Those f16 rows: three weight rows × up to eight activation rows in registers where the
+    // CPU has AVX-512, else each weight row converted once per four activation rows.
     let wide_xs: Vec<&[f32]> = f16_rows.iter().map(|&r| xr(r)).collect();
     let mut wide_sums = vec![0f32; f16_rows.len()];
     let tiled = if f16_many {
@@ -978,17 +1040,25 @@ mod tests {
 
     #[test]
     fn f16_tiles_give_the_row_kernels_bits() {
-        // Four weight rows × up to four activation rows in 512-bit registers (where the CPU
-        // has AVX-512): every result bit for bit `dot_f16_many_fma`'s, into the columns asked
-        // for, for weight row counts with and without rows after the last group of four, rows
-        // with and without a tail of fewer than 16 values, and 1–9 activation rows.
+        // Three weight rows × up to eight activation rows in 512-bit registers (where the CPU
+        // has AVX-512), the one or two weight rows after the last group of three a row at a
+        // time: every result bit for bit `dot_f16_many_fma`'s, into the columns asked for, for
+        // weight row counts of every remainder by three, rows with and without a tail of fewer
+        // than 16 values, and 1–40 activation rows (passes of up to eight and their remainders).
         let mut rng = Rng(0x0F16_7113_5EED_0001);
-        for (rows, cols) in [(4, 16), (9, 4096 + 7), (13, 512), (4, 5)] {
+        for (rows, cols) in [
+            (4, 16),
+            (9, 4096 + 7),
+            (13, 512),
+            (4, 5),
+            (2, 48),
+            (17, 1024 + 9),
+        ] {
             let row_bytes = cols * 2;
             let w: Vec<u8> = (0..rows * cols)
                 .flat_map(|_| ((rng.next() as u16) & 0xFBFF).to_le_bytes())
                 .collect();
-            for n_acts in [1, 3, 4, 5, 9] {
+            for n_acts in 1..=40 {
                 let xs: Vec<Vec<f32>> = (0..n_acts)
                     .map(|_| (0..cols).map(|_| rng.uniform()).collect())
                     .collect();
@@ -1003,7 +1073,7 @@ mod tests {
                     columns: &columns,
                 };
                 let done = f16_wide_tiles(&w, row_bytes, &refs, out);
-                assert!(done == 0 || done == rows / 4 * 4, "{done} of {rows} rows");
+                assert!(done == 0 || done == rows, "{done} of {rows} rows");
                 let mut sums = vec![0f32; n_acts];
                 for (i, row) in w.chunks_exact(row_bytes).enumerate().take(done) {
                     dot_f16_many_fma(row, &refs, &mut sums);
@@ -1024,8 +1094,8 @@ mod tests {
                     out_t[done * n..].iter().all(|v| v.is_nan()),
                     "rows after {done}"
                 );
-                println!("f16 tiles [{rows}x{cols}] × {n_acts}: {done} rows, bit for bit");
             }
+            println!("f16 tiles [{rows}x{cols}] × 1..=40: bit for bit");
         }
     }
 }
