@@ -219,12 +219,18 @@ fn packed_rows(
     }
 }
 
-/// Weight rows per rayon task: about four tasks per thread so that uneven cores even out, but
-/// never so little work a task ([`min_work_per_task`]) that waking threads costs more than the
-/// work; when there are more tasks than threads, a whole number of them per thread (a
-/// SmolLM2-sized matmul on 2 threads would otherwise be 5 tasks, 3 on one thread and 2 on
-/// the other).
-fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
+/// The weight rows of each task of a matmul of `out_rows` rows (`work_per_row` multiply-adds
+/// each), in order: about four tasks a thread so that uneven cores even out, but never so
+/// little work a task ([`min_work_per_task`]) that sharing it costs more than the work; when
+/// there are more tasks than threads, a whole number of them a thread. Every task starts on a
+/// group of sixteen rows (as `vnni16::gemm16` takes them, and so of eight, as `int8::gemm8`
+/// does, and as the repacked copies interleave them), and the groups are dealt out evenly: a
+/// task has at most one group more than another.
+///
+/// Why evenly: rounding one task size up to whole groups made fewer tasks than threads asked
+/// for (a hybrid split's 1,843 rows on 12 threads: 48 tasks asked, 39 of 48 rows made, the last
+/// round of them on 3 threads of 12), so a fifth of the threads idled at the end of each matmul.
+fn row_tasks(out_rows: usize, work_per_row: usize) -> Vec<usize> {
     let threads = pool::threads().max(1);
     let total_work = out_rows * work_per_row.max(1);
     let mut tasks = (4 * threads)
@@ -233,9 +239,31 @@ fn rows_per_task(out_rows: usize, work_per_row: usize) -> usize {
     if tasks > threads {
         tasks = tasks.next_multiple_of(threads);
     }
-    // Whole groups of sixteen rows, as `vnni16::gemm16` takes them (and so of eight, as
-    // `int8::gemm8` does).
-    out_rows.div_ceil(tasks).max(1).next_multiple_of(16)
+    let groups = out_rows.div_ceil(16).max(1);
+    let tasks = tasks.min(groups);
+    (0..tasks)
+        .map(|t| {
+            let (g0, g1) = (t * groups / tasks, (t + 1) * groups / tasks);
+            (g1 * 16).min(out_rows) - g0 * 16
+        })
+        .collect()
+}
+
+/// `v` cut into consecutive pieces of `rows[i] · stride` values, each with its first row.
+fn split_rows<'a>(
+    mut v: &'a mut [f32],
+    rows: &[usize],
+    stride: usize,
+) -> Vec<(usize, &'a mut [f32])> {
+    let mut first = 0;
+    let mut pieces = Vec::with_capacity(rows.len());
+    for &n in rows {
+        let (piece, rest) = std::mem::take(&mut v).split_at_mut(n * stride);
+        pieces.push((first, piece));
+        v = rest;
+        first += n;
+    }
+    pieces
 }
 
 /// Multiply-adds (weight columns × activation rows) a matmul task gets at least: 64 Ki by
@@ -339,11 +367,10 @@ fn matmul_rows_of(
         xq.prepare(x, k, w.dtype);
     }
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
-    let chunk = rows_per_task(m, k * rows);
-    // A task: weight rows from `ci · chunk` against the activation rows `acts`, into `o`
-    // ([its weight rows, acts.len()]). Only the all-packed path splits the activation rows.
-    let task = |ci: usize, acts: std::ops::Range<usize>, o: &mut [f32]| {
-        let first = ci * chunk;
+    let sizes = row_tasks(m, k * rows);
+    // A task: weight rows from `first` against the activation rows `acts`, into `o` ([its
+    // weight rows, acts.len()]). Only the all-packed path splits the activation rows.
+    let task = |first: usize, acts: std::ops::Range<usize>, o: &mut [f32]| {
         let n_rows = o.len() / acts.len();
         let range = first * row_bytes..(first + n_rows) * row_bytes;
         let ops = |wb| RowsOperands {
@@ -385,24 +412,24 @@ fn matmul_rows_of(
         }
     };
     if rows == 1 {
-        let mut tasks: Vec<_> = out[..m].chunks_mut(chunk).enumerate().collect();
-        pool::for_each(&mut tasks, |(ci, o)| task(*ci, 0..1, o));
+        let mut tasks = split_rows(&mut out[..m], &sizes, 1);
+        pool::for_each(&mut tasks, |(first, o)| task(*first, 0..1, o));
         return Ok(());
     }
     // Each task owns whole weight rows of one span of activation rows, so it writes a
     // transposed [m, span] block; the spans' blocks lie one after the other in `out_t`.
-    let spans = activation_spans(m.div_ceil(chunk), rows, all_rows_packed);
+    let spans = activation_spans(sizes.len(), rows, all_rows_packed);
     let mut out_t = vec![0f32; m * rows];
     let mut tasks = Vec::new();
     let mut rest = &mut out_t[..];
     for span in &spans {
         let (block, tail) = rest.split_at_mut(m * span.len());
         rest = tail;
-        for (ci, o) in block.chunks_mut(chunk * span.len()).enumerate() {
-            tasks.push((ci, span.clone(), o));
+        for (first, o) in split_rows(block, &sizes, span.len()) {
+            tasks.push((first, span.clone(), o));
         }
     }
-    pool::for_each(&mut tasks, |(ci, acts, o)| task(*ci, acts.clone(), o));
+    pool::for_each(&mut tasks, |(first, acts, o)| task(*first, acts.clone(), o));
     let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
     pool::for_each(&mut rows_out, |(r, o)| {
         let span = spans
@@ -539,9 +566,8 @@ impl CpuBackend {
                 Some((copy, packing)) => (&copy[..], Some(*packing)),
                 None => (*bytes, None),
             };
-            let chunk = rows_per_task(w.rows, w.cols);
-            for (ci, o) in out[..w.rows].chunks_mut(chunk).enumerate() {
-                tasks.push((*w, bytes, packing, ci * chunk, o));
+            for (first, o) in split_rows(&mut out[..w.rows], &row_tasks(w.rows, w.cols), 1) {
+                tasks.push((*w, bytes, packing, first, o));
             }
         }
         let (xq, int8) = (&xq, !self.exact);
