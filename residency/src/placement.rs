@@ -120,8 +120,8 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// CPU's matmuls and the pinned host→device copies measured at the same time
 /// ([`ConcurrentRate`]): on one DRAM they do not add up. 5: the CPU's kernels changed — the
 /// AVX-512 sixteen-row kernels and the f16 tiles of 8 and 32 rows — so figures measured with
-/// the earlier ones understate it. 6: the f16 tiles of 3 weight rows × 8 activation rows and
-/// the CPU's parallel regions on spinning workers.)
+/// the earlier ones understate it. 6: the f16 tiles of 3 weight rows × 8 activation rows, the
+/// CPU's parallel regions on spinning workers, and the CPU's probe made of split-sized calls.)
 pub const CALIBRATION_VERSION: u32 = 6;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1

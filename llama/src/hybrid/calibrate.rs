@@ -33,8 +33,35 @@ use crate::backend::{Backend, CpuBackend, RowGroup, WeightView};
 /// Columns of the probe weights (a 7B's hidden size, a whole number of every dtype's blocks).
 const PROBE_COLS: usize = 4096;
 
+/// Weight rows of each CPU matmul call of a probe pass: about the CPU's share of one 4096-row
+/// matrix in a split layer. Why not one call over the whole probe: a split pass is ~100 such
+/// calls, and one call over a 1.2 GB matrix hid what each costs (its tasks' last round, the
+/// transposition of its output, the threads meeting): the f16 probe at 8 rows said 58 GB/s where
+/// the split calls ran at ~41 (H200 host, 2026-11-29).
+const CPU_PROBE_CALL_ROWS: usize = 2048;
+
 /// How long each figure is measured for (at least 3 passes).
 const MEASURE_FOR: Duration = Duration::from_millis(300);
+
+/// The CPU's matmuls of `rows` activation rows over `w`, one call per [`CPU_PROBE_CALL_ROWS`]
+/// weight rows: a pass of the probe.
+fn cpu_probe_pass(
+    be: &CpuBackend,
+    w: WeightView<'_>,
+    rows: usize,
+    x: &Vec<f32>,
+    out: &mut Vec<f32>,
+) -> Result<(), LlamaError> {
+    let bytes = crate::backend::host_bytes(&w, "cpu")?;
+    let row_bytes = w.row_bytes();
+    for first in (0..w.rows).step_by(CPU_PROBE_CALL_ROWS) {
+        let n = CPU_PROBE_CALL_ROWS.min(w.rows - first);
+        let part = &bytes[first * row_bytes..(first + n) * row_bytes];
+        let window = WeightView::host(w.dtype, n, w.cols, part);
+        be.matmul_batch(x, &[RowGroup::solo(rows)], &[window], &mut [&mut *out])?;
+    }
+    Ok(())
+}
 
 /// A `[rows, PROBE_COLS]` weight of `dtype` of about `bytes` bytes (at least one row), and its
 /// row count.
@@ -59,24 +86,6 @@ fn best_seconds(mut pass: impl FnMut() -> Result<(), LlamaError>) -> Result<f64,
     Ok(best)
 }
 
-/// Weight bytes per second (10^9) of `be`'s matmul of `rows` rows over `w`, whose input
-/// `x` and output `out` it allocated; `sync` waits for the queued work.
-fn matmul_gbps<B: Backend>(
-    be: &B,
-    w: WeightView<'_>,
-    rows: usize,
-    sync: impl Fn(&B, &B::Buf) -> Result<(), LlamaError>,
-) -> Result<f64, LlamaError> {
-    let x = be.upload(&vec![0.25; rows * w.cols])?;
-    let mut out = be.alloc(rows * w.rows)?;
-    let bytes = (w.rows * w.row_bytes()) as f64;
-    let seconds = best_seconds(|| {
-        be.matmul_batch(&x, &[RowGroup::solo(rows)], &[w], &mut [&mut out])?;
-        sync(be, &out)
-    })?;
-    Ok(bytes / seconds / 1e9)
-}
-
 /// The CPU backend's matmul speed for `dtype` weights on the current rayon pool at 1, 8 and
 /// 32 rows, over a probe weight of about `probe_bytes` bytes (pick one well above the
 /// last-level caches: [`cpu_probe_bytes`]).
@@ -84,12 +93,17 @@ pub fn measure_cpu(dtype: DType, probe_bytes: usize) -> Result<CpuRate, LlamaErr
     let (bytes, rows) = probe_weight(dtype, probe_bytes)?;
     let w = WeightView::host(dtype, rows, PROBE_COLS, &bytes);
     let be = CpuBackend::new();
-    let sync = |_: &CpuBackend, _: &Vec<f32>| Ok(());
+    let gbps = |rows: usize| -> Result<f64, LlamaError> {
+        let x = vec![0.25; rows * w.cols];
+        let mut out = vec![0.0; rows * CPU_PROBE_CALL_ROWS.min(w.rows)];
+        let seconds = best_seconds(|| cpu_probe_pass(&be, w, rows, &x, &mut out))?;
+        Ok((w.rows * w.row_bytes()) as f64 / seconds / 1e9)
+    };
     Ok(CpuRate {
         dtype,
-        gbps_1: matmul_gbps(&be, w, 1, sync)?,
-        gbps_8: matmul_gbps(&be, w, 8, sync)?,
-        gbps_32: Some(matmul_gbps(&be, w, 32, sync)?),
+        gbps_1: gbps(1)?,
+        gbps_8: gbps(8)?,
+        gbps_32: Some(gbps(32)?),
     })
 }
 
@@ -97,9 +111,9 @@ pub fn measure_cpu(dtype: DType, probe_bytes: usize) -> Result<CpuRate, LlamaErr
 /// every pass over [`MEASURE_FOR`] (at least 2) after one to warm up, averaged — not the best
 /// one, so that it covers the same window as copies running beside it.
 fn cpu_sustained_gbps(be: &CpuBackend, w: WeightView<'_>, rows: usize) -> Result<f64, LlamaError> {
-    let x = be.upload(&vec![0.25; rows * w.cols])?;
-    let mut out = be.alloc(rows * w.rows)?;
-    let mut pass = || be.matmul_batch(&x, &[RowGroup::solo(rows)], &[w], &mut [&mut out]);
+    let x = vec![0.25; rows * w.cols];
+    let mut out = vec![0.0; rows * CPU_PROBE_CALL_ROWS.min(w.rows)];
+    let mut pass = || cpu_probe_pass(be, w, rows, &x, &mut out);
     pass()?;
     let started = Instant::now();
     let mut passes = 0;
