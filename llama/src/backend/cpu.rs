@@ -451,7 +451,7 @@ fn matmul_rows_of(
 /// 16 threads, and a SmolLM2 576-row matrix makes 36 tasks of 16 rows (whole groups for
 /// `vnni16`): 2.25 a thread, so a third of the threads idle for a third of the region.
 /// Splitting the prompt's rows as well (each task then reads its weight rows again, from
-/// cache) gives a whole number of tasks a thread, at least four.
+/// cache) gives about four tasks a thread, a whole number of them where the rows allow.
 fn activation_spans(weight_tasks: usize, rows: usize, split: bool) -> Vec<std::ops::Range<usize>> {
     let threads = pool::threads();
     // Activation rows a span keeps at least: the packed kernels take them four at a time.
