@@ -127,7 +127,7 @@ fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
                 println!("resident {dtype} [{m}x{k}] {mode}: a batch's sequences as alone (tol 0)");
                 if !cpu.is_exact() {
                     // A prompt long enough that its rows are split into spans among the
-                    // threads as well as its weight rows (`activation_spans`): every row bit
+                    // threads as well as its weight rows (`activation_span_rows`): every row bit
                     // for bit as alone.
                     let rows = 40;
                     let x = random(&mut rng, rows * k);

@@ -418,11 +418,16 @@ fn matmul_rows_of(
     }
     // Each task owns whole weight rows of one span of activation rows, so it writes a
     // transposed [m, span] block; the spans' blocks lie one after the other in `out_t`.
-    let spans = activation_spans(sizes.len(), rows, all_rows_packed);
+    let per_span = activation_span_rows(sizes.len(), rows, all_rows_packed);
+    let span_of = |r: usize| {
+        let start = r / per_span * per_span;
+        start..(start + per_span).min(rows)
+    };
     let mut out_t = vec![0f32; m * rows];
     let mut tasks = Vec::new();
     let mut rest = &mut out_t[..];
-    for span in &spans {
+    for start in (0..rows).step_by(per_span) {
+        let span = span_of(start);
         let (block, tail) = rest.split_at_mut(m * span.len());
         rest = tail;
         for (first, o) in split_rows(block, &sizes, span.len()) {
@@ -432,10 +437,7 @@ fn matmul_rows_of(
     pool::for_each(&mut tasks, |(first, acts, o)| task(*first, acts.clone(), o));
     let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
     pool::for_each(&mut rows_out, |(r, o)| {
-        let span = spans
-            .iter()
-            .find(|s| s.contains(r))
-            .expect("spans cover the rows");
+        let span = span_of(*r);
         let block = &out_t[m * span.start..m * span.end];
         let (c, n) = (*r - span.start, span.len());
         for (i, v) in o.iter_mut().enumerate() {
@@ -445,19 +447,19 @@ fn matmul_rows_of(
     Ok(())
 }
 
-/// The spans of activation rows a prompt's matmul of `weight_tasks` weight-row tasks is split
-/// into: one (all `rows`) unless `split` (the all-packed path) and the weight tasks alone are too
+/// The activation rows of each span (the last may have fewer) a prompt's matmul of
+/// `weight_tasks` weight-row tasks is split into: one span of all `rows` unless `split` (the all-packed path) and the weight tasks alone are too
 /// few to keep every thread busy. Why: a small model's prompt matmul is tens of microseconds on
 /// 16 threads, and a SmolLM2 576-row matrix makes 36 tasks of 16 rows (whole groups for
 /// `vnni16`): 2.25 a thread, so a third of the threads idle for a third of the region.
 /// Splitting the prompt's rows as well (each task then reads its weight rows again, from
 /// cache) gives about four tasks a thread, a whole number of them where the rows allow.
-fn activation_spans(weight_tasks: usize, rows: usize, split: bool) -> Vec<std::ops::Range<usize>> {
+fn activation_span_rows(weight_tasks: usize, rows: usize, split: bool) -> usize {
     let threads = pool::threads();
     // Activation rows a span keeps at least: the packed kernels take them four at a time.
     const MIN_SPAN: usize = 8;
     if !split || threads < 2 || rows < 2 * MIN_SPAN || weight_tasks >= 8 * threads {
-        return std::iter::once(0..rows).collect();
+        return rows.max(1);
     }
     let mut spans = (4 * threads)
         .div_ceil(weight_tasks)
@@ -467,11 +469,7 @@ fn activation_spans(weight_tasks: usize, rows: usize, split: bool) -> Vec<std::o
     while spans < rows / MIN_SPAN && !(spans * weight_tasks).is_multiple_of(threads) {
         spans += 1;
     }
-    let per = rows.div_ceil(spans);
-    (0..rows)
-        .step_by(per)
-        .map(|start| start..(start + per).min(rows))
-        .collect()
+    rows.div_ceil(spans)
 }
 
 fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {

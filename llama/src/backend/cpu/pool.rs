@@ -76,16 +76,7 @@ pub(super) fn threads() -> usize {
 
 /// `f(task)` for every task, in parallel.
 pub(in crate::backend) fn for_each<T: Send>(tasks: &mut [T], f: impl Fn(&mut T) + Sync + Send) {
-    match tasks.len() {
-        0 => {}
-        1 => f(&mut tasks[0]),
-        _ => match spin_pool() {
-            Some(pool) => IntoExactParallelRefMutSource::par_iter_mut(tasks)
-                .with_thread_pool(pool.split_per_item())
-                .for_each(f),
-            None => IntoParallelRefMutIterator::par_iter_mut(tasks).for_each(f),
-        },
-    }
+    for_each_init(tasks, || (), |_, task| f(task));
 }
 
 /// [`for_each`] with a scratch value made by `init` for the tasks that share it.
@@ -94,10 +85,12 @@ pub(super) fn for_each_init<T: Send, S>(
     init: impl Fn() -> S + Sync + Send,
     f: impl Fn(&mut S, &mut T) + Sync + Send,
 ) {
-    match spin_pool() {
-        Some(pool) if tasks.len() > 1 => IntoExactParallelRefMutSource::par_iter_mut(tasks)
+    match (tasks.len(), spin_pool()) {
+        (0, _) => {}
+        (1, _) => f(&mut init(), &mut tasks[0]),
+        (_, Some(pool)) => IntoExactParallelRefMutSource::par_iter_mut(tasks)
             .with_thread_pool(pool.split_per_item())
             .for_each_init(init, f),
-        _ => IntoParallelRefMutIterator::par_iter_mut(tasks).for_each_init(init, f),
+        (_, None) => IntoParallelRefMutIterator::par_iter_mut(tasks).for_each_init(init, f),
     }
 }
