@@ -6,9 +6,11 @@
 
 mod support;
 
+use llama::backend::DeviceWeights;
 use llama::backend::cuda::{CudaBuf, CudaKvBuf, CudaPaths};
 use llama::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, KvStoreSeq, NormInto, RowGroup,
+    Activation, AttentionParams, AttentionSeq, AttentionShape, GatedWeights, KvStoreSeq, NormInto,
+    RowGroup,
 };
 use llama::load::open_uploaded;
 use llama::{
@@ -340,6 +342,84 @@ fn quantized_inputs_written_by_rmsnorm_and_gated_activations_are_exact() {
     println!(
         "quantized matmul inputs written by rmsnorm, swiglu and geglu: the bits of quantize_x16's, and not reused after another op"
     );
+}
+
+/// The FFN's gate/up products and gated activation in one launch (`gated` path: a decoding
+/// row of f16/bf16 weights) give the bits of the two matmuls and `gated_act` (the backend
+/// without the path), and agree with the reference within 2·MATMUL_TOL (two products, each
+/// within MATMUL_TOL, multiplied); ragged weight rows (not a multiple of the kernel's two rows
+/// a block), a row length that is not whole 16-byte loads (the kernel's tail loop), both
+/// activations. Several rows and other dtypes take the unfused path: the same bits too.
+#[test]
+fn gated_matmul_in_one_launch_equals_the_matmuls_and_the_activation() {
+    let Some((be, old)) = gpu_new_and_old(CudaPaths {
+        gated: true,
+        ..CudaPaths::none()
+    }) else {
+        return;
+    };
+    let mut rng = StdRng::seed_from_u64(47);
+    for dtype in [DType::F16, DType::Bf16, DType::Q4_1] {
+        // (37, 100): rows of whole 16-byte loads no more (f16/bf16 only: the quantized dtypes
+        // have whole 32-value blocks).
+        for (m, k) in [(77, 96), (301, 576), (37, 100), (130, 4096)] {
+            if dtype.is_quantized() && k % 32 != 0 {
+                continue;
+            }
+            let (gate, up_w) = (
+                weights(&mut rng, dtype, m, k),
+                weights(&mut rng, dtype, m, k),
+            );
+            let (gd, ud) = (on_device(&be, &gate), on_device(&be, &up_w));
+            let (gd_old, ud_old) = (on_device(&old, &gate), on_device(&old, &up_w));
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                for rows in [1, 3] {
+                    let x = random(&mut rng, rows * k);
+                    let groups = vec![RowGroup::solo(1); rows];
+                    let run = |be: &CudaBackend, g: &DeviceWeights, u: &DeviceWeights| {
+                        let (mut out, mut up_out) = (alloc(be, rows * m), alloc(be, rows * m));
+                        let ffn = GatedWeights {
+                            gate: view(g, dtype, m, k),
+                            up: view(u, dtype, m, k),
+                            act,
+                        };
+                        be.matmul_gated_batch(&up(be, &x), &groups, ffn, &mut out, &mut up_out)
+                            .unwrap();
+                        down(be, &out, rows * m)
+                    };
+                    let got = run(&be, &gd, &ud);
+                    let unfused = run(&old, &gd_old, &ud_old);
+                    let (mut want, mut want_up) = (vec![0f32; rows * m], vec![0f32; rows * m]);
+                    ReferenceBackend
+                        .matmul_gated_batch(
+                            &x,
+                            &groups,
+                            GatedWeights {
+                                gate: WeightView::host(dtype, m, k, &gate),
+                                up: WeightView::host(dtype, m, k, &up_w),
+                                act,
+                            },
+                            &mut want,
+                            &mut want_up,
+                        )
+                        .unwrap();
+                    let d = max_rel_diff(&got, &want);
+                    let label = format!("{} {m}x{k} {act:?} rows {rows}", dtype.name());
+                    println!(
+                        "gated {label}: max rel diff {d:.2e} (tol {:.0e})",
+                        2.0 * MATMUL_TOL
+                    );
+                    assert!(d < 2.0 * MATMUL_TOL, "gated {label}: {d}");
+                    let same = got
+                        .iter()
+                        .zip(&unfused)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "gated {label}: not the bits of the unfused launches");
+                }
+            }
+        }
+    }
+    println!("gated: the same bits as the matmuls and gated_act");
 }
 
 /// Rounds through f16, as the device's KV cache stores values.

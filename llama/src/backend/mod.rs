@@ -35,6 +35,24 @@ pub struct AttentionShape {
     pub head_dim: usize,
 }
 
+/// The gate's activation in the FFN `down(act(gate(x)) · up(x))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x·sigmoid(x)`.
+    Silu,
+    /// GeLU, tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    GeluTanh,
+}
+
+/// An FFN's gate and up weights (one shape) and the gate's activation: what
+/// [`Backend::matmul_gated_batch`] multiplies.
+#[derive(Debug, Clone, Copy)]
+pub struct GatedWeights<'w> {
+    pub gate: WeightView<'w>,
+    pub up: WeightView<'w>,
+    pub act: Activation,
+}
+
 /// What [`Backend::rmsnorm`] does with each normalised value: write it over `out`, or add it
 /// to `out` (a post-norm before the residual add: Gemma's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,6 +371,39 @@ pub trait Backend: Send + Sync {
         params: AttentionParams,
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
+
+    /// The FFN's gated product over the rows of `groups`: `out = act(x · gateᵀ) ⊙ (x · upᵀ)`
+    /// for `ffn`'s weights; `up_out` (as large as `out`) may be overwritten. By
+    /// default [`Backend::matmul_batch`] of both, then [`Backend::swiglu`] or
+    /// [`Backend::geglu`]; a backend may do it in fewer passes (the CUDA backend's one launch
+    /// for a decoding row of 16-bit weights) with the same results.
+    fn matmul_gated_batch(
+        &self,
+        x: &Self::Buf,
+        groups: &[RowGroup],
+        ffn: GatedWeights<'_>,
+        out: &mut Self::Buf,
+        up_out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        let GatedWeights { gate, up, act } = ffn;
+        self.matmul_batch(x, groups, &[gate, up], &mut [&mut *out, &mut *up_out])?;
+        let len = groups.iter().map(|g| g.rows).sum::<usize>() * gate.rows;
+        self.gated_activation(act, out, up_out, len)
+    }
+
+    /// `gate = act(gate) · up` over `len` values: [`Backend::swiglu`] or [`Backend::geglu`].
+    fn gated_activation(
+        &self,
+        act: Activation,
+        gate: &mut Self::Buf,
+        up: &Self::Buf,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        match act {
+            Activation::Silu => self.swiglu(gate, up, len),
+            Activation::GeluTanh => self.geglu(gate, up, len),
+        }
+    }
 
     /// SiLU-gated FFN activation: `gate = silu(gate) · up` over `len` values.
     fn swiglu(&self, gate: &mut Self::Buf, up: &Self::Buf, len: usize) -> Result<(), BackendError>;

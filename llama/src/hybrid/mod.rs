@@ -80,8 +80,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, NormInto,
-    PassInfo, ReferenceBackend, RowGroup,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, GatedWeights, KvStoreSeq,
+    NormInto, PassInfo, ReferenceBackend, RowGroup,
 };
 use crate::backend::{CpuBackend, WeightView};
 
@@ -837,6 +837,34 @@ impl<P: SplitTarget, H: Backend<Buf = Vec<f32>>> Backend for SplitBackend<P, H> 
         out: &mut P::Buf,
     ) -> Result<(), BackendError> {
         self.primary.attention_batch(q, seqs, shape, params, out)
+    }
+
+    /// The primary's own gated product when neither weight is split (it may fuse it), else
+    /// the split matmuls and the primary's activation.
+    fn matmul_gated_batch(
+        &self,
+        x: &P::Buf,
+        groups: &[RowGroup],
+        ffn: GatedWeights<'_>,
+        out: &mut P::Buf,
+        up_out: &mut P::Buf,
+    ) -> Result<(), BackendError> {
+        let GatedWeights { gate, up, act } = ffn;
+        let ks = self.helper_rows_of(groups, &[gate, up]);
+        if ks.iter().all(|&k| k == 0) {
+            self.count_primary(&[gate, up]);
+            return self.primary.matmul_gated_batch(x, groups, ffn, out, up_out);
+        }
+        self.split_matmul(
+            x,
+            groups,
+            &[gate, up],
+            &mut [&mut *out, &mut *up_out],
+            NormInto::Write,
+            &ks,
+        )?;
+        let len = groups.iter().map(|g| g.rows).sum::<usize>() * gate.rows;
+        self.gated_activation(act, out, up_out, len)
     }
 
     fn swiglu(&self, gate: &mut P::Buf, up: &P::Buf, len: usize) -> Result<(), BackendError> {

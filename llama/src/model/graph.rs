@@ -6,7 +6,8 @@
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, KvStoreSeq, NormInto, RowGroup,
+    AttentionParams, AttentionSeq, AttentionShape, Backend, GatedWeights, KvStoreSeq, NormInto,
+    RowGroup,
 };
 use crate::config::LlamaConfig;
 use crate::weights::{WeightBytes, WeightView};
@@ -95,7 +96,6 @@ pub(crate) struct PassShape {
     /// Each layer's score scale and window.
     pub layer_attention: Vec<AttentionParams>,
     pub dim: usize,
-    pub ffn_dim: usize,
     pub vocab: usize,
     pub eps: f32,
     pub norm: Norm,
@@ -124,7 +124,6 @@ impl PassShape {
                 })
                 .collect(),
             dim: c.dim,
-            ffn_dim: c.ffn_dim,
             vocab: c.vocab_size,
             eps: c.rms_norm_eps,
             norm: table.family.norm,
@@ -287,16 +286,12 @@ impl<B: Backend> Graph<'_, '_, B> {
         norm(be, p, &s.x, p.rows, w.w(LayerRole::FfnNorm)?, &mut s.xb)?; // [dim]
         let w_gate = w.w(LayerRole::Gate)?; // [ffn, dim]
         let w_up = w.w(LayerRole::Up)?; // [ffn, dim]
-        be.matmul_batch(
-            &s.xb,
-            &p.groups,
-            &[w_gate, w_up],
-            &mut [&mut s.hb, &mut s.hb2],
-        )?;
-        match p.activation {
-            Activation::Silu => be.swiglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
-            Activation::GeluTanh => be.geglu(&mut s.hb, &s.hb2, p.rows * p.ffn_dim)?,
-        }
+        let ffn = GatedWeights {
+            gate: w_gate,
+            up: w_up,
+            act: p.activation,
+        };
+        be.matmul_gated_batch(&s.xb, &p.groups, ffn, &mut s.hb, &mut s.hb2)?;
         let w_down = w.w(LayerRole::Down)?; // [dim, ffn]
         let post = w.w_if(LayerRole::FfnPostNorm)?; // [dim]
         residual_add(be, p, &s.hb, w_down, post, &mut s.xb2, &mut s.x)

@@ -775,6 +775,9 @@ pub(super) struct Kernels {
     pub kq_embed_rows: CudaFunction,
     /// Per dtype code: the kernel for one input row per block, and for `MM_ROWS`.
     pub matmul: [[CudaFunction; 2]; DType::ALL.len()],
+    /// The one-row FFN gate/up kernels that write `act(gate) · up` (`_r1_gated`), for f16 and
+    /// bf16 weights.
+    pub matmul_gated: [CudaFunction; 2],
     /// Per dtype code (none for f32): the tensor-core kernels for up to 8, 16 and 32 input rows
     /// per block (`matmul_mma.cu`), and 64 for the k-quant-era dtypes (`kquants_mma.cu`); more
     /// rows take more blocks.
@@ -892,6 +895,7 @@ impl Kernels {
                 .collect::<Result<Vec<_>, LlamaError>>()?
                 .try_into()
                 .unwrap_or_else(|_| unreachable!("one pair per dtype code")),
+            matmul_gated: [f("matmul_f16_r1_gated")?, f("matmul_bf16_r1_gated")?],
             // In dtype-code order (`DType::ALL`).
             matmul_mma: [
                 None,

@@ -9,6 +9,7 @@ use weights_format::DType;
 use crate::backend::{BackendError, RowGroup, WeightView};
 
 use super::device::{GemmArgs, blocks, dtype_code, elementwise, kq_kernels};
+use super::elementwise::GateAct;
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf};
 
@@ -19,6 +20,8 @@ const MM_WARPS: u32 = 4;
 const MM_WROWS: u32 = 4;
 const MM_ROWS: u32 = 8;
 const MM_MAX_JOBS: usize = 3;
+/// Gate (and up) rows a block of the gated one-row kernels (`MM_GROWS`).
+const MM_GROWS: u32 = MM_WROWS / 2;
 
 /// The weights one matmul launch multiplies the same input with: must match `MatmulJobs` in
 /// `matmul.cu` (three pointers, three pointers, five ints; 72 bytes with padding).
@@ -428,6 +431,41 @@ impl CudaBackend {
         // blocks per job and the rows in groups of the variant's rows per block, as the kernel
         // expects (the `superblock` kernels take q4_k/q5_k/q6_k only, whose rows are whole
         // 256-value super-blocks).
+        unsafe { b.run(cfg) }
+    }
+
+    /// `out = act(x · gateᵀ) ⊙ (x · upᵀ)` for one row `x` (at device address `xp`) of f16 or
+    /// bf16 weights of one shape, in one launch of `matmul_*_r1_gated`: the bits of the one-row
+    /// matmul of both and `gated_act` after it.
+    pub(super) fn matmul_gated_launch(
+        &self,
+        xp: u64,
+        gate: WeightView<'_>,
+        up: WeightView<'_>,
+        act: GateAct,
+        out: &CudaBuf,
+    ) -> Result<(), BackendError> {
+        let kernel = match gate.dtype {
+            DType::F16 => &self.kernels.matmul_gated[0],
+            DType::Bf16 => &self.kernels.matmul_gated[1],
+            other => {
+                return Err(BackendError::Unsupported {
+                    op: "matmul_gated",
+                    message: format!("takes f16 or bf16 weights, not {}", other.name()),
+                });
+            }
+        };
+        let out_addr = self.addr(out, 0);
+        // Jobs 0 and 1: the gate (written) and up (read with it); the kernel writes `out` only.
+        let params = MatmulJobs::of(&[(&gate, out_addr), (&up, out_addr)], false)?;
+        let (rows, k, act) = (1i32, gate.cols as i32, act as i32);
+        let mut b = self.queue.kernel(kernel, "matmul kernel, 1 row, gated");
+        b.arg(&xp).arg(&rows).arg(&k).arg(&params).arg(&act);
+        let cfg = blocks(((gate.rows as u32).div_ceil(MM_GROWS), 1), MM_WARPS * 32);
+        // SAFETY: x holds k f32 values; gate and up each have gate.rows rows of k 16-bit values
+        // in device memory (checked when the model resolved its tensors; the caller checked
+        // that their shapes and dtypes agree), out holds gate.rows values; the grid covers
+        // ceil(rows / MM_GROWS) blocks of MM_GROWS rows of each, as the kernel expects.
         unsafe { b.run(cfg) }
     }
 

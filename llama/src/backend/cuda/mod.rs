@@ -31,9 +31,10 @@ use cudarc::driver::{CudaContext, CudaSlice};
 
 use crate::LlamaError;
 use crate::backend::{
-    AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, KvStoreSeq, NormInto,
-    PassInfo, RowGroup, WeightView,
+    Activation, AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, GatedWeights,
+    KvStoreSeq, NormInto, PassInfo, RowGroup, WeightView,
 };
+use weights_format::DType;
 
 pub use compile::kernel_cache_dir;
 pub use device::PinnedCopies;
@@ -448,6 +449,42 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         self.unless_replaying(|| self.attention_seqs(q, seqs, shape, params, out))
+    }
+
+    /// One launch for a single decoding row of f16/bf16 weights with the `gated` path
+    /// (`matmul_gated_launch`), else the matmuls and `gated_act`.
+    fn matmul_gated_batch(
+        &self,
+        x: &CudaBuf,
+        groups: &[RowGroup],
+        ffn: GatedWeights<'_>,
+        out: &mut CudaBuf,
+        up_out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let GatedWeights { gate, up, act } = ffn;
+        let act = match act {
+            Activation::Silu => GateAct::Silu,
+            Activation::GeluTanh => GateAct::GeluTanh,
+        };
+        self.unless_replaying(|| {
+            let rows: usize = groups.iter().map(|g| g.rows).sum();
+            let fused = self.paths.gated
+                && rows == 1
+                && matches!(gate.dtype, DType::F16 | DType::Bf16)
+                && gate.dtype == up.dtype
+                && (gate.rows, gate.cols) == (up.rows, up.cols);
+            if fused {
+                return self.matmul_gated_launch(self.addr(x, 0), gate, up, act, out);
+            }
+            self.matmul_groups(
+                x,
+                groups,
+                &[gate, up],
+                &mut [&mut *out, &mut *up_out],
+                false,
+            )?;
+            self.gated_act_launch(out, up_out, rows * gate.rows, act)
+        })
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {

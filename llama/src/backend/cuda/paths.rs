@@ -38,11 +38,16 @@ pub struct CudaPaths {
     /// the whole GPU (`mma_sum_slices`; off: by the last block of each tile to finish, which
     /// left most multiprocessors idle at the end of each launch). The same bits either way.
     pub slicesum: bool,
+    /// A decoding row's FFN gate and up products of f16/bf16 weights and their gated
+    /// activation in one launch (`matmul_*_r1_gated`; off: the matmul, then `gated_act`). The
+    /// same bits either way.
+    pub gated: bool,
 }
 
 impl CudaPaths {
     /// The names `parse` takes, each with what it turns on.
-    pub const NAMES: [&'static str; 5] = ["mma", "seqs", "flash", "superblock", "slicesum"];
+    pub const NAMES: [&'static str; 6] =
+        ["mma", "seqs", "flash", "superblock", "slicesum", "gated"];
 
     /// No new path: every batched row is computed as alone, bit for bit.
     pub fn none() -> CudaPaths {
@@ -52,6 +57,7 @@ impl CudaPaths {
             flash: false,
             superblock: false,
             slicesum: false,
+            gated: false,
         }
     }
 
@@ -63,6 +69,7 @@ impl CudaPaths {
             flash: true,
             superblock: true,
             slicesum: true,
+            gated: true,
         }
     }
 
@@ -80,6 +87,7 @@ impl CudaPaths {
                 "flash" => paths.flash = true,
                 "superblock" => paths.superblock = true,
                 "slicesum" => paths.slicesum = true,
+                "gated" => paths.gated = true,
                 other => {
                     return Err(LlamaError::Config {
                         setting: PATHS_ENV,
@@ -107,7 +115,8 @@ impl CudaPaths {
     }
 }
 
-/// The paths the GPU runs showed correct and faster: `mma`, `seqs`, `flash` and `slicesum`.
+/// The paths the GPU runs showed correct and faster: `mma`, `seqs`, `flash`, `slicesum` and
+/// `gated`.
 impl Default for CudaPaths {
     fn default() -> CudaPaths {
         CudaPaths {
@@ -125,6 +134,7 @@ impl std::fmt::Display for CudaPaths {
             self.flash,
             self.superblock,
             self.slicesum,
+            self.gated,
         ]
         .iter()
         .zip(CudaPaths::NAMES)
@@ -162,9 +172,12 @@ mod tests {
         assert!(e.contains("unknown kernel path `fast`"), "{e}");
         assert_eq!(
             CudaPaths::all().to_string(),
-            "mma,seqs,flash,superblock,slicesum"
+            "mma,seqs,flash,superblock,slicesum,gated"
         );
         assert_eq!(CudaPaths::none().to_string(), "none");
-        assert_eq!(CudaPaths::default().to_string(), "mma,seqs,flash,slicesum");
+        assert_eq!(
+            CudaPaths::default().to_string(),
+            "mma,seqs,flash,slicesum,gated"
+        );
     }
 }

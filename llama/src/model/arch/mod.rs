@@ -167,14 +167,8 @@ pub enum Norm {
     Rms,
 }
 
-/// The gate's activation in the FFN `down(act(gate(x)) · up(x))`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// `x·sigmoid(x)`.
-    Silu,
-    /// GeLU, tanh approximation: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
-    GeluTanh,
-}
+/// The gate's activation in the FFN `down(act(gate(x)) · up(x))` (a backend op's argument).
+pub use crate::backend::Activation;
 
 /// A model family as the forward pass sees it.
 #[derive(Debug)]

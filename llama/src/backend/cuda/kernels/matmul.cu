@@ -13,6 +13,9 @@
 #define MM_WARPS 4
 #define MM_WROWS 4
 #define MM_MAX_JOBS 3
+// Gate (and up) rows a block of a gated one-row kernel (`_r1_gated`): it computes MM_GROWS rows of
+// the gate and the same rows of up, MM_WROWS in all, and writes act(gate) · up.
+#define MM_GROWS (MM_WROWS / 2)
 
 // Must match `MatmulJobs` in cuda/matmul.rs.
 struct MatmulJobs {
@@ -45,6 +48,7 @@ __device__ __forceinline__ int matmul_job(const MatmulJobs& jobs, const u8*& w, 
 // The weight rows and input rows one block of a matmul kernel owns.
 struct MatmulTile {
     const u8* w;  // the job's weight
+    const u8* w2; // a gated kernel's up weight (w is the gate's)
     float* out;   // the job's output
     int m;        // the job's weight rows
     int i0, nw;   // the block's first weight row, and how many it has (<= MM_WROWS)
@@ -52,20 +56,34 @@ struct MatmulTile {
 };
 
 // This block's tile; false when it has no weight rows (then the whole block returns, so no
-// barrier is skipped by part of it).
-template <int NR>
+// barrier is skipped by part of it). GATED: jobs 0 and 1 are the gate and up weights (same shape)
+// and the block takes rows i0 .. i0 + MM_GROWS of both (nw counts the rows of each).
+template <int NR, bool GATED = false>
 __device__ __forceinline__ bool matmul_tile(const MatmulJobs& jobs, int rows, MatmulTile& t) {
-    t.i0 = matmul_job(jobs, t.w, t.out, t.m);
-    if (t.i0 >= t.m) return false;
-    t.nw = min(MM_WROWS, t.m - t.i0);
+    if constexpr (GATED) {
+        t.w = jobs.w[0];
+        t.w2 = jobs.w[1];
+        t.out = jobs.out[0];
+        t.m = jobs.m[0];
+        t.i0 = blockIdx.x * MM_GROWS;
+        if (t.i0 >= t.m) return false;
+        t.nw = min(MM_GROWS, t.m - t.i0);
+    } else {
+        t.i0 = matmul_job(jobs, t.w, t.out, t.m);
+        if (t.i0 >= t.m) return false;
+        t.nw = min(MM_WROWS, t.m - t.i0);
+    }
     t.r0 = blockIdx.y * NR;
     t.nr = min(NR, rows - t.r0);
     return true;
 }
 
-// Warp sums, then the warps' partials in warp order, written (or added) to the outputs.
-template <int NR>
-__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], const MatmulTile& t, int accumulate) {
+// Warp sums, then the warps' partials in warp order, written (or added) to the outputs. GATED:
+// rows j and j + MM_GROWS are the gate's and up's row i0 + j, summed in the same order and
+// written as gate_act(gate, act) · up, the bits of `gated_act` over the two outputs.
+template <int NR, bool GATED = false>
+__device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], const MatmulTile& t, int accumulate,
+                                             int act = 0) {
     int nr = t.nr, nw = t.nw;
     __shared__ float red[MM_WARPS][NR][MM_WROWS];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -80,6 +98,20 @@ __device__ __forceinline__ void matmul_store(float (&acc)[NR][MM_WROWS], const M
     }
     __syncthreads();
     int tid = threadIdx.x;
+    if constexpr (GATED) {
+        if (tid < NR * MM_GROWS) {
+            int r = tid / MM_GROWS, j = tid % MM_GROWS;
+            if (r < nr && j < nw) {
+                float g = 0.f, u = 0.f;
+#pragma unroll
+                for (int wi = 0; wi < MM_WARPS; wi++) g += red[wi][r][j];
+#pragma unroll
+                for (int wi = 0; wi < MM_WARPS; wi++) u += red[wi][r][j + MM_GROWS];
+                t.out[(u64)(t.r0 + r) * t.m + t.i0 + j] = gate_act(g, act) * u;
+            }
+        }
+        return;
+    }
     if (tid < NR * MM_WROWS) {
         int r = tid / MM_WROWS, j = tid % MM_WROWS;
         if (r < nr && j < nw) {
@@ -98,10 +130,13 @@ __device__ __forceinline__ float half_bits(u32 bits, int dtype) {
 
 // f32, f16 and bf16 weights with f32 activations.
 // Called after pdl_deferred(): pdl_begin() comes after the first weights are loaded.
-template <int DTYPE, int NR>
-__device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs) {
+// GATED (f16 and bf16, one row): the gate and up products of `matmul_tile<NR, true>`'s rows,
+// stored as act(gate) · up (`act` as `gate_act`).
+template <int DTYPE, int NR, bool GATED = false>
+__device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& jobs, int act = 0) {
+    static_assert(!GATED || DTYPE == 1 || DTYPE == 2, "gated kernels read 16-bit weights");
     MatmulTile t;
-    if (!matmul_tile<NR>(jobs, rows, t)) return;
+    if (!matmul_tile<NR, GATED>(jobs, rows, t)) return;
     const int nw = t.nw, nr = t.nr, r0 = t.r0;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float acc[NR][MM_WROWS] = {};
@@ -110,12 +145,19 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
         // 16-byte loads: 8 halves per lane per row and step.
         u64 row_bytes = (u64)k * 2;
         const u8* w0 = t.w + (u64)t.i0 * row_bytes;
-        int k8 = (k % 8 == 0 && ((u64)w0 & 15) == 0) ? k / 8 : 0;
+        const u8* w1 = GATED ? t.w2 + (u64)t.i0 * row_bytes : w0;  // up's rows (GATED)
+        // Weight row j of the block, and whether it exists.
+        auto row = [&](int j) -> const u8* {
+            if constexpr (GATED) return (j < MM_GROWS ? w0 : w1) + (j % MM_GROWS) * row_bytes;
+            return w0 + j * row_bytes;
+        };
+        auto has = [&](int j) { return GATED ? j % MM_GROWS < nw : j < nw; };
+        int k8 = (k % 8 == 0 && (((u64)w0 | (u64)w1) & 15) == 0) ? k / 8 : 0;
         const int first = warp * 32 + lane;
         auto load = [&](int c8, uint4 (&raw)[MM_WROWS]) {
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++)
-                raw[j] = j < nw ? ((const uint4*)(w0 + j * row_bytes))[c8] : make_uint4(0, 0, 0, 0);
+                raw[j] = has(j) ? ((const uint4*)row(j))[c8] : make_uint4(0, 0, 0, 0);
         };
         uint4 raw[MM_WROWS];
         if (PDL_EARLY_WEIGHTS && first < k8) load(first, raw);  // before the wait: see pdl_deferred
@@ -156,14 +198,14 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
         for (int c = k8 * 8 + warp * 32 + lane; c < k; c += step) {
 #pragma unroll
             for (int j = 0; j < MM_WROWS; j++) {
-                if (j >= nw) continue;
-                float wv = half_bits(((const u16*)(w0 + j * row_bytes))[c], DTYPE);
+                if (!has(j)) continue;
+                float wv = half_bits(((const u16*)row(j))[c], DTYPE);
 #pragma unroll
                 for (int r = 0; r < NR; r++)
                     if (r < nr) acc[r][j] = fmaf(wv, x[(u64)(r0 + r) * k + c], acc[r][j]);
             }
         }
-    } else {
+    } else if constexpr (!GATED) {
         pdl_begin();
         for (int c = warp * 32 + lane; c < k; c += step) {
 #pragma unroll
@@ -176,7 +218,7 @@ __device__ void matmul_impl(const float* x, int rows, int k, const MatmulJobs& j
             }
         }
     }
-    matmul_store<NR>(acc, t, jobs.accumulate);
+    matmul_store<NR, GATED>(acc, t, jobs.accumulate, act);
 }
 
 // A quantized block's raw words, loaded before any arithmetic so that every weight row's loads
@@ -350,6 +392,18 @@ __device__ void matmul_q_impl(const short* xq, const float4* xs, int rows, int k
 MATMUL_KERNELS(matmul_f32, 0)
 MATMUL_KERNELS(matmul_f16, 1)
 MATMUL_KERNELS(matmul_bf16, 2)
+// A decoding row's FFN gate and up products and its gated activation in one launch, for 16-bit
+// weights (whose down projection reads f32 activations, so nothing needs the quantized form that
+// `gated_act` also writes): out = act(x·gateᵀ) · (x·upᵀ), jobs 0 and 1 the gate and up weights,
+// grid ceil(m / MM_GROWS).
+#define MATMUL_GATED_KERNEL(NAME, DTYPE)                                                              \
+    extern "C" __global__ void __launch_bounds__(MM_WARPS * 32)                                      \
+        NAME##_r1_gated(const float* x, int rows, int k, MatmulJobs jobs, int act) {                \
+        pdl_deferred();                                                                              \
+        matmul_impl<DTYPE, 1, true>(x, rows, k, jobs, act);                                          \
+    }
+MATMUL_GATED_KERNEL(matmul_f16, 1)
+MATMUL_GATED_KERNEL(matmul_bf16, 2)
 MATMUL_Q_KERNELS(matmul_q8_0, 3)
 MATMUL_Q_KERNELS(matmul_q4_0, 4)
 MATMUL_Q_KERNELS(matmul_q4_1, 5)
