@@ -9,7 +9,10 @@
 //! a parameter in device memory while recording, which each replay sets first. The first
 //! qualifying pass of a [`PassInfo::generation`] runs op by op (it creates every buffer a pass
 //! creates lazily); the next is recorded and then launched; the ones after are replayed, their
-//! ops skipped as the model calls them. A new generation or sequence, or a scratch buffer of
+//! ops skipped as the model calls them. A replay is launched when its pass begins (after the
+//! pass's inputs are queued, before the model walks its layers), not when it ends: the host's
+//! walk over the skipped ops (about 0.1 ms a 7B step on the H200 machine) then overlaps the
+//! GPU's work instead of leaving the GPU idle before each step. A new generation or sequence, or a scratch buffer of
 //! the backend growing, drops the recording. `GDSLLM_CUDA_GRAPH=0` turns all of it off.
 //!
 //! [`Backend::begin_pass`]: crate::backend::Backend::begin_pass
@@ -30,7 +33,8 @@ enum Mode {
     Eager,
     /// Recorded into a graph, launched at the end of the pass.
     Record,
-    /// Already recorded: skipped, and the graph launched at the end of the pass.
+    /// Already recorded: the graph launched when the pass begins, its ops skipped as the model
+    /// calls them.
     Replay,
 }
 
@@ -152,6 +156,7 @@ impl Graphs {
         if st.graph.is_some() {
             let State { pos: param, .. } = &mut *st;
             queue.write(&pos, param, "writing the pass position")?;
+            self.launch(queue, &st)?;
             st.mode = Mode::Replay;
             self.replaying.store(true, Ordering::Relaxed);
         } else if st.eager == Some(buffers) {
@@ -173,8 +178,9 @@ impl Graphs {
         Ok(())
     }
 
-    /// Ends the pass: launches the recording made now or before (a recorded pass has not run
-    /// yet) when every op of the pass was queued (`ran`). A recording that failed is dropped,
+    /// Ends the pass: launches the recording made now when every op of the pass was queued
+    /// (`ran`; a replay was launched when the pass began: a pass whose walk fails after it has
+    /// run on the device, and returns the walk's error). A recording that failed is dropped,
     /// passes run op by op from then on, and the error says the pass did not run.
     pub fn end(&self, queue: &Queue, ran: bool) -> Result<(), BackendError> {
         let mut st = self.state();
@@ -182,7 +188,6 @@ impl Graphs {
         self.replaying.store(false, Ordering::Relaxed);
         match mode {
             Mode::Eager => Ok(()),
-            Mode::Replay if ran => self.launch(queue, &st),
             Mode::Replay => Ok(()),
             Mode::Record => {
                 self.recording.store(false, Ordering::Relaxed);
