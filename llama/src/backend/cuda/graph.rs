@@ -12,8 +12,9 @@
 //! ops skipped as the model calls them. A replay is launched when its pass begins (after the
 //! pass's inputs are queued, before the model walks its layers), not when it ends: the host's
 //! walk over the skipped ops (about 0.1 ms a 7B step on the H200 machine) then overlaps the
-//! GPU's work instead of leaving the GPU idle before each step. A new generation or sequence, or a scratch buffer of
-//! the backend growing, drops the recording. `GDSLLM_CUDA_GRAPH=0` turns all of it off.
+//! GPU's work instead of leaving the GPU idle before each step. A new generation or sequence,
+//! or a scratch buffer of the backend growing, drops the recording. `GDSLLM_CUDA_GRAPH=0`
+//! turns all of it off.
 //!
 //! [`Backend::begin_pass`]: crate::backend::Backend::begin_pass
 
@@ -179,9 +180,10 @@ impl Graphs {
     }
 
     /// Ends the pass: launches the recording made now when every op of the pass was queued
-    /// (`ran`; a replay was launched when the pass began: a pass whose walk fails after it has
-    /// run on the device, and returns the walk's error). A recording that failed is dropped,
-    /// passes run op by op from then on, and the error says the pass did not run.
+    /// (`ran`). A replay was launched when its pass began: if the model's walk fails after it,
+    /// the step has run on the device all the same, and the pass returns the walk's error. A
+    /// recording that failed is dropped, passes run op by op from then on, and the error says
+    /// the pass did not run.
     pub fn end(&self, queue: &Queue, ran: bool) -> Result<(), BackendError> {
         let mut st = self.state();
         let mode = std::mem::replace(&mut st.mode, Mode::Eager);
