@@ -303,14 +303,16 @@ mod tests {
         // The matmul kernels are looked up per dtype by name (below), the others by literal.
         assert!(names.len() >= 15, "{names:?}");
         for name in names {
-            let (stem, plain) = match name.rsplit_once('_') {
-                Some((stem, "r1" | "r8")) => (stem, false),
-                _ => (name, true),
-            };
-            let defined = if plain {
-                src.matches(&format!(" {name}(")).count()
+            // `NAME_r1`/`_r8` come from `…KERNELS(NAME, …)`, `NAME_r1_gated` from
+            // `MATMUL_GATED_KERNEL(NAME, …)`, the others are written out.
+            let defined = if let Some(stem) = name.strip_suffix("_r1_gated") {
+                src.matches(&format!("MATMUL_GATED_KERNEL({stem}, "))
+                    .count()
             } else {
-                src.matches(&format!("KERNELS({stem}, ")).count()
+                match name.rsplit_once('_') {
+                    Some((stem, "r1" | "r8")) => src.matches(&format!("KERNELS({stem}, ")).count(),
+                    _ => src.matches(&format!(" {name}(")).count(),
+                }
             };
             assert_eq!(defined, 1, "kernel {name}");
         }
