@@ -4,7 +4,7 @@
 
 use cudarc::driver::CudaFunction;
 
-use crate::backend::{BackendError, NormInto, WeightView};
+use crate::backend::{Activation, BackendError, NormInto, WeightView};
 
 use super::device::{blocks, dtype_code, elementwise, kq_kernels};
 use super::weights::device_ptr;
@@ -19,11 +19,12 @@ const RMS_PIECE_WARPS: u32 = 8;
 /// Threads per block (one block a row) of `argmax_rows` (ARGMAX_THREADS in elementwise.cu).
 const ARGMAX_THREADS: u32 = 1024;
 
-/// The gate activations of the `gated_act` kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum GateAct {
-    Silu = 0,
-    GeluTanh = 1,
+/// An activation's code in the kernels (`gate_act` of elementwise.cu): 0 silu, 1 GeLU (tanh).
+pub(super) fn gate_act_code(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+    }
 }
 
 impl CudaBackend {
@@ -136,14 +137,14 @@ impl CudaBackend {
         gate: &CudaBuf,
         up: &CudaBuf,
         len: usize,
-        act: GateAct,
+        act: Activation,
     ) -> Result<(), BackendError> {
         if len == 0 {
             return Ok(());
         }
         let (gp, upp) = (self.addr(gate, 0), self.addr(up, 0));
         let (xq, xs) = self.x16.fused_target(&self.queue, &self.graphs, len)?;
-        let (n, act) = (len as u64, act as i32);
+        let (n, act) = (len as u64, gate_act_code(act));
         let mut b = self
             .queue
             .kernel(&self.kernels.gated_act, "gated_act kernel");

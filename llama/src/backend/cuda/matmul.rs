@@ -6,10 +6,10 @@ use cudarc::cublas::sys::cudaDataType;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 use weights_format::DType;
 
-use crate::backend::{BackendError, RowGroup, WeightView};
+use crate::backend::{Activation, BackendError, RowGroup, WeightView};
 
 use super::device::{GemmArgs, blocks, dtype_code, elementwise, kq_kernels};
-use super::elementwise::GateAct;
+use super::elementwise::gate_act_code;
 use super::weights::device_ptr;
 use super::{CudaBackend, CudaBuf};
 
@@ -434,37 +434,38 @@ impl CudaBackend {
         unsafe { b.run(cfg) }
     }
 
-    /// `out = act(x · gateᵀ) ⊙ (x · upᵀ)` for one row `x` (at device address `xp`) of f16 or
-    /// bf16 weights of one shape, in one launch of `matmul_*_r1_gated`: the bits of the one-row
-    /// matmul of both and `gated_act` after it.
+    /// The one-row gated kernel (`matmul_*_r1_gated`) for weights of `dtype`: f16 and bf16.
+    pub(super) fn gated_kernel(&self, dtype: DType) -> Option<&CudaFunction> {
+        match dtype {
+            DType::F16 => Some(&self.kernels.matmul_gated[0]),
+            DType::Bf16 => Some(&self.kernels.matmul_gated[1]),
+            _ => None,
+        }
+    }
+
+    /// `out = act(x · gateᵀ) ⊙ (x · upᵀ)` for one row `x` (at device address `xp`) of weights
+    /// of one shape and dtype, in one launch of their [`CudaBackend::gated_kernel`]: the bits of
+    /// the one-row matmul of both and `gated_act` after it.
     pub(super) fn matmul_gated_launch(
         &self,
+        kernel: &CudaFunction,
         xp: u64,
         gate: WeightView<'_>,
         up: WeightView<'_>,
-        act: GateAct,
+        act: Activation,
         out: &CudaBuf,
     ) -> Result<(), BackendError> {
-        let kernel = match gate.dtype {
-            DType::F16 => &self.kernels.matmul_gated[0],
-            DType::Bf16 => &self.kernels.matmul_gated[1],
-            other => {
-                return Err(BackendError::Unsupported {
-                    op: "matmul_gated",
-                    message: format!("takes f16 or bf16 weights, not {}", other.name()),
-                });
-            }
-        };
         let out_addr = self.addr(out, 0);
         // Jobs 0 and 1: the gate (written) and up (read with it); the kernel writes `out` only.
         let params = MatmulJobs::of(&[(&gate, out_addr), (&up, out_addr)], false)?;
-        let (rows, k, act) = (1i32, gate.cols as i32, act as i32);
+        let (rows, k, act) = (1i32, gate.cols as i32, gate_act_code(act));
         let mut b = self.queue.kernel(kernel, "matmul kernel, 1 row, gated");
         b.arg(&xp).arg(&rows).arg(&k).arg(&params).arg(&act);
         let cfg = blocks(((gate.rows as u32).div_ceil(MM_GROWS), 1), MM_WARPS * 32);
-        // SAFETY: x holds k f32 values; gate and up each have gate.rows rows of k 16-bit values
-        // in device memory (checked when the model resolved its tensors; the caller checked
-        // that their shapes and dtypes agree), out holds gate.rows values; the grid covers
+        // SAFETY: x holds k f32 values; gate and up each have gate.rows rows of k values of the
+        // kernel's 16-bit dtype in device memory (checked when the model resolved its tensors;
+        // the caller checked that their shapes and dtypes agree and took the kernel of that
+        // dtype), out holds gate.rows values; the grid covers
         // ceil(rows / MM_GROWS) blocks of MM_GROWS rows of each, as the kernel expects.
         unsafe { b.run(cfg) }
     }

@@ -34,7 +34,6 @@ use crate::backend::{
     Activation, AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, GatedWeights,
     KvStoreSeq, NormInto, PassInfo, RowGroup, WeightView,
 };
-use weights_format::DType;
 
 pub use compile::kernel_cache_dir;
 pub use device::PinnedCopies;
@@ -53,7 +52,6 @@ pub use profile::PROFILE_ENV;
 pub use weights::{CudaBlobGuard, CudaWeights, DeviceBlob, DeviceWeights};
 
 use device::{Kernels, Queue};
-use elementwise::GateAct;
 use graph::Graphs;
 use scratch::{Scratch, X16};
 
@@ -452,7 +450,7 @@ impl Backend for CudaBackend {
     }
 
     /// One launch for a single decoding row of f16/bf16 weights with the `gated` path
-    /// (`matmul_gated_launch`), else the matmuls and `gated_act`.
+    /// (`matmul_gated_launch`), else the matmuls and the activation, as by default.
     fn matmul_gated_batch(
         &self,
         x: &CudaBuf,
@@ -462,37 +460,28 @@ impl Backend for CudaBackend {
         up_out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let GatedWeights { gate, up, act } = ffn;
-        let act = match act {
-            Activation::Silu => GateAct::Silu,
-            Activation::GeluTanh => GateAct::GeluTanh,
-        };
-        self.unless_replaying(|| {
-            let rows: usize = groups.iter().map(|g| g.rows).sum();
-            let fused = self.paths.gated
-                && rows == 1
-                && matches!(gate.dtype, DType::F16 | DType::Bf16)
-                && gate.dtype == up.dtype
-                && (gate.rows, gate.cols) == (up.rows, up.cols);
-            if fused {
-                return self.matmul_gated_launch(self.addr(x, 0), gate, up, act, out);
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        let fusable = self.paths.gated
+            && rows == 1
+            && gate.dtype == up.dtype
+            && (gate.rows, gate.cols) == (up.rows, up.cols);
+        match self.gated_kernel(gate.dtype).filter(|_| fusable) {
+            Some(kernel) => self.unless_replaying(|| {
+                self.matmul_gated_launch(kernel, self.addr(x, 0), gate, up, act, out)
+            }),
+            None => {
+                self.matmul_batch(x, groups, &[gate, up], &mut [&mut *out, &mut *up_out])?;
+                self.gated_activation(act, out, up_out, rows * gate.rows)
             }
-            self.matmul_groups(
-                x,
-                groups,
-                &[gate, up],
-                &mut [&mut *out, &mut *up_out],
-                false,
-            )?;
-            self.gated_act_launch(out, up_out, rows * gate.rows, act)
-        })
+        }
     }
 
     fn swiglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
-        self.unless_replaying(|| self.gated_act_launch(gate, up, len, GateAct::Silu))
+        self.unless_replaying(|| self.gated_act_launch(gate, up, len, Activation::Silu))
     }
 
     fn geglu(&self, gate: &mut CudaBuf, up: &CudaBuf, len: usize) -> Result<(), BackendError> {
-        self.unless_replaying(|| self.gated_act_launch(gate, up, len, GateAct::GeluTanh))
+        self.unless_replaying(|| self.gated_act_launch(gate, up, len, Activation::GeluTanh))
     }
 
     fn add_bias(
