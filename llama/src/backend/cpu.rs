@@ -26,23 +26,28 @@
 //! work) run on `pool`: workers that spin between a decode step's microsecond-long regions
 //! instead of sleeping, the calling thread taking tasks too (`GDSLLM_CPU_POOL=rayon` for rayon's
 //! pool); the thread count is rayon's global pool's ([`CpuBackend::adopt_current_thread`],
-//! `--cpu-threads`). Element-wise work (norms, RoPE, activations, the quantizing of
-//! activations) is split over the threads only when it is a prompt's size.
+//! `--cpu-threads`). Element-wise work (norms, RoPE, activations, the residual sums, the
+//! quantizing of activations) is split over the threads only when it is a prompt's size.
+//! A prompt's attention takes sixteen rows of one head a task (`kernels::attend_lanes`), a
+//! decode row one (row, head) pair; both give the same bits. `GDSLLM_CPU_PROFILE=1` logs where
+//! each pass's time went (`profile`).
 
 mod pool;
+mod profile;
 mod repack;
 
 use std::sync::Arc;
 
 use weights_format::DType;
 
+use self::profile::Op;
 use self::repack::{Packing, RepackCache};
 
 use super::kernels::{self, QK, RowsOperands};
 use super::kquants::{self, QuantizedActs};
 use super::{
     AttentionParams, AttentionSeq, AttentionShape, Backend, BackendError, NormInto, PassInfo,
-    RowGroup, WeightView, check_cache_slots, check_store_slots, host_bytes, matmul_then_add,
+    RowGroup, WeightView, check_cache_slots, check_store_slots, host_bytes,
 };
 use super::{int8, vnni16};
 
@@ -339,6 +344,7 @@ fn matmul_rows_of(
     wide: &[bool],
     w: WeightView<'_>,
     out: &mut [f32],
+    xq: &mut QuantizedActs,
 ) -> Result<(), BackendError> {
     let int8 = !cpu.exact;
     let stored = host(&w)?;
@@ -361,11 +367,11 @@ fn matmul_rows_of(
             xsums.extend_from_slice(&one);
         }
     }
-    let mut xq = QuantizedActs::default();
     let all_rows_packed = packed.is_some() && !split;
     if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed) {
         xq.prepare(x, k, w.dtype);
     }
+    let xq: &QuantizedActs = xq;
     debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
     let sizes = row_tasks(m, k * rows);
     // A task: weight rows from `first` against the activation rows `acts`, into `o` ([its
@@ -380,7 +386,7 @@ fn matmul_rows_of(
             cols: k,
             x,
             xsums: &xsums,
-            xq: &xq,
+            xq,
             int8,
         };
         match &packed {
@@ -389,7 +395,7 @@ fn matmul_rows_of(
                 &bytes[range],
                 row_bytes,
                 *packing,
-                &xq,
+                xq,
                 acts,
                 None,
                 o,
@@ -397,16 +403,7 @@ fn matmul_rows_of(
             Some((bytes, packing)) => {
                 kernels::matmul_rows(ops(&stored[range.clone()]), wide, false, o);
                 let wb = &bytes[range];
-                packed_rows(
-                    w.dtype,
-                    wb,
-                    row_bytes,
-                    *packing,
-                    &xq,
-                    0..rows,
-                    Some(wide),
-                    o,
-                );
+                packed_rows(w.dtype, wb, row_bytes, *packing, xq, 0..rows, Some(wide), o);
             }
             None => kernels::matmul_rows(ops(&stored[range]), wide, true, o),
         }
@@ -423,7 +420,11 @@ fn matmul_rows_of(
         let start = r / per_span * per_span;
         start..(start + per_span).min(rows)
     };
-    let mut out_t = vec![0f32; m * rows];
+    let mut products = PRODUCTS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if products.len() < m * rows {
+        products.resize(m * rows, 0.0);
+    }
+    let out_t = &mut products[..m * rows];
     let mut tasks = Vec::new();
     let mut rest = &mut out_t[..];
     for start in (0..rows).step_by(per_span) {
@@ -435,15 +436,37 @@ fn matmul_rows_of(
         }
     }
     pool::for_each(&mut tasks, |(first, acts, o)| task(*first, acts.clone(), o));
-    let mut rows_out: Vec<_> = out[..rows * m].chunks_mut(m).enumerate().collect();
-    pool::for_each(&mut rows_out, |(r, o)| {
-        let span = span_of(*r);
-        let block = &out_t[m * span.start..m * span.end];
-        let (c, n) = (*r - span.start, span.len());
-        for (i, v) in o.iter_mut().enumerate() {
-            *v = block[i * n + c];
+    // Back to [rows, m], eight output rows a task: for each weight row the eight values lie
+    // side by side in the spans' blocks (one cache line), where a task of one output row read
+    // each value from a line of its own (a tenth of a 512-token prompt's time on one thread).
+    const ROWS_PER_TASK: usize = 8;
+    let mut rows_out: Vec<_> = out[..rows * m]
+        .chunks_mut(ROWS_PER_TASK * m)
+        .enumerate()
+        .collect();
+    pool::for_each(&mut rows_out, |(t, o)| {
+        let r0 = *t * ROWS_PER_TASK;
+        // Each output row's block, its column there, and the block's width.
+        let sources: Vec<(&[f32], usize, usize)> = (r0..r0 + o.len() / m)
+            .map(|r| {
+                let span = span_of(r);
+                (
+                    &out_t[m * span.start..m * span.end],
+                    r - span.start,
+                    span.len(),
+                )
+            })
+            .collect();
+        for i in 0..m {
+            for (j, (block, c, n)) in sources.iter().enumerate() {
+                o[j * m + i] = block[i * n + c];
+            }
         }
     });
+    // Kept up to 16 MB (a LM head over a long prompt's rows is not worth holding on to).
+    if products.len() <= 4 << 20 {
+        PRODUCTS.with(|p| *p.borrow_mut() = products);
+    }
     Ok(())
 }
 
@@ -476,49 +499,98 @@ fn host<'a>(w: &WeightView<'a>) -> Result<&'a [u8], BackendError> {
     host_bytes(w, "cpu")
 }
 
-/// Rotary embedding of whole rows of `width` values, the first at position `pos0` (rows in
-/// parallel when there are many: a prompt's sines and cosines).
-fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, pos0: usize, inv_freq: &[f32]) {
-    if x.len() >= PARALLEL_MIN_VALUES && x.len() >= 2 * width {
-        let rows_per_task = (PARALLEL_MIN_VALUES / 4).div_ceil(width);
-        let mut tasks: Vec<_> = x.chunks_mut(rows_per_task * width).enumerate().collect();
-        pool::for_each(&mut tasks, |(t, part)| {
-            rope_rows(part, width, head_dim, pos0 + *t * rows_per_task, inv_freq)
-        });
-        return;
-    }
-    let half = head_dim / 2;
-    let mut cos = vec![0f32; half];
-    let mut sin = vec![0f32; half];
-    for (r, xr) in x.chunks_exact_mut(width).enumerate() {
-        let pos = (pos0 + r) as f32;
-        for i in 0..half {
-            let angle = pos * inv_freq[i];
-            cos[i] = angle.cos();
-            sin[i] = angle.sin();
-        }
-        for head in xr.chunks_exact_mut(head_dim) {
-            let (a, b) = head.split_at_mut(half);
+/// The cosines and sines of rotary position `pos0 + r` for each of `rows` rows, `[rows,
+/// inv_freq.len()]` each: computed once for a pass's Q and K (each computed them, and a
+/// prompt's K, too short to be split among the threads, took its 4,096 sines and cosines a
+/// layer on one thread: most of a 128-token prompt's serial time on 16 threads).
+fn rope_angles(rows: usize, pos0: usize, inv_freq: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let (mut cos, mut sin) = (vec![0f32; rows * half], vec![0f32; rows * half]);
+    let fill = |r0: usize, cos: &mut [f32], sin: &mut [f32]| {
+        for (r, (c, s)) in cos
+            .chunks_exact_mut(half)
+            .zip(sin.chunks_exact_mut(half))
+            .enumerate()
+        {
+            let pos = (pos0 + r0 + r) as f32;
             for i in 0..half {
-                let (x1, x2) = (a[i], b[i]);
-                a[i] = x1 * cos[i] - x2 * sin[i];
-                b[i] = x2 * cos[i] + x1 * sin[i];
+                let angle = pos * inv_freq[i];
+                c[i] = angle.cos();
+                s[i] = angle.sin();
             }
         }
+    };
+    // Sines and cosines cost ~20 ns each: worth splitting from a few thousand.
+    const ROWS_PER_TASK: usize = 16;
+    if half == 0 || rows * half < 4096 {
+        fill(0, &mut cos, &mut sin);
+        return (cos, sin);
     }
+    let chunk = ROWS_PER_TASK * half;
+    let mut tasks: Vec<_> = cos
+        .chunks_mut(chunk)
+        .zip(sin.chunks_mut(chunk))
+        .enumerate()
+        .collect();
+    pool::for_each(&mut tasks, |(t, (c, s))| fill(*t * ROWS_PER_TASK, c, s));
+    (cos, sin)
+}
+
+/// Rotary embedding of whole rows of `width` values with the angles of [`rope_angles`] (rows
+/// in parallel when there are many).
+fn rope_rows(x: &mut [f32], width: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    let rotate = |x: &mut [f32], cos: &[f32], sin: &[f32]| {
+        for ((xr, cos), sin) in x
+            .chunks_exact_mut(width)
+            .zip(cos.chunks_exact(half))
+            .zip(sin.chunks_exact(half))
+        {
+            for head in xr.chunks_exact_mut(head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
+            }
+        }
+    };
+    if x.len() >= PARALLEL_MIN_VALUES && x.len() >= 2 * width {
+        let rows_per_task = (PARALLEL_MIN_VALUES / 4).div_ceil(width);
+        let mut tasks: Vec<_> = x
+            .chunks_mut(rows_per_task * width)
+            .zip(
+                cos.chunks(rows_per_task * half)
+                    .zip(sin.chunks(rows_per_task * half)),
+            )
+            .collect();
+        pool::for_each(&mut tasks, |(part, (cos, sin))| rotate(part, cos, sin));
+        return;
+    }
+    rotate(x, cos, sin);
+}
+
+thread_local! {
+    /// A prompt matmul's products in the transposed layout its tasks write (every value is
+    /// written before it is read), kept between calls: allocating and zeroing them each time
+    /// (up to 0.8 MB for a SmolLM2 prompt of 128 tokens) was serial time on 16 threads.
+    static PRODUCTS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl CpuBackend {
-    /// `out = x · Wᵀ` for `rows` rows computed together.
+    /// `out = x · Wᵀ` for `rows` rows computed together, `x` quantized into `xq` unless it is
+    /// there already (weights of one input share it: a prompt's Q, K and V, gate and up).
     fn matmul(
         &self,
         x: &[f32],
         rows: usize,
         w: WeightView<'_>,
         out: &mut [f32],
+        xq: &mut QuantizedActs,
     ) -> Result<(), BackendError> {
         let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
-        matmul_rows_of(self, x, &wide, w, out)
+        matmul_rows_of(self, x, &wide, w, out, xq)
     }
 
     /// Several matmuls of the same input; decoding runs them as one parallel region.
@@ -530,8 +602,9 @@ impl CpuBackend {
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), BackendError> {
         if rows != 1 {
+            let mut xq = QuantizedActs::default();
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(x, rows, *w, out)?;
+                self.matmul(x, rows, *w, out, &mut xq)?;
             }
             return Ok(());
         }
@@ -593,6 +666,19 @@ impl CpuBackend {
     }
 }
 
+/// A task of [`CpuBackend::attention_batch`]'s parallel region.
+enum AttentionTask<'o> {
+    /// One (row, head) pair: `idx = row · n_heads + head`.
+    Pair { idx: usize, out: &'o mut [f32] },
+    /// Consecutive rows `rows` of sequence `seq` (indices within it), one head.
+    Rows {
+        seq: usize,
+        head: usize,
+        rows: std::ops::Range<usize>,
+        outs: Vec<&'o mut [f32]>,
+    },
+}
+
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type KvBuf = Vec<f32>;
@@ -619,6 +705,7 @@ impl Backend for CpuBackend {
         dst: &mut Vec<f32>,
         values: usize,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Other);
         dst[..values].copy_from_slice(&src[..values]);
         Ok(())
     }
@@ -626,7 +713,16 @@ impl Backend for CpuBackend {
     /// Remembers whether the weights stay where they are, which decides whether the matmuls
     /// may read repacked copies of them (see `repack`).
     fn begin_pass(&self, pass: &PassInfo) -> Result<(), BackendError> {
+        profile::begin_pass();
         self.repacked.begin_pass(pass.weights_stable);
+        Ok(())
+    }
+
+    /// Logs where the pass's time went with `GDSLLM_CPU_PROFILE=1` (`profile`).
+    fn end_pass(&self, ran: bool) -> Result<(), BackendError> {
+        if ran {
+            profile::end_pass(pool::threads());
+        }
         Ok(())
     }
 
@@ -649,6 +745,7 @@ impl Backend for CpuBackend {
         cols: usize,
         out: &mut [u32],
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Logits);
         if cols == 0 {
             out.fill(0);
             return Ok(());
@@ -666,6 +763,7 @@ impl Backend for CpuBackend {
         ids: &[u32],
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Embed);
         let (bytes, dim, rb) = (host(&table)?, table.cols, table.row_bytes());
         for (o, &id) in out.chunks_exact_mut(dim).zip(ids) {
             let id = id as usize;
@@ -693,6 +791,7 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
         into: NormInto,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Norm);
         match into {
             NormInto::Write => rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o = v),
             NormInto::Add => rmsnorm_rows(x, rows, weight, eps, out, |v, o| *o += v),
@@ -706,6 +805,7 @@ impl Backend for CpuBackend {
         ws: &[WeightView<'_>],
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Matmul);
         let rows: usize = groups.iter().map(|g| g.rows).sum();
         let wide: Vec<bool> = groups
             .iter()
@@ -719,13 +819,14 @@ impl Backend for CpuBackend {
         {
             return self.matmul_many(x, rows, ws, outs);
         }
+        let mut xq = QuantizedActs::default();
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_rows_of(self, x, &wide, *w, out)?;
+            matmul_rows_of(self, x, &wide, *w, out, &mut xq)?;
         }
         Ok(())
     }
 
-    /// The product into `scratch`, then added to `out`.
+    /// The product into `scratch`, then added to `out` (a prompt's rows by the threads).
     fn matmul_add_batch(
         &self,
         x: &Vec<f32>,
@@ -734,7 +835,16 @@ impl Backend for CpuBackend {
         scratch: &mut Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
-        matmul_then_add(self, x, groups, w, scratch, out)
+        let _op = profile::op(Op::Add);
+        let rows: usize = groups.iter().map(|g| g.rows).sum();
+        self.matmul_batch(x, groups, &[w], &mut [&mut *scratch])?;
+        let len = rows * w.rows;
+        zip_chunks(&mut out[..len], &scratch[..len], 1, |o, s| {
+            for (a, b) in o.iter_mut().zip(s) {
+                *a += b;
+            }
+        });
+        Ok(())
     }
 
     fn rope_store_kv(
@@ -750,14 +860,16 @@ impl Backend for CpuBackend {
         k_cache: &mut Vec<f32>,
         v_cache: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::RopeStore);
         let (hd, q_dim, kv_dim) = (
             shape.head_dim,
             shape.n_heads * shape.head_dim,
             shape.n_kv_heads * shape.head_dim,
         );
         let rows_of = |width: usize| row0 * width..(row0 + rows) * width;
-        rope_rows(&mut q[rows_of(q_dim)], q_dim, hd, pos0, inv_freq);
-        rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, pos0, inv_freq);
+        let (cos, sin) = rope_angles(rows, pos0, &inv_freq[..hd / 2]);
+        rope_rows(&mut q[rows_of(q_dim)], q_dim, hd, &cos, &sin);
+        rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, &cos, &sin);
         let slots = k_cache.len() / kv_dim;
         check_store_slots(slots, rows)?;
         for r in 0..rows {
@@ -777,6 +889,7 @@ impl Backend for CpuBackend {
         params: AttentionParams,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Attention);
         let AttentionShape {
             n_heads,
             n_kv_heads,
@@ -795,36 +908,101 @@ impl Backend for CpuBackend {
         for (i, s) in seqs.iter().enumerate() {
             row_seq[s.row0..s.row0 + s.rows].fill(i);
         }
-        let mut tasks: Vec<_> = out[..rows * n_heads * head_dim]
+        // A sequence's prompt rows go through `attend_lanes` up to 16 rows of one head at a
+        // time (the same bits as `attend` a row at a time, so which path a row takes changes
+        // nothing); a decode row, and any row when the head's values are not whole groups of
+        // 16, through `attend`.
+        let lanes = kernels::ATTEND_LANES;
+        let tiled = |s: &AttentionSeq<'_, Vec<f32>>| {
+            s.rows >= 2 && head_dim.is_multiple_of(16) && kernels::attend_lanes_fast()
+        };
+        let mut pieces: Vec<Option<&mut [f32]>> = out[..rows * n_heads * head_dim]
             .chunks_mut(head_dim)
-            .enumerate()
+            .map(Some)
             .collect();
-        pool::for_each_init(&mut tasks, Vec::new, |scores: &mut Vec<f32>, (idx, o)| {
-            let idx = *idx;
-            let (row, h) = (idx / n_heads, idx % n_heads);
-            let Some(s) = seqs.get(row_seq[row]) else {
-                return;
-            };
-            let r = row - s.row0;
-            let qh = &q[idx * head_dim..(idx + 1) * head_dim];
+        let mut tasks: Vec<AttentionTask<'_>> = Vec::new();
+        for (i, s) in seqs.iter().enumerate() {
+            if !tiled(s) {
+                continue;
+            }
+            for h in 0..n_heads {
+                for r0 in (0..s.rows).step_by(lanes) {
+                    let rows = r0..(r0 + lanes).min(s.rows);
+                    let outs = rows
+                        .clone()
+                        .filter_map(|r| pieces[(s.row0 + r) * n_heads + h].take())
+                        .collect();
+                    tasks.push(AttentionTask::Rows {
+                        seq: i,
+                        head: h,
+                        rows,
+                        outs,
+                    });
+                }
+            }
+        }
+        for (idx, piece) in pieces.into_iter().enumerate() {
+            if let Some(o) = piece {
+                tasks.push(AttentionTask::Pair { idx, out: o });
+            }
+        }
+        let key_range = |s: &AttentionSeq<'_, Vec<f32>>, r: usize| {
             let pos = s.pos0 + r;
-            let head = kernels::CachedHead {
+            params.first_key(pos)..pos + 1
+        };
+        fn cached<'a>(
+            s: &AttentionSeq<'a, Vec<f32>>,
+            h: usize,
+            (group, kv_width, head_dim): (usize, usize, usize),
+        ) -> kernels::CachedHead<'a> {
+            kernels::CachedHead {
                 k: s.k_cache,
                 v: s.v_cache,
                 width: kv_width,
                 offset: (h / group) * head_dim,
-            };
-            kernels::attend(qh, head, params.first_key(pos)..pos + 1, scale, scores, o);
-        });
+            }
+        }
+        let dims = (group, kv_width, head_dim);
+        pool::for_each_init(
+            &mut tasks,
+            || (Vec::new(), Vec::new()),
+            |(scores, lane_scores), task| match task {
+                AttentionTask::Pair { idx, out: o } => {
+                    let idx = *idx;
+                    let (row, h) = (idx / n_heads, idx % n_heads);
+                    let Some(s) = seqs.get(row_seq[row]) else {
+                        return;
+                    };
+                    let qh = &q[idx * head_dim..(idx + 1) * head_dim];
+                    let keys = key_range(s, row - s.row0);
+                    kernels::attend(qh, cached(s, h, dims), keys, scale, scores, o);
+                }
+                AttentionTask::Rows {
+                    seq,
+                    head,
+                    rows,
+                    outs,
+                } => {
+                    let (s, h) = (&seqs[*seq], *head);
+                    let at = |r: usize| ((s.row0 + r) * n_heads + h) * head_dim;
+                    let qs: Vec<&[f32]> =
+                        rows.clone().map(|r| &q[at(r)..at(r) + head_dim]).collect();
+                    let keys: Vec<_> = rows.clone().map(|r| key_range(s, r)).collect();
+                    kernels::attend_lanes(&qs, cached(s, h, dims), &keys, scale, lane_scores, outs);
+                }
+            },
+        );
         Ok(())
     }
 
     fn swiglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Activation);
         gated(gate, up, len, kernels::swiglu);
         Ok(())
     }
 
     fn geglu(&self, gate: &mut Vec<f32>, up: &Vec<f32>, len: usize) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Activation);
         gated(gate, up, len, kernels::geglu);
         Ok(())
     }
@@ -835,6 +1013,7 @@ impl Backend for CpuBackend {
         rows: usize,
         bias: WeightView<'_>,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Other);
         let mut b = vec![0f32; bias.cols];
         kernels::dequantize_row(bias.dtype, host(&bias)?, &mut b);
         for xr in x[..rows * bias.cols].chunks_exact_mut(bias.cols) {
@@ -854,16 +1033,19 @@ impl Backend for CpuBackend {
         weight: WeightView<'_>,
         eps: f32,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Norm);
         let input = x[..pieces * weight.cols].to_vec();
         rmsnorm_rows(&input, pieces, weight, eps, x, |v, o| *o = v)
     }
 
     fn scale(&self, x: &mut Vec<f32>, len: usize, factor: f32) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Other);
         x[..len].iter_mut().for_each(|v| *v *= factor);
         Ok(())
     }
 
     fn softcap(&self, x: &mut Vec<f32>, len: usize, cap: f32) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Other);
         x[..len]
             .iter_mut()
             .for_each(|v| *v = cap * (*v / cap).tanh());
@@ -879,6 +1061,7 @@ impl Backend for CpuBackend {
         rows: usize,
         row_len: usize,
     ) -> Result<(), BackendError> {
+        let _op = profile::op(Op::Other);
         dst[dst_row * row_len..(dst_row + rows) * row_len]
             .copy_from_slice(&src[src_row * row_len..(src_row + rows) * row_len]);
         Ok(())

@@ -295,27 +295,14 @@ mod x86 {
         Block16 { v, d, m }
     }
 
-    /// `acc + Σ` of one block of sixteen rows with one activation row's block (`q`, its scale
-    /// `dx` and `dq = dx·Σq`), per row (lane).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    #[inline]
-    fn dot16(blk: &Block16, q: &[i8; 32], dx: f32, dq: f32, acc: __m512) -> __m512 {
-        let zero = _mm512_setzero_si512();
-        let mut i0 = _mm512_dpbusd_epi32(zero, blk.v[0], bcast(q, 0));
-        let mut i1 = _mm512_dpbusd_epi32(zero, blk.v[1], bcast(q, 1));
-        for k in (2..8).step_by(2) {
-            i0 = _mm512_dpbusd_epi32(i0, blk.v[k], bcast(q, k));
-            i1 = _mm512_dpbusd_epi32(i1, blk.v[k + 1], bcast(q, k + 1));
-        }
-        let isum = _mm512_add_epi32(i0, i1);
-        let f = _mm512_mul_ps(blk.d, _mm512_set1_ps(dx));
-        let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, acc);
-        _mm512_fmadd_ps(blk.m, _mm512_set1_ps(dq), acc)
-    }
-
     /// Sixteen rows of a 32-value dtype (`group`: their `blocks` blocks) against `T`
     /// activation rows: the same operations in the same order for an activation row whichever
     /// tile it is in.
+    ///
+    /// The activation rows' multiply-adds are interleaved (two chains a row, `2·T` in flight):
+    /// one row's chain of `vpdpbusd`s waits ~5 cycles on each, so a tile that finished one row's
+    /// block before starting the next ran at about a fifth of the instruction's rate (a
+    /// SmolLM2 prompt's matmuls at ~32 G multiply-adds a second a core).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     fn tile32<const T: usize, const D: u8>(
@@ -328,11 +315,23 @@ mod x86 {
         for (b, blk) in group.chunks_exact(bb16).enumerate() {
             prefetch_ahead(blk);
             let blk = block16::<D>(blk);
+            let qs: [&[i8; 32]; T] =
+                std::array::from_fn(|c| acts[c].q[32 * b..32 * b + 32].try_into().unwrap());
+            let zero = _mm512_setzero_si512();
+            let (mut i0, mut i1) = ([zero; T], [zero; T]);
+            for k in (0..8).step_by(2) {
+                for c in 0..T {
+                    i0[c] = _mm512_dpbusd_epi32(i0[c], blk.v[k], bcast(qs[c], k));
+                    i1[c] = _mm512_dpbusd_epi32(i1[c], blk.v[k + 1], bcast(qs[c], k + 1));
+                }
+            }
             for c in 0..T {
                 let x = &acts[c];
-                let q: &[i8; 32] = x.q[32 * b..32 * b + 32].try_into().unwrap();
                 let dq = x.s16[2 * b] + x.s16[2 * b + 1];
-                acc[c] = dot16(&blk, q, x.d[b], dq, acc[c]);
+                let isum = _mm512_add_epi32(i0[c], i1[c]);
+                let f = _mm512_mul_ps(blk.d, _mm512_set1_ps(x.d[b]));
+                acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), f, acc[c]);
+                acc[c] = _mm512_fmadd_ps(blk.m, _mm512_set1_ps(dq), acc[c]);
             }
         }
         acc
@@ -419,22 +418,29 @@ mod x86 {
                 _mm512_shuffle_epi8(mn_hi, pair23),
             ];
             let qs = &blk[256..];
-            for c in 0..T {
-                let x = &acts[c];
-                let q: &[i8; 256] = x.q[256 * sb..256 * sb + 256].try_into().unwrap();
-                let mut total = _mm512_setzero_si512();
-                for ch in 0..4 {
-                    let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                    for t in 0..8 {
-                        let raw = load512(&qs[64 * (8 * ch + t)..]);
-                        let l = _mm512_and_si512(raw, low4);
-                        let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
-                        lo = _mm512_dpbusd_epi32(lo, l, bcast(q, 16 * ch + t));
-                        hi = _mm512_dpbusd_epi32(hi, h, bcast(q, 16 * ch + 8 + t));
+            // The activation rows interleaved, each weight word unpacked once for all of them
+            // (as `tile32`; the integer sums are the same whichever order they are added in).
+            let q: [&[i8; 256]; T] =
+                std::array::from_fn(|c| acts[c].q[256 * sb..256 * sb + 256].try_into().unwrap());
+            let mut total = [_mm512_setzero_si512(); T];
+            for ch in 0..4 {
+                let (mut lo, mut hi) = ([_mm512_setzero_si512(); T], [_mm512_setzero_si512(); T]);
+                for t in 0..8 {
+                    let raw = load512(&qs[64 * (8 * ch + t)..]);
+                    let l = _mm512_and_si512(raw, low4);
+                    let h = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
+                    for c in 0..T {
+                        lo[c] = _mm512_dpbusd_epi32(lo[c], l, bcast(q[c], 16 * ch + t));
+                        hi[c] = _mm512_dpbusd_epi32(hi[c], h, bcast(q[c], 16 * ch + 8 + t));
                     }
-                    total = _mm512_add_epi32(total, _mm512_mullo_epi32(lo, scale(2 * ch)));
-                    total = _mm512_add_epi32(total, _mm512_mullo_epi32(hi, scale(2 * ch + 1)));
                 }
+                for c in 0..T {
+                    let t = _mm512_add_epi32(total[c], _mm512_mullo_epi32(lo[c], scale(2 * ch)));
+                    total[c] = _mm512_add_epi32(t, _mm512_mullo_epi32(hi[c], scale(2 * ch + 1)));
+                }
+            }
+            for (c, total) in total.into_iter().enumerate() {
+                let x = &acts[c];
                 let pairs = bsum32_pairs(x, sb);
                 let mut m = _mm512_setzero_si512();
                 for (mins, pair) in mins.iter().zip(pairs) {

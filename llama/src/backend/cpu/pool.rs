@@ -21,6 +21,8 @@
 
 use std::sync::OnceLock;
 
+use super::profile;
+
 use micropool::iter::{ExactParallelSourceExt, IntoExactParallelRefMutSource, ParallelIteratorExt};
 use rayon::iter::{IntoParallelRefMutIterator, ParallelIterator};
 
@@ -85,12 +87,21 @@ pub(super) fn for_each_init<T: Send, S>(
     init: impl Fn() -> S + Sync + Send,
     f: impl Fn(&mut S, &mut T) + Sync + Send,
 ) {
+    if tasks.is_empty() {
+        return;
+    }
+    let region = profile::region();
+    let slot = region.as_ref().map(profile::Region::slot);
+    let f = |s: &mut S, t: &mut T| match slot {
+        Some(slot) => profile::Region::task(slot, || f(s, t)),
+        None => f(s, t),
+    };
     match (tasks.len(), spin_pool()) {
-        (0, _) => {}
         (1, _) => f(&mut init(), &mut tasks[0]),
         (_, Some(pool)) => IntoExactParallelRefMutSource::par_iter_mut(tasks)
             .with_thread_pool(pool.split_per_item())
             .for_each_init(init, f),
         (_, None) => IntoParallelRefMutIterator::par_iter_mut(tasks).for_each_init(init, f),
     }
+    drop(region);
 }
