@@ -872,6 +872,25 @@ impl Backend for CpuBackend {
         rope_rows(&mut k[rows_of(kv_dim)], kv_dim, hd, &cos, &sin);
         let slots = k_cache.len() / kv_dim;
         check_store_slots(slots, rows)?;
+        // A prompt's rows stored by the threads, eight a task, when their slots do not wrap:
+        // its first writes to a new cache fault its pages in (on the GPU machine 250 µs a
+        // layer for 128 SmolLM2 rows, 13 % of the prompt's pass on 16 threads, on one thread).
+        const ROWS_PER_TASK: usize = 8;
+        let first = pos0 % slots;
+        if rows >= 2 * ROWS_PER_TASK && first + rows <= slots {
+            let (at, src) = (first * kv_dim..(first + rows) * kv_dim, rows_of(kv_dim));
+            let chunk = ROWS_PER_TASK * kv_dim;
+            let mut tasks: Vec<_> = k_cache[at.clone()]
+                .chunks_mut(chunk)
+                .zip(v_cache[at].chunks_mut(chunk))
+                .zip(k[src.clone()].chunks(chunk).zip(v[src].chunks(chunk)))
+                .collect();
+            pool::for_each(&mut tasks, |((kc, vc), (kr, vr))| {
+                kc.copy_from_slice(kr);
+                vc.copy_from_slice(vr);
+            });
+            return Ok(());
+        }
         for r in 0..rows {
             let at = (pos0 + r) % slots * kv_dim..((pos0 + r) % slots + 1) * kv_dim;
             let src = (row0 + r) * kv_dim..(row0 + r + 1) * kv_dim;
