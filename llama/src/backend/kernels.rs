@@ -817,6 +817,25 @@ pub fn attend(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_with(q, head, keys, scale, scores, out, true)
+}
+
+/// [`attend`], its scores sixteen keys at a time on AVX-512 when `lanes` allows (the same bits
+/// either way: the test compares the two).
+#[multiversion(targets(
+    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
+    "x86_64+avx2+fma+f16c",
+    "aarch64+neon"
+))]
+fn attend_with(
+    q: &[f32],
+    head: CachedHead<'_>,
+    keys: std::ops::Range<usize>,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    lanes: bool,
+) {
     let hd = q.len();
     let slots = head.k.len() / head.width;
     // The slots of `keys` in order, without a division per key.
@@ -832,17 +851,32 @@ pub fn attend(
         }
     };
     let fma = target_cfg_f!(any(target_feature = "fma", target_arch = "aarch64"));
-    let mut next = slot_of(keys.start);
-    scores.clear();
-    scores.extend(keys.clone().map(|_| {
-        let k = &head.k[next()];
-        let d = if fma {
-            dot_f32::<true>(q, k)
-        } else {
-            dot_f32::<false>(q, k)
-        };
-        d * scale
-    }));
+    let scored = match_target! {
+        "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c" => {
+            let fits = lanes && hd.is_multiple_of(16) && hd > 0;
+            if fits {
+                lanes512::scores(q, head, keys.clone(), scale, scores);
+            }
+            fits
+        }
+        _ => {
+            let _ = lanes;
+            false
+        }
+    };
+    if !scored {
+        let mut next = slot_of(keys.start);
+        scores.clear();
+        scores.extend(keys.clone().map(|_| {
+            let k = &head.k[next()];
+            let d = if fma {
+                dot_f32::<true>(q, k)
+            } else {
+                dot_f32::<false>(q, k)
+            };
+            d * scale
+        }));
+    }
     let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // The exponentials in a loop of their own, which vectorises; the sum after, in key order.
     for s in scores.iter_mut() {
@@ -867,19 +901,17 @@ pub fn attend(
 pub const ATTEND_LANES: usize = 16;
 
 /// Whether [`attend_lanes`] has its vector kernel on this CPU (AVX-512 F and FMA); elsewhere it
-/// runs [`attend`] a row at a time.
+/// runs [`attend`] a row at a time. Asked of the same dispatch as `attend_lanes`'s (the same
+/// targets), so that the two cannot disagree.
 pub fn attend_lanes_fast() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FAST.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("fma")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    attend_lanes_dispatch()
+}
+
+#[multiversion(targets("x86_64+avx512f+avx2+fma"))]
+fn attend_lanes_dispatch() -> bool {
+    match_target! {
+        "x86_64+avx512f+avx2+fma" => true,
+        _ => false,
     }
 }
 
@@ -930,6 +962,97 @@ mod lanes512 {
 
     use super::{ATTEND_LANES as L, CachedHead, exp_approx};
 
+    /// [`super::attend`]'s scores (`scale · q·k_t` for each key of `keys`, in order) on
+    /// AVX-512, sixteen keys at a time, each exactly `dot_f32`'s: a key's 16 partial sums are
+    /// one vector of fused multiply-adds as there, and the sixteen keys' vectors are transposed
+    /// so that one vector addition a partial sum adds them in `sum16`'s order for all sixteen.
+    ///
+    /// Why: a decode row's score per key was a dependent chain of fifteen scalar additions
+    /// (`sum16`, kept sequential for its bits) after four multiply-adds; the transposition is
+    /// 64 shuffles per sixteen keys.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) fn scores(
+        q: &[f32],
+        head: CachedHead<'_>,
+        keys: std::ops::Range<usize>,
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) {
+        let hd = q.len();
+        let slots = head.k.len() / head.width;
+        // `sum16` folds from the empty sum, and `dot_f32` adds the empty tail to it: the same
+        // value (±0) on both ends here, whatever its sign.
+        let empty: f32 = [0f32; 0].iter().sum();
+        let (empty, scale) = (_mm512_set1_ps(empty), _mm512_set1_ps(scale));
+        let chunk = |x: &[f32], c: usize| -> __m512 {
+            let v: [f32; L] = x[c..c + L].try_into().unwrap_or([0.0; L]);
+            bytemuck::cast(v)
+        };
+        out.clear();
+        let mut slot = keys.start % slots;
+        let mut t = keys.start;
+        while t < keys.end {
+            let n = (keys.end - t).min(L);
+            let mut acc = [_mm512_setzero_ps(); L];
+            for a in acc.iter_mut().take(n) {
+                let at = slot * head.width + head.offset;
+                let k = &head.k[at..at + hd];
+                let mut sum = _mm512_setzero_ps();
+                for c in (0..hd).step_by(L) {
+                    sum = _mm512_fmadd_ps(chunk(q, c), chunk(k, c), sum);
+                }
+                *a = sum;
+                slot += 1;
+                if slot == slots {
+                    slot = 0;
+                }
+            }
+            let parts = transpose16(acc);
+            let mut sum = _mm512_add_ps(empty, parts[0]);
+            for p in &parts[1..] {
+                sum = _mm512_add_ps(sum, *p);
+            }
+            let sum = _mm512_mul_ps(_mm512_add_ps(sum, empty), scale);
+            let lanes: [f32; L] = bytemuck::cast(sum);
+            out.extend_from_slice(&lanes[..n]);
+            t += n;
+        }
+    }
+
+    /// The 16 × 16 matrix of rows `r` transposed: lane `l` of row `j` of the result is lane `j`
+    /// of `r[l]` (unpacks within 128-bit lanes, then two rounds of 128-bit lane shuffles).
+    #[target_feature(enable = "avx512f")]
+    fn transpose16(r: [__m512; L]) -> [__m512; L] {
+        // t[2i], t[2i + 1]: rows 2i and 2i + 1 interleaved, low and high pairs of each lane.
+        let mut t = [_mm512_setzero_ps(); L];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4i + j], 128-bit lane q: value 4q + j of rows 4i … 4i + 3.
+        let mut u = [_mm512_setzero_ps(); L];
+        for i in 0..4 {
+            let (a, b, c, d) = (t[4 * i], t[4 * i + 1], t[4 * i + 2], t[4 * i + 3]);
+            u[4 * i] = _mm512_shuffle_ps::<0x44>(a, c);
+            u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(a, c);
+            u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(b, d);
+            u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(b, d);
+        }
+        // Column 4q + j: lane q of u[j], u[4 + j], u[8 + j], u[12 + j].
+        let mut w = [_mm512_setzero_ps(); L];
+        for j in 0..4 {
+            let p = _mm512_shuffle_f32x4::<0x44>(u[j], u[4 + j]);
+            let q = _mm512_shuffle_f32x4::<0xEE>(u[j], u[4 + j]);
+            let r = _mm512_shuffle_f32x4::<0x44>(u[8 + j], u[12 + j]);
+            let s = _mm512_shuffle_f32x4::<0xEE>(u[8 + j], u[12 + j]);
+            w[j] = _mm512_shuffle_f32x4::<0x88>(p, r);
+            w[4 + j] = _mm512_shuffle_f32x4::<0xDD>(p, r);
+            w[8 + j] = _mm512_shuffle_f32x4::<0x88>(q, s);
+            w[12 + j] = _mm512_shuffle_f32x4::<0xDD>(q, s);
+        }
+        w
+    }
+
     /// [`super::attend_lanes`] on AVX-512.
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) fn attend_lanes(
@@ -950,13 +1073,15 @@ mod lanes512 {
             at..at + hd
         };
         // The queries transposed: lane `l` of `qt[d]` is value `d` of row `l` (others 0).
-        let mut rows = vec![[0f32; L]; hd];
-        for (l, q) in qs.iter().enumerate() {
-            for (d, v) in q.iter().enumerate() {
-                rows[d][l] = *v;
-            }
-        }
-        let qt: Vec<__m512> = rows.iter().map(|r| bytemuck::cast(*r)).collect();
+        let qt: Vec<__m512> = (0..hd)
+            .map(|d| {
+                let mut lanes = [0f32; L];
+                for (lane, q) in lanes.iter_mut().zip(qs) {
+                    *lane = q[d];
+                }
+                bytemuck::cast(lanes)
+            })
+            .collect();
         let mut lo = [usize::MAX; L];
         let mut hi = [0usize; L];
         for (l, k) in keys.iter().enumerate() {
@@ -1133,6 +1258,61 @@ mod tests {
     /// `attend`, so a sequence's tokens must not depend on which): 1–16 rows of one head with
     /// causal and sliding-window ranges, head sizes 16–256, a ring cache that wraps, several
     /// heads in a slot (the head at an offset), scores far apart (exponentials near 0).
+    #[test]
+    fn attention_scores_in_key_lanes_give_attends_bits() {
+        // `attend` with its scores sixteen keys at a time (AVX-512) against the same call with
+        // one key at a time: every output bit equal, every score equal, for head sizes 16–256,
+        // key counts around the sixteen-key blocks, and keys that wrap around a ring cache.
+        let mut rng = Rng(0x5c0e_5ea1);
+        let (mut fast_scores, mut slow_scores) = (Vec::new(), Vec::new());
+        let mut cases = 0;
+        for hd in [16, 64, 128, 256] {
+            for (n_keys, slots, first) in [
+                (1, 8, 0),
+                (15, 40, 3),
+                (16, 16, 0),
+                (17, 40, 0),
+                (40, 24, 20),
+                (203, 256, 5),
+            ] {
+                let width = 2 * hd;
+                let spread = if n_keys == 203 { 40.0 } else { 2.0 };
+                let k: Vec<f32> = (0..slots * width).map(|_| spread * rng.uniform()).collect();
+                let v: Vec<f32> = (0..slots * width).map(|_| rng.uniform()).collect();
+                let q: Vec<f32> = (0..hd).map(|_| rng.uniform()).collect();
+                let head = CachedHead {
+                    k: &k,
+                    v: &v,
+                    width,
+                    offset: hd,
+                };
+                let keys = first..first + n_keys;
+                let scale = 1.0 / (hd as f32).sqrt();
+                let (mut fast, mut slow) = (vec![0f32; hd], vec![0f32; hd]);
+                attend_with(
+                    &q,
+                    head,
+                    keys.clone(),
+                    scale,
+                    &mut fast_scores,
+                    &mut fast,
+                    true,
+                );
+                attend_with(&q, head, keys, scale, &mut slow_scores, &mut slow, false);
+                assert_eq!(fast_scores.len(), slow_scores.len());
+                assert!(
+                    fast.iter()
+                        .zip(&slow)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "head_dim {hd}, {n_keys} keys from {first} of {slots} slots: outputs differ"
+                );
+                cases += 1;
+            }
+        }
+        let fast = cfg!(target_arch = "x86_64") && attend_lanes_fast();
+        println!("{cases} cases, every output bit equal (AVX-512 scores: {fast})");
+    }
+
     #[test]
     fn attention_lanes_give_each_row_the_bits_of_attend() {
         let mut rng = Rng(0x5eed_a77e);

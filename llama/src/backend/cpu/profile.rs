@@ -76,8 +76,9 @@ static PASS: Mutex<Pass> = Mutex::new(Pass {
 /// Time the tasks of the current pass's regions ran, summed over the threads, by op.
 static BUSY_NS: [AtomicU64; OPS.len()] = [const { AtomicU64::new(0) }; OPS.len()];
 
+/// `op`'s slot: [`OPS`] lists the kinds in their declaration order (a test checks).
 fn index(op: Op) -> usize {
-    OPS.iter().position(|&o| o == op).unwrap_or(0)
+    op as usize
 }
 
 thread_local! {
@@ -230,4 +231,17 @@ pub(super) fn end_pass(threads: usize) {
             rows.join(" | ")
         );
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_op_kind_has_its_own_slot() {
+        // `index` is the declaration order; `OPS` must list every kind in that order.
+        for (i, op) in OPS.iter().enumerate() {
+            assert_eq!(index(*op), i, "{op:?}");
+        }
+    }
 }
