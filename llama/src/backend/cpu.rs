@@ -336,47 +336,96 @@ fn rmsnorm_rows(
     Ok(())
 }
 
-/// `out = x · Wᵀ` for the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it
-/// (see [`kernels::matmul_rows`]).
+/// What one weight of [`matmul_rows_of`]'s group reads, and how its rows are cut into tasks.
+struct WeightPlan<'w> {
+    w: WeightView<'w>,
+    stored: &'w [u8],
+    packed: Option<(Arc<[u8]>, Packing)>,
+    /// The exact mode's k-quant split: wide rows from the stored rows, the others packed.
+    split: bool,
+    /// Per-block sums of the activation rows, where the f32-activation q4_0/q4_1 rows need them.
+    xsums: Vec<f32>,
+    /// Weight rows of each task ([`row_tasks`]).
+    sizes: Vec<usize>,
+    /// Activation rows of each span (see [`activation_span_rows`]).
+    per_span: usize,
+}
+
+impl WeightPlan<'_> {
+    /// The activation rows of the span that row `r` is in.
+    fn span_of(&self, r: usize, rows: usize) -> std::ops::Range<usize> {
+        let start = r / self.per_span * self.per_span;
+        start..(start + self.per_span).min(rows)
+    }
+}
+
+/// `outs[i] = x · Wᵢᵀ` for the weights `ws` of one input (a prompt's Q, K and V; gate and up)
+/// and the `wide.len()` rows of `x`, each row with the kernel `wide` picks for it (see
+/// [`kernels::matmul_rows`]). Every weight's tasks run in one parallel region and their
+/// products go back to rows in one more: a region per weight (and a transposition per weight)
+/// left the threads a quarter idle on a SmolLM2 prompt, whose K and V are 12 groups of 16 rows
+/// each for 16 threads.
 fn matmul_rows_of(
     cpu: &CpuBackend,
     x: &[f32],
     wide: &[bool],
-    w: WeightView<'_>,
-    out: &mut [f32],
+    ws: &[WeightView<'_>],
+    outs: &mut [&mut Vec<f32>],
     xq: &mut QuantizedActs,
 ) -> Result<(), BackendError> {
     let int8 = !cpu.exact;
-    let stored = host(&w)?;
-    let packed = cpu.packed(&w, stored);
     let rows = wide.len();
-    // In the exact mode the k-quant-era dtypes' wide rows decode the stored rows once to f32
-    // and only their other rows read the packed copy. In the default mode every row of a packed
-    // matrix reads it on 8-bit activations, as q4_0/q4_1/q8_0's prompt rows do: decoding each
-    // weight row to f32 made a Gemma 3 270M Q4_K_M prompt 0.37x llama.cpp's on 2 cores.
-    let split = cpu.exact && packed.is_some() && kquants::handles(w.dtype) && wide.contains(&true);
-    let (m, k) = (w.rows, w.cols);
-    let row_bytes = w.row_bytes();
-    let x = &x[..rows * k];
-    let needs_sums = matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && !int8 && wide.contains(&false);
-    let mut xsums = Vec::new();
-    if needs_sums {
-        let mut one = Vec::new();
-        for xr in x.chunks_exact(k) {
-            kernels::block_sums(xr, &mut one);
-            xsums.extend_from_slice(&one);
+    let mut plans = Vec::with_capacity(ws.len());
+    for w in ws {
+        let stored = host(w)?;
+        let packed = cpu.packed(w, stored);
+        // In the exact mode the k-quant-era dtypes' wide rows decode the stored rows once to
+        // f32 and only their other rows read the packed copy. In the default mode every row of
+        // a packed matrix reads it on 8-bit activations, as q4_0/q4_1/q8_0's prompt rows do:
+        // decoding each weight row to f32 made a Gemma 3 270M Q4_K_M prompt 0.37x llama.cpp's
+        // on 2 cores.
+        let split =
+            cpu.exact && packed.is_some() && kquants::handles(w.dtype) && wide.contains(&true);
+        let k = w.cols;
+        let xr = &x[..rows * k];
+        let mut xsums = Vec::new();
+        if matches!(w.dtype, DType::Q4_0 | DType::Q4_1) && !int8 && wide.contains(&false) {
+            let mut one = Vec::new();
+            for row in xr.chunks_exact(k) {
+                kernels::block_sums(row, &mut one);
+                xsums.extend_from_slice(&one);
+            }
         }
+        let all_rows_packed = packed.is_some() && !split;
+        if cpu.quantizes(w.dtype)
+            && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed)
+        {
+            xq.prepare(xr, k, w.dtype);
+        }
+        debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
+        plans.push(WeightPlan {
+            w: *w,
+            stored,
+            sizes: row_tasks(w.rows, k * rows),
+            packed,
+            split,
+            xsums,
+            per_span: if all_rows_packed { 0 } else { rows.max(1) },
+        });
     }
-    let all_rows_packed = packed.is_some() && !split;
-    if cpu.quantizes(w.dtype) && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed) {
-        xq.prepare(x, k, w.dtype);
+    // The all-packed weights split the activation rows as well when the group's weight-row
+    // tasks alone are too few for the threads (see `activation_span_rows`).
+    let weight_tasks = plans.iter().map(|p| p.sizes.len()).sum();
+    let shared_span = activation_span_rows(weight_tasks, rows, true);
+    for p in plans.iter_mut().filter(|p| p.per_span == 0) {
+        p.per_span = shared_span;
     }
     let xq: &QuantizedActs = xq;
-    debug_assert_eq!(k % QK.min(w.dtype.block_len().max(1)), 0);
-    let sizes = row_tasks(m, k * rows);
-    // A task: weight rows from `first` against the activation rows `acts`, into `o` ([its
-    // weight rows, acts.len()]). Only the all-packed path splits the activation rows.
-    let task = |first: usize, acts: std::ops::Range<usize>, o: &mut [f32]| {
+    // A task: weight rows from `first` of plan `p` against the activation rows `acts`, into
+    // `o` ([its weight rows, acts.len()]). Only the all-packed path splits the activation rows.
+    let task = |p: &WeightPlan<'_>, first: usize, acts: std::ops::Range<usize>, o: &mut [f32]| {
+        let (w, k) = (p.w, p.w.cols);
+        let row_bytes = w.row_bytes();
         let n_rows = o.len() / acts.len();
         let range = first * row_bytes..(first + n_rows) * row_bytes;
         let ops = |wb| RowsOperands {
@@ -384,13 +433,13 @@ fn matmul_rows_of(
             w: wb,
             row_bytes,
             cols: k,
-            x,
-            xsums: &xsums,
+            x: &x[..rows * k],
+            xsums: &p.xsums,
             xq,
             int8,
         };
-        match &packed {
-            Some((bytes, packing)) if !split => packed_rows(
+        match &p.packed {
+            Some((bytes, packing)) if !p.split => packed_rows(
                 w.dtype,
                 &bytes[range],
                 row_bytes,
@@ -401,57 +450,78 @@ fn matmul_rows_of(
                 o,
             ),
             Some((bytes, packing)) => {
-                kernels::matmul_rows(ops(&stored[range.clone()]), wide, false, o);
+                kernels::matmul_rows(ops(&p.stored[range.clone()]), wide, false, o);
                 let wb = &bytes[range];
                 packed_rows(w.dtype, wb, row_bytes, *packing, xq, 0..rows, Some(wide), o);
             }
-            None => kernels::matmul_rows(ops(&stored[range]), wide, true, o),
+            None => kernels::matmul_rows(ops(&p.stored[range]), wide, true, o),
         }
     };
     if rows == 1 {
-        let mut tasks = split_rows(&mut out[..m], &sizes, 1);
-        pool::for_each(&mut tasks, |(first, o)| task(*first, 0..1, o));
+        let mut tasks = Vec::new();
+        for (i, (p, out)) in plans.iter().zip(outs.iter_mut()).enumerate() {
+            for (first, o) in split_rows(&mut out[..p.w.rows], &p.sizes, 1) {
+                tasks.push((i, first, o));
+            }
+        }
+        pool::for_each(&mut tasks, |(i, first, o)| {
+            task(&plans[*i], *first, 0..1, o)
+        });
         return Ok(());
     }
     // Each task owns whole weight rows of one span of activation rows, so it writes a
-    // transposed [m, span] block; the spans' blocks lie one after the other in `out_t`.
-    let per_span = activation_span_rows(sizes.len(), rows, all_rows_packed);
-    let span_of = |r: usize| {
-        let start = r / per_span * per_span;
-        start..(start + per_span).min(rows)
-    };
+    // transposed [m, span] block; a weight's spans' blocks lie one after the other in its
+    // part of `products`, the weights' parts one after the other.
+    let total: usize = plans.iter().map(|p| p.w.rows * rows).sum();
     let mut products = PRODUCTS.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    if products.len() < m * rows {
-        products.resize(m * rows, 0.0);
+    if products.len() < total {
+        products.resize(total, 0.0);
     }
-    let out_t = &mut products[..m * rows];
-    let mut tasks = Vec::new();
-    let mut rest = &mut out_t[..];
-    for start in (0..rows).step_by(per_span) {
-        let span = span_of(start);
-        let (block, tail) = rest.split_at_mut(m * span.len());
+    let mut parts: Vec<&mut [f32]> = Vec::with_capacity(plans.len());
+    let mut rest = &mut products[..total];
+    for p in &plans {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(p.w.rows * rows);
+        parts.push(part);
         rest = tail;
-        for (first, o) in split_rows(block, &sizes, span.len()) {
-            tasks.push((first, span.clone(), o));
+    }
+    let mut tasks = Vec::new();
+    for (i, (p, part)) in plans.iter().zip(parts.iter_mut()).enumerate() {
+        let m = p.w.rows;
+        let mut rest = &mut part[..];
+        for start in (0..rows).step_by(p.per_span) {
+            let span = p.span_of(start, rows);
+            let (block, tail) = std::mem::take(&mut rest).split_at_mut(m * span.len());
+            rest = tail;
+            for (first, o) in split_rows(block, &p.sizes, span.len()) {
+                tasks.push((i, first, span.clone(), o));
+            }
         }
     }
-    pool::for_each(&mut tasks, |(first, acts, o)| task(*first, acts.clone(), o));
+    pool::for_each(&mut tasks, |(i, first, acts, o)| {
+        task(&plans[*i], *first, acts.clone(), o)
+    });
+    drop(tasks);
     // Back to [rows, m], eight output rows a task: for each weight row the eight values lie
     // side by side in the spans' blocks (one cache line), where a task of one output row read
     // each value from a line of its own (a tenth of a 512-token prompt's time on one thread).
     const ROWS_PER_TASK: usize = 8;
-    let mut rows_out: Vec<_> = out[..rows * m]
-        .chunks_mut(ROWS_PER_TASK * m)
-        .enumerate()
-        .collect();
-    pool::for_each(&mut rows_out, |(t, o)| {
-        let r0 = *t * ROWS_PER_TASK;
+    let mut back = Vec::new();
+    for (i, (p, out)) in plans.iter().zip(outs.iter_mut()).enumerate() {
+        let m = p.w.rows;
+        for (t, o) in out[..rows * m].chunks_mut(ROWS_PER_TASK * m).enumerate() {
+            back.push((i, t * ROWS_PER_TASK, o));
+        }
+    }
+    let parts: Vec<&[f32]> = parts.into_iter().map(|p| &*p).collect();
+    pool::for_each(&mut back, |(i, r0, o)| {
+        let (p, part) = (&plans[*i], parts[*i]);
+        let m = p.w.rows;
         // Each output row's block, its column there, and the block's width.
-        let sources: Vec<(&[f32], usize, usize)> = (r0..r0 + o.len() / m)
+        let sources: Vec<(&[f32], usize, usize)> = (*r0..*r0 + o.len() / m)
             .map(|r| {
-                let span = span_of(r);
+                let span = p.span_of(r, rows);
                 (
-                    &out_t[m * span.start..m * span.end],
+                    &part[m * span.start..m * span.end],
                     r - span.start,
                     span.len(),
                 )
@@ -463,6 +533,7 @@ fn matmul_rows_of(
             }
         }
     });
+    drop(parts);
     // Kept up to 16 MB (a LM head over a long prompt's rows is not worth holding on to).
     if products.len() <= 4 << 20 {
         PRODUCTS.with(|p| *p.borrow_mut() = products);
@@ -579,21 +650,8 @@ thread_local! {
 }
 
 impl CpuBackend {
-    /// `out = x · Wᵀ` for `rows` rows computed together, `x` quantized into `xq` unless it is
-    /// there already (weights of one input share it: a prompt's Q, K and V, gate and up).
-    fn matmul(
-        &self,
-        x: &[f32],
-        rows: usize,
-        w: WeightView<'_>,
-        out: &mut [f32],
-        xq: &mut QuantizedActs,
-    ) -> Result<(), BackendError> {
-        let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
-        matmul_rows_of(self, x, &wide, w, out, xq)
-    }
-
-    /// Several matmuls of the same input; decoding runs them as one parallel region.
+    /// Several matmuls of the same input, as one parallel region (a prompt's: and one more that
+    /// puts their products back in rows).
     fn matmul_many(
         &self,
         x: &[f32],
@@ -602,11 +660,8 @@ impl CpuBackend {
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), BackendError> {
         if rows != 1 {
-            let mut xq = QuantizedActs::default();
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul(x, rows, *w, out, &mut xq)?;
-            }
-            return Ok(());
+            let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
+            return matmul_rows_of(self, x, &wide, ws, outs, &mut QuantizedActs::default());
         }
         // Decoding: one parallel region over the row chunks of all weights, so the threads
         // meet once instead of once per weight.
@@ -819,11 +874,7 @@ impl Backend for CpuBackend {
         {
             return self.matmul_many(x, rows, ws, outs);
         }
-        let mut xq = QuantizedActs::default();
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_rows_of(self, x, &wide, *w, out, &mut xq)?;
-        }
-        Ok(())
+        matmul_rows_of(self, x, &wide, ws, outs, &mut QuantizedActs::default())
     }
 
     /// The product into `scratch`, then added to `out` (a prompt's rows by the threads).
