@@ -44,7 +44,16 @@ const CPU_PROBE_CALL_ROWS: usize = 2048;
 const MEASURE_FOR: Duration = Duration::from_millis(300);
 
 /// The CPU's matmuls of `rows` activation rows over `w`, one call per [`CPU_PROBE_CALL_ROWS`]
-/// weight rows: a pass of the probe.
+/// weight rows: a pass of the probe. The rows are `rows` sequences of one row each, what a
+/// batched decode step hands the CPU's share (and one row, a lone sequence's step), so that
+/// the probe runs the kernels those passes run: one sequence of 8 rows takes the prompt
+/// kernels (`RowGroup::solo`), which for q4_0/q4_1/q8_0 read each weight block once for all
+/// rows, while 8 decode rows are dotted one by one for their bits. With the prompt kernels
+/// the q4_1 probe said 12.9 GB/s at 8 rows where a batch-8 split ran its share at 7.5 (H200,
+/// 2026-11-29) and the planner predicted 151 tok/s against 87 achieved. A prefill chunk's
+/// share, which does take the prompt kernels, is priced at the 32-row figure: low for it, so
+/// the planner gives a prefill less CPU share than it could take (the GPU alone prefills at
+/// thousands of tokens a second from the host tier; the CPU's share there is small anyway).
 fn cpu_probe_pass(
     be: &CpuBackend,
     w: WeightView<'_>,
@@ -54,11 +63,12 @@ fn cpu_probe_pass(
 ) -> Result<(), LlamaError> {
     let bytes = crate::backend::host_bytes(&w, "cpu")?;
     let row_bytes = w.row_bytes();
+    let decode_rows = vec![RowGroup::solo(1); rows];
     for first in (0..w.rows).step_by(CPU_PROBE_CALL_ROWS) {
         let n = CPU_PROBE_CALL_ROWS.min(w.rows - first);
         let part = &bytes[first * row_bytes..(first + n) * row_bytes];
         let window = WeightView::host(w.dtype, n, w.cols, part);
-        be.matmul_batch(x, &[RowGroup::solo(rows)], &[window], &mut [&mut *out])?;
+        be.matmul_batch(x, &decode_rows, &[window], &mut [&mut *out])?;
     }
     Ok(())
 }
