@@ -10,6 +10,11 @@
 //! caller takes tasks too instead of waiting: a region then costs an atomic per task, not a
 //! wake-up per worker.
 //!
+//! Each task is claimed on its own (an atomic per task). Dealing the tasks out as one run per
+//! thread (micropool's `split_by_threads`) measured slower on the GPU machine's 16 threads
+//! (SmolLM2-shaped q4_1 decode 277–296 against 282–346 tok/s, BENCHMARKS.md 2026-11-29), with
+//! smaller tasks as well. With one thread the caller runs a region's tasks itself.
+//!
 //! `GDSLLM_CPU_POOL=rayon` runs the regions on rayon's global pool as before (for an A/B in
 //! one binary). Either way the pool has as many threads as rayon's global pool (the caller
 //! counts as one), which `CpuBackend::adopt_current_thread` sizes.
@@ -98,6 +103,14 @@ pub(super) fn for_each_init<T: Send, S>(
     };
     match (tasks.len(), spin_pool()) {
         (1, _) => f(&mut init(), &mut tasks[0]),
+        // One thread: the caller runs them (handing them to a pool of one meant a sleep and a
+        // wake-up per region).
+        _ if threads() == 1 => {
+            let mut scratch = init();
+            for task in tasks.iter_mut() {
+                f(&mut scratch, task);
+            }
+        }
         (_, Some(pool)) => IntoExactParallelRefMutSource::par_iter_mut(tasks)
             .with_thread_pool(pool.split_per_item())
             .for_each_init(init, f),
