@@ -803,12 +803,8 @@ pub struct CachedHead<'a> {
 /// softmax and weighted sum inlined in it: called per key, `dot` and `axpy` (64 values for
 /// SmolLM2) were a fifth of a decode step at a few hundred positions, their dispatch and the
 /// slot's division per key included. The same dot product (16 lanes, as `dot`) and the same
-/// order of additions (as `axpy`) as before; the exponentials are `exp_approx`'s.
-#[multiversion(targets(
-    "x86_64+avx512f+avx512bw+avx512vl+avx2+fma+f16c",
-    "x86_64+avx2+fma+f16c",
-    "aarch64+neon"
-))]
+/// order of additions (as `axpy`) as before; the exponentials are `exp_approx`'s. (The
+/// instruction set is picked in [`attend_with`].)
 pub fn attend(
     q: &[f32],
     head: CachedHead<'_>,
