@@ -347,6 +347,8 @@ struct WeightPlan<'w> {
     xsums: Vec<f32>,
     /// Weight rows of each task ([`row_tasks`]).
     sizes: Vec<usize>,
+    /// Whether every row reads the packed copy (such weights may split the activation rows).
+    all_rows_packed: bool,
     /// Activation rows of each span (see [`activation_span_rows`]).
     per_span: usize,
 }
@@ -410,14 +412,15 @@ fn matmul_rows_of(
             packed,
             split,
             xsums,
-            per_span: if all_rows_packed { 0 } else { rows.max(1) },
+            all_rows_packed,
+            per_span: rows.max(1),
         });
     }
     // The all-packed weights split the activation rows as well when the group's weight-row
     // tasks alone are too few for the threads (see `activation_span_rows`).
     let weight_tasks = plans.iter().map(|p| p.sizes.len()).sum();
     let shared_span = activation_span_rows(weight_tasks, rows, true);
-    for p in plans.iter_mut().filter(|p| p.per_span == 0) {
+    for p in plans.iter_mut().filter(|p| p.all_rows_packed) {
         p.per_span = shared_span;
     }
     let xq: &QuantizedActs = xq;
