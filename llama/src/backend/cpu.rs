@@ -460,6 +460,7 @@ fn matmul_rows_of(
             None => kernels::matmul_rows(ops(&p.stored[range]), wide, true, o),
         }
     };
+    // A decode row: every weight's row tasks in one region, straight into the outputs.
     if rows == 1 {
         let mut tasks = Vec::new();
         for (i, (p, out)) in plans.iter().zip(outs.iter_mut()).enumerate() {
@@ -662,65 +663,9 @@ impl CpuBackend {
         ws: &[WeightView<'_>],
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), BackendError> {
-        if rows != 1 {
-            let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
-            return matmul_rows_of(self, x, &wide, ws, outs, &mut QuantizedActs::default());
-        }
-        // Decoding: one parallel region over the row chunks of all weights, so the threads
-        // meet once instead of once per weight.
-        let mut xsums = Vec::new();
-        let mut xq = QuantizedActs::default();
-        let mut stored = Vec::with_capacity(ws.len());
-        for w in ws {
-            let bytes = host(w)?;
-            stored.push((bytes, self.packed(w, bytes)));
-        }
-        // (weight, the bytes read, their interleaved layout if repacked, first row, its outputs)
-        type Task<'a, 'o> = (
-            WeightView<'a>,
-            &'a [u8],
-            Option<Packing>,
-            usize,
-            &'o mut [f32],
-        );
-        let mut tasks: Vec<Task<'_, '_>> = Vec::new();
-        for ((w, out), (bytes, packed)) in ws.iter().zip(outs.iter_mut()).zip(&stored) {
-            if xsums.is_empty() && self.exact && matches!(w.dtype, DType::Q4_0 | DType::Q4_1) {
-                kernels::block_sums(&x[..w.cols], &mut xsums);
-            }
-            if self.quantizes(w.dtype) {
-                xq.prepare(&x[..w.cols], w.cols, w.dtype);
-            }
-            let (bytes, packing) = match packed {
-                Some((copy, packing)) => (&copy[..], Some(*packing)),
-                None => (*bytes, None),
-            };
-            for (first, o) in split_rows(&mut out[..w.rows], &row_tasks(w.rows, w.cols), 1) {
-                tasks.push((*w, bytes, packing, first, o));
-            }
-        }
-        let (xq, int8) = (&xq, !self.exact);
-        pool::for_each(&mut tasks, |(w, bytes, packed, first, o)| {
-            let (first, packed) = (*first, *packed);
-            let rb = w.row_bytes();
-            let wb = &bytes[first * rb..(first + o.len()) * rb];
-            if let Some(packing) = packed {
-                packed_rows(w.dtype, wb, rb, packing, xq, 0..1, None, o);
-            } else {
-                let ops = RowsOperands {
-                    dtype: w.dtype,
-                    w: wb,
-                    row_bytes: rb,
-                    cols: w.cols,
-                    x: &x[..w.cols],
-                    xsums: &xsums,
-                    xq,
-                    int8,
-                };
-                kernels::matmul_rows(ops, &[false], true, o);
-            }
-        });
-        Ok(())
+        // A decode row (one row) takes the one-row kernels, a prompt's rows the wide ones.
+        let wide = vec![rows >= kernels::DECODE_ONCE_MIN_ROWS; rows];
+        matmul_rows_of(self, x, &wide, ws, outs, &mut QuantizedActs::default())
     }
 }
 
