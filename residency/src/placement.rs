@@ -125,8 +125,10 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// the earlier ones understate it. 6: the f16 tiles of 3 weight rows × 8 activation rows, the
 /// CPU's parallel regions on spinning workers, and the CPU's probe made of split-sized calls.
 /// 7: the CPU's 8- and 32-row figures are of that many decode rows, each its own sequence, as
-/// a batched step runs them, not of one sequence's prompt rows.)
-pub const CALIBRATION_VERSION: u32 = 7;
+/// a batched step runs them, not of one sequence's prompt rows. 8: the GPU's matmul figures
+/// are of eight layers between two waits for the GPU, not one: the wait's fixed cost had put
+/// quantized layers' batches (which compute in about that long) 32–45 % below what they ran.)
+pub const CALIBRATION_VERSION: u32 = 8;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
 /// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then
