@@ -126,8 +126,7 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// CPU's parallel regions on spinning workers, and the CPU's probe made of split-sized calls.
 /// 7: the CPU's 8- and 32-row figures are of that many decode rows, each its own sequence, as
 /// a batched step runs them, not of one sequence's prompt rows. 8: the GPU's matmul figures
-/// are of eight layers between two waits for the GPU, not one: the wait's fixed cost had put
-/// quantized layers' batches (which compute in about that long) 32–45 % below what they ran.)
+/// are of eight layers between two waits for the GPU, not one, as a pass runs its layers.)
 pub const CALIBRATION_VERSION: u32 = 8;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1

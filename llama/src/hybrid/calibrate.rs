@@ -329,9 +329,13 @@ fn probe_row(dtype: DType, cols: usize) -> Result<Vec<u8>, LlamaError> {
 /// prefill, the conversion of quantized weights to f16 for the GEMM) is what a pass gets.
 ///
 /// The layer's calls are made [`LAYERS_PER_SYNC`] times between two waits for the GPU, as a
-/// pass makes a model's layers one after another: one layer a wait put the wait's fixed cost
-/// (tens of microseconds) on every layer, and a Q4_K layer at 8 or 32 rows computes in about
-/// that long, so the Qwen2-7B Q4_K_M's batches were predicted 32–45 % slower than they ran.
+/// pass makes a model's layers one after another: with one layer a wait, every layer carried
+/// the wait's fixed cost (tens of microseconds), which is a fair part of a quantized layer's
+/// time (the f16 figures rose 10–14 % on the H200 machine with eight). The rows of a batch
+/// are still measured as one sequence's (`RowGroup::solo`), so at 16 rows and more the probe
+/// takes the prompt's path (cuBLAS; quantized weights converted to f16) where a batch of
+/// one-row sequences takes the kernels: the Qwen2-7B Q4_K_M's batches of 32 ran 1.5–1.6x faster
+/// than predicted (BENCHMARKS.md, 2026-11-29 17:52).
 #[cfg(feature = "cuda")]
 pub fn measure_gpu_matmuls(
     be: &crate::backend::CudaBackend,
