@@ -349,6 +349,9 @@ struct WeightPlan<'w> {
     sizes: Vec<usize>,
     /// Whether every row reads the packed copy (such weights may split the activation rows).
     all_rows_packed: bool,
+    /// Whether every row goes through the one-row kernels on 8-bit activations (see
+    /// [`matmul_rows_of`]).
+    all_narrow: bool,
     /// Activation rows of each span (see [`activation_span_rows`]).
     per_span: usize,
 }
@@ -399,8 +402,15 @@ fn matmul_rows_of(
             }
         }
         let all_rows_packed = packed.is_some() && !split;
+        // Without the packed copy (a CPU without AVX-512 VNNI), the k-quant-era dtypes that
+        // copy covers keep its rule in the default mode: every row on the 8-bit activations,
+        // so that a prompt's rows are bit for bit the rows alone. (Their wide rows decoded to
+        // f32 made a q5_0 prompt's rows differ from the rows alone by up to 1 % on an AVX2
+        // machine.)
+        let all_narrow =
+            !cpu.exact && packed.is_none() && vnni16::handles(w.dtype) && kquants::handles(w.dtype);
         if cpu.quantizes(w.dtype)
-            && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed)
+            && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed || all_narrow)
         {
             xq.prepare(xr, k, w.dtype);
         }
@@ -413,6 +423,7 @@ fn matmul_rows_of(
             split,
             xsums,
             all_rows_packed,
+            all_narrow,
             per_span: rows.max(1),
         });
     }
@@ -456,6 +467,9 @@ fn matmul_rows_of(
                 kernels::matmul_rows(ops(&p.stored[range.clone()]), wide, false, o);
                 let wb = &bytes[range];
                 packed_rows(w.dtype, wb, row_bytes, *packing, xq, 0..rows, Some(wide), o);
+            }
+            None if p.all_narrow => {
+                kernels::matmul_rows(ops(&p.stored[range]), &vec![false; rows], true, o)
             }
             None => kernels::matmul_rows(ops(&p.stored[range]), wide, true, o),
         }
