@@ -3,9 +3,10 @@
 //! per weight dtype at this many threads, and on a GPU its matmuls, pinned host→device copies,
 //! the handoff between the two, and the CPU's matmuls and the copies at the same time
 //! (`gpu.concurrent`, version 4: on one DRAM they do not add up; without a GPU there is nothing
-//! to measure, and the planner then has the CPU compute everything). A dtype not measured yet is measured when a model needs
-//! it; `--calibrate` measures everything again; a file of another version or another thread
-//! count is measured again. The CPU's probe is four times its last-level caches or more
+//! to measure, and the planner then has the CPU compute everything). A dtype not measured yet
+//! is measured when a model needs it; `--calibrate` measures everything again; a file of
+//! another version is measured again, and of another thread count its CPU figures (the disk's
+//! and the GPU's are kept). The CPU's probe is four times its last-level caches or more
 //! (`llama::hybrid::calibrate::cpu_probe_bytes`: a fixed 256 MiB one was read from a server's
 //! cache), and the file says how large it was.
 
@@ -31,18 +32,35 @@ pub fn path(home: &Path) -> PathBuf {
     home.join("calibration.json")
 }
 
-/// The stored calibration, if there is a readable one of this version for `threads` threads.
+/// The stored calibration, if there is a readable one of this version, for `threads` threads:
+/// one measured with another thread count keeps what does not depend on the CPU's threads
+/// (the disk's reads, the GPU's matmuls, copies and handoff) and loses the rest (the CPU's
+/// matmuls, and the CPU's matmuls beside the copies), which are measured again. Switching
+/// between `--placement gpu` (every thread) and `auto` (some kept for the GPU's work) in one
+/// home measured everything again at each switch.
 fn load(home: &Path, threads: usize) -> Option<Calibration> {
     let path = path(home);
     let text = std::fs::read_to_string(&path).ok()?;
     match serde_json::from_str::<Calibration>(&text) {
         Ok(c) if c.version == CALIBRATION_VERSION && c.cpu_threads == threads => Some(c),
+        Ok(mut c) if c.version == CALIBRATION_VERSION => {
+            tracing::info!(
+                "{}: the CPU measured with {} threads; measuring its figures again for {threads}",
+                path.display(),
+                c.cpu_threads
+            );
+            c.cpu_threads = threads;
+            c.cpu.clear();
+            if let Some(gpu) = c.gpu.as_mut() {
+                gpu.concurrent.clear();
+            }
+            Some(c)
+        }
         Ok(c) => {
             tracing::info!(
-                "{}: measured for version {} with {} threads; measuring again",
+                "{}: measured for version {}; measuring again",
                 path.display(),
-                c.version,
-                c.cpu_threads
+                c.version
             );
             None
         }
@@ -96,7 +114,9 @@ pub fn ensure(
     let cpu_probe = if probe_mib.is_some() { probe } else { sized };
     let threads = rayon::current_num_threads();
     let stored = if refresh { None } else { load(home, threads) };
-    let mut changed = stored.is_none();
+    // A calibration of another thread count comes back with its CPU figures cleared: saved
+    // again once they are measured.
+    let mut changed = stored.as_ref().is_none_or(|c| c.cpu.is_empty());
     let mut cal = match stored {
         Some(cal) => cal,
         None => {

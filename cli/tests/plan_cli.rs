@@ -114,10 +114,20 @@ fn plan_places_every_matmul_on_the_cpu_without_a_gpu_and_keeps_its_calibration()
     // --calibrate measures again.
     let (_, stderr) = plan(&home, &model, &["--calibrate"]);
     assert!(stderr.contains("calibrating"), "{stderr}");
-    // Another thread count is another calibration.
+    // Another thread count measures the CPU's figures again and keeps the disk's.
     let (json, stderr) = plan_on_threads(&home, &model, 1, &[]);
-    assert!(stderr.contains("calibrating"), "{stderr}");
+    assert!(stderr.contains("calibrating: the CPU"), "{stderr}");
+    assert!(!stderr.contains("disk reads"), "{stderr}");
     assert_eq!(json["calibration"]["cpu_threads"], 1);
+    assert_eq!(json["calibration"]["disk_gbps"], stored["disk_gbps"]);
+    let stored_now: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cal_path).unwrap()).unwrap();
+    assert_eq!(stored_now["cpu_threads"], 1);
+    assert_eq!(
+        stored_now["cpu"].as_array().map(Vec::len),
+        Some(1),
+        "{stored_now}"
+    );
 }
 
 #[test]
