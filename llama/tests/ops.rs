@@ -3,10 +3,11 @@
 
 mod support;
 
+use gdsllm_convert::testing::random_blocks;
 use llama::backend::{AttentionParams, AttentionShape, NormInto, RowGroup};
 use llama::{Backend, CpuBackend, PassInfo, ReferenceBackend, WeightView, rope_inv_freq};
-use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use support::{ALL, attention, attention_with, matmul, max_rel_diff, random, weights};
 use weights_format::DType;
 
@@ -53,7 +54,8 @@ fn matmul_matches_reference_for_every_dtype_and_row_count() {
 fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
     // With resident weights the CPU backend repacks the matrices it reads on 8-bit activations
     // (interleaved rows: sixteen with AVX-512 VNNI, eight with AVX2) and computes whole groups
-    // of rows from the copy, the rows after the last group from the stored ones. Against the
+    // of rows from the copy, the rows after the last group from the stored ones; q5_1 and the
+    // q2_k/q3_k/q5_k dtypes are never repacked. Against the
     // reference: within the 8-bit tolerance (f32 rows of the exact mode within TOL); every
     // sequence of a batch mixing decode rows and prompts bit for bit what it gives alone.
     let mut rng = StdRng::seed_from_u64(7);
@@ -64,6 +66,11 @@ fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
         DType::Q5_0,
         DType::Q4K,
         DType::Q6K,
+        // Never repacked: every row on 8-bit activations in the default mode, as above.
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q5K,
     ];
     let stable = PassInfo {
         rows: 1,
@@ -74,7 +81,13 @@ fn matmul_of_resident_weights_matches_reference_and_each_sequence_alone() {
     };
     for dtype in dtypes {
         for (m, k) in [(77, 512), (40, 256), (256, 768)] {
-            let w = weights(&mut rng, dtype, m, k);
+            // The reference quantizer makes the first six dtypes; the decode-only ones are
+            // random blocks.
+            let w = if matches!(dtype, DType::Q5_1 | DType::Q2K | DType::Q3K | DType::Q5K) {
+                random_blocks(dtype, m * k / dtype.block_len(), rng.random())
+            } else {
+                weights(&mut rng, dtype, m, k)
+            };
             let view = WeightView::host(dtype, m, k, &w);
             for cpu in [CpuBackend::new(), CpuBackend::exact()] {
                 cpu.begin_pass(&stable).unwrap();

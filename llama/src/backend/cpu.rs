@@ -36,6 +36,7 @@ mod pool;
 mod profile;
 mod repack;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use weights_format::DType;
@@ -349,9 +350,9 @@ struct WeightPlan<'w> {
     sizes: Vec<usize>,
     /// Whether every row reads the packed copy (such weights may split the activation rows).
     all_rows_packed: bool,
-    /// Whether every row goes through the one-row kernels on 8-bit activations (see
-    /// [`matmul_rows_of`]).
-    all_narrow: bool,
+    /// The kernel each activation row takes on the stored rows ([`kernels::matmul_rows`]'s
+    /// `wide`): the caller's choice, or every row narrow (see [`matmul_rows_of`]).
+    row_kernels: Cow<'w, [bool]>,
     /// Activation rows of each span (see [`activation_span_rows`]).
     per_span: usize,
 }
@@ -402,15 +403,19 @@ fn matmul_rows_of(
             }
         }
         let all_rows_packed = packed.is_some() && !split;
-        // Without the packed copy (a CPU without AVX-512 VNNI), the k-quant-era dtypes that
-        // copy covers keep its rule in the default mode: every row on the 8-bit activations,
-        // so that a prompt's rows are bit for bit the rows alone. (Their wide rows decoded to
-        // f32 made a q5_0 prompt's rows differ from the rows alone by up to 1 % on an AVX2
-        // machine.)
-        let all_narrow =
-            !cpu.exact && packed.is_none() && vnni16::handles(w.dtype) && kquants::handles(w.dtype);
+        // The k-quant-era dtypes without a packed copy (q5_1, q2_k, q3_k, q5_k everywhere;
+        // q5_0, q4_k, q6_k on a CPU without AVX-512 VNNI) keep the packed copy's rule in the
+        // default mode: every row on the 8-bit activations, so that a prompt's rows are bit
+        // for bit the rows alone. (Their wide rows decoded to f32 made a q5_0 prompt's rows
+        // differ from the rows alone by up to 1 % on an AVX2 machine.)
+        let all_narrow = !cpu.exact && packed.is_none() && kquants::handles(w.dtype);
+        let row_kernels = if all_narrow && wide.contains(&true) {
+            Cow::Owned(vec![false; rows])
+        } else {
+            Cow::Borrowed(wide)
+        };
         if cpu.quantizes(w.dtype)
-            && (wide.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed || all_narrow)
+            && (row_kernels.contains(&false) || cpu.gemm8(w.dtype) || all_rows_packed)
         {
             xq.prepare(xr, k, w.dtype);
         }
@@ -423,7 +428,7 @@ fn matmul_rows_of(
             split,
             xsums,
             all_rows_packed,
-            all_narrow,
+            row_kernels,
             per_span: rows.max(1),
         });
     }
@@ -468,10 +473,7 @@ fn matmul_rows_of(
                 let wb = &bytes[range];
                 packed_rows(w.dtype, wb, row_bytes, *packing, xq, 0..rows, Some(wide), o);
             }
-            None if p.all_narrow => {
-                kernels::matmul_rows(ops(&p.stored[range]), &vec![false; rows], true, o)
-            }
-            None => kernels::matmul_rows(ops(&p.stored[range]), wide, true, o),
+            None => kernels::matmul_rows(ops(&p.stored[range]), &p.row_kernels, true, o),
         }
     };
     // A decode row: every weight's row tasks in one region, straight into the outputs.
