@@ -126,8 +126,11 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// CPU's parallel regions on spinning workers, and the CPU's probe made of split-sized calls.
 /// 7: the CPU's 8- and 32-row figures are of that many decode rows, each its own sequence, as
 /// a batched step runs them, not of one sequence's prompt rows. 8: the GPU's matmul figures
-/// are of eight layers between two waits for the GPU, not one, as a pass runs its layers.)
-pub const CALIBRATION_VERSION: u32 = 8;
+/// are of eight layers between two waits for the GPU, not one, as a pass runs its layers.
+/// 9: the GPU's 8- and 32-row figures are of that many one-row sequences, as a batched step
+/// runs them (from 16 rows one sequence's rows take cuBLAS, a batch's the kernels), and the
+/// CPU's f16 tiles prefetch further ahead.)
+pub const CALIBRATION_VERSION: u32 = 9;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
 /// row, of 8 rows and of 32 rows (`None` in files that did not measure it: the planner then

@@ -331,11 +331,14 @@ fn probe_row(dtype: DType, cols: usize) -> Result<Vec<u8>, LlamaError> {
 /// The layer's calls are made [`LAYERS_PER_SYNC`] times between two waits for the GPU, as a
 /// pass makes a model's layers one after another: with one layer a wait, every layer carried
 /// the wait's fixed cost (tens of microseconds), which is a fair part of a quantized layer's
-/// time (the f16 figures rose 10–14 % on the H200 machine with eight). The rows of a batch
-/// are still measured as one sequence's (`RowGroup::solo`), so at 16 rows and more the probe
-/// takes the prompt's path (cuBLAS; quantized weights converted to f16) where a batch of
-/// one-row sequences takes the kernels: the Qwen2-7B Q4_K_M's batches of 32 ran 1.5–1.6x faster
-/// than predicted (BENCHMARKS.md, 2026-11-29 17:52).
+/// time (the f16 figures rose 10–14 % on the H200 machine with eight).
+///
+/// The decode row counts (up to [`residency::GpuRates::CONCURRENT_ROWS`]' last) are that many
+/// sequences of one row each, as a batched step hands them over, and the prefill figure one
+/// sequence's chunk: from [`crate::backend::cuda::CUBLAS_MIN_ROWS`] rows a sequence's rows take
+/// cuBLAS (quantized weights converted to f16) where a batch of one-row sequences takes the
+/// kernels, and with 32 rows probed as one sequence the Qwen2-7B Q4_K_M's batches of 32 ran
+/// 1.5–1.6x faster than predicted (BENCHMARKS.md, 2026-11-29 17:52).
 #[cfg(feature = "cuda")]
 pub fn measure_gpu_matmuls(
     be: &crate::backend::CudaBackend,
@@ -383,7 +386,12 @@ pub fn measure_gpu_matmuls(
             .collect::<Result<_, _>>()?;
         let mut scratch = be.alloc(rows * 4096)?;
         let mut residual = be.alloc(rows * 4096)?;
-        let groups = [RowGroup::solo(rows)];
+        let decode = rows <= *residency::GpuRates::CONCURRENT_ROWS.last().unwrap_or(&1);
+        let groups = if decode {
+            vec![RowGroup::solo(1); rows]
+        } else {
+            vec![RowGroup::solo(rows)]
+        };
         let seconds = best_seconds(|| {
             for _ in 0..LAYERS_PER_SYNC {
                 {
