@@ -112,8 +112,9 @@ fn plan_places_every_matmul_on_the_cpu_without_a_gpu_and_keeps_its_calibration()
     assert!(!stderr.contains("calibrating"), "{stderr}");
     assert_eq!(again["calibration"], stored);
     // --calibrate measures again.
-    let (_, stderr) = plan(&home, &model, &["--calibrate"]);
+    let (measured_again, stderr) = plan(&home, &model, &["--calibrate"]);
     assert!(stderr.contains("calibrating"), "{stderr}");
+    let stored = &measured_again["calibration"];
     // Another thread count measures the CPU's figures again and keeps the disk's.
     let (json, stderr) = plan_on_threads(&home, &model, 1, &[]);
     assert!(stderr.contains("calibrating: the CPU"), "{stderr}");
