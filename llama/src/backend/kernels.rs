@@ -293,23 +293,8 @@ mod f16x16 {
     use std::arch::x86_64::*;
 
     use super::super::int8::Columns;
+    use super::super::kquants::avx2::prefetch_ahead;
     use super::*;
-
-    /// How far ahead of the chunk being computed the tiles prefetch their weight rows, and
-    /// into L2 (`T2`), not L1: a 3-row tile streams three rows at once, and the k-quant kernels'
-    /// L1 prefetch 2 KiB ahead was the slowest of seven variants measured with this loop on the
-    /// H200 machine's CPU (1 GiB f16 weight, 12 threads: 62.9 GB/s at 8 rows and 19.2 at 32,
-    /// none 68.4 / 22.4, `T2` 8 KiB ahead 73.0 / 23.6).
-    const PREFETCH_AHEAD: usize = 8192;
-
-    /// Hints the cache line `PREFETCH_AHEAD` bytes past `at` into L2 (an address past the end
-    /// of the weights is never touched: prefetches do not fault).
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    #[inline]
-    fn prefetch_ahead(at: &[u8]) {
-        let line = at.as_ptr().wrapping_add(PREFETCH_AHEAD);
-        _mm_prefetch::<_MM_HINT_T2>(line as *const i8);
-    }
 
     /// Weight rows a tile: 3 × 8 accumulators, 3 converted weight vectors and an activation
     /// vector are 28 of the 32 zmm registers.
@@ -336,7 +321,7 @@ mod f16x16 {
         for i in 0..n {
             if i % 2 == 0 {
                 for row in &w {
-                    prefetch_ahead(&row[i]);
+                    prefetch_ahead(&row[i][..1]);
                 }
             }
             let wv: [__m512; RR] = std::array::from_fn(|r| {
