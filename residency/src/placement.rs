@@ -20,7 +20,13 @@
 //!   extrapolated from one decode kernel: that overpredicted the f16 7B's prefill 1.53× and
 //!   took the slow batched q4_1 kernel for the q4_1 7B's batch of 32);
 //! - the GPU's copy of a streamed byte: `1 / H2D` from the host tier, `1 / disk` from the disk;
-//!   the ring overlaps it with compute, so the GPU path costs `G = max(copy, g(R))`.
+//!   the ring overlaps it with compute, so the GPU path of a unit costs `G = max(copy, g(R))`,
+//!   and a pass is not the sum of its units' times: the ring copies the streamed units ahead
+//!   while the resident ones compute, so a pass takes about the larger of all its copies and
+//!   all its computes ([`pass_seconds`] simulates the ring's slots). Summed unit by unit, the
+//!   Qwen2-7B Q4_K_M at 4 GiB was predicted 30 % slow at batch 8; and a split that pays for
+//!   its unit can lose for its pass where the copies were hidden anyway, so `auto` keeps the
+//!   GPU alone for a pass whose splits do not gain [`SPLIT_MIN_GAIN`] on the whole pass.
 //!
 //! With independent bandwidths (the next section says why they are not, on one DRAM), the
 //! CPU and the GPU compute one blob's matmuls at the same time, the CPU rows `[0, k)`, so a
@@ -128,8 +134,7 @@ use crate::plan::{BlobKind, ModelLayout, Placement, Plan};
 /// a batched step runs them, not of one sequence's prompt rows. 8: the GPU's matmul figures
 /// are of eight layers between two waits for the GPU, not one, as a pass runs its layers.
 /// 9: the GPU's 8- and 32-row figures are of that many one-row sequences, as a batched step
-/// runs them (from 16 rows one sequence's rows take cuBLAS, a batch's the kernels), and the
-/// CPU's f16 tiles prefetch further ahead.)
+/// runs them (from 16 rows one sequence's rows take cuBLAS, a batch's the kernels).)
 pub const CALIBRATION_VERSION: u32 = 9;
 
 /// The CPU's matmul speed for one weight dtype: weight bytes per second (10^9) of a pass of 1
@@ -509,8 +514,14 @@ pub struct UnitPlacement {
     pub gpu_bytes: u64,
     /// Bytes the CPU reads of it per pass.
     pub cpu_bytes: u64,
-    /// Predicted time of the unit in the pass.
+    /// Predicted time of the unit in the pass, alone (its copy and its compute overlapped).
     pub seconds: f64,
+    /// Of that, the copy from the host tier or the disk that the ring makes ahead while earlier
+    /// units compute (0 for resident and CPU units, and for split ones: see [`pass_seconds`]).
+    pub copy_seconds: f64,
+    /// The time it holds the pass once its weights are there: the GPU's compute, or a split's
+    /// (or the CPU's) whole time.
+    pub compute_seconds: f64,
 }
 
 /// The placement of every unit for one kind of pass, and what it predicts.
@@ -657,11 +668,28 @@ pub fn plan_placement(
     let passes = passes
         .iter()
         .map(|&(pass, plan)| {
-            let placed: Vec<UnitPlacement> = units
-                .iter()
-                .map(|u| place_unit(u, plan, cal, gpu.filter(|_| plan.is_some()), mode, pass))
-                .collect();
-            let seconds: f64 = placed.iter().map(|u| u.seconds).sum();
+            let gpu = gpu.filter(|_| plan.is_some());
+            let place = |mode| -> Vec<UnitPlacement> {
+                units
+                    .iter()
+                    .map(|u| place_unit(u, plan, cal, gpu, mode, pass))
+                    .collect()
+            };
+            let ring_slots = plan.map_or(1, |p| p.ring_slots);
+            let mut placed = place(mode);
+            let mut seconds = pass_seconds(&placed, ring_slots);
+            // Splits chosen unit by unit can lose as a whole: the GPU alone overlaps its
+            // copies with the resident units' compute, which no unit sees by itself.
+            if mode == PlacementMode::Auto
+                && gpu.is_some()
+                && placed.iter().any(|u| u.cpu_share > 0.0)
+            {
+                let alone = place(PlacementMode::Gpu);
+                let alone_seconds = pass_seconds(&alone, ring_slots);
+                if seconds >= alone_seconds * (1.0 - SPLIT_MIN_GAIN) {
+                    (placed, seconds) = (alone, alone_seconds);
+                }
+            }
             PassPlacement {
                 pass,
                 units: placed,
@@ -679,6 +707,43 @@ pub fn plan_placement(
         device: if on_gpu { "cuda" } else { "cpu" },
         passes,
     })
+}
+
+/// A pass's seconds in steady state: the units compute one after another, and the copies of
+/// the streamed ones run on their own (one at a time, as the ring's copy thread makes them) as
+/// far ahead as the ring's `ring_slots` slots allow (a unit holds its slot from the start of its
+/// copy to the end of its compute), through the pass's end into the next pass's first streamed
+/// units. So a pass takes about `max(Σ copies, Σ computes)` where the ring is deep enough, not
+/// their sum per unit: the Qwen2-7B Q4_K_M at 4 GiB (24 of 28 layers resident, 705 MB copied a
+/// pass) made 620 tok/s at batch 8 where the per-unit sum predicted 431, and 2,041 at batch 32
+/// against 1,466 (H200, 2026-11-29); the copies alone take 13 ms a pass, as its measured passes
+/// did. A split unit's GPU share is copied while its CPU share computes, so the split's time
+/// (which prices both) stays on the compute side.
+///
+/// Simulated over two passes, the second's time returned (the first has no copies made ahead).
+pub fn pass_seconds(units: &[UnitPlacement], ring_slots: usize) -> f64 {
+    let slots = ring_slots.max(1);
+    let (mut copies_done, mut computed) = (0.0f64, 0.0f64);
+    // When each unit holding a slot finishes its compute, oldest first.
+    let mut holding = std::collections::VecDeque::with_capacity(slots);
+    let mut ends = [0.0; 2];
+    for end in &mut ends {
+        for u in units {
+            if u.copy_seconds > 0.0 {
+                let mut start = copies_done;
+                if holding.len() == slots {
+                    start = start.max(holding.pop_front().unwrap_or(0.0));
+                }
+                copies_done = start + u.copy_seconds;
+                computed = computed.max(copies_done) + u.compute_seconds;
+                holding.push_back(computed);
+            } else {
+                computed += u.compute_seconds;
+            }
+        }
+        *end = computed;
+    }
+    ends[1] - ends[0]
 }
 
 /// The GPU's compute seconds per byte of `unit` at `rows` rows (its dtypes weighted by their
@@ -745,7 +810,7 @@ fn place_unit(
     };
     let bytes = unit.bytes();
     let c = cpu_per_byte(unit, cal, rows);
-    let placed = |tier, cpu_share: f64, seconds| UnitPlacement {
+    let placed = |tier, cpu_share: f64, seconds, copy_seconds| UnitPlacement {
         name: unit.name.clone(),
         share_blob: unit.share_blob,
         tier,
@@ -753,9 +818,11 @@ fn place_unit(
         cpu_bytes: (bytes as f64 * cpu_share).round() as u64,
         gpu_bytes: bytes - (bytes as f64 * cpu_share).round() as u64,
         seconds,
+        copy_seconds,
+        compute_seconds: if copy_seconds > 0.0 { 0.0 } else { seconds },
     };
     let (Some(plan), Some(gpu)) = (plan, gpu) else {
-        return placed(Tier::Ram, 1.0, bytes as f64 * c);
+        return placed(Tier::Ram, 1.0, bytes as f64 * c, 0.0);
     };
     let tier = match plan.placement(unit.weight_blob) {
         Placement::Resident => Tier::Resident,
@@ -770,12 +837,16 @@ fn place_unit(
     let compute = gpu_per_byte(unit, gpu, rows);
     let g = copy.max(compute);
     let gpu_alone = bytes as f64 * g;
+    let on_gpu = || UnitPlacement {
+        compute_seconds: bytes as f64 * compute,
+        ..placed(tier, 0.0, gpu_alone, bytes as f64 * copy)
+    };
     if mode == PlacementMode::Gpu
         || tier == Tier::Disk
         || bytes == 0
         || rows > GpuRates::SPLIT_MAX_ROWS
     {
-        return placed(tier, 0.0, gpu_alone);
+        return on_gpu();
     }
     // While both run: the CPU slower by its slowdown, the copies by theirs (not the GPU's
     // compute: it reads device memory). A resident blob copies nothing.
@@ -797,7 +868,11 @@ fn place_unit(
     if tier == Tier::Host && worth(cpu_alone) && cpu_alone < best.1 {
         best = (1.0, cpu_alone);
     }
-    placed(tier, best.0, best.1)
+    if best.0 == 0.0 {
+        on_gpu()
+    } else {
+        placed(tier, best.0, best.1, 0.0)
+    }
 }
 
 impl fmt::Display for PlacementPlan {
@@ -1526,6 +1601,135 @@ mod tests {
         // The prefill chunk: nothing.
         let prefill = auto.pass(PassKind::Prefill { rows: 512 }).unwrap();
         assert_eq!(prefill.split_units(), 0, "{auto}");
+    }
+
+    fn unit(copy_seconds: f64, compute_seconds: f64) -> UnitPlacement {
+        UnitPlacement {
+            name: String::new(),
+            share_blob: 0,
+            tier: if copy_seconds > 0.0 {
+                Tier::Host
+            } else {
+                Tier::Resident
+            },
+            cpu_share: 0.0,
+            gpu_bytes: 0,
+            cpu_bytes: 0,
+            seconds: copy_seconds.max(compute_seconds),
+            copy_seconds,
+            compute_seconds,
+        }
+    }
+
+    #[test]
+    fn a_pass_overlaps_the_rings_copies_with_the_units_compute() {
+        // Resident units of 1 s and streamed ones copied in 2 s, computed in 0.5: the copies
+        // (4 s) run beside the computes (4 s), so a pass takes 4 s, not the 6.5 of the units'
+        // own times one after another.
+        let (r, s) = (unit(0.0, 1.0), unit(2.0, 0.5));
+        let units = [r.clone(), r.clone(), s.clone(), r.clone(), s.clone()];
+        let serial: f64 = units.iter().map(|u| u.seconds).sum();
+        assert_eq!(serial, 7.0);
+        assert!(
+            (pass_seconds(&units, 3) - 4.0).abs() < 1e-12,
+            "{}",
+            pass_seconds(&units, 3)
+        );
+        // Copies longer than all the compute bound the pass.
+        let copy_bound = [r.clone(), unit(5.0, 0.5), r.clone(), unit(5.0, 0.5)];
+        assert!((pass_seconds(&copy_bound, 2) - 10.0).abs() < 1e-12);
+        // One slot: a unit's copy waits for the compute of the streamed unit before it, so
+        // the copy of the second overlaps only the resident unit between them.
+        let one = pass_seconds(&units, 1);
+        assert!(one > 4.0 && one < serial, "{one}");
+        // Nothing streamed: the sum of the computes.
+        assert_eq!(pass_seconds(&[r.clone(), r.clone()], 2), 2.0);
+    }
+
+    #[test]
+    fn a_streamed_pass_is_predicted_at_its_copies_or_its_computes_not_their_sum() {
+        let (units, plan) = f16_7b_streaming_from_host();
+        let cal = h100();
+        let p = placed(&units, &cal, PlacementMode::Gpu, &plan);
+        for pass in &p.passes {
+            let copies: f64 = pass.units.iter().map(|u| u.copy_seconds).sum();
+            let computes: f64 = pass.units.iter().map(|u| u.compute_seconds).sum();
+            let serial: f64 = pass.units.iter().map(|u| u.seconds).sum();
+            println!(
+                "{}: copies {copies:.4} s, computes {computes:.4} s, units one after another \
+                 {serial:.4} s, predicted {:.4} s",
+                pass.pass, pass.seconds
+            );
+            assert!(copies > 0.0, "{}", pass.pass);
+            assert!(
+                pass.seconds >= copies.max(computes) - 1e-12,
+                "{}",
+                pass.pass
+            );
+            assert!(pass.seconds < serial, "{}", pass.pass);
+        }
+    }
+
+    #[test]
+    fn auto_keeps_the_gpu_alone_where_the_pass_gains_less_than_a_fifth() {
+        // The f16 7B with 11 GiB for weights: a few layers stream from the host tier, the rest
+        // are resident. Each streamed unit alone is faster with the CPU's share (its copy is
+        // slower than the CPU's read of RAM), but with the GPU's compute at a tenth of `h100`'s
+        // the resident layers' compute hides every copy of the pass: the GPU alone already
+        // overlaps them, a share on the CPU only adds to the pass, and auto keeps the GPU.
+        let (layout, units) = units_7b(DType::F16);
+        let plan = Plan::compute(
+            &layout,
+            &PlanInputs {
+                device_budget: 12 << 30,
+                reserved_bytes: 1 << 30,
+                host_budget: layout.total_bytes(),
+                ring_slots: 2,
+                resident_layers: None,
+                policy: Policy::Planned,
+            },
+        )
+        .unwrap();
+        let one = PassKind::Decode { batch: 1 };
+        let on_cpu = |p: &PlacementPlan| {
+            let pass = p.pass(one).unwrap();
+            pass.units.iter().filter(|u| u.cpu_share > 0.0).count()
+        };
+        let mut cal = with_concurrent(h100_one_dram(), [(38.5, 52.0), (6.8, 52.0), (1.6, 52.0)]);
+        let fast = placed(&units, &cal, PlacementMode::Auto, &plan);
+        let streamed = fast
+            .pass(one)
+            .unwrap()
+            .units
+            .iter()
+            .filter(|u| u.tier == Tier::Host)
+            .count();
+        assert!(streamed > 0 && streamed < 8, "{fast}");
+        // Copy-bound: the CPU takes the streamed units and the pass gains.
+        assert_eq!(on_cpu(&fast), streamed, "{fast}");
+        if let Some(gpu) = cal.gpu.as_mut() {
+            for r in &mut gpu.matmul {
+                r.gbps /= 10.0;
+            }
+        }
+        let host_unit = units
+            .iter()
+            .find(|u| plan.placement(u.weight_blob) == Placement::HostCached)
+            .unwrap();
+        let alone = place_unit(
+            host_unit,
+            Some(&plan),
+            &cal,
+            cal.gpu.as_ref(),
+            PlacementMode::Auto,
+            one,
+        );
+        assert!(alone.cpu_share > 0.0, "{alone:?}");
+        let auto = placed(&units, &cal, PlacementMode::Auto, &plan);
+        let gpu = placed(&units, &cal, PlacementMode::Gpu, &plan);
+        println!("{auto}");
+        assert_eq!(on_cpu(&auto), 0, "{auto}");
+        assert_eq!(auto.pass(one), gpu.pass(one));
     }
 
     #[test]
