@@ -24,10 +24,10 @@
 //!   and a pass is not the sum of its units' times: the ring copies the streamed units ahead
 //!   while the resident ones compute, so a decode step takes about the larger of all its
 //!   copies and all its computes ([`pass_seconds`] simulates the ring's slots; a prefill chunk
-//!   measured as their sum, and is predicted so). Summed unit by unit, the
-//!   Qwen2-7B Q4_K_M at 4 GiB was predicted 30 % slow at batch 8; and a split that pays for
-//!   its unit can lose for its pass where the copies were hidden anyway, so `auto` keeps the
-//!   GPU alone for a pass whose splits do not gain [`SPLIT_MIN_GAIN`] on the whole pass.
+//!   measured as their sum, and is predicted so). Summed unit by unit, the Qwen2-7B Q4_K_M at
+//!   4 GiB was predicted 30 % slow at batch 8; and a split that pays for its unit can lose for
+//!   its pass where the copies were hidden anyway, so `auto` keeps the GPU alone for a pass
+//!   whose splits do not gain [`SPLIT_MIN_GAIN`] on the whole pass.
 //!
 //! With independent bandwidths (the next section says why they are not, on one DRAM), the
 //! CPU and the GPU compute one blob's matmuls at the same time, the CPU rows `[0, k)`, so a
@@ -723,8 +723,9 @@ pub fn plan_placement(
 /// their sum per unit: the Qwen2-7B Q4_K_M at 4 GiB (24 of 28 layers resident, 705 MB copied a
 /// pass) made 620 tok/s at batch 8 where the per-unit sum predicted 431, and 2,041 at batch 32
 /// against 1,466 (H200, 2026-11-29): its copies alone (705 MB at the probe's 55 GB/s) take
-/// 12.8 ms, and its batch-8 passes took 11.7–12.3 ms. A split unit's GPU share is copied while its CPU share computes, so the split's time
-/// (which prices both) stays on the compute side.
+/// 12.8 ms, and its batch-8 passes took 11.7–12.3 ms. A split unit's GPU share is copied
+/// while its CPU share computes, so the split's time (which prices both) stays on the compute
+/// side.
 ///
 /// Decode steps only: a prefill chunk of the same file in the same call took the sum of its
 /// computes and its copies (31.3 ms a chunk of 512 rows; computes ~20.7 ms, copies ~10.4),
