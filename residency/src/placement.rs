@@ -823,7 +823,8 @@ fn place_unit(
     };
     let bytes = unit.bytes();
     let c = cpu_per_byte(unit, cal, rows);
-    let placed = |tier, cpu_share: f64, seconds, copy_seconds| UnitPlacement {
+    // A unit that copies nothing ahead: all of its time holds the pass.
+    let placed = |tier, cpu_share: f64, seconds| UnitPlacement {
         name: unit.name.clone(),
         share_blob: unit.share_blob,
         tier,
@@ -831,11 +832,11 @@ fn place_unit(
         cpu_bytes: (bytes as f64 * cpu_share).round() as u64,
         gpu_bytes: bytes - (bytes as f64 * cpu_share).round() as u64,
         seconds,
-        copy_seconds,
-        compute_seconds: if copy_seconds > 0.0 { 0.0 } else { seconds },
+        copy_seconds: 0.0,
+        compute_seconds: seconds,
     };
     let (Some(plan), Some(gpu)) = (plan, gpu) else {
-        return placed(Tier::Ram, 1.0, bytes as f64 * c, 0.0);
+        return placed(Tier::Ram, 1.0, bytes as f64 * c);
     };
     let tier = match plan.placement(unit.weight_blob) {
         Placement::Resident => Tier::Resident,
@@ -851,8 +852,9 @@ fn place_unit(
     let g = copy.max(compute);
     let gpu_alone = bytes as f64 * g;
     let on_gpu = || UnitPlacement {
+        copy_seconds: bytes as f64 * copy,
         compute_seconds: bytes as f64 * compute,
-        ..placed(tier, 0.0, gpu_alone, bytes as f64 * copy)
+        ..placed(tier, 0.0, gpu_alone)
     };
     if mode == PlacementMode::Gpu
         || tier == Tier::Disk
@@ -884,7 +886,7 @@ fn place_unit(
     if best.0 == 0.0 {
         on_gpu()
     } else {
-        placed(tier, best.0, best.1, 0.0)
+        placed(tier, best.0, best.1)
     }
 }
 
@@ -1023,13 +1025,23 @@ mod tests {
     }
 
     fn plan_reserving(layout: &ModelLayout, host_tier: bool, reserved_bytes: u64) -> Plan {
-        let total = layout.total_bytes();
+        plan_in(layout, 4 << 30, host_tier, reserved_bytes)
+    }
+
+    /// The plan of `layout` in `device_budget` bytes, `reserved_bytes` of them reserved, with a
+    /// host tier holding the whole model or none.
+    fn plan_in(
+        layout: &ModelLayout,
+        device_budget: u64,
+        host_tier: bool,
+        reserved_bytes: u64,
+    ) -> Plan {
         Plan::compute(
             layout,
             &PlanInputs {
-                device_budget: 4 << 30,
+                device_budget,
                 reserved_bytes,
-                host_budget: if host_tier { total } else { 0 },
+                host_budget: if host_tier { layout.total_bytes() } else { 0 },
                 ring_slots: 2,
                 resident_layers: None,
                 policy: Policy::Planned,
@@ -1695,18 +1707,7 @@ mod tests {
         // the resident layers' compute hides every copy of the pass: the GPU alone already
         // overlaps them, a share on the CPU only adds to the pass, and auto keeps the GPU.
         let (layout, units) = units_7b(DType::F16);
-        let plan = Plan::compute(
-            &layout,
-            &PlanInputs {
-                device_budget: 12 << 30,
-                reserved_bytes: 1 << 30,
-                host_budget: layout.total_bytes(),
-                ring_slots: 2,
-                resident_layers: None,
-                policy: Policy::Planned,
-            },
-        )
-        .unwrap();
+        let plan = plan_in(&layout, 12 << 30, true, 1 << 30);
         let one = PassKind::Decode { batch: 1 };
         let on_cpu = |p: &PlacementPlan| {
             let pass = p.pass(one).unwrap();
