@@ -16,11 +16,13 @@
 //!   (`kernels.rs`), which the SmolLM2 golden tests compare with the float reference.
 //!
 //! In both, f32/f16/bf16 weights take f32 activations and the k-quant-era dtypes 8-bit ones for
-//! decode rows (`kquants.rs`; q5_0, q4_k and q6_k of resident weights on AVX-512 VNNI through
-//! `vnni16`'s sixteen-row copies). A prompt's rows of those sixteen-row copies take 8-bit
-//! activations too in the default mode (as llama.cpp's q8_K activations); the other prompts
-//! that `int8::gemm8` does not take, and in the exact mode every k-quant prompt, decode each
-//! weight row once to f32.
+//! decode rows (`kquants.rs`; resident q5_0, q4_k and q6_k on AVX-512 VNNI through `vnni16`'s
+//! sixteen-row copies, resident q5_0 elsewhere with AVX2 through `int8::gemm8_packed`'s
+//! eight-row ones). In the default mode a prompt's rows of those dtypes take 8-bit activations
+//! too (as llama.cpp's q8_K activations), through the same kernels as a decode row or, for the
+//! super-block dtypes with AVX2, four rows at a time through `kquants::dot4` (the same bits as
+//! one row), so that a row of a prompt is bit for bit that row alone; in the exact mode a
+//! k-quant prompt's rows decode each weight row once to f32.
 //!
 //! Threads: the parallel regions (matmul row chunks, attention heads, a prompt's element-wise
 //! work) run on `pool`: workers that spin between a decode step's microsecond-long regions
@@ -156,12 +158,17 @@ impl CpuBackend {
     /// The interleaved layout the 8-bit rows of `dtype` read, where its weights are resident
     /// (see `repack`): on AVX-512 VNNI the sixteen-row one for q4_0/q4_1/q8_0 (not in the
     /// exact mode) and for q5_0/q4_k/q6_k (8-bit activations in both modes), else with AVX2
-    /// the eight-row one for q4_0/q4_1/q8_0 (not in the exact mode).
+    /// the eight-row one for q4_0/q4_1/q8_0 (not in the exact mode) and q5_0 (both modes).
+    ///
+    /// Why q5_0 too: its one-row kernel spends ~25 instructions on a 22-byte block (a software
+    /// f16 scale, the fifth bits, a horizontal sum a row), so on a 2-core AVX2 machine Gemma 3
+    /// 270M's q5_0 matrices (a sixth of its bytes) took as long a decode step as its q8_0
+    /// output matrix three times their size.
     fn packing(&self, dtype: DType) -> Option<Packing> {
         let int8_rows = !self.exact && int8::handles(dtype);
         if vnni16::handles(dtype) && (int8_rows || kquants::handles(dtype)) && vnni16::available() {
             Some(Packing::Rows16)
-        } else if self.gemm8(dtype) {
+        } else if self.gemm8(dtype) || (dtype == DType::Q5_0 && int8::has_gemm8()) {
             Some(Packing::Rows8)
         } else {
             None
@@ -547,9 +554,18 @@ fn matmul_rows_of(
                 )
             })
             .collect();
-        for i in 0..m {
+        // Each output row written whole (strided reads, contiguous writes), over a tile of
+        // weight rows whose source lines stay in L1 for the task's eight output rows: the
+        // element-by-element loop over (weight row, output row), bounds-checked twice an
+        // element, was 12 % of a Gemma 3 270M prompt on two AVX2 cores.
+        const TILE: usize = 256;
+        for i0 in (0..m).step_by(TILE) {
+            let i1 = (i0 + TILE).min(m);
             for (j, (block, c, n)) in sources.iter().enumerate() {
-                o[j * m + i] = block[i * n + c];
+                let src = block[i0 * n + c..].iter().step_by(*n);
+                for (d, v) in o[j * m + i0..j * m + i1].iter_mut().zip(src) {
+                    *d = *v;
+                }
             }
         }
     });

@@ -53,6 +53,15 @@ pub(crate) fn dot_rows(
     }
 }
 
+/// Whether [`repack8`] and [`gemm8_packed`] take `dtype`: those of [`handles`] and q5_0, whose
+/// 5-bit levels come out of the interleaved layout as q4_0's nibbles plus one bit each (the
+/// layout keeps that bit where one shift and a mask put it in place), with `−16·d` as q4_0's
+/// `−8·d`. q5_0 has no stored-layout [`gemm8`] and no [`dot_rows`]: its rows left over take
+/// `kquants::dot`.
+pub(crate) fn packs8(dtype: DType) -> bool {
+    handles(dtype) || dtype == DType::Q5_0
+}
+
 /// Whether [`gemm8`] computes any rows on this CPU (else it returns 0 and the rows go through
 /// [`dot_rows`]).
 pub(crate) fn has_gemm8() -> bool {
@@ -140,9 +149,14 @@ fn gemm8_layout(
 }
 
 /// Bytes at the start of one interleaved block of eight rows (see [`repack8`]) before their
-/// levels: the eight f16 scales, and for q4_1 the eight f16 mins.
+/// levels: the eight f16 scales, and for q4_1 the eight f16 mins, for q5_0 the 32 bytes of the
+/// eight rows' fifth bits.
 fn packed_header(dtype: DType) -> usize {
-    if dtype == DType::Q4_1 { 32 } else { 16 }
+    match dtype {
+        DType::Q4_1 => 32,
+        DType::Q5_0 => 48,
+        _ => 16,
+    }
 }
 
 /// The weight rows of `w` (`row_bytes` each, whole blocks of `dtype`, one of [`handles`]) with
@@ -153,10 +167,13 @@ fn packed_header(dtype: DType) -> usize {
 /// exactly the bytes of its eight rows and a range of whole groups keeps its offsets:
 /// `[8 scales (f16)] [8 mins (f16), q4_1 only] [levels]`, the levels in 32-byte words `k`
 /// whose four bytes `4r..4r+4` are bytes `4k..4k+4` of row `r`'s levels (q4_0/q4_1: 16 bytes
-/// a row, two nibbles each, as stored; q8_0: 32). The rows after the last whole group are
-/// copied as they are.
+/// a row, two nibbles each, as stored; q8_0: 32). q5_0 is laid out as q4_0 with its fifth
+/// bits `[32 bytes]` between the scales and the levels: bit `j` of byte `p` is the fifth bit of
+/// the level that byte `p` of `Block8::v[j]` holds (row `p / 4`, value `4j + p % 4` of its 32),
+/// so that one shift and one mask put the eight words' bits at bit 4 of their bytes. The rows
+/// after the last whole group are copied as they are.
 pub(crate) fn repack8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
-    debug_assert!(handles(dtype) && w.len() == out.len() && w.len().is_multiple_of(row_bytes));
+    debug_assert!(packs8(dtype) && w.len() == out.len() && w.len().is_multiple_of(row_bytes));
     let bb = dtype.block_bytes();
     let (header, levels) = (
         packed_header(dtype),
@@ -167,6 +184,13 @@ pub(crate) fn repack8(dtype: DType, w: &[u8], row_bytes: usize, out: &mut [u8]) 
             packed[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
             if dtype == DType::Q4_1 {
                 packed[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&blk[2..4]);
+            }
+            if dtype == DType::Q5_0 {
+                let qh = u32::from_le_bytes(blk[2..6].try_into().unwrap());
+                for i in 0..4 {
+                    packed[16 + 4 * r + i] =
+                        (0..8).fold(0u8, |h, j| h | ((((qh >> (4 * j + i)) & 1) as u8) << j));
+                }
             }
             let qs = &blk[bb - levels..];
             for k in 0..levels / 4 {
@@ -341,6 +365,35 @@ macro_rules! block8_packed {
                 ],
                 d,
                 m: _mm256_setzero_ps(),
+            }
+        } else if dtype == DType::Q5_0 {
+            let low4 = _mm256_set1_epi8(0xF);
+            let bit4 = _mm256_set1_epi8(0x10);
+            let h = load256(&blk[16..]);
+            let t = [
+                load256(&blk[48..]),
+                load256(&blk[80..]),
+                load256(&blk[112..]),
+                load256(&blk[144..]),
+            ];
+            // Word j's fifth bits are bit j of each byte of `h` (see `repack8`), moved to bit
+            // 4: the shifts are of 16-bit lanes, but the mask keeps only bits that stayed in
+            // their byte (a shift of at most 4).
+            let low = |k: usize| _mm256_and_si256(t[k], low4);
+            let high = |k: usize| _mm256_and_si256(_mm256_srli_epi16(t[k], 4), low4);
+            Block8 {
+                v: [
+                    _mm256_or_si256(low(0), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4)),
+                    _mm256_or_si256(low(1), _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4)),
+                    _mm256_or_si256(low(2), _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4)),
+                    _mm256_or_si256(low(3), _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4)),
+                    _mm256_or_si256(high(0), _mm256_and_si256(h, bit4)),
+                    _mm256_or_si256(high(1), _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4)),
+                    _mm256_or_si256(high(2), _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4)),
+                    _mm256_or_si256(high(3), _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4)),
+                ],
+                d,
+                m: _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
             }
         } else {
             let (qs, m) = if dtype == DType::Q4_1 {
@@ -646,6 +699,10 @@ macro_rules! x86_kernels {
                 out: Columns<'_>,
                 packed: bool,
             ) -> usize {
+                // q5_0 only interleaved (see `packs8`): its stored rows go to the row kernels.
+                if !(if packed { packs8(dtype) } else { handles(dtype) }) {
+                    return 0;
+                }
                 if dtype == DType::Q8_0 {
                     gemm8_of::<true>(dtype, w, row_bytes, acts, out, packed)
                 } else {
@@ -671,8 +728,16 @@ macro_rules! x86_kernels {
                     let rows: [&[u8]; 8] = std::array::from_fn(|r| {
                         &w[(8 * g + r) * row_bytes..(8 * g + r + 1) * row_bytes]
                     });
-                    let src = if packed {
-                        Blocks::Packed(&w[8 * g * row_bytes..8 * (g + 1) * row_bytes])
+                    let group = &w[8 * g * row_bytes..8 * (g + 1) * row_bytes];
+                    let src = if packed && n <= 4 {
+                        Blocks::Packed(group)
+                    } else if packed {
+                        // Unpacked once for all the tiles of four rows (q5_0's fifth bits
+                        // and the nibbles cost about what a tile row's products do).
+                        decoded.clear();
+                        let bb = 8 * dtype.block_bytes();
+                        decoded.extend(group.chunks_exact(bb).map(|b| block8_packed!(dtype, b)));
+                        Blocks::Decoded(&decoded)
                     } else if n <= 4 {
                         Blocks::Rows(&rows)
                     } else {
@@ -993,6 +1058,65 @@ pub(crate) mod tests {
                         "{dtype} {rows}x{cols} {name}: packed = stored bit for bit; worst |packed − dot_rows| is {worst:.1e} of Σ|w·x|"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn repacked_q5_0_rows_are_within_the_8_bit_bound_and_the_same_for_any_row_count() {
+        // q5_0 has no stored-layout `gemm8`: its interleaved rows against the f64 reference
+        // (the 8-bit bound), against the one-row kernel `kquants::dot` of the stored rows
+        // (another f32 summation order: within 1e-5 of Σ|w·x|), and each activation row bit for
+        // bit the same alone or with 2, 5 or 9 others; rows with and without a tail (left to
+        // the caller), rows of 3 and 20 blocks. Random blocks set every fifth bit pattern, so a
+        // bit put in the wrong lane or word shows as an error far past the bound.
+        let mut rng = Rng(0xD1B5_4A32_D192_ED03);
+        let variants = gemm8_variants();
+        let dtype = DType::Q5_0;
+        for (rows, cols) in [(8, 96), (21, 640), (43, 96)] {
+            let n_acts = 9;
+            let (w, x, xq) = random_case(&mut rng, dtype, rows, cols, n_acts);
+            let row_bytes = w.len() / rows;
+            let mut packed = vec![0u8; w.len()];
+            repack8(dtype, &w, row_bytes, &mut packed);
+            let done = rows / 8 * 8;
+            assert_eq!(packed[done * row_bytes..], w[done * row_bytes..]);
+            let acts: Vec<ActRow<'_>> = (0..n_acts).map(|r| xq.row(dtype, r)).collect();
+            for (name, f) in &variants {
+                let what = format!("q5_0 {rows}x{cols} {name}");
+                let mut unpacked = vec![f32::NAN; rows];
+                let columns = [0];
+                let out = Columns {
+                    out_t: &mut unpacked,
+                    stride: 1,
+                    columns: &columns,
+                };
+                assert_eq!(f(dtype, &w, row_bytes, &acts[..1], out, false), 0, "{what}");
+                let alone = check_alone_in_any_column(&acts, rows, done, &what, |a, out| {
+                    f(dtype, &packed, row_bytes, a, out, true)
+                });
+                let (mut worst_bound, mut worst_row) = (0f64, 0f64);
+                for (c, xc) in x.chunks_exact(cols).enumerate() {
+                    for (i, wr) in w.chunks_exact(row_bytes).take(done).enumerate() {
+                        let (reference, bound, magnitude) = bound_of(dtype, wr, xc);
+                        let got = alone[c][i] as f64;
+                        assert!(
+                            (got - reference).abs() <= bound,
+                            "{what} row {i} act {c}: {got} reference {reference} bound {bound}"
+                        );
+                        let one_row = super::super::kquants::dot(dtype, wr, acts[c]) as f64;
+                        assert!(
+                            (got - one_row).abs() <= 1e-5 * magnitude,
+                            "{what} row {i} act {c}: {got} one-row kernel {one_row}"
+                        );
+                        worst_bound = worst_bound.max((got - reference).abs() / bound);
+                        worst_row = worst_row.max((got - one_row).abs() / magnitude);
+                    }
+                }
+                println!(
+                    "{what}: worst |dot − reference| {:.0} % of the 8-bit bound, |packed − kquants::dot| {worst_row:.1e} of Σ|w·x|",
+                    worst_bound * 100.0
+                );
             }
         }
     }

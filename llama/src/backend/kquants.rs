@@ -195,6 +195,32 @@ pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
     }
 }
 
+/// Whether [`dot4`] takes `dtype` on this CPU (AVX2 and FMA): the super-block dtypes whose
+/// unpacking (6-bit scales, levels) [`dot`] would repeat for each activation row of a prompt.
+pub(crate) fn rows4_handles(dtype: DType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dtype;
+        false
+    }
+}
+
+/// `row` dotted with four quantized activation rows: bit for bit [`dot`] of each (the weights'
+/// blocks unpacked once for the four). Only where [`rows4_handles`].
+#[multiversion(targets("x86_64+avx2+fma+f16c"))]
+pub(crate) fn dot4(dtype: DType, row: &[u8], xs: [ActRow<'_>; 4]) -> [f32; 4] {
+    match_target! {
+        "x86_64+avx2+fma" => avx2::dot4(dtype, row, xs),
+        _ => xs.map(|x| portable::dot(dtype, row, x)),
+    }
+}
+
 /// The slow definition: `row` decoded with `weights_format::quant::dequantize`, then an f64
 /// dot product with `x` (f32 activations, not quantized). The kernels' tests compare with it.
 #[cfg(test)]
@@ -765,9 +791,18 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn q45k<const FIVE: bool>(row: &[u8], x: ActRow<'_>) -> f32 {
+        q45k_rows::<FIVE, 1>(row, [x])[0]
+    }
+
+    /// `row` against `R` activation rows: each super-block's scales and levels unpacked once
+    /// for all of them, and for each row the same operations in the same order as for that
+    /// row alone (`R = 1`, [`q45k`]), so the same bits whatever `R`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q45k_rows<const FIVE: bool, const R: usize>(row: &[u8], xs: [ActRow<'_>; R]) -> [f32; R] {
         let (bb, qs) = if FIVE { (176, 48) } else { (144, 16) };
         let (low4, bit) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(1));
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); R];
         for (sb, blk) in row.chunks_exact(bb).enumerate() {
             prefetch_ahead(blk);
             let (sc, mn) = k4_scales(&blk[4..16]);
@@ -776,7 +811,7 @@ pub(crate) mod avx2 {
             } else {
                 _mm256_setzero_si256()
             };
-            let mut sumi = _mm256_setzero_si256();
+            let mut sumi = [_mm256_setzero_si256(); R];
             for c in 0..4 {
                 let bits = load256(&blk[qs + 32 * c..]);
                 let mut lv = [
@@ -792,16 +827,21 @@ pub(crate) mod avx2 {
                 }
                 for (half, lv) in lv.into_iter().enumerate() {
                     let j = 2 * c + half;
-                    let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
                     let s = _mm256_set1_epi16(sc[j] as i16);
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+                    for (sumi, x) in sumi.iter_mut().zip(&xs) {
+                        let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
+                        *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(p, s));
+                    }
                 }
             }
-            let dx = x.d[8 * sb];
-            acc = scale_add(acc, sumi, f16_at(blk, 0) * dx);
-            acc = scale_add(acc, k4_mins(&x, sb, mn), -(f16_at(blk, 2) * dx));
+            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+            for ((acc, sumi), x) in acc.iter_mut().zip(sumi).zip(&xs) {
+                let dx = x.d[8 * sb];
+                *acc = scale_add(*acc, sumi, d * dx);
+                *acc = scale_add(*acc, k4_mins(x, sb, mn), -(dmin * dx));
+            }
         }
-        hsum(acc)
+        acc.map(|a| hsum(a))
     }
 
     /// The mins of a q4_k/q5_k super-block times the activations: Σ_j mn[j]·Σq over sub-block
@@ -825,6 +865,13 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     fn q6k(row: &[u8], x: ActRow<'_>) -> f32 {
+        q6k_rows::<1>(row, [x])[0]
+    }
+
+    /// `row` against `R` activation rows, as [`q45k_rows`]: the same bits as each row alone.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q6k_rows<const R: usize>(row: &[u8], xs: [ActRow<'_>; R]) -> [f32; R] {
         let (low4, low2) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(3));
         // Bytes 0-1 of each 32-bit lane in the low half, bytes 2-3 in the high half: a lane
         // holding two i16 scales becomes the first for values 0-15, the second for 16-31.
@@ -832,15 +879,15 @@ pub(crate) mod avx2 {
             0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
             3, 2, 3,
         );
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); R];
         for (sb, blk) in row.chunks_exact(210).enumerate() {
             prefetch_ahead(blk);
             // The scale first: the block's last bytes, often on a cache line of their own, so
             // their load starts before the levels' arithmetic needs the core.
-            let f = f16_at(blk, 208) * x.d[8 * sb];
+            let d = f16_at(blk, 208);
             // The 16 scales as i16; pairs of them (groups 2j, 2j+1) spread over block j.
             let sc16 = _mm256_cvtepi8_epi16(load128(&blk[192..208]));
-            let mut sumi = _mm256_setzero_si256();
+            let mut sumi = [_mm256_setzero_si256(); R];
             for n in 0..2 {
                 let ql = [load256(&blk[64 * n..]), load256(&blk[64 * n + 32..])];
                 let qh = load256(&blk[128 + 32 * n..]);
@@ -858,14 +905,30 @@ pub(crate) mod avx2 {
                     let j = 4 * n + k;
                     let pair = _mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(j as i32));
                     let s = _mm256_shuffle_epi8(pair, spread);
-                    let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+                    for (sumi, x) in sumi.iter_mut().zip(&xs) {
+                        let p = _mm256_maddubs_epi16(lv, load256_i8(&x.q[256 * sb + 32 * j..]));
+                        *sumi = _mm256_add_epi32(*sumi, _mm256_madd_epi16(p, s));
+                    }
                 }
             }
-            let sumi = _mm256_sub_epi32(sumi, q6k_offset(&x, sb, sc16));
-            acc = scale_add(acc, sumi, f);
+            for ((acc, sumi), x) in acc.iter_mut().zip(sumi).zip(&xs) {
+                let sumi = _mm256_sub_epi32(sumi, q6k_offset(x, sb, sc16));
+                *acc = scale_add(*acc, sumi, d * x.d[8 * sb]);
+            }
         }
-        hsum(acc)
+        acc.map(|a| hsum(a))
+    }
+
+    /// `row` against four activation rows, for the dtypes [`rows4_handles`] lists: the same
+    /// bits as [`dot`] of each row alone.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn dot4(dtype: DType, row: &[u8], xs: [ActRow<'_>; 4]) -> [f32; 4] {
+        match dtype {
+            DType::Q4K => q45k_rows::<false, 4>(row, xs),
+            DType::Q5K => q45k_rows::<true, 4>(row, xs),
+            DType::Q6K => q6k_rows::<4>(row, xs),
+            other => unreachable!("{other} has no four-row kernel"),
+        }
     }
 }
 
@@ -977,6 +1040,43 @@ pub(crate) mod tests {
                  8-bit activation bound); |avx2 - portable| / Σ|w·x| = {worst_port:.1e}",
                 worst_bound * 100.0
             );
+        }
+    }
+
+    #[test]
+    fn four_row_kernel_is_bit_for_bit_the_one_row_kernel() {
+        // A prompt's rows of q4_k/q5_k/q6_k go four at a time through `dot4` and the rest one
+        // at a time through `dot`: each row must come out the same either way (batch
+        // invariance), so the check is on the bits, over rows of 1 and 3 super-blocks and
+        // activation rows of very different magnitudes.
+        let mut rng = Rng(0x1405_7B7E_F767_814F);
+        for dtype in [DType::Q4K, DType::Q5K, DType::Q6K] {
+            if !rows4_handles(dtype) {
+                println!("{dtype}: no four-row kernel on this CPU");
+                continue;
+            }
+            for cols in [256, 768] {
+                let rows = 5;
+                let w = random_rows(dtype, rows, cols, &mut rng);
+                let x: Vec<f32> = (0..4 * cols)
+                    .map(|i| rng.uniform() * if i % 320 < 64 { 8.0 } else { 0.125 })
+                    .collect();
+                let mut xq = QuantizedActs::default();
+                xq.prepare(&x, cols, dtype);
+                let acts = [0, 1, 2, 3].map(|r| xq.row(dtype, r));
+                for (i, wr) in w.chunks_exact(w.len() / rows).enumerate() {
+                    let four = dot4(dtype, wr, acts);
+                    for (r, got) in four.into_iter().enumerate() {
+                        let alone = dot(dtype, wr, acts[r]);
+                        assert_eq!(
+                            got.to_bits(),
+                            alone.to_bits(),
+                            "{dtype} {cols} cols, weight row {i}, activation row {r}: {got} {alone}"
+                        );
+                    }
+                }
+            }
+            println!("{dtype}: dot4 = dot bit for bit");
         }
     }
 

@@ -1,7 +1,7 @@
 //! The CPU backend's copies of weight matrices in an interleaved layout, which the 8-bit
 //! activation matmuls read instead of the stored rows: on CPUs with AVX-512 VNNI the layout of
 //! `vnni16::repack16` (sixteen rows per group; q4_0, q4_1, q8_0, q5_0, q4_k, q6_k), elsewhere
-//! with AVX2 that of `int8::repack8` (eight rows per group; q4_0, q4_1, q8_0). See [`Packing`].
+//! with AVX2 that of `int8::repack8` (eight rows per group; q4_0, q4_1, q8_0, q5_0). See [`Packing`].
 //!
 //! Why: with the stored layout each weight row is a dot product of its own (a horizontal sum,
 //! scalar scale conversions and offsets per block), or eight rows are transposed while being
