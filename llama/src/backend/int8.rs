@@ -381,19 +381,25 @@ macro_rules! block8_packed {
             // their byte (a shift of at most 4).
             let low = |k: usize| _mm256_and_si256(t[k], low4);
             let high = |k: usize| _mm256_and_si256(_mm256_srli_epi16(t[k], 4), low4);
+            // The levels less their 16, as signed bytes (the kernel sums them word by word).
+            let sixteen = _mm256_set1_epi8(16);
+            let level = |nibbles: __m256i, fifth: __m256i| {
+                _mm256_sub_epi8(_mm256_or_si256(nibbles, fifth), sixteen)
+            };
             Block8 {
                 v: [
-                    _mm256_or_si256(low(0), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4)),
-                    _mm256_or_si256(low(1), _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4)),
-                    _mm256_or_si256(low(2), _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4)),
-                    _mm256_or_si256(low(3), _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4)),
-                    _mm256_or_si256(high(0), _mm256_and_si256(h, bit4)),
-                    _mm256_or_si256(high(1), _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4)),
-                    _mm256_or_si256(high(2), _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4)),
-                    _mm256_or_si256(high(3), _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4)),
+                    level(low(0), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4)),
+                    level(low(1), _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4)),
+                    level(low(2), _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4)),
+                    level(low(3), _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4)),
+                    level(high(0), _mm256_and_si256(h, bit4)),
+                    level(high(1), _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4)),
+                    level(high(2), _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4)),
+                    level(high(3), _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4)),
                 ],
                 d,
-                m: _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                // No offset: the levels are signed.
+                m: _mm256_setzero_ps(),
             }
         } else {
             let (qs, m) = if dtype == DType::Q4_1 {
@@ -425,6 +431,17 @@ macro_rules! block8_packed {
         }
     }};
 }
+
+/// The kinds of levels of `Block8::v`, a kernel's const parameter: unsigned, with an f32
+/// offset per unit of the activations' `d·Σq` (q4_0's `−8·d`, q4_1's min) ...
+#[cfg(target_arch = "x86_64")]
+const OFFSET_F32: u8 = 0;
+/// ... signed (q8_0; the sign moved onto the activations) ...
+#[cfg(target_arch = "x86_64")]
+const SIGNED: u8 = 1;
+/// ... or signed and summed word by word (q5_0, its levels less 16: see `tile_words`).
+#[cfg(target_arch = "x86_64")]
+const WORDS: u8 = 2;
 
 /// The x86 kernels for one instruction set, `mul_sum_add(acc, u, s)` being `acc` plus the eight
 /// i32 sums of four products `u8 · i8` each.
@@ -607,15 +624,11 @@ macro_rules! x86_kernels {
                 }
             }
 
-            /// `acc + Σ` of block `b` of eight rows with one activation row, per row (lane).
+            /// `acc + Σ` of block `b` of eight rows with one activation row, per row (lane), for
+            /// levels of the kind `L` ([`OFFSET_F32`] or [`SIGNED`]; [`WORDS`] is `tile_words`).
             #[target_feature(enable = $features)]
             #[inline]
-            fn dot8<const SIGNED: bool>(
-                blk: &Block8,
-                x: &ActRow<'_>,
-                b: usize,
-                acc: __m256,
-            ) -> __m256 {
+            fn dot8<const L: u8>(blk: &Block8, x: &ActRow<'_>, b: usize, acc: __m256) -> __m256 {
                 let q = &x.q[32 * b..32 * b + 32];
                 let mut isum = _mm256_setzero_si256();
                 for (k, v) in blk.v.iter().enumerate() {
@@ -626,7 +639,7 @@ macro_rules! x86_kernels {
                         q[4 * k + 3] as u8,
                     ]);
                     let qk = _mm256_set1_epi32(word);
-                    isum = if SIGNED {
+                    isum = if L == SIGNED {
                         mul_sum_add(isum, _mm256_sign_epi8(*v, *v), _mm256_sign_epi8(qk, *v))
                     } else {
                         mul_sum_add(isum, *v, qk)
@@ -634,11 +647,11 @@ macro_rules! x86_kernels {
                 }
                 let f = _mm256_mul_ps(blk.d, _mm256_set1_ps(x.d[b]));
                 let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), f, acc);
-                if SIGNED {
-                    acc
-                } else {
+                if L == OFFSET_F32 {
                     let dq = x.s16[2 * b] + x.s16[2 * b + 1];
                     _mm256_fmadd_ps(blk.m, _mm256_set1_ps(dq), acc)
+                } else {
+                    acc
                 }
             }
 
@@ -652,35 +665,81 @@ macro_rules! x86_kernels {
                 Packed(&'a [u8]),
             }
 
+            /// Block `b` of the eight rows `src`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn block_of(dtype: DType, src: Blocks<'_, '_>, b: usize) -> Block8 {
+                let bb = dtype.block_bytes();
+                match src {
+                    Blocks::Rows(rows) => {
+                        if (b * bb) % 64 < bb {
+                            prefetch_next_group(rows, b * bb);
+                        }
+                        block8(dtype, rows, b)
+                    }
+                    Blocks::Decoded(all) => all[b],
+                    Blocks::Packed(group) => {
+                        let at = b * 8 * bb;
+                        prefetch_ahead(&group[at..at + 8 * bb]);
+                        block8_packed!(dtype, &group[at..at + 8 * bb])
+                    }
+                }
+            }
+
+            /// [`tile`] for levels of the kind [`WORDS`] (q5_0): each of a block's eight words
+            /// (four values of each row) summed into an accumulator of its own, and the eight
+            /// added at the end in the order `kquants::avx2::hsum` adds a row's eight lanes,
+            /// so that a row's result is bit for bit that of the one-row kernel
+            /// `kquants::dot`, whose lane `k` holds the same four values' products.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn tile_words<const T: usize>(
+                dtype: DType,
+                src: Blocks<'_, '_>,
+                blocks: usize,
+                acts: &[ActRow<'_>],
+            ) -> [[f32; 8]; T] {
+                let mut acc = [[_mm256_setzero_ps(); 8]; T];
+                for b in 0..blocks {
+                    let blk = block_of(dtype, src, b);
+                    for (acc, x) in acc.iter_mut().zip(acts) {
+                        let q = &x.q[32 * b..32 * b + 32];
+                        let f = _mm256_mul_ps(blk.d, _mm256_set1_ps(x.d[b]));
+                        for (k, (acc, v)) in acc.iter_mut().zip(&blk.v).enumerate() {
+                            let word = i32::from_le_bytes([
+                                q[4 * k] as u8,
+                                q[4 * k + 1] as u8,
+                                q[4 * k + 2] as u8,
+                                q[4 * k + 3] as u8,
+                            ]);
+                            let qk = _mm256_set1_epi32(word);
+                            let p = mul_sum(_mm256_sign_epi8(*v, *v), _mm256_sign_epi8(qk, *v));
+                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, *acc);
+                        }
+                    }
+                }
+                acc.map(|a| {
+                    let low = _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6]));
+                    let high = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
+                    bytemuck::cast(_mm256_add_ps(low, high))
+                })
+            }
+
             /// Eight weight rows against `T` activation rows, block by block: the same
             /// operations in the same order for an activation row whichever tile it is in.
             #[target_feature(enable = $features)]
             #[inline]
-            fn tile<const T: usize, const SIGNED: bool>(
+            fn tile<const T: usize, const L: u8>(
                 dtype: DType,
                 src: Blocks<'_, '_>,
                 blocks: usize,
                 acts: &[ActRow<'_>],
             ) -> [[f32; 8]; T] {
                 let mut acc = [_mm256_setzero_ps(); T];
-                let bb = dtype.block_bytes();
                 for b in 0..blocks {
-                    let blk = match src {
-                        Blocks::Rows(rows) => {
-                            if (b * bb) % 64 < bb {
-                                prefetch_next_group(rows, b * bb);
-                            }
-                            block8(dtype, rows, b)
-                        }
-                        Blocks::Decoded(all) => all[b],
-                        Blocks::Packed(group) => {
-                            let at = b * 8 * bb;
-                            prefetch_ahead(&group[at..at + 8 * bb]);
-                            block8_packed!(dtype, &group[at..at + 8 * bb])
-                        }
-                    };
+                    let blk = block_of(dtype, src, b);
                     for c in 0..T {
-                        acc[c] = dot8::<SIGNED>(&blk, &acts[c], b, acc[c]);
+                        acc[c] = dot8::<L>(&blk, &acts[c], b, acc[c]);
                     }
                 }
                 let mut sums = [[0f32; 8]; T];
@@ -700,18 +759,22 @@ macro_rules! x86_kernels {
                 packed: bool,
             ) -> usize {
                 // q5_0 only interleaved (see `packs8`): its stored rows go to the row kernels.
-                if !(if packed { packs8(dtype) } else { handles(dtype) }) {
+                if !(if packed {
+                    packs8(dtype)
+                } else {
+                    handles(dtype)
+                }) {
                     return 0;
                 }
-                if dtype == DType::Q8_0 {
-                    gemm8_of::<true>(dtype, w, row_bytes, acts, out, packed)
-                } else {
-                    gemm8_of::<false>(dtype, w, row_bytes, acts, out, packed)
+                match dtype {
+                    DType::Q8_0 => gemm8_of::<SIGNED>(dtype, w, row_bytes, acts, out, packed),
+                    DType::Q5_0 => gemm8_of::<WORDS>(dtype, w, row_bytes, acts, out, packed),
+                    _ => gemm8_of::<OFFSET_F32>(dtype, w, row_bytes, acts, out, packed),
                 }
             }
 
             #[target_feature(enable = $features)]
-            fn gemm8_of<const SIGNED: bool>(
+            fn gemm8_of<const L: u8>(
                 dtype: DType,
                 w: &[u8],
                 row_bytes: usize,
@@ -747,11 +810,15 @@ macro_rules! x86_kernels {
                     };
                     for c0 in (0..n).step_by(4) {
                         let a = &acts[c0..n.min(c0 + 4)];
-                        let sums: &[[f32; 8]] = match a.len() {
-                            1 => &tile::<1, SIGNED>(dtype, src, blocks, a),
-                            2 => &tile::<2, SIGNED>(dtype, src, blocks, a),
-                            3 => &tile::<3, SIGNED>(dtype, src, blocks, a),
-                            _ => &tile::<4, SIGNED>(dtype, src, blocks, a),
+                        let sums: &[[f32; 8]] = match (L == WORDS, a.len()) {
+                            (true, 1) => &tile_words::<1>(dtype, src, blocks, a),
+                            (true, 2) => &tile_words::<2>(dtype, src, blocks, a),
+                            (true, 3) => &tile_words::<3>(dtype, src, blocks, a),
+                            (true, _) => &tile_words::<4>(dtype, src, blocks, a),
+                            (false, 1) => &tile::<1, L>(dtype, src, blocks, a),
+                            (false, 2) => &tile::<2, L>(dtype, src, blocks, a),
+                            (false, 3) => &tile::<3, L>(dtype, src, blocks, a),
+                            (false, _) => &tile::<4, L>(dtype, src, blocks, a),
                         };
                         for (c, lanes) in sums.iter().enumerate() {
                             let column = out.columns[c0 + c];
@@ -1065,11 +1132,12 @@ pub(crate) mod tests {
     #[test]
     fn repacked_q5_0_rows_are_within_the_8_bit_bound_and_the_same_for_any_row_count() {
         // q5_0 has no stored-layout `gemm8`: its interleaved rows against the f64 reference
-        // (the 8-bit bound), against the one-row kernel `kquants::dot` of the stored rows
-        // (another f32 summation order: within 1e-5 of Σ|w·x|), and each activation row bit for
-        // bit the same alone or with 2, 5 or 9 others; rows with and without a tail (left to
-        // the caller), rows of 3 and 20 blocks. Random blocks set every fifth bit pattern, so a
-        // bit put in the wrong lane or word shows as an error far past the bound.
+        // (the 8-bit bound), bit for bit the one-row kernel `kquants::dot` of the stored rows
+        // (which the rows after the last group take: a matrix's rows must not depend on which
+        // kernel took them), and each activation row bit for bit the same alone or with 2, 5 or
+        // 9 others; rows with and without a tail (left to the caller), rows of 3 and 20 blocks.
+        // Random blocks set every fifth bit pattern, so a bit put in the wrong lane or word
+        // shows as an error far past the bound.
         let mut rng = Rng(0xD1B5_4A32_D192_ED03);
         let variants = gemm8_variants();
         let dtype = DType::Q5_0;
@@ -1095,7 +1163,7 @@ pub(crate) mod tests {
                 let alone = check_alone_in_any_column(&acts, rows, done, &what, |a, out| {
                     f(dtype, &packed, row_bytes, a, out, true)
                 });
-                let (mut worst_bound, mut worst_row) = (0f64, 0f64);
+                let mut worst_bound = 0f64;
                 for (c, xc) in x.chunks_exact(cols).enumerate() {
                     for (i, wr) in w.chunks_exact(row_bytes).take(done).enumerate() {
                         let (reference, bound, magnitude) = bound_of(dtype, wr, xc);
@@ -1104,17 +1172,19 @@ pub(crate) mod tests {
                             (got - reference).abs() <= bound,
                             "{what} row {i} act {c}: {got} reference {reference} bound {bound}"
                         );
-                        let one_row = super::super::kquants::dot(dtype, wr, acts[c]) as f64;
-                        assert!(
-                            (got - one_row).abs() <= 1e-5 * magnitude,
+                        let one_row = super::super::kquants::dot(dtype, wr, acts[c]);
+                        assert_eq!(
+                            alone[c][i].to_bits(),
+                            one_row.to_bits(),
                             "{what} row {i} act {c}: {got} one-row kernel {one_row}"
                         );
+                        let one_row = one_row as f64;
+                        assert!((got - one_row).abs() <= 1e-5 * magnitude);
                         worst_bound = worst_bound.max((got - reference).abs() / bound);
-                        worst_row = worst_row.max((got - one_row).abs() / magnitude);
                     }
                 }
                 println!(
-                    "{what}: worst |dot − reference| {:.0} % of the 8-bit bound, |packed − kquants::dot| {worst_row:.1e} of Σ|w·x|",
+                    "{what}: worst |dot − reference| {:.0} % of the 8-bit bound; = kquants::dot bit for bit",
                     worst_bound * 100.0
                 );
             }

@@ -689,12 +689,17 @@ pub(crate) mod avx2 {
                     let qh = u32::from_le_bytes(blk[qs - 4..qs].try_into().unwrap());
                     let high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(16));
                     let lv = _mm256_or_si256(nibbles_split(&blk[qs..qs + 16]), high);
-                    acc = step(acc, lv, qx(b), ones, d * x.d[b]);
-                    offsets += if dtype == DType::Q5_0 {
-                        -16.0 * d * s32(b)
+                    if dtype == DType::Q5_0 {
+                        // The levels less their 16 as signed bytes, so that the integer sum is
+                        // the block's whole product: adding `−16·d·Σx` in f32 afterwards
+                        // cancelled two sums ~16× the result, and on Gemma 3 270M that
+                        // rounding moved logits by tenths (as llama.cpp's kernel, no offset).
+                        let signed = _mm256_sub_epi8(lv, _mm256_set1_epi8(16));
+                        acc = step_signed(acc, signed, qx(b), ones, d * x.d[b]);
                     } else {
-                        f16_at(blk, 2) * s32(b)
-                    };
+                        acc = step(acc, lv, qx(b), ones, d * x.d[b]);
+                        offsets += f16_at(blk, 2) * s32(b);
+                    }
                 }
             }
             DType::Iq4Nl => {
@@ -776,6 +781,10 @@ pub(crate) mod avx2 {
                 }
             }
             other => unreachable!("{other} is not handled here"),
+        }
+        if dtype == DType::Q5_0 {
+            // Exactly the lanes' sum, as `int8`'s eight-row q5_0 kernel gives it.
+            return hsum(acc);
         }
         hsum(acc) + offsets
     }
