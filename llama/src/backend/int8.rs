@@ -624,6 +624,15 @@ macro_rules! x86_kernels {
                 }
             }
 
+            /// Activation bytes `4k..4k+4` of a block's 32 `q`, in every lane (the four values
+            /// word `k` of a `Block8` meets in each row).
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn word_lanes(q: &[i8], k: usize) -> __m256i {
+                let word = [q[4 * k], q[4 * k + 1], q[4 * k + 2], q[4 * k + 3]];
+                _mm256_set1_epi32(i32::from_le_bytes(word.map(|b| b as u8)))
+            }
+
             /// `acc + Σ` of block `b` of eight rows with one activation row, per row (lane), for
             /// levels of the kind `L` ([`OFFSET_F32`] or [`SIGNED`]; [`WORDS`] is `tile_words`).
             #[target_feature(enable = $features)]
@@ -632,13 +641,7 @@ macro_rules! x86_kernels {
                 let q = &x.q[32 * b..32 * b + 32];
                 let mut isum = _mm256_setzero_si256();
                 for (k, v) in blk.v.iter().enumerate() {
-                    let word = i32::from_le_bytes([
-                        q[4 * k] as u8,
-                        q[4 * k + 1] as u8,
-                        q[4 * k + 2] as u8,
-                        q[4 * k + 3] as u8,
-                    ]);
-                    let qk = _mm256_set1_epi32(word);
+                    let qk = word_lanes(q, k);
                     isum = if L == SIGNED {
                         mul_sum_add(isum, _mm256_sign_epi8(*v, *v), _mm256_sign_epi8(qk, *v))
                     } else {
@@ -706,13 +709,7 @@ macro_rules! x86_kernels {
                         let q = &x.q[32 * b..32 * b + 32];
                         let f = _mm256_mul_ps(blk.d, _mm256_set1_ps(x.d[b]));
                         for (k, (acc, v)) in acc.iter_mut().zip(&blk.v).enumerate() {
-                            let word = i32::from_le_bytes([
-                                q[4 * k] as u8,
-                                q[4 * k + 1] as u8,
-                                q[4 * k + 2] as u8,
-                                q[4 * k + 3] as u8,
-                            ]);
-                            let qk = _mm256_set1_epi32(word);
+                            let qk = word_lanes(q, k);
                             let p = mul_sum(_mm256_sign_epi8(*v, *v), _mm256_sign_epi8(qk, *v));
                             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, *acc);
                         }
