@@ -55,9 +55,10 @@ pub(crate) fn dot_rows(
 
 /// Whether [`repack8`] and [`gemm8_packed`] take `dtype`: those of [`handles`] and q5_0, whose
 /// 5-bit levels come out of the interleaved layout as q4_0's nibbles plus one bit each (the
-/// layout keeps that bit where one shift and a mask put it in place), with `−16·d` as q4_0's
-/// `−8·d`. q5_0 has no stored-layout [`gemm8`] and no [`dot_rows`]: its rows left over take
-/// `kquants::dot`.
+/// layout keeps that bit where one shift and a mask put it in place), less 16 as signed bytes
+/// and summed in the one-row kernel's order (see `tile_words`). q5_0 has no stored-layout
+/// [`gemm8`] and no [`dot_rows`]: its rows left over take `kquants::dot`, which gives the same
+/// bits.
 pub(crate) fn packs8(dtype: DType) -> bool {
     handles(dtype) || dtype == DType::Q5_0
 }
@@ -65,16 +66,7 @@ pub(crate) fn packs8(dtype: DType) -> bool {
 /// Whether [`gemm8`] computes any rows on this CPU (else it returns 0 and the rows go through
 /// [`dot_rows`]).
 pub(crate) fn has_gemm8() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    super::kquants::has_avx2()
 }
 
 /// Where [`gemm8`] writes: the product of weight row `i` with activation row `c` goes to

@@ -674,12 +674,11 @@ fn matmul_rows_impl<const FMA: bool>(
         narrow.clear();
     }
     // Rows that must round as single rows (the decode rows of a batch) go four at a time
-    // through one widening of each quantized block.
-    let grouped = matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1);
-    // The super-block k-quants likewise, on their 8-bit copies (`kquants::dot4`): the scales
-    // and levels unpacked once for four rows. Each row alone made a Gemma 3 270M Q4_K_M
+    // through one widening of each quantized block; the super-block k-quants likewise, on their
+    // 8-bit copies (`kquants::dot4`), the scales and levels unpacked once for four rows. Each row alone made a Gemma 3 270M Q4_K_M
     // prompt's q4_k/q6_k matrices the slowest part of it on an AVX2 machine.
-    let grouped_k = kquants::rows4_handles(dtype);
+    let grouped =
+        matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) || kquants::rows4_handles(dtype);
     let blocks = cols / QK;
     let xr = |r: usize| &x[r * cols..(r + 1) * cols];
     let xs = |r: usize| -> &[f32] {
@@ -728,22 +727,15 @@ fn matmul_rows_impl<const FMA: bool>(
                 let got = match dtype {
                     DType::Q8_0 => dot_q8_0_rows::<FMA, 4>(row, rows.map(xr)),
                     DType::Q4_0 => dot_q4_rows::<FMA, false, 4>(row, rows.map(xr), rows.map(xs)),
-                    _ => dot_q4_rows::<FMA, true, 4>(row, rows.map(xr), rows.map(xs)),
+                    DType::Q4_1 => dot_q4_rows::<FMA, true, 4>(row, rows.map(xr), rows.map(xs)),
+                    _ => kquants::dot4(dtype, row, rows.map(|r| xq.row(dtype, r))),
                 };
                 for (r, v) in rows.into_iter().zip(got) {
                     out[r] = v;
                 }
             }
-        } else if grouped_k {
-            for c in &mut fours {
-                let rows = [c[0], c[1], c[2], c[3]];
-                let got = kquants::dot4(dtype, row, rows.map(|r| xq.row(dtype, r)));
-                for (r, v) in rows.into_iter().zip(got) {
-                    out[r] = v;
-                }
-            }
         }
-        let rest = if grouped || grouped_k {
+        let rest = if grouped {
             fours.remainder()
         } else {
             &narrow[..]

@@ -195,20 +195,25 @@ pub(crate) fn dot(dtype: DType, row: &[u8], x: ActRow<'_>) -> f32 {
     }
 }
 
-/// Whether [`dot4`] takes `dtype` on this CPU (AVX2 and FMA): the super-block dtypes whose
-/// unpacking (6-bit scales, levels) [`dot`] would repeat for each activation row of a prompt.
-pub(crate) fn rows4_handles(dtype: DType) -> bool {
+/// Whether this CPU runs the AVX2 kernels (AVX2, FMA and F16C: the target their multiversioned
+/// entry points dispatch on), here and in `int8`.
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K)
-            && std::arch::is_x86_feature_detected!("avx2")
+        std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = dtype;
         false
     }
+}
+
+/// Whether [`dot4`] takes `dtype` on this CPU: the super-block dtypes whose unpacking (6-bit
+/// scales, levels) [`dot`] would repeat for each activation row of a prompt.
+pub(crate) fn rows4_handles(dtype: DType) -> bool {
+    matches!(dtype, DType::Q4K | DType::Q5K | DType::Q6K) && has_avx2()
 }
 
 /// `row` dotted with four quantized activation rows: bit for bit [`dot`] of each (the weights'
